@@ -1,0 +1,38 @@
+# Two commands set up a fresh machine and do the work: `make demo` and `make test`.
+# The virtual environment lives in .venv and is (re)built only when the pinned requirements change.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+OUT    ?= demo_out
+PYTEST_ARGS ?=
+
+.PHONY: env demo test lint bench clean
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt requirements/mindformers-deps.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch 2.13.0 CPU build and mindspore 2.10.0 (needs numpy<2) share one environment.
+	$(PIP) install -q -c requirements/constraints.txt torch==2.13.0 mindspore==2.10.0 "numpy<2"
+	# megatron-core and mindformers pin things this machine cannot have: install them bare ...
+	$(PIP) install -q --no-deps megatron-core==0.16.1 mindformers==2.1.0
+	# ... then what they really need, under the same constraints.
+	$(PIP) install -q -c requirements/constraints.txt packaging -r requirements/mindformers-deps.txt
+	$(PIP) install -q -c requirements/constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m align demo --out $(OUT)
+
+test: $(STAMP)
+	$(PY) -m ruff check align dumpers comparators reports tests benchmarks
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_logs.py
+
+clean:
+	rm -rf $(VENV) $(OUT)

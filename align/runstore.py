@@ -1,0 +1,442 @@
+"""The run store: one on-disk format for every source (live dumpers, logs, TensorBoard).
+
+Layout of a run directory::
+
+    RUN/meta.json                          run-level metadata (framework, versions, config, parallel, ...)
+    RUN/ranks/rank_00000.json              per-rank facts (tp/pp/dp coordinates, host, pid)
+    RUN/scalars/rank_00000.jsonl           one JSON object per line: {"step": N, "loss": ..., ...}
+    RUN/steps/step_00000001/rank_00000.h5  arrays of one step on one rank (batch, local norms, tensors)
+    RUN/step_1/rank_0/tokens.npy           optional seed layout that MindFormers replays
+
+Why these choices: a JSON line appended and flushed per step costs microseconds and survives a kill
+(at most the last line is torn, and the reader says so); one HDF5 file per step and rank means ranks
+never share a file; every file appears under its final name only once complete (temporary name, then
+``os.replace``), so a run killed mid-step leaves every completed step readable and a ``.tmp`` file that
+names the incomplete one. Nothing is pickled: HDF5, JSON and ``.npy`` read with ``allow_pickle=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pandas as pd
+
+from align.errors import BadInput
+
+SCHEMA = "xf-align-run/1"
+META = "meta.json"
+STEP_DIR = "steps"
+SCALAR_DIR = "scalars"
+RANK_DIR = "ranks"
+SEED_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask")
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_RANK_H5_RE = re.compile(r"^rank_(\d+)\.h5$")
+_RANK_TMP_RE = re.compile(r"^rank_(\d+)\.h5\.tmp")
+_SEED_RANK_RE = re.compile(r"^rank_(\d+)$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / STEP_DIR / f"step_{step:08d}"
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` so that ``path`` either holds all of it or does not change."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=2, default=_json_default, sort_keys=True).encode())
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RunWriter:
+    """Writes one rank's share of a run store. Each rank creates its own writer on the same root."""
+
+    def __init__(self, root: str | os.PathLike, *, rank: int = 0, meta: Mapping[str, Any] | None = None,
+                 rank_info: Mapping[str, Any] | None = None) -> None:
+        self.root = Path(root)
+        self.rank = int(rank)
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / SCALAR_DIR).mkdir(exist_ok=True)
+        if meta is not None and self.rank == 0:
+            self.update_meta(meta)
+        info = {"rank": self.rank, "pid": os.getpid()}
+        info.update(rank_info or {})
+        atomic_write_json(self.root / RANK_DIR / f"rank_{self.rank:05d}.json", info)
+        self._scalars = open(self.root / SCALAR_DIR / f"rank_{self.rank:05d}.jsonl", "a", encoding="utf-8")
+        self._open_step: int | None = None
+        self._h5: h5py.File | None = None
+        self._tmp: Path | None = None
+        self._counter: dict[str, int] = {}
+
+    # -- metadata -------------------------------------------------------------------------------------
+    def update_meta(self, values: Mapping[str, Any]) -> None:
+        """Merge ``values`` into meta.json (rank 0 owns the file; other ranks write rank info instead)."""
+        path = self.root / META
+        meta = json.loads(path.read_text()) if path.exists() else {"schema": SCHEMA}
+        meta.update(values)
+        meta["schema"] = SCHEMA
+        atomic_write_json(path, meta)
+
+    # -- scalars --------------------------------------------------------------------------------------
+    def log_scalars(self, step: int, values: Mapping[str, float | int | str | None]) -> None:
+        """Append one step's scalars; flushed at once so a killed run keeps every logged step."""
+        record = {"step": int(step)}
+        for key, value in values.items():
+            record[key] = value.item() if isinstance(value, np.generic) else value
+        self._scalars.write(json.dumps(record, default=_json_default) + "\n")
+        self._scalars.flush()
+
+    def log_scalar_table(self, table: pd.DataFrame) -> None:
+        """Append many steps at once (importers). ``table`` has a ``step`` column."""
+        cols = list(table.columns)
+        arrays = [table[c].to_numpy() for c in cols]
+        lines = []
+        for row in zip(*arrays, strict=True):
+            rec = {}
+            for c, v in zip(cols, row, strict=True):
+                if isinstance(v, float) and math.isnan(v) and c != "step":
+                    # NaN values that only mean "absent" are dropped; real NaNs live in explicit columns.
+                    continue
+                rec[c] = v.item() if isinstance(v, np.generic) else v
+            lines.append(json.dumps(rec, default=_json_default))
+        self._scalars.write("\n".join(lines) + ("\n" if lines else ""))
+        self._scalars.flush()
+
+    # -- per-step arrays ------------------------------------------------------------------------------
+    def _file_for(self, step: int) -> h5py.File:
+        if self._open_step is not None and self._open_step != step:
+            self.finish_step()
+        if self._h5 is None:
+            d = step_dir(self.root, step)
+            d.mkdir(parents=True, exist_ok=True)
+            self._tmp = d / f"rank_{self.rank:05d}.h5.tmp"
+            self._h5 = h5py.File(self._tmp, "w")
+            self._h5.attrs["step"] = int(step)
+            self._h5.attrs["rank"] = self.rank
+            self._open_step = int(step)
+            self._counter = {}
+        return self._h5
+
+    def put_array(self, step: int, key: str, array: Any, attrs: Mapping[str, Any] | None = None) -> None:
+        """Store one array under ``key`` (slashes make groups) in this step's file."""
+        h5 = self._file_for(step)
+        arr = np.asarray(array)
+        if arr.dtype == object:
+            raise TypeError(f"{key}: object arrays are not stored (no pickle)")
+        if arr.dtype.kind == "U":
+            arr = arr.astype(h5py.string_dtype())
+        if key in h5:
+            del h5[key]
+        ds = h5.create_dataset(key, data=arr)
+        for k, v in (attrs or {}).items():
+            ds.attrs[k] = v
+        return None
+
+    def put_table(self, step: int, group: str, columns: Mapping[str, Any],
+                  attrs: Mapping[str, Any] | None = None) -> None:
+        """Store equal-length columns under ``group`` (e.g. named local norms, tensor statistics)."""
+        lengths = {k: len(v) for k, v in columns.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"{group}: columns differ in length: {lengths}")
+        for name, col in columns.items():
+            values = list(col) if not isinstance(col, np.ndarray) else col
+            if not isinstance(values, np.ndarray) and values and isinstance(values[0], str):
+                arr = np.array(values, dtype=h5py.string_dtype())
+            else:
+                arr = np.asarray(values)
+            self.put_array(step, f"{group}/{name}", arr)
+        if attrs:
+            g = self._file_for(step)[group]
+            for k, v in attrs.items():
+                g.attrs[k] = v
+
+    def next_index(self, step: int, counter: str) -> int:
+        """A per-step counter, so tensors keep execution order across calls."""
+        self._file_for(step)
+        n = self._counter.get(counter, 0)
+        self._counter[counter] = n + 1
+        return n
+
+    def finish_step(self) -> None:
+        """Close the open step file and give it its final name."""
+        if self._h5 is None:
+            return
+        self._h5.close()
+        assert self._tmp is not None
+        os.replace(self._tmp, self._tmp.with_suffix(""))
+        self._h5, self._tmp, self._open_step = None, None, None
+
+    def write_seed_batch(self, step: int, batch: Mapping[str, Any]) -> None:
+        """Write ``step_N/rank_R/<name>.npy``: the layout MindFormers users replay."""
+        d = self.root / f"step_{int(step)}" / f"rank_{self.rank}"
+        for name, arr in batch.items():
+            _save_npy_atomic(d / f"{name}.npy", np.asarray(arr))
+
+    def close(self) -> None:
+        self.finish_step()
+        if not self._scalars.closed:
+            self._scalars.close()
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Incomplete:
+    step: int | None
+    rank: int
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "scalars"
+        return f"{where}, rank {self.rank}: {self.reason}"
+
+
+@dataclass
+class StepArrays:
+    """The arrays of one step on one rank, read fully into memory (they are small: stats, norms, batch)."""
+
+    step: int
+    rank: int
+    data: dict[str, np.ndarray] = field(default_factory=dict)
+    attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def table(self, group: str) -> pd.DataFrame | None:
+        cols = {k.split("/", 1)[1]: v for k, v in self.data.items()
+                if k.startswith(group + "/") and "/" not in k[len(group) + 1:]}
+        return pd.DataFrame(cols) if cols else None
+
+
+def _decode(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype.kind in ("O", "S"):
+        return np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr.ravel()],
+                        dtype=object).reshape(arr.shape)
+    return arr
+
+
+def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
+    data: dict[str, np.ndarray] = {}
+    attrs: dict[str, dict[str, Any]] = {}
+    try:
+        with h5py.File(path, "r") as h5:
+            def visit(name: str, obj: Any) -> None:
+                if isinstance(obj, h5py.Dataset):
+                    data[name] = _decode(obj[()] if obj.shape == () else obj[...])
+                if obj.attrs:
+                    attrs[name] = {k: obj.attrs[k] for k in obj.attrs}
+            h5.visititems(visit)
+            attrs[""] = {k: h5.attrs[k] for k in h5.attrs}
+    except (OSError, KeyError, ValueError) as exc:
+        raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+    return data, attrs
+
+
+def _parse_jsonl(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """Parse a scalar file; a torn last line (a killed writer) is reported, not fatal."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    torn = None
+    if lines and lines[-1] == "":
+        lines.pop()
+    elif lines:
+        torn = lines.pop()
+    try:
+        records = json.loads("[" + ",".join(lines) + "]") if lines else []
+    except json.JSONDecodeError:
+        records = []
+        for i, line in enumerate(lines, 1):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise BadInput(f"{path}:{i}: garbled scalar line: {line[:80]!r}") from None
+    if torn is not None:
+        try:
+            records.append(json.loads(torn))
+            torn = None
+        except json.JSONDecodeError:
+            pass
+    return records, torn
+
+
+class RunReader:
+    """Reads a run store; never fails on a run that was killed, it lists what is incomplete instead."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        meta_path = self.root / META
+        if not meta_path.is_file() and not (self.root / SCALAR_DIR).is_dir():
+            raise BadInput(f"{self.root}: not a run store (no {META} or {SCALAR_DIR}/)")
+        try:
+            self.meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadInput(f"{meta_path}: garbled JSON ({exc.__class__.__name__})") from None
+        self.incomplete: list[Incomplete] = []
+        self._step_files: dict[int, dict[int, Path]] = {}
+        self._scan_steps()
+
+    # -- structure ------------------------------------------------------------------------------------
+    def _scan_steps(self) -> None:
+        base = self.root / STEP_DIR
+        if not base.is_dir():
+            return
+        for d in sorted(base.iterdir()):
+            m = _STEP_RE.match(d.name)
+            if not m or not d.is_dir():
+                continue
+            step = int(m.group(1))
+            for f in d.iterdir():
+                if mm := _RANK_H5_RE.match(f.name):
+                    self._step_files.setdefault(step, {})[int(mm.group(1))] = f
+                elif mm := _RANK_TMP_RE.match(f.name):
+                    self.incomplete.append(Incomplete(step, int(mm.group(1)),
+                                                      "step file never finished (run stopped mid-step)"))
+
+    @property
+    def ranks(self) -> list[int]:
+        found = set()
+        for f in (self.root / SCALAR_DIR).glob("rank_*.jsonl"):
+            found.add(int(f.stem.split("_")[1]))
+        for per_rank in self._step_files.values():
+            found.update(per_rank)
+        return sorted(found)
+
+    def rank_info(self, rank: int) -> dict[str, Any]:
+        p = self.root / RANK_DIR / f"rank_{rank:05d}.json"
+        return json.loads(p.read_text()) if p.is_file() else {"rank": rank}
+
+    def array_steps(self, rank: int | None = None) -> list[int]:
+        """Steps whose array file is complete (for ``rank``, or for at least one rank)."""
+        return sorted(s for s, per in self._step_files.items() if rank is None or rank in per)
+
+    def array_ranks(self, step: int) -> list[int]:
+        return sorted(self._step_files.get(step, {}))
+
+    # -- content --------------------------------------------------------------------------------------
+    def scalars(self, rank: int | None = None) -> pd.DataFrame:
+        """Per-step scalars; with ``rank=None`` every rank's rows, with a ``rank`` column."""
+        frames = []
+        ranks = [rank] if rank is not None else self.ranks
+        for r in ranks:
+            path = self.root / SCALAR_DIR / f"rank_{r:05d}.jsonl"
+            if not path.is_file():
+                continue
+            records, torn = _parse_jsonl(path)
+            if torn is not None:
+                last = records[-1]["step"] if records else None
+                nxt = last + 1 if isinstance(last, int) else None
+                self.incomplete.append(Incomplete(nxt, r, "scalar line torn (run stopped while writing)"))
+            if records:
+                df = pd.DataFrame.from_records(records)
+                df["rank"] = r
+                frames.append(df)
+        if not frames:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "rank": pd.Series(dtype="int64")})
+        return pd.concat(frames, ignore_index=True)
+
+    def step_arrays(self, step: int, rank: int = 0) -> StepArrays:
+        path = self._step_files.get(step, {}).get(rank)
+        if path is None:
+            raise BadInput(f"{self.root}: no complete array file for step {step}, rank {rank}")
+        data, attrs = read_h5(path)
+        return StepArrays(step, rank, data, attrs)
+
+    def iter_step_arrays(self, rank: int | None = None) -> Iterator[StepArrays]:
+        for step in self.array_steps(rank):
+            for r in ([rank] if rank is not None else self.array_ranks(step)):
+                yield self.step_arrays(step, r)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Seed layout: step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy
+# ------------------------------------------------------------------------------------------------------
+
+def load_npy(path: Path) -> np.ndarray:
+    """np.load without pickle; a one-line BadInput for anything that is not a plain .npy array."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        if "pickle" in str(exc).lower():
+            raise BadInput(f"{path}: holds pickled objects; refusing to load (no pickle)") from None
+        raise BadInput(f"{path}: not a valid .npy array ({exc})") from None
+    except (OSError, EOFError) as exc:
+        raise BadInput(f"{path}: unreadable or truncated .npy ({exc})") from None
+
+
+def seed_steps(root: Path) -> dict[int, dict[int, Path]]:
+    """Map step -> rank -> folder for the seed layout under ``root``."""
+    out: dict[int, dict[int, Path]] = {}
+    for d in Path(root).iterdir():
+        m = _STEP_RE.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        for r in d.iterdir():
+            mm = _SEED_RANK_RE.match(r.name)
+            if mm and r.is_dir():
+                out.setdefault(int(m.group(1)), {})[int(mm.group(1))] = r
+    return out
+
+
+def read_seed_batch(root: Path, step: int, rank: int = 0,
+                    keys: Iterable[str] = SEED_BATCH_KEYS) -> dict[str, np.ndarray]:
+    folder = Path(root) / f"step_{step}" / f"rank_{rank}"
+    if not folder.parent.is_dir():
+        raise BadInput(f"{folder.parent}: step {step} missing from the batch dump")
+    if not folder.is_dir():
+        raise BadInput(f"{folder}: rank {rank} missing from step {step}")
+    out = {}
+    for key in keys:
+        path = folder / f"{key}.npy"
+        if not path.is_file():
+            raise BadInput(f"{path}: missing")
+        out[key] = load_npy(path)
+    return out
