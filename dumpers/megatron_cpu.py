@@ -1,0 +1,350 @@
+"""Run a real Megatron-core GPTModel on CPU with gloo (1 process, or several under torchrun).
+
+Why: the toolkit's tests, its end-to-end demo and the weight-conversion tests need a genuine Megatron-core
+baseline on a machine without a GPU. Megatron-core assumes CUDA in a few places (its RNG tracker, the global
+scratch buffer, RoPE's ``torch.cuda.current_device()``, ``device='cuda'`` literals in its optimizer and
+DDP). This module bridges exactly those places and nothing else, so the model's own code runs unchanged:
+
+* ``torch.cuda.current_device`` is redirected to the CPU device (process-wide, on ``init_megatron_cpu``);
+* ``parallel_state``'s global memory buffer is replaced by one that allocates on CPU;
+* the RNG tracker is Megatron's inference tracker (``inference_rng_tracker=True``; its ``fork`` is a no-op);
+* ``cpu_device_redirect()`` rewrites ``device='cuda'`` literals to CPU for the span where Megatron's
+  optimizer runs (``MegatronOptimizerCPU`` wraps ``step`` in it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA -> CPU bridges
+# ---------------------------------------------------------------------------------------------------------
+
+def _cpu_current_device() -> torch.device:
+    return _CPU
+
+
+def redirect_current_device() -> None:
+    """Make ``torch.cuda.current_device()`` answer the CPU device (idempotent; no-op when CUDA exists)."""
+    if torch.cuda.is_available():
+        return
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+
+
+def _is_cuda(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites ``device='cuda'`` (and ``.cuda()``) to CPU for the torch calls made inside it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron asserts grads are 'torch.cuda.FloatTensor'; answer as if CPU were the device.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not args[0].is_cuda else name
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_device_redirect() -> Iterator[None]:
+    """Run Megatron code that hard-codes ``device='cuda'`` on CPU (no-op when CUDA exists)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with _CpuDeviceMode():
+        yield
+
+
+def _install_cpu_memory_buffer() -> None:
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class CpuMemoryBuffer(GlobalMemoryBuffer):
+        """Megatron's scratch buffer (used by attention), allocated on CPU."""
+
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ANN001
+            required = int(np.prod(tensor_shape)) if len(tensor_shape) else 1
+            buf = self.buffer.get((name, dtype))
+            if buf is None or buf.numel() < required:
+                buf = torch.empty(required, dtype=dtype, device=_CPU, requires_grad=False)
+                self.buffer[(name, dtype)] = buf
+            return buf[0:required].view(*tensor_shape)
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Process group and parallel state
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class ParallelInfo:
+    """Where this process sits: global rank and its tp/pp/dp coordinates."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | None = None) -> ParallelInfo:
+    """Initialise gloo, Megatron's parallel state, its RNG tracker and CPU bridges for this process.
+
+    Under torchrun the rendezvous comes from the environment; a lone process makes a one-rank group.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    redirect_current_device()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(port or _free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 pipeline_model_parallel_size=pp)
+    _install_cpu_memory_buffer()
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    return parallel_info()
+
+
+def parallel_info() -> ParallelInfo:
+    """This process's coordinates, read from ``parallel_state``."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                        tp=ps.get_tensor_model_parallel_world_size(),
+                        pp=ps.get_pipeline_model_parallel_world_size(),
+                        dp=ps.get_data_parallel_world_size(),
+                        tp_rank=ps.get_tensor_model_parallel_rank(),
+                        pp_rank=ps.get_pipeline_model_parallel_rank(),
+                        dp_rank=ps.get_data_parallel_rank())
+
+
+def destroy_megatron_cpu() -> None:
+    """Tear down parallel state and the process group (so a test can start again)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class TinyLlamaConfig:
+    """A Llama-shaped GPT: RMSNorm, SwiGLU (gated fc1), RoPE, GQA, no bias, untied embeddings."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    params_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234) -> torch.nn.Module:
+    """Build a Megatron-core GPTModel (local spec) on CPU. Call after ``init_megatron_cpu``.
+
+    CPU initialisation draws the full weight from torch's default generator and splits it per TP rank, so
+    seeding it here gives every TP layout the same model.
+    """
+    torch.manual_seed(seed)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = cfg or TinyLlamaConfig()
+    dtype = getattr(torch, cfg.params_dtype)
+    tcfg = TransformerConfig(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        tensor_model_parallel_size=_tp_size(), pipeline_dtype=dtype, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, **cfg.extra)
+    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     parallel_output=True)
+    return model
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data and training step
+# ---------------------------------------------------------------------------------------------------------
+
+def synthetic_batch(step: int, cfg: TinyLlamaConfig, *, seed: int = 1234, dp_rank: int = 0,
+                    masked_every: int = 7) -> dict[str, torch.Tensor]:
+    """Deterministic Megatron-style batch for ``step`` on ``dp_rank``: already shifted tokens/labels.
+
+    ``attention_mask`` is Megatron's boolean causal mask (True = masked), shape [b, 1, s, s].
+    """
+    rng = np.random.default_rng([seed, step, dp_rank])
+    b, s = cfg.micro_batch_size, cfg.seq_length
+    ids = rng.integers(0, cfg.vocab_size, size=(b, s + 1), dtype=np.int64)
+    tokens = torch.from_numpy(ids[:, :-1].copy())
+    labels = torch.from_numpy(ids[:, 1:].copy())
+    loss_mask = torch.ones(b, s, dtype=torch.float32)
+    if masked_every:
+        loss_mask[:, ::masked_every] = 0.0
+    attention_mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).expand(b, 1, s, s).clone()
+    position_ids = torch.arange(s, dtype=torch.int64).unsqueeze(0).expand(b, s).clone()
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+            "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def forward_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Megatron's loss with a loss mask: sum(ce * mask) / sum(mask)."""
+    per_token = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                      attention_mask=batch["attention_mask"], labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (per_token.float() * mask).sum() / mask.sum()
+
+
+def allreduce_grads_dp(model: torch.nn.Module) -> None:
+    """Average ``.grad`` across the data-parallel group (for plain torch optimizers under DP > 1)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(n)
+
+
+def train_step(model: torch.nn.Module, optimizer: Any, batch: Mapping[str, torch.Tensor]) -> tuple[float,
+                                                                                                    Any]:
+    """One step: forward, backward, gradient sync, optimizer step. Returns (loss, optimizer's grad norm).
+
+    Works for a plain ``torch.optim`` optimizer on a bare GPTModel, and for ``MegatronOptimizerCPU`` on a
+    model wrapped in Megatron's DDP (``wrap_ddp``).
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    ddp = isinstance(model, DistributedDataParallel)
+    if ddp:
+        model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = forward_loss(model, batch)
+    loss.backward()
+    grad_norm = None
+    if ddp:
+        with cpu_device_redirect():
+            model.finish_grad_sync()
+    else:
+        allreduce_grads_dp(model)
+    result = optimizer.step()
+    if isinstance(result, tuple):
+        _, grad_norm, _ = result
+    return float(loss.detach()), grad_norm
+
+
+def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap in Megatron's DistributedDataParallel (main_grad buffers; names gain a ``module.`` prefix)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+    with cpu_device_redirect():
+        return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+
+
+class MegatronOptimizerCPU:
+    """Megatron's own optimizer (from ``get_megatron_optimizer``) whose ``step`` runs under the CPU redirect."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def step(self) -> Any:
+        with cpu_device_redirect():
+            return self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def make_megatron_optimizer(model: torch.nn.Module, lr: float = 1e-3, clip_grad: float = 1.0,
+                            optimizer: str = "adam") -> MegatronOptimizerCPU:
+    """Megatron's optimizer for a DDP-wrapped model (FP32Optimizer here; Float16 with bf16 params)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=clip_grad, weight_decay=0.0,
+                          bf16=model.config.bf16, fp16=model.config.fp16,
+                          params_dtype=model.config.params_dtype, use_distributed_optimizer=False)
+    with cpu_device_redirect():
+        inner = get_megatron_optimizer(cfg, [model])
+    return MegatronOptimizerCPU(inner)
+
+
+def torch_optimizer(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """A plain torch optimizer (deterministic on CPU: foreach off keeps the update order fixed)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, foreach=False)
