@@ -1,0 +1,176 @@
+"""Mapping engine: names both ways, fused layouts, unmapped names reported, CLI show/check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from align import mapping as mp
+from align.errors import BadInput
+from align.mapping import Mapping, TransformParams
+
+L = 2
+
+
+def megatron_names(te: bool = False, ddp: bool = False) -> list[str]:
+    names = ["embedding.word_embeddings.weight"]
+    for i in range(L):
+        p = f"decoder.layers.{i}."
+        if te:
+            names += [p + "self_attention.linear_qkv.layer_norm_weight",
+                      p + "mlp.linear_fc1.layer_norm_weight"]
+        else:
+            names += [p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"]
+        names += [p + "self_attention.linear_qkv.weight", p + "self_attention.linear_proj.weight",
+                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    names += ["decoder.final_layernorm.weight", "output_layer.weight"]
+    return ["module." + n for n in names] if ddp else names
+
+
+def mindformers_names() -> list[str]:
+    names = ["model.tok_embeddings.embedding_weight"]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        names += [p + "attention_norm.weight", p + "ffn_norm.weight"]
+        names += [p + f"attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")]
+        names += [p + f"feed_forward.{w}.weight" for w in ("w1", "w2", "w3")]
+    return names + ["model.norm_out.weight", "lm_head.weight"]
+
+
+@pytest.fixture(scope="module")
+def m() -> Mapping:
+    return Mapping.load("megatron_core_llama__mindformers_llama")
+
+
+@pytest.mark.parametrize("te", [False, True])
+@pytest.mark.parametrize("ddp", [False, True])
+def test_every_name_paired_both_schemes_and_prefixes(m: Mapping, te: bool, ddp: bool) -> None:
+    res = m.check(megatron_names(te, ddp), mindformers_names())
+    assert res.verdict == "pass", [f.message for f in res.findings]
+    assert res.details["pairs"] == 1 + 6 * L + 2
+
+
+def test_names_both_directions(m: Mapping) -> None:
+    assert m.map_name("module.decoder.layers.7.self_attention.linear_qkv.weight") == [
+        f"model.layers.7.attention.{w}.weight" for w in ("wq", "wk", "wv")]
+    assert m.map_name("decoder.layers.1.mlp.linear_fc1.layer_norm_weight") == [
+        "model.layers.1.ffn_norm.weight"]
+    assert m.map_name("model.layers.3.feed_forward.w3.weight", "candidate") == [
+        "decoder.layers.3.mlp.linear_fc1.weight"]
+    assert m.map_name("model.layers.3.attention_norm.weight", "candidate") == [
+        "decoder.layers.3.input_layernorm.weight"]
+    assert m.map_module("module.decoder.layers.4.self_attention.linear_proj") == "model.layers.4.attention.wo"
+    assert m.map_module("model.layers.4.feed_forward", "candidate") == "decoder.layers.4.mlp"
+    assert m.map_name("decoder.layers.0.self_attention.unknown.weight") == []
+
+
+def test_unmapped_names_reported_on_both_sides(m: Mapping) -> None:
+    b = megatron_names() + ["decoder.layers.0.self_attention.q_layernorm.weight",
+                            "decoder.layers.0.self_attention.linear_qkv._extra_state"]
+    c = [n for n in mindformers_names() if n != "model.layers.1.attention.wv.weight"] + ["model.extra.bias"]
+    res = m.check(b, c)
+    assert res.verdict == "fail"
+    by_metric = {(f.metric, f.component) for f in res.findings}
+    assert ("unmapped", "decoder.layers.0.self_attention.q_layernorm.weight") in by_metric
+    assert ("unmapped", "model.extra.bias") in by_metric
+    assert ("missing_counterpart", "decoder.layers.1.self_attention.linear_qkv.weight") in by_metric
+    # _extra_state is a buffer: listed as ignored, not a failure, not dropped
+    assert res.details["ignored_baseline"] == ["decoder.layers.0.self_attention.linear_qkv._extra_state"]
+    assert len(res.findings) == 3
+
+
+@pytest.mark.parametrize("nh,ng", [(8, 8), (8, 2), (4, 1)])
+def test_split_qkv_matches_mindformers_reference(nh: int, ng: int) -> None:
+    """MindFormers' own converter (qkv_concat_hf2mg) builds Megatron's interleaved QKV from [q; k; v]:
+    our split must undo it exactly, for MHA and GQA."""
+    convert_utils = pytest.importorskip("mindformers.utils.convert_utils")
+    hn, hidden = 4, nh * 4
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((nh * hn, hidden)).astype(np.float32)
+    k = rng.standard_normal((ng * hn, hidden)).astype(np.float32)
+    v = rng.standard_normal((ng * hn, hidden)).astype(np.float32)
+    fused = convert_utils.qkv_concat_hf2mg(np.concatenate([q, k, v]), nh, ng, hidden)
+    p = TransformParams(num_heads=nh, num_query_groups=ng)
+    sq, sk, sv = mp.split_qkv(fused, p)
+    assert np.array_equal(sq, q) and np.array_equal(sk, k) and np.array_equal(sv, v)
+    assert np.array_equal(mp.merge_qkv([sq, sk, sv], p), fused)
+
+
+def test_split_qkv_layout_by_hand() -> None:
+    """Group g holds [q heads of g | k_g | v_g]; rows labelled so a mistake shows which row went where."""
+    nh, ng, hn = 4, 2, 1
+    fused = np.array([0, 1, 10, 20, 2, 3, 11, 21], dtype=np.float32)[:, None]   # q0 q1 k0 v0 q2 q3 k1 v1
+    q, k, v = mp.split_qkv(fused, TransformParams(nh, ng, hn))
+    assert q.ravel().tolist() == [0, 1, 2, 3]
+    assert k.ravel().tolist() == [10, 11] and v.ravel().tolist() == [20, 21]
+
+
+def test_chunk_fc1_per_tp_shard(m: Mapping) -> None:
+    ffn, h = 8, 3
+    gate, up = np.arange(ffn * h).reshape(ffn, h), 100 + np.arange(ffn * h).reshape(ffn, h)
+    rule = next(r for r in m.rules if r.id == "linear_fc1")
+    # TP=1: [gate; up]
+    g1, u1 = rule.apply([np.concatenate([gate, up])], "candidate", TransformParams())
+    assert np.array_equal(g1, gate) and np.array_equal(u1, up)
+    # TP=2 shards concatenated: [gate_0; up_0; gate_1; up_1]
+    tp2 = np.concatenate([gate[:4], up[:4], gate[4:], up[4:]])
+    g2, u2 = rule.apply([tp2], "candidate", TransformParams(tp=2))
+    assert np.array_equal(g2, gate) and np.array_equal(u2, up)
+    assert np.array_equal(rule.apply([g2, u2], "baseline", TransformParams(tp=2))[0], tp2)
+
+
+def test_convert_round_trip_and_unmapped(m: Mapping) -> None:
+    rng = np.random.default_rng(1)
+    nh, ng, hn, hidden, ffn = 4, 2, 8, 32, 48
+    shapes = {"embedding.word_embeddings.weight": (50, hidden), "decoder.final_layernorm.weight": (hidden,),
+              "output_layer.weight": (50, hidden)}
+    for i in range(L):
+        p = f"decoder.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (hidden,), p + "pre_mlp_layernorm.weight": (hidden,),
+                       p + "self_attention.linear_qkv.weight": ((nh + 2 * ng) * hn, hidden),
+                       p + "self_attention.linear_proj.weight": (hidden, nh * hn),
+                       p + "mlp.linear_fc1.weight": (2 * ffn, hidden),
+                       p + "mlp.linear_fc2.weight": (hidden, ffn)})
+    sd = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    params = TransformParams(num_heads=nh, num_query_groups=ng)
+    ms_sd, res = m.convert(sd, "candidate", params)
+    assert res.verdict == "pass" and sorted(ms_sd) == sorted(mindformers_names())
+    back, res2 = m.convert(ms_sd, "baseline", params)
+    assert res2.verdict == "pass" and sorted(back) == sorted(sd)
+    assert all(np.array_equal(back[k], sd[k]) for k in sd)
+    sd["decoder.layers.0.self_attention.q_layernorm.weight"] = np.ones(hn, np.float32)
+    _, res3 = m.convert(sd, "candidate", params)
+    assert res3.verdict == "fail"
+    assert [f.component for f in res3.findings] == ["decoder.layers.0.self_attention.q_layernorm.weight"]
+
+
+def test_custom_yaml_mapping_with_regex_and_transpose(tmp_path) -> None:
+    f = tmp_path / "m.yaml"
+    f.write_text("name: t\nrules:\n"
+                 "  - {id: a, kind: mlp, baseline: ['re:blocks\\.(?P<layer>\\d+)\\.w'],"
+                 " candidate: ['h.{layer}.w'],"
+                 " transform: {op: transpose}}\n")
+    m2 = Mapping.load(f)
+    x = np.arange(6.0).reshape(2, 3)
+    out, res = m2.convert({"blocks.3.w": x}, "candidate")
+    assert res.verdict == "pass" and np.array_equal(out["h.3.w"], x.T)
+    with pytest.raises(BadInput):
+        Mapping.load(tmp_path / "nope.yaml")
+
+
+def test_cli_show_and_check(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    mp.add_arguments(parser)
+    assert mp.run(parser.parse_args(["show", "megatron_core_llama__mindformers_llama"])) == 0
+    out = capsys.readouterr().out
+    assert "linear_qkv" in out and "split_qkv" in out and "model.layers.{layer}.attention.wq.weight" in out
+    (tmp_path / "b.txt").write_text("\n".join(megatron_names(ddp=True)))
+    (tmp_path / "c.json").write_text(json.dumps(mindformers_names()[:-1]))
+    rc = mp.run(parser.parse_args(["check", "--baseline", str(tmp_path / "b.txt"),
+                                   "--candidate", str(tmp_path / "c.json"), "--json"]))
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and report["verdict"] == "fail"
+    assert [f["component"] for f in report["findings"]] == ["output_layer.weight"]
