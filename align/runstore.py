@@ -209,6 +209,19 @@ class RunWriter:
         os.replace(self._tmp, self._tmp.with_suffix(""))
         self._h5, self._tmp, self._open_step = None, None, None
 
+    def abandon_step(self) -> None:
+        """Forget the open step without finishing it (its ``.tmp`` stays and marks it incomplete).
+
+        Dumpers call this when a step file cannot be finished (say the disk went away), so the next
+        step starts a fresh file instead of failing again on the broken one.
+        """
+        if self._h5 is not None:
+            try:
+                self._h5.close()
+            except Exception:  # noqa: BLE001 - the file is already broken; nothing more to save
+                pass
+        self._h5, self._tmp, self._open_step = None, None, None
+
     def write_seed_batch(self, step: int, batch: Mapping[str, Any]) -> None:
         """Write ``step_N/rank_R/<name>.npy``: the layout MindFormers users replay."""
         d = self.root / f"step_{int(step)}" / f"rank_{self.rank}"

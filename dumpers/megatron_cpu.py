@@ -316,7 +316,7 @@ def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class MegatronOptimizerCPU:
-    """Megatron's own optimizer (from ``get_megatron_optimizer``) whose ``step`` runs under the CPU redirect."""
+    """Megatron's own optimizer (``get_megatron_optimizer``) whose ``step`` runs under the CPU redirect."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

@@ -1,0 +1,655 @@
+"""Evidence dumper for any torch ``nn.Module`` + optimizer, writing one rank's share of a run store.
+
+Why it looks like this:
+
+* One object, configured once (:class:`DumpConfig`), and two calls per step (``begin_step`` /
+  ``end_step``, or ``with dumper.step(n):``), so a training script needs a few lines and no library edits.
+* It never changes numerics: hooks only read tensors (forward hooks return nothing, tensor hooks return
+  ``None``), statistics are computed on detached tensors, and nothing is cast in place.
+* It never crashes training: every entry point is guarded; a failure (say an unwritable output directory)
+  becomes a warning and ``dumper.errors += 1``. The one deliberate exception is ``stop_on_nan=True``.
+* Statistics are reduced on the tensor's own device and stacked, so one small transfer per step moves them.
+
+Layout written (see docs/run-store.md): scalars every step (loss, grad_norm, loss_mask_sum, token_min,
+token_max, tokens_per_step, nonfinite_grads); per selected step ``batch/*``, ``local_norm/``,
+``tensor_stats/``, ``tensors/<order>`` and ``nan_trace/``; optionally the seed layout
+``step_N/rank_R/<name>.npy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from align.runstore import SEED_BATCH_KEYS, RunWriter
+
+TENSOR_MODES = ("off", "stats", "full")
+NAN_MODES = ("off", "grads", "all")
+_STAT_COLS = ("max", "min", "mean", "norm", "nan", "inf")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by ``end_step`` only when ``DumpConfig.stop_on_nan`` asked for it."""
+
+
+def parse_steps(spec: str | int | Iterable[int] | None) -> frozenset[int] | None:
+    """``None`` = every step; ``"1-3,10"`` or an iterable of ints = those steps."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        return frozenset([spec])
+    if isinstance(spec, str):
+        out: set[int] = set()
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.update(range(int(a), int(b) + 1))
+            else:
+                out.add(int(part))
+        return frozenset(out)
+    return frozenset(int(s) for s in spec)
+
+
+@dataclass
+class DumpConfig:
+    """What to dump. Scalars (loss, grad norm, batch statistics) are written every step regardless.
+
+    out: run-store directory (shared by all ranks; each rank writes only its own files).
+    steps: steps that get an array file (batch, local norms); ``None`` = every step.
+    tensor_steps: steps whose layer tensors are captured; ``None`` = same as ``steps``.
+    modules: fnmatch patterns over ``named_modules()`` names selecting the hooked modules.
+    tensors: ``"off"``, ``"stats"`` (max/min/mean/L2/nan/inf) or ``"full"`` (stats plus full tensors).
+    batch / seed_layout: store batches in the step file / also as ``step_N/rank_R/<name>.npy``.
+    local_norms: named L2 norm of every parameter's gradient, where the optimizer sees it.
+    nan_trace: ``"off"``, ``"grads"`` (non-finite gradients, from the local norms: free) or ``"all"``
+        (also forward outputs and backward gradients of the selected modules, every step).
+    stop_on_nan: raise :class:`NonFiniteError` from ``end_step`` after recording the trace.
+    ranks: global ranks that dump; ``None`` = all.
+    """
+
+    out: str | os.PathLike
+    steps: str | int | Iterable[int] | None = None
+    tensor_steps: str | int | Iterable[int] | None = None
+    modules: Sequence[str] = ("*",)
+    tensors: str = "off"
+    batch: bool = True
+    seed_layout: bool = False
+    local_norms: bool = True
+    nan_trace: str = "grads"
+    stop_on_nan: bool = False
+    ranks: Iterable[int] | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tensors not in TENSOR_MODES:
+            raise ValueError(f"tensors must be one of {TENSOR_MODES}, not {self.tensors!r}")
+        if self.nan_trace not in NAN_MODES:
+            raise ValueError(f"nan_trace must be one of {NAN_MODES}, not {self.nan_trace!r}")
+        if isinstance(self.modules, str):
+            self.modules = (self.modules,)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _flatten_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Tensors inside nested tuples/lists/dicts, with a positional label."""
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, torch.Tensor):
+        out.append((prefix, obj))
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            out.extend(_flatten_tensors(item, f"{prefix}.{i}" if prefix else str(i)))
+    elif isinstance(obj, Mapping):
+        for k, item in obj.items():
+            out.extend(_flatten_tensors(item, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def tensor_stats(t: torch.Tensor) -> torch.Tensor:
+    """[max, min, mean, L2 norm, nan count, inf count] as float32 on ``t``'s device (no host sync)."""
+    x = t.detach()
+    if x.numel() == 0:
+        return torch.zeros(6, dtype=torch.float32, device=x.device)
+    if not x.is_floating_point():
+        x = x.to(torch.float32)
+    mn, mx = torch.aminmax(x)
+    total = x.sum(dtype=torch.float32)
+    norm = torch.linalg.vector_norm(x, dtype=torch.float32)
+    nan = torch.isnan(x).sum()
+    inf = torch.isinf(x).sum()
+    return torch.stack([mx.float(), mn.float(), total / x.numel(), norm, nan.float(), inf.float()])
+
+
+class TorchDumper:
+    """Dumps batches, named local norms, layer tensors and NaN traces of one rank into a run store.
+
+    ``model``: the module (or list of modules) being trained; ``optimizer``: a ``torch.optim`` optimizer
+    (its step pre-hook captures the local norms) or ``None`` (call :meth:`record_grads` yourself).
+    ``rank_info``: this rank's coordinates (``tp_rank``, ``pp_rank``, ``dp_rank``, ``tp``, ``pp``, ``dp``).
+    """
+
+    framework = "torch"
+    name_scheme = "torch"
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any = None,
+                 config: DumpConfig | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, rank_info: Mapping[str, Any] | None = None,
+                 meta: Mapping[str, Any] | None = None) -> None:
+        self.config = config or DumpConfig(out="dump")
+        self.errors = 0
+        self.error_log: list[str] = []
+        self.nan_found = False
+        self._writer: RunWriter | None = None
+        self._handles: list[Any] = []
+        self._step: int | None = None
+        self._array_step = False
+        self._tensor_step = False
+        try:
+            self.models = list(model) if isinstance(model, (list, tuple)) else [model]
+            self.optimizer = optimizer
+            self.rank, self.world_size = self._rank_world(rank, world_size)
+            self.rank_info = {"tp_rank": 0, "pp_rank": 0, "dp_rank": self.rank, "tp": 1, "pp": 1,
+                              "dp": self.world_size}
+            self.rank_info.update(self._default_rank_info())
+            self.rank_info.update(rank_info or {})
+            self.rank_info.update(rank=self.rank, world_size=self.world_size)
+            ranks = self.config.ranks
+            self.enabled = ranks is None or self.rank in set(int(r) for r in ranks)
+            self._steps = parse_steps(self.config.steps)
+            ts = self.config.tensor_steps
+            self._tensor_steps = parse_steps(ts) if ts is not None else self._steps
+            self.params = self._named_params()
+            self._param_index = {id(p): i for i, (_, p, _) in enumerate(self.params)}
+            self._grad_order: list[int] = []
+            self._pending_batch: dict[str, list[np.ndarray]] = {}
+            self._rows: list[tuple[str, str, str, str, int, str]] = []
+            self._row_stats: list[torch.Tensor] = []
+            self._io_refs: dict[str, dict[str, torch.Tensor]] = {}
+            self._trace_rows: list[dict[str, Any]] = []
+            self._trace_tensors: list[tuple[int, str, str, str, np.ndarray]] = []
+            self._norms_recorded = False
+            self._step_scalars: dict[str, Any] = {}
+            if not self.enabled:
+                return
+            self._open_writer(meta)
+            self._install_hooks()
+        except Exception as exc:  # never break the training script
+            self._fail("init", exc)
+
+    # -- identity -------------------------------------------------------------------------------------
+    @staticmethod
+    def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+        dist = torch.distributed
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return int(rank), int(world_size)
+
+    def _default_rank_info(self) -> dict[str, Any]:
+        return {}
+
+    def _clean_name(self, name: str) -> str:
+        return name
+
+    def _tp_info(self, param: torch.nn.Parameter) -> tuple[int, int, int]:
+        """(partition_dim or -1, tp_rank, tp_size) of a parameter; plain torch is not TP-split."""
+        return -1, int(self.rank_info.get("tp_rank", 0)), int(self.rank_info.get("tp", 1))
+
+    def _named_params(self) -> list[tuple[str, torch.nn.Parameter, tuple[int, int, int]]]:
+        seen: set[int] = set()
+        out = []
+        for i, m in enumerate(self.models):
+            for name, p in m.named_parameters():
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                name = self._clean_name(name)
+                if len(self.models) > 1:
+                    name = f"chunk{i}.{name}"
+                out.append((name, p, self._tp_info(p)))
+        return out
+
+    def _grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        return p.grad
+
+    # -- guarded plumbing -----------------------------------------------------------------------------
+    def _fail(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        msg = f"dumper: {where} failed ({type(exc).__name__}: {exc}); training continues"
+        self.error_log.append(msg)
+        if self.errors <= 3 or self.errors % 100 == 0:
+            warnings.warn(f"{msg} [errors so far: {self.errors}]", RuntimeWarning, stacklevel=3)
+
+    def _open_writer(self, meta: Mapping[str, Any] | None) -> None:
+        m = {"framework": self.framework, "name_scheme": self.name_scheme,
+             "versions": self._versions(), "source": {"kind": "dumper", "path": str(self.config.out)},
+             "parallel": {"tp": self.rank_info.get("tp", 1), "pp": self.rank_info.get("pp", 1),
+                          "dp": self.rank_info.get("dp", self.world_size), "world_size": self.world_size},
+             "dumper": {"tensors": self.config.tensors, "modules": list(self.config.modules),
+                        "nan_trace": self.config.nan_trace, "local_norms": self.config.local_norms}}
+        m.update(self._extra_meta())
+        m.update(self.config.meta)
+        m.update(meta or {})
+        self._writer = RunWriter(self.config.out, rank=self.rank, meta=m, rank_info=self.rank_info)
+
+    def _versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__}
+
+    def _extra_meta(self) -> dict[str, Any]:
+        return {}
+
+    def update_meta(self, values: Mapping[str, Any]) -> None:
+        """Merge ``values`` into meta.json (rank 0 only), e.g. the model config or the seed record."""
+        if self._writer is None or self.rank != 0:
+            return
+        try:
+            self._writer.update_meta(values)
+        except Exception as exc:
+            self._fail("update_meta", exc)
+
+    # -- hooks ----------------------------------------------------------------------------------------
+    def _selected_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        pats = list(self.config.modules)
+        out = []
+        for i, m in enumerate(self.models):
+            for name, mod in m.named_modules():
+                cname = self._clean_name(name)
+                if cname == "":  # the root (or a DDP wrapper around it)
+                    continue
+                if len(self.models) > 1:
+                    cname = f"chunk{i}.{cname}"
+                if any(fnmatch.fnmatchcase(cname, p) for p in pats):
+                    out.append((cname, mod))
+        return out
+
+    def _install_hooks(self) -> None:
+        cfg = self.config
+        if cfg.tensors != "off" or cfg.nan_trace == "all":
+            owners = {id(mod) for _, mod in self._owner_modules()}
+            for name, mod in self._selected_modules():
+                keep = id(mod) in owners
+                self._handles.append(mod.register_forward_pre_hook(self._pre_hook(name, keep),
+                                                                   with_kwargs=True))
+                self._handles.append(mod.register_forward_hook(self._post_hook(name, keep), with_kwargs=True))
+        if cfg.local_norms or cfg.nan_trace != "off":
+            for i, (_, p, _) in enumerate(self.params):
+                if hasattr(p, "register_post_accumulate_grad_hook"):
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_order_hook(i)))
+            if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
+                self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
+
+    def _owner_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        return [(n, m) for n, m in self._selected_modules() if any(True for _ in m.parameters(recurse=False))]
+
+    def _capturing(self) -> bool:
+        return self._step is not None and (self._tensor_step or self.config.nan_trace == "all")
+
+    def _pre_hook(self, name: str, keep: bool):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._capturing():
+                return None
+            try:
+                items = _flatten_tensors(args) + _flatten_tensors(kwargs)
+                for i, (_, t) in enumerate(items):
+                    self._record(name, f"forward.input.{i}", t)
+                    if t.requires_grad:
+                        t.register_hook(self._grad_hook(name, f"backward.grad_input.{i}"))
+                if keep and self.config.nan_trace == "all":
+                    self._io_refs.setdefault(name, {}).update(
+                        {f"forward.input.{i}": t.detach() for i, (_, t) in enumerate(items)})
+            except Exception as exc:
+                self._fail(f"forward pre-hook {name}", exc)
+            return None
+        return hook
+
+    def _post_hook(self, name: str, keep: bool):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self._capturing():
+                return None
+            try:
+                items = _flatten_tensors(output)
+                for i, (_, t) in enumerate(items):
+                    self._record(name, f"forward.output.{i}", t)
+                    if t.requires_grad:
+                        t.register_hook(self._grad_hook(name, f"backward.grad_output.{i}"))
+                if keep and self.config.nan_trace == "all":
+                    self._io_refs.setdefault(name, {}).update(
+                        {f"forward.output.{i}": t.detach() for i, (_, t) in enumerate(items)})
+            except Exception as exc:
+                self._fail(f"forward hook {name}", exc)
+            return None
+        return hook
+
+    def _grad_hook(self, name: str, kind: str):  # noqa: ANN202
+        def hook(grad: torch.Tensor) -> None:
+            try:
+                if self._capturing() and grad is not None:
+                    self._record(name, kind, grad)
+            except Exception as exc:
+                self._fail(f"backward hook {name}", exc)
+            return None
+        return hook
+
+    def _grad_order_hook(self, index: int):  # noqa: ANN202
+        def hook(param: torch.Tensor) -> None:
+            self._grad_order.append(index)
+        return hook
+
+    def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.record_grads(where="torch.optim.Optimizer.step")
+        return None
+
+    # -- recording ------------------------------------------------------------------------------------
+    def _record(self, module: str, kind: str, t: torch.Tensor) -> None:
+        order = len(self._rows)
+        shape = "x".join(str(s) for s in t.shape) or "scalar"
+        self._rows.append((module, kind, _dtype_name(t.dtype), shape, t.numel(), str(t.device)))
+        if self._tensor_step and self.config.tensors != "off":
+            self._row_stats.append(tensor_stats(t))
+        else:  # nan tracing only: a cheap finiteness flag, in the stats' nan column
+            x = t.detach()
+            bad = (~torch.isfinite(x)).sum().float() if x.is_floating_point() else x.new_zeros((), dtype=
+                                                                                               torch.float32)
+            z = torch.zeros((), dtype=torch.float32, device=x.device)
+            self._row_stats.append(torch.stack([z, z, z, z, bad, z]))
+        if self._tensor_step and self.config.tensors == "full" and self._writer is not None:
+            arr = t.detach().to("cpu", copy=True)
+            if arr.is_floating_point():
+                arr = arr.float()
+            self._writer.put_array(self._step, f"tensors/{order:06d}", arr.numpy(),
+                                   {"module": module, "kind": kind, "dtype": _dtype_name(t.dtype),
+                                    "order": order})
+
+    def begin_step(self, step: int) -> None:
+        """Start step ``step`` (numbered from 1, like Megatron's iteration)."""
+        if not self.enabled:
+            return
+        try:
+            self._step = int(step)
+            self._array_step = self._steps is None or self._step in self._steps
+            self._tensor_step = self.config.tensors != "off" and (
+                self._tensor_steps is None or self._step in self._tensor_steps) and self._array_step
+            self._grad_order.clear()
+            self._pending_batch.clear()
+            self._rows.clear()
+            self._row_stats.clear()
+            self._io_refs.clear()
+            self._trace_rows.clear()
+            self._trace_tensors.clear()
+            self._norms_recorded = False
+            self._step_scalars = {}
+        except Exception as exc:
+            self._fail("begin_step", exc)
+
+    def record_batch(self, batch: Mapping[str, Any]) -> None:
+        """Record one micro-batch (call once per micro-batch; they are concatenated on dim 0)."""
+        if not self.enabled or self._step is None:
+            return
+        try:
+            for key, value in batch.items():
+                if value is None:
+                    continue
+                if isinstance(value, torch.Tensor):
+                    arr = value.detach().to("cpu", copy=True).numpy()
+                else:
+                    arr = np.array(value)
+                self._pending_batch.setdefault(key, []).append(arr)
+        except Exception as exc:
+            self._fail("record_batch", exc)
+
+    def record_grads(self, global_norm: float | None = None, where: str = "manual",
+                     grads: Sequence[torch.Tensor] | None = None) -> None:
+        """Capture every parameter's gradient L2 norm now (before clipping, where the optimizer sees it)."""
+        if not self.enabled or self._step is None or self._norms_recorded:
+            return
+        if not (self.config.local_norms or self.config.nan_trace != "off"):
+            return
+        try:
+            self._norms_recorded = True
+            names, numels, parts, trs, tss, owned = [], [], [], [], [], []
+            by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+            for i, (name, p, tp) in enumerate(self.params):
+                g = self._grad_of(p)
+                if g is None:
+                    continue
+                names.append(name)
+                numels.append(g.numel())
+                parts.append(tp[0])
+                trs.append(tp[1])
+                tss.append(tp[2])
+                owned.append(i)
+                by_device.setdefault(g.device, []).append((len(names) - 1, g))
+            norms = np.zeros(len(names), dtype=np.float64)
+            for _, items in by_device.items():
+                gs = [g if g.dtype in (torch.float32, torch.float64) else g.float() for _, g in items]
+                vals = torch.stack([n.float() for n in torch._foreach_norm(gs)]).cpu().numpy()
+                for (j, _), v in zip(items, vals, strict=True):
+                    norms[j] = float(v)
+            if global_norm is None:
+                source = "local"
+                global_norm = float(math.sqrt(float(np.sum(norms.astype(np.float64) ** 2))))
+            else:
+                source = "optimizer"
+                global_norm = float(global_norm)
+            bad = ~np.isfinite(norms)
+            self._step_scalars["grad_norm"] = global_norm
+            self._step_scalars["nonfinite_grads"] = int(bad.sum())
+            if self.config.local_norms and self._array_step and self._writer is not None:
+                self._writer.put_table(self._step, "local_norm", {
+                    "name": np.array(names, dtype=object).astype(str) if names else np.array([], dtype="S1"),
+                    "norm": norms, "numel": np.array(numels, dtype=np.int64),
+                    "tp_partition_dim": np.array(parts, dtype=np.int64),
+                    "tp_rank": np.array(trs, dtype=np.int64), "tp_size": np.array(tss, dtype=np.int64)},
+                    attrs={"global_norm": global_norm, "global_norm_source": source, "where": where})
+            if bad.any() and self.config.nan_trace != "off":
+                self._trace_grads([owned[j] for j in np.flatnonzero(bad)], where)
+        except Exception as exc:
+            self._fail("record_grads", exc)
+
+    def _trace_grads(self, bad_params: list[int], where: str) -> None:
+        """Record the first non-finite gradient: parameter, module, coordinates, and the tensors."""
+        pos = {pi: k for k, pi in enumerate(self._grad_order)}
+        # First produced in backward when the order is known, else the last in registration order.
+        bad_params.sort(key=lambda i: (pos.get(i, len(pos) + (len(self.params) - i)),))
+        first = bad_params[0]
+        name, p, _ = self.params[first]
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        others = [self.params[i][0] for i in bad_params[1:]]
+        detail = (f"first non-finite gradient at step {self._step} ({where}); "
+                  f"{len(bad_params)} parameter(s) non-finite" + (f"; also: {', '.join(others[:20])}"
+                                                                   if others else ""))
+        g = self._grad_of(p)
+        tensors: list[tuple[str, str, torch.Tensor]] = []
+        if g is not None:
+            tensors.append((name, "grad", g))
+        for kind, t in self._io_refs.get(module, {}).items():
+            tensors.append((module, kind, t))
+        self._write_trace("grad", name, module, detail, tensors, 2)
+
+    def _write_trace(self, kind: str, name: str, module: str, detail: str,
+                     tensors: list[tuple[str, str, torch.Tensor]], rank_order: int) -> None:
+        """Queue one ``nan_trace`` row (written at ``end_step``); tensors are copied to host now."""
+        self.nan_found = True
+        ri = self.rank_info
+        row = len(self._trace_rows)
+        self._trace_rows.append({"kind": kind, "name": name, "module": module, "detail": detail,
+                                 "tp_rank": int(ri.get("tp_rank", 0)), "pp_rank": int(ri.get("pp_rank", 0)),
+                                 "dp_rank": int(ri.get("dp_rank", 0)), "_order": rank_order})
+        for mod, k, t in tensors:
+            arr = t.detach().to("cpu", copy=True)
+            if arr.is_floating_point():
+                arr = arr.float()
+            self._trace_tensors.append((row, mod, k, _dtype_name(t.dtype), arr.numpy()))
+
+    def _flush_trace(self, step: int) -> None:
+        if not self._trace_rows:
+            return
+        # Execution order: forward activations, then backward tensors, then parameter gradients.
+        order = sorted(range(len(self._trace_rows)), key=lambda r: self._trace_rows[r]["_order"])
+        rows = [self._trace_rows[r] for r in order]
+        self._step_scalars.setdefault("nan_trace", f"{rows[0]['kind']}:{rows[0]['name']}")
+        if self._writer is None:
+            return
+        cols: dict[str, Any] = {}
+        for key in ("kind", "name", "module", "detail"):
+            cols[key] = np.array([r[key] for r in rows]).astype(str)
+        for key in ("tp_rank", "pp_rank", "dp_rank"):
+            cols[key] = np.array([r[key] for r in rows], dtype=np.int64)
+        self._writer.put_table(step, "nan_trace", cols)
+        new_row = {old: new for new, old in enumerate(order)}
+        for i, (row, mod, kind, dtype, arr) in enumerate(self._trace_tensors):
+            self._writer.put_array(step, f"nan_trace/tensors/{i}", arr,
+                                   {"module": mod, "kind": kind, "dtype": dtype, "row": new_row[row]})
+
+    def log(self, **scalars: Any) -> None:
+        """Add scalars (loss, lr, ...) to this step's record."""
+        if not self.enabled or self._step is None:
+            return
+        for k, v in scalars.items():
+            try:
+                if isinstance(v, torch.Tensor):
+                    v = v.detach().item()
+                self._step_scalars[k] = v
+            except Exception as exc:
+                self._fail(f"log {k}", exc)
+
+    def end_step(self, loss: Any = None, **scalars: Any) -> None:
+        """Finish the step: write batch, tensor statistics, NaN trace and scalars; close the step file."""
+        if not self.enabled or self._step is None:
+            return
+        if not self._norms_recorded:  # no optimizer hook fired (e.g. Megatron with clip_grad=0)
+            self.record_grads(where="end_step")
+        self.log(**({"loss": loss} if loss is not None else {}), **scalars)
+        step = self._step
+        try:
+            self._flush_batch(step)
+        except Exception as exc:
+            self._fail("batch", exc)
+        try:
+            self._flush_tensor_rows(step)
+        except Exception as exc:
+            self._fail("tensor_stats", exc)
+        try:
+            self._flush_trace(step)
+        except Exception as exc:
+            self._fail("nan_trace", exc)
+        try:
+            if self._writer is not None:
+                self._writer.log_scalars(step, self._step_scalars)
+        except Exception as exc:
+            self._fail("scalars", exc)
+        try:
+            if self._writer is not None:
+                self._writer.finish_step()
+        except Exception as exc:
+            self._fail("finish_step", exc)
+            self._drop_open_step()
+        self._io_refs.clear()
+        self._rows.clear()
+        self._row_stats.clear()
+        self._trace_rows.clear()
+        self._trace_tensors.clear()
+        self._step = None
+        if self.nan_found and self.config.stop_on_nan:
+            raise NonFiniteError(f"non-finite values at step {step} ({self._step_scalars.get('nan_trace')}); "
+                                 f"see {self.config.out}")
+
+    def _drop_open_step(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.abandon_step()
+
+    def _flush_batch(self, step: int) -> None:
+        if not self._pending_batch:
+            return
+        n_micro = max(len(v) for v in self._pending_batch.values())
+        batch = {k: (np.concatenate(v, axis=0) if len(v) > 1 else v[0])
+                 for k, v in self._pending_batch.items()}
+        self._pending_batch.clear()
+        sc = self._step_scalars
+        if "loss_mask" in batch:
+            sc["loss_mask_sum"] = float(np.asarray(batch["loss_mask"], dtype=np.float64).sum())
+        if "tokens" in batch and batch["tokens"].size:
+            sc["token_min"] = int(batch["tokens"].min())
+            sc["token_max"] = int(batch["tokens"].max())
+            sc["tokens_per_step"] = int(batch["tokens"].size)
+        if self._writer is None or not self._array_step:
+            return
+        if self.config.batch:
+            for key, arr in batch.items():
+                self._writer.put_array(step, f"batch/{key}", arr, {"micro_batches": n_micro})
+        if self.config.seed_layout:
+            self._writer.write_seed_batch(step, {k: batch[k] for k in SEED_BATCH_KEYS if k in batch})
+
+    def _flush_tensor_rows(self, step: int) -> None:
+        if not self._rows:
+            return
+        stats = torch.stack([s.to("cpu") for s in self._row_stats]).numpy().astype(np.float64) \
+            if self._row_stats else np.zeros((0, 6))
+        rows = self._rows
+        nonfinite = stats[:, 4] + stats[:, 5] > 0
+        if nonfinite.any() and self.config.nan_trace == "all":
+            j = int(np.flatnonzero(nonfinite)[0])
+            module, kind = rows[j][0], rows[j][1]
+            trace_kind = "activation" if kind.startswith("forward") else "grad"
+            tensors = [(module, k, t) for k, t in self._io_refs.get(module, {}).items()]
+            self._write_trace(trace_kind, module, module,
+                              f"first non-finite tensor at step {step}: {module} {kind} (order {j})", tensors,
+                              0 if trace_kind == "activation" else 1)
+        if not self._tensor_step or self._writer is None:
+            return
+        cols: dict[str, Any] = {
+            "order": np.arange(len(rows), dtype=np.int64),
+            "module": np.array([r[0] for r in rows]).astype(str),
+            "kind": np.array([r[1] for r in rows]).astype(str),
+            "dtype": np.array([r[2] for r in rows]).astype(str),
+            "shape": np.array([r[3] for r in rows]).astype(str),
+            "numel": np.array([r[4] for r in rows], dtype=np.int64)}
+        for k, name in enumerate(_STAT_COLS):
+            cols[name] = stats[:, k].astype(np.int64) if name in ("nan", "inf") else stats[:, k]
+        self._writer.put_table(step, "tensor_stats", cols)
+
+    @contextlib.contextmanager
+    def step(self, step: int, batch: Mapping[str, Any] | None = None) -> Iterator[TorchDumper]:
+        """``with dumper.step(n, batch):`` = ``begin_step(n)``, ``record_batch(batch)`` ... ``end_step()``.
+
+        Call ``dumper.log(loss=...)`` inside the block to attach the loss.
+        """
+        self.begin_step(step)
+        if batch is not None:
+            self.record_batch(batch)
+        yield self
+        self.end_step()
+
+    def close(self) -> None:
+        """Remove every hook and close the writer (an open step is finished)."""
+        for h in self._handles:
+            with contextlib.suppress(Exception):
+                h.remove()
+        self._handles.clear()
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception as exc:
+                self._fail("close", exc)
+                self._drop_open_step()
+
+    def __enter__(self) -> TorchDumper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
