@@ -177,8 +177,11 @@ def trainer_config(data_dir: str, *, steps: int, output_dir: str, mode: str = "p
     }
 
 
-def run_trainer(config: Mapping[str, Any]) -> Any:
-    """Train with MindFormers' own Trainer from a config dict (as a YAML would give)."""
+def run_trainer(config: Mapping[str, Any], callbacks: Sequence[Any] | None = None) -> Any:
+    """Train with MindFormers' own Trainer from a config dict (as a YAML would give).
+
+    ``callbacks`` are added to the YAML's (e.g. a MindFormersDumperCallback).
+    """
     from mindformers import MindFormerConfig, Trainer
 
     import dumpers.mindformers_replay  # noqa: F401  (registers MegatronReplayDataset)
@@ -187,7 +190,7 @@ def run_trainer(config: Mapping[str, Any]) -> Any:
     if cfg.context.mode == 1:
         ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
         ms.runtime.launch_blocking()
-    trainer = Trainer(args=cfg)
+    trainer = Trainer(args=cfg, callbacks=list(callbacks) if callbacks else None)
     trainer.train()
     return trainer
 

@@ -1,0 +1,115 @@
+"""MindFormers layer over the MindSpore dumper: name the unnamed ``local_norm`` arrays.
+
+Why: ``MFTrainOneStepCell(local_norm=True)`` returns (and MFLossMonitor logs as ``norm_size: (...)`` then
+``local_norm:``) one squared gradient sum per parameter, in the optimizer's parameter order, with no names.
+The optimizer's order is not ``trainable_params()`` order: MindFormers' Trainer groups parameters (weight
+decay first, then norms and biases). This module names them by ``optimizer.parameters`` and takes the
+square root, so they compare against Megatron's named norms. ``sqrt(sum of squares)`` is the global norm
+before clipping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dumpers.mindspore_dumper import DumperCallback, MindSporeDumper, to_numpy
+
+
+def optimizer_param_names(optimizer: Any) -> list[str]:
+    """Parameter names in the order MFTrainOneStepCell's local_norm output uses (the optimizer's)."""
+    return [p.name for p in optimizer.parameters]
+
+
+def optimizer_param_sizes(optimizer: Any) -> list[int]:
+    return [int(np.prod(p.shape)) if len(p.shape) else 1 for p in optimizer.parameters]
+
+
+def name_local_norms(local_norm: Any, names: Sequence[str], norm_size: Sequence[int] | None = None,
+                     sizes: Sequence[int] | None = None) -> dict[str, float]:
+    """Squared sums in optimizer order -> {name: L2 norm}.
+
+    ``norm_size`` (what MindFormers returns/logs beside the sums) is checked against ``sizes`` (the
+    parameters' element counts) when both are given, so a wrong name order is caught, not silently used.
+    """
+    sq = np.asarray(to_numpy(local_norm), dtype=np.float64).reshape(-1)
+    if len(sq) != len(names):
+        raise ValueError(f"local_norm has {len(sq)} entries but the optimizer has {len(names)} parameters")
+    if norm_size is not None and sizes is not None:
+        got = [int(s) for s in np.asarray(to_numpy(norm_size) if not isinstance(norm_size, (list, tuple))
+                                          else norm_size).reshape(-1)]
+        if list(got) != [int(s) for s in sizes]:
+            first = next(i for i, (a, b) in enumerate(zip(got, sizes, strict=False)) if int(a) != int(b))
+            raise ValueError(f"norm_size does not match the optimizer's parameters at index {first} "
+                             f"({names[first]}: {got[first]} vs {sizes[first]} elements)")
+    return dict(zip(names, np.sqrt(sq).tolist(), strict=True))
+
+
+def global_norm_from_local(local_norm: Any) -> float:
+    """sqrt of the sum of MindFormers' squared local norms: the global gradient norm before clipping."""
+    return float(np.sqrt(np.sum(np.asarray(to_numpy(local_norm), dtype=np.float64))))
+
+
+def split_outputs(outputs: Any) -> dict[str, Any]:
+    """MFTrainOneStepCell's 5- or 7-tuple as named host values."""
+    names = ("loss", "overflow", "loss_scale", "lr", "global_norm", "local_norm", "norm_size")
+    out: dict[str, Any] = {}
+    for key, value in zip(names, outputs, strict=False):
+        if value is None:
+            continue
+        if key == "norm_size":
+            out[key] = [int(to_numpy(v).reshape(-1)[0]) if not isinstance(v, int) else v for v in value]
+        else:
+            out[key] = to_numpy(value)
+    return out
+
+
+class MindFormersDumperCallback(DumperCallback):
+    """Callback for MindFormers' Trainer / Model.train with MFTrainOneStepCell (or CPUTrainOneStepCell).
+
+    Each step: loss, overflow, loss scale, lr, global norm as scalars, and - with ``local_norm: True`` in
+    ``runner_wrapper`` - the named local norm table (names from the wrapper's optimizer).
+    """
+
+    def handle_outputs(self, outputs: Any, cb_params: Any) -> None:
+        if not isinstance(outputs, (tuple, list)) or len(outputs) not in (5, 7):
+            return super().handle_outputs(outputs, cb_params)
+        vals = split_outputs(outputs)
+        d = self.dumper
+        d.log(loss=vals["loss"], overflow=bool(np.asarray(vals["overflow"]).reshape(-1)[0]),
+              loss_scale=vals["loss_scale"])
+        if "lr" in vals:
+            d.log(lr=vals["lr"])
+        gnorm = float(np.asarray(vals["global_norm"]).reshape(-1)[0]) if "global_norm" in vals else None
+        if gnorm is not None:
+            d.log(grad_norm=gnorm)
+        if "local_norm" in vals:
+            optimizer = getattr(cb_params, "optimizer", None) or cb_params.train_network.optimizer
+            names = optimizer_param_names(optimizer)
+            sizes = optimizer_param_sizes(optimizer)
+            named = name_local_norms(vals["local_norm"], names, vals.get("norm_size"), sizes)
+            d.record_local_norms(list(named), np.array(list(named.values())), sizes, global_norm=gnorm,
+                                 where="mindformers.MFTrainOneStepCell.local_norm")
+        return None
+
+
+def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, optimizer: Any,
+                          batch: dict[str, Any] | None = None) -> dict[str, float]:
+    """Plain-loop counterpart of the callback: record one MFTrainOneStepCell step; returns named norms."""
+    dumper.begin_step(step)
+    if batch is not None:
+        dumper.record_batch(batch)
+    vals = split_outputs(outputs)
+    named: dict[str, float] = {}
+    gnorm = float(np.asarray(vals["global_norm"]).reshape(-1)[0]) if "global_norm" in vals else None
+    if "local_norm" in vals:
+        names, sizes = optimizer_param_names(optimizer), optimizer_param_sizes(optimizer)
+        named = name_local_norms(vals["local_norm"], names, vals.get("norm_size"), sizes)
+        dumper.record_local_norms(list(named), np.array(list(named.values())), sizes, global_norm=gnorm,
+                                  where="mindformers.MFTrainOneStepCell.local_norm")
+    dumper.end_step(loss=vals["loss"], overflow=bool(np.asarray(vals["overflow"]).reshape(-1)[0]),
+                    loss_scale=vals["loss_scale"], **({"grad_norm": gnorm} if gnorm is not None else {}),
+                    **({"lr": vals["lr"]} if "lr" in vals else {}))
+    return named

@@ -1,0 +1,559 @@
+"""Dumper for any MindSpore Cell: named local norms, layer tensors (PYNATIVE), NaN/Inf tracing, batches.
+
+Why: the candidate side of an alignment needs, per step and rank, the L2 norm of every parameter's gradient
+under the parameter's own name, the forward outputs and output gradients of chosen cells, and - when a
+gradient goes non-finite - which parameter, which cell and which rank. Everything lands in the run store
+(docs/run-store.md), so the comparators never import MindSpore.
+
+Rules kept here: a dumper never crashes the training run (every failure becomes one warning and the
+dumper switches itself off) and never changes numerics (hooks return ``None``; tensors are copied to host).
+
+Two ways to feed gradients:
+
+* a plain ``value_and_grad`` loop: ``dumper.record_grads(grads)`` (host-side float64 norms);
+* a training cell: :class:`NormTrainOneStepCell` returns per-parameter squared sums computed in the graph
+  (works in GRAPH and PYNATIVE, with ``Model.train`` / MindFormers' Trainer), named by the cell's weights;
+  MFTrainOneStepCell's ``local_norm=True`` outputs are named the same way (see dumpers/mindformers.py).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from align.runstore import RunWriter
+
+TENSOR_MODES = ("off", "stats", "full")
+NAN_MODES = ("off", "grads", "all")
+
+
+class LayerCaptureError(RuntimeError):
+    """Layer capture was asked for where it cannot run (GRAPH mode compiles Python hooks away)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by ``end_step`` only when ``stop_on_nan`` asked for it, after the trace is written."""
+
+
+def parse_steps(spec: str | int | Iterable[int] | None) -> frozenset[int] | None:
+    """``None`` = every step; ``"1-3,10"``, an int or an iterable of ints = those steps."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        return frozenset([spec])
+    if isinstance(spec, str):
+        out: set[int] = set()
+        for part in spec.replace(" ", "").split(","):
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.update(range(int(a), int(b) + 1))
+            elif part:
+                out.add(int(part))
+        return frozenset(out)
+    return frozenset(int(s) for s in spec)
+
+
+def dtype_name(dtype: Any) -> str:
+    """MindSpore's dtype spelling normalised to the run store's: Float32 -> float32, BFloat16 -> bfloat16."""
+    return str(dtype).lower()
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A host copy; bfloat16 (no numpy dtype) goes through float32."""
+    if isinstance(t, Tensor):
+        if t.dtype == ms.bfloat16:
+            t = t.astype(ms.float32)
+        return np.array(t.asnumpy(), copy=True)
+    return np.array(t, copy=True)
+
+
+def array_stats(a: np.ndarray) -> dict[str, float]:
+    """max/min/mean/L2 over the finite values, plus nan/inf counts (float64 on host)."""
+    x = np.asarray(a)
+    if x.dtype.kind not in "fc":
+        x = x.astype(np.float64)
+    nan = int(np.isnan(x).sum())
+    inf = int(np.isinf(x).sum())
+    finite = x[np.isfinite(x)].astype(np.float64) if (nan or inf) else x.astype(np.float64, copy=False)
+    if finite.size == 0:
+        return {"max": np.nan, "min": np.nan, "mean": np.nan, "norm": np.nan, "nan": nan, "inf": inf}
+    return {"max": float(finite.max()), "min": float(finite.min()), "mean": float(finite.mean()),
+            "norm": float(np.sqrt(np.sum(finite * finite))), "nan": nan, "inf": inf}
+
+
+def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Tensor]]:
+    out: list[tuple[str, Tensor]] = []
+    if isinstance(obj, Tensor):
+        out.append((prefix or "0", obj))
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            out.extend(_flatten(item, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def _str_col(values: Sequence[str]) -> np.ndarray:
+    """Strings as a numpy unicode array: the run store turns those into HDF5 strings (never objects)."""
+    return np.asarray([str(v) for v in values], dtype=str)
+
+
+def param_owners(net: nn.Cell) -> dict[str, str]:
+    """Parameter name -> name of the cell that holds it (the cell that 'produced' its gradient)."""
+    owners: dict[str, str] = {}
+    for cell_name, cell in net.cells_and_names():
+        for param in cell.get_parameters(expand=False):
+            owners.setdefault(param.name, cell_name)
+    return owners
+
+
+_square_sum = ops.MultitypeFuncGraph("square_sum")
+
+
+@_square_sum.register("Tensor")
+def _square_sum_tensor(grad: Tensor) -> Tensor:
+    g = ops.cast(grad, ms.float32)
+    return ops.reduce_sum(g * g)
+
+
+class NormTrainOneStepCell(nn.TrainOneStepCell):
+    """nn.TrainOneStepCell that also returns every gradient's squared sum, in ``self.weights`` order.
+
+    Why a cell: in GRAPH mode (and under ``Model.train`` / Trainer) gradients never reach Python; the
+    squared sums are computed in the graph before the optimizer and returned as one float32 vector. The
+    names are ``[p.name for p in cell.weights]`` (:meth:`param_names`); ``sqrt(sum)`` is the global norm.
+    """
+
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, sens: float | None = None) -> None:
+        super().__init__(network, optimizer, sens=sens)
+        self.hyper_map = ops.HyperMap()
+        self.stack = ops.Stack()
+
+    def construct(self, *inputs: Any) -> tuple[Tensor, Tensor]:
+        loss = self.network(*inputs)
+        sens = ops.fill(loss.dtype, loss.shape, self.sens) if self.sens is not None else ops.ones_like(loss)
+        grads = self.grad(self.network, self.weights)(*inputs, sens)
+        grads = self.grad_reducer(grads)
+        square_sums = self.stack(self.hyper_map(_square_sum, grads))
+        loss = ops.depend(loss, self.optimizer(grads))
+        return loss, square_sums
+
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.weights]
+
+
+@dataclass
+class DumpConfig:
+    """What to dump. Scalars and batch statistics are written every step regardless.
+
+    steps: steps that get an array file (batch, local norms); ``None`` = every step.
+    tensor_steps: steps whose layer tensors are captured; ``None`` = same as ``steps``.
+    cells: fnmatch patterns over ``cells_and_names()`` names selecting the hooked cells.
+    tensors: ``"off"``, ``"stats"`` (max/min/mean/L2/nan/inf) or ``"full"`` (stats plus full tensors).
+    backward: also capture output gradients of the selected cells (``backward.grad_output.N``).
+    nan_trace: ``"off"``, ``"grads"`` (non-finite gradients, from the local norms) or ``"all"`` (also
+        non-finite activations of the selected cells, every step; PYNATIVE only).
+    stop_on_nan: raise :class:`NonFiniteError` from ``end_step`` after the trace is written.
+    """
+
+    steps: str | int | Iterable[int] | None = None
+    tensor_steps: str | int | Iterable[int] | None = None
+    cells: Sequence[str] = ("*",)
+    tensors: str = "off"
+    backward: bool = True
+    batch: bool = True
+    local_norms: bool = True
+    nan_trace: str = "grads"
+    stop_on_nan: bool = False
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tensors not in TENSOR_MODES:
+            raise ValueError(f"tensors must be one of {TENSOR_MODES}, not {self.tensors!r}")
+        if self.nan_trace not in NAN_MODES:
+            raise ValueError(f"nan_trace must be one of {NAN_MODES}, not {self.nan_trace!r}")
+        if isinstance(self.cells, str):
+            self.cells = (self.cells,)
+
+
+def rank_coordinates(rank: int | None = None, tp: int = 1, pp: int = 1) -> dict[str, int]:
+    """Global rank (RANK_ID / RANK, else 0) and its tp/pp/dp coordinates (Megatron's tp-fastest order)."""
+    if rank is None:
+        rank = int(os.environ.get("RANK_ID") or os.environ.get("RANK") or 0)
+    return {"rank": rank, "tp_rank": rank % tp, "pp_rank": (rank // tp) % pp, "dp_rank": rank // (tp * pp),
+            "tp_size": tp, "pp_size": pp}
+
+
+class MindSporeDumper:
+    """Dumps batches, named local norms, layer tensors and NaN traces of one rank into a run store.
+
+    ``net``: the Cell being trained (for layer hooks and parameter -> cell names); ``out``: run-store dir.
+    Use per step: ``begin_step(n)`` ... ``record_batch`` / ``record_grads`` / ``record_local_norms`` /
+    ``log`` ... ``end_step(loss=...)``, or the :meth:`step` context manager, or :class:`DumperCallback`.
+    """
+
+    def __init__(self, net: nn.Cell | None, out: str | os.PathLike, config: DumpConfig | None = None, *,
+                 rank: int | None = None, tp: int = 1, pp: int = 1, world_size: int | None = None,
+                 framework: str = "mindspore", name_scheme: str = "mindspore") -> None:
+        self.config = config or DumpConfig()
+        self.net = net
+        self.coords = rank_coordinates(rank, tp, pp)
+        self.enabled = True
+        self._steps = parse_steps(self.config.steps)
+        ts = self.config.tensor_steps
+        self._tensor_steps = parse_steps(ts) if ts is not None else self._steps
+        self._step: int | None = None
+        self._array_step = False
+        self._tensor_step = False
+        self._handles: list[Any] = []
+        self._rows: list[dict[str, Any]] = []
+        self._trace_rows: list[dict[str, Any]] = []
+        self._trace_tensors: list[tuple[np.ndarray, str, str]] = []
+        self._batch: dict[str, list[np.ndarray]] = {}
+        self._scalars: dict[str, Any] = {}
+        self._norms_done = False
+        self._owners = param_owners(net) if net is not None else {}
+        ws = world_size if world_size is not None else int(os.environ.get("RANK_SIZE")
+                                                            or os.environ.get("WORLD_SIZE") or 1)
+        meta = {"framework": framework, "versions": {"mindspore": ms.__version__},
+                "parallel": {"tp": tp, "pp": pp, "dp": max(1, ws // (tp * pp)), "world_size": ws},
+                "name_scheme": name_scheme, "source": {"kind": "dumper", "path": str(out)}}
+        meta.update(self.config.meta)
+        rank_info = {k: v for k, v in self.coords.items() if k != "rank"}
+        rank_info["world_size"] = ws
+        self.writer = RunWriter(out, rank=self.coords["rank"], meta=meta, rank_info=rank_info)
+        if self.config.tensors != "off" or self.config.nan_trace == "all":
+            self.watch(net)
+
+    # -- failure policy ---------------------------------------------------------------------------------
+    def _fail(self, what: str, exc: BaseException) -> None:
+        """Never take the training run down: warn once, stop dumping, leave completed steps readable."""
+        if self.enabled:
+            warnings.warn(f"MindSporeDumper disabled after an error in {what}: {exc!r}", RuntimeWarning,
+                          stacklevel=2)
+        self.enabled = False
+        self.unwatch()
+        abandon = getattr(self.writer, "abandon_step", None)
+        try:
+            if abandon is not None:
+                abandon()
+        except Exception:  # noqa: BLE001 - best effort; the step simply stays incomplete
+            pass
+
+    def update_meta(self, values: Mapping[str, Any]) -> None:
+        try:
+            self.writer.update_meta(values)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("update_meta", exc)
+
+    # -- layer hooks --------------------------------------------------------------------------------------
+    def watch(self, net: nn.Cell | None) -> None:
+        """Hook the selected cells. Raises LayerCaptureError in GRAPH mode (hooks would silently not run)."""
+        if net is None:
+            raise LayerCaptureError("layer capture needs the network Cell (MindSporeDumper(net, ...))")
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            raise LayerCaptureError(
+                "layer capture (tensors='stats'/'full' or nan_trace='all') needs PYNATIVE mode: GRAPH mode "
+                "compiles Cell hooks away, so nothing would be captured; use "
+                "ms.set_context(mode=ms.PYNATIVE_MODE) for the capture steps, or tensors='off'")
+        self.unwatch()
+        patterns = tuple(self.config.cells)
+        for name, cell in net.cells_and_names():
+            if not name or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                continue
+            self._handles.append(cell.register_forward_hook(self._forward_hook(name)))
+            if self.config.backward:
+                self._handles.append(cell.register_backward_hook(self._backward_hook(name)))
+        if not self._handles:
+            warnings.warn(f"MindSporeDumper: no cell matched {patterns}", RuntimeWarning, stacklevel=2)
+
+    def unwatch(self) -> None:
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles = []
+
+    def _capturing(self) -> bool:
+        return self.enabled and self._step is not None and (
+            self._tensor_step or self.config.nan_trace == "all")
+
+    def _forward_hook(self, name: str) -> Any:
+        def hook(cell: nn.Cell, args: Any, output: Any) -> None:
+            if self._capturing():
+                try:
+                    for label, t in _flatten(output):
+                        self._record_tensor(name, f"forward.output.{label}", t)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(f"forward hook of {name}", exc)
+            return None
+        return hook
+
+    def _backward_hook(self, name: str) -> Any:
+        def hook(cell: nn.Cell, grad_input: Any, grad_output: Any) -> None:
+            if self._capturing():
+                try:
+                    for label, t in _flatten(grad_output):
+                        self._record_tensor(name, f"backward.grad_output.{label}", t)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(f"backward hook of {name}", exc)
+            return None
+        return hook
+
+    def _record_tensor(self, module: str, kind: str, t: Tensor) -> None:
+        arr = to_numpy(t)
+        stats = array_stats(arr)
+        if (stats["nan"] or stats["inf"]) and self.config.nan_trace == "all" and not any(
+                r["kind"] == "activation" for r in self._trace_rows):
+            self._add_trace("activation", module, module,
+                            f"{kind}: {stats['nan']} nan, {stats['inf']} inf of {arr.size}", arr, kind)
+        if not self._tensor_step:
+            return
+        order = len(self._rows)
+        self._rows.append({"order": order, "module": module, "kind": kind, "dtype": dtype_name(t.dtype),
+                           "shape": "x".join(str(d) for d in arr.shape) or "scalar", "numel": int(arr.size),
+                           **stats})
+        if self.config.tensors == "full":
+            data = arr.astype(np.float32) if arr.dtype.kind == "f" else arr
+            self.writer.put_array(self._step, f"tensors/{order:06d}", data,
+                                  attrs={"module": module, "kind": kind, "dtype": dtype_name(t.dtype),
+                                         "order": order})
+
+    # -- per step -------------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Start step ``step`` (numbered from 1, like MindFormers' step)."""
+        if not self.enabled:
+            return
+        self._step = int(step)
+        self._array_step = self._steps is None or self._step in self._steps
+        self._tensor_step = self.config.tensors != "off" and self._array_step and (
+            self._tensor_steps is None or self._step in self._tensor_steps)
+        self._rows, self._trace_rows, self._trace_tensors = [], [], []
+        self._batch, self._scalars, self._norms_done = {}, {}, False
+
+    def record_batch(self, batch: Mapping[str, Any]) -> None:
+        """Record one micro-batch as the model saw it (several are concatenated on dim 0)."""
+        if not self.enabled or self._step is None:
+            return
+        try:
+            for key, value in batch.items():
+                if value is not None:
+                    self._batch.setdefault(key, []).append(to_numpy(value))
+        except Exception as exc:  # noqa: BLE001
+            self._fail("record_batch", exc)
+
+    def record_grads(self, grads: Sequence[Any], params: Sequence[Any] | None = None, *,
+                     global_norm: float | None = None, where: str = "value_and_grad") -> None:
+        """Named L2 norms of ``grads`` (in ``params`` order; default: the net's trainable_params)."""
+        if not self.enabled or self._step is None or self._norms_done:
+            return
+        try:
+            if params is None:
+                if self.net is None:
+                    raise ValueError("record_grads needs params when the dumper has no net")
+                params = self.net.trainable_params()
+            if len(params) != len(grads):
+                raise ValueError(f"{len(grads)} gradients for {len(params)} parameters")
+            names = [p.name for p in params]
+            arrays = [to_numpy(g) for g in grads]
+            norms = [float(np.sqrt(np.sum(np.square(a, dtype=np.float64)))) for a in arrays]
+            self._store_norms(names, np.array(norms), [a.size for a in arrays], global_norm, where,
+                              tensors=arrays)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("record_grads", exc)
+
+    def record_local_norms(self, names: Sequence[str], norms: Any, numel: Sequence[int] | None = None, *,
+                           squared: bool = False, global_norm: float | None = None,
+                           where: str = "train_cell") -> None:
+        """Named norms computed elsewhere (a training cell's output); ``squared`` = squared sums given."""
+        if not self.enabled or self._step is None or self._norms_done:
+            return
+        try:
+            vals = np.asarray(to_numpy(norms), dtype=np.float64).reshape(-1)
+            if len(vals) != len(names):
+                raise ValueError(f"{len(vals)} norms for {len(names)} names")
+            if squared:
+                vals = np.sqrt(vals)
+            if numel is None:
+                numel = [-1] * len(names)
+            self._store_norms(list(names), vals, list(numel), global_norm, where)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("record_local_norms", exc)
+
+    def _store_norms(self, names: list[str], norms: np.ndarray, numel: Sequence[int],
+                     global_norm: float | None, where: str,
+                     tensors: Sequence[np.ndarray] | None = None) -> None:
+        self._norms_done = True
+        bad = [i for i, v in enumerate(norms) if not np.isfinite(v)]
+        self._scalars["nonfinite_grads"] = len(bad)
+        if global_norm is None and not bad:
+            global_norm = float(np.sqrt(np.sum(norms * norms)))
+        if global_norm is not None:
+            self._scalars.setdefault("grad_norm", float(global_norm))
+        if bad and self.config.nan_trace != "off":
+            i = bad[0]
+            detail = f"gradient L2 norm {norms[i]} ({len(bad)} parameter(s) non-finite)"
+            if tensors is not None:
+                a = tensors[i]
+                detail = f"{int(np.isnan(a).sum())} nan, {int(np.isinf(a).sum())} inf of {a.size}; " + detail
+            self._add_trace("grad", names[i], self._owners.get(names[i], names[i].rsplit(".", 1)[0]),
+                            detail, tensors[i] if tensors is not None else None, "grad")
+        if self.config.local_norms and self._array_step:
+            n = len(names)
+            self.writer.put_table(self._step, "local_norm", {
+                "name": _str_col(names), "norm": np.asarray(norms, dtype=np.float64),
+                "numel": np.asarray(numel, dtype=np.int64), "tp_partition_dim": np.full(n, -1, np.int64),
+                "tp_rank": np.full(n, self.coords["tp_rank"], np.int64),
+                "tp_size": np.full(n, self.coords["tp_size"], np.int64)},
+                attrs={"global_norm": float(global_norm) if global_norm is not None else np.nan,
+                       "where": where})
+
+    def _add_trace(self, kind: str, name: str, module: str, detail: str, tensor: np.ndarray | None,
+                   tensor_kind: str) -> None:
+        self._trace_rows.append({"kind": kind, "name": name, "module": module,
+                                 "tp_rank": self.coords["tp_rank"], "pp_rank": self.coords["pp_rank"],
+                                 "dp_rank": self.coords["dp_rank"], "detail": detail})
+        if tensor is not None:
+            self._trace_tensors.append((tensor, module, tensor_kind))
+
+    @property
+    def nan_trace(self) -> list[dict[str, Any]]:
+        """This step's trace rows so far (first non-finite gradient / activation)."""
+        return list(self._trace_rows)
+
+    def log(self, **scalars: Any) -> None:
+        """Add scalars (loss, lr, loss_scale, ...) to this step's record."""
+        if not self.enabled or self._step is None:
+            return
+        for key, value in scalars.items():
+            try:
+                if isinstance(value, Tensor):
+                    value = to_numpy(value).reshape(-1)[0].item()
+                elif isinstance(value, np.ndarray):
+                    value = value.reshape(-1)[0].item()
+                self._scalars[key] = value
+            except Exception as exc:  # noqa: BLE001
+                self._fail(f"log {key}", exc)
+
+    def end_step(self, loss: Any = None, **scalars: Any) -> None:
+        """Finish the step: batch, tensor statistics, NaN trace, scalars; the step file gets its name."""
+        if not self.enabled or self._step is None:
+            return
+        if loss is not None:
+            scalars["loss"] = loss
+        self.log(**scalars)
+        step, trace = self._step, list(self._trace_rows)
+        try:
+            self._flush(step)
+            self.writer.log_scalars(step, self._scalars)
+            self.writer.finish_step()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"end_step {step}", exc)
+        self._step = None
+        self._rows, self._trace_tensors, self._batch = [], [], {}
+        if trace and self.config.stop_on_nan:
+            first = trace[0]
+            raise NonFiniteError(f"step {step}: non-finite {first['kind']} in {first['name']} "
+                                 f"(cell {first['module']}, rank tp{first['tp_rank']}/pp{first['pp_rank']}/"
+                                 f"dp{first['dp_rank']}): {first['detail']}")
+
+    def _flush(self, step: int) -> None:
+        if self._batch:
+            merged = {k: np.concatenate(v, axis=0) if len(v) > 1 else v[0] for k, v in self._batch.items()}
+            if self.config.batch and self._array_step:
+                for key, arr in merged.items():
+                    self.writer.put_array(step, f"batch/{key}", arr,
+                                          attrs={"micro_batches": len(self._batch[key])})
+            tokens = merged.get("tokens", merged.get("input_ids"))
+            if tokens is not None:
+                self._scalars.update(token_min=int(tokens.min()), token_max=int(tokens.max()),
+                                     tokens_per_step=int(tokens.size))
+            if "loss_mask" in merged:
+                self._scalars["loss_mask_sum"] = float(np.sum(merged["loss_mask"], dtype=np.float64))
+        if self._rows:
+            cols = {k: [r[k] for r in self._rows] for k in self._rows[0]}
+            self.writer.put_table(step, "tensor_stats", {
+                "order": np.asarray(cols["order"], np.int64), "module": _str_col(cols["module"]),
+                "kind": _str_col(cols["kind"]), "dtype": _str_col(cols["dtype"]),
+                "shape": _str_col(cols["shape"]),
+                "numel": np.asarray(cols["numel"], np.int64),
+                **{k: np.asarray(cols[k], np.float64) for k in ("max", "min", "mean", "norm")},
+                "nan": np.asarray(cols["nan"], np.int64), "inf": np.asarray(cols["inf"], np.int64)})
+        if self._trace_rows:
+            cols = {k: [r[k] for r in self._trace_rows] for k in self._trace_rows[0]}
+            for k in ("tp_rank", "pp_rank", "dp_rank"):
+                cols[k] = np.asarray(cols[k], np.int64)
+            for k in ("kind", "name", "module", "detail"):
+                cols[k] = _str_col(cols[k])
+            self.writer.put_table(step, "nan_trace", cols)
+            for i, (arr, module, kind) in enumerate(self._trace_tensors):
+                self.writer.put_array(step, f"nan_trace/tensors/{i}", arr,
+                                      attrs={"module": module, "kind": kind})
+
+    @contextmanager
+    def step(self, step: int, batch: Mapping[str, Any] | None = None) -> Iterator[MindSporeDumper]:
+        """``with dumper.step(n, batch):`` ... ``dumper.record_grads(grads); dumper.log(loss=...)``."""
+        self.begin_step(step)
+        if batch is not None:
+            self.record_batch(batch)
+        try:
+            yield self
+        finally:
+            self.end_step()
+
+    def close(self) -> None:
+        self.unwatch()
+        try:
+            self.writer.close()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"MindSporeDumper: closing the run store failed: {exc!r}", RuntimeWarning,
+                          stacklevel=2)
+
+
+class DumperCallback(ms.train.Callback):
+    """Drives a :class:`MindSporeDumper` from ``Model.train`` / MindFormers' Trainer (steps from 1).
+
+    Handles :class:`NormTrainOneStepCell` outputs ``(loss, square_sums)``; subclasses parse other
+    training cells' outputs in :meth:`handle_outputs` (see dumpers/mindformers.py).
+    """
+
+    def __init__(self, dumper: MindSporeDumper, batch_columns: Sequence[str] | None = None) -> None:
+        super().__init__()
+        self.dumper = dumper
+        self.batch_columns = list(batch_columns) if batch_columns else None
+
+    def on_train_step_begin(self, run_context: Any) -> None:
+        cb = run_context.original_args()
+        self.dumper.begin_step(int(cb.cur_step_num))
+        if self.batch_columns and getattr(cb, "train_dataset_element", None) is not None:
+            elems = cb.train_dataset_element
+            self.dumper.record_batch({k: v for k, v in zip(self.batch_columns, elems, strict=False)})
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        cb = run_context.original_args()
+        try:
+            self.handle_outputs(cb.net_outputs, cb)
+        except Exception as exc:  # noqa: BLE001
+            self.dumper._fail("callback outputs", exc)
+        self.dumper.end_step()
+
+    def handle_outputs(self, outputs: Any, cb_params: Any) -> None:
+        if isinstance(outputs, (tuple, list)):
+            self.dumper.log(loss=outputs[0])
+            net = cb_params.train_network
+            if len(outputs) == 2 and hasattr(net, "param_names"):
+                self.dumper.record_local_norms(net.param_names(), outputs[1], squared=True,
+                                               where="NormTrainOneStepCell")
+        else:
+            self.dumper.log(loss=outputs)
+
+    def on_train_end(self, run_context: Any) -> None:
+        self.dumper.close()
