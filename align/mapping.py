@@ -179,9 +179,9 @@ class Rule:
     def apply(self, arrays: Sequence[np.ndarray], to_side: str, params: TransformParams) -> list[np.ndarray]:
         """Tensors of one side's group -> the other side's (``to_side``)."""
         op = self.transform.get("op", "identity")
-        forward = to_side == "candidate"
+        forward = (to_side == "candidate") != bool(self.transform.get("inverse"))
         if op == "identity":
-            return [arrays[0]]
+            return list(arrays)
         if op == "transpose":
             return [np.ascontiguousarray(np.swapaxes(arrays[0], 0, 1))]
         if op == "split_qkv":
@@ -262,12 +262,15 @@ class Mapping:
                             scheme=r.get("scheme"))
             except (KeyError, TypeError, AttributeError, re.error) as exc:
                 raise BadInput(f"{source}: rule #{i} is malformed ({exc!r})") from None
-            if rule.transform.get("op", "identity") in ("identity", "transpose") and (
-                    len(rule.baseline) != 1 or len(rule.candidate) != 1):
-                raise BadInput(f"{source}: rule {rule.id}: identity/transpose relate exactly one name a side")
+            op = rule.transform.get("op", "identity")
+            if (op == "transpose" and (len(rule.baseline) != 1 or len(rule.candidate) != 1)) or (
+                    op == "identity" and len(rule.baseline) != len(rule.candidate)):
+                raise BadInput(f"{source}: rule {rule.id}: {op} needs the same number of names a side "
+                               "(transpose: one)")
             self.rules.append(rule)
         ign = spec.get("ignore") or {}
         self.ignore = {s: [Pattern.compile(t) for t in _as_list(ign.get(s, []))] for s in SIDES}
+        self.spec = spec
         self.modules = [ModuleRule(Pattern.compile(m["baseline"]), Pattern.compile(m["candidate"]),
                                    str(m.get("kind", "other"))) for m in spec.get("modules") or []]
 
@@ -288,6 +291,69 @@ class Mapping:
         except yaml.YAMLError as exc:
             raise BadInput(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
         return cls(spec, str(path))
+
+    # -- orientation -------------------------------------------------------------------------------
+    def mirrored(self, side: str) -> Mapping:
+        """A mapping from ``side``'s names to themselves: compares two runs that use the same scheme
+        (Megatron TP=1 vs TP=2, MindFormers vs MindFormers) with the same grouping and kinds."""
+        spec = dict(self.spec)
+        spec["name"] = f"{self.name} ({side} vs {side})"
+        spec["baseline"] = spec["candidate"] = dict(self.sides[side])
+        spec["rules"] = [{"id": r.id, "kind": r.kind, "scheme": r.scheme if side == "baseline" else None,
+                          "baseline": [p.text for p in r.patterns(side)],
+                          "candidate": [p.text for p in r.patterns(side)],
+                          "tp_partition_dim": r.tp_partition_dim} for r in self.rules
+                         if side == "baseline"
+                         or r.scheme in (None, self.sides["baseline"].get("default_scheme"))]
+        ign = [p.text for p in self.ignore[side]]
+        spec["ignore"] = {"baseline": ign, "candidate": ign}
+        spec["modules"] = [{"baseline": (x.baseline if side == "baseline" else x.candidate).text,
+                            "candidate": (x.baseline if side == "baseline" else x.candidate).text,
+                            "kind": x.kind}
+                           for x in self.modules]
+        lay = self.activation_layout.get(side)
+        spec["activation_layout"] = {"baseline": lay, "candidate": lay} if lay else {}
+        return Mapping(spec, self.source)
+
+    def swapped(self) -> Mapping:
+        """The same mapping with baseline and candidate exchanged (a MindFormers baseline, say)."""
+        spec = dict(self.spec)
+        spec["name"] = f"{self.name} (swapped)"
+        spec["baseline"], spec["candidate"] = dict(self.sides["candidate"]), dict(self.sides["baseline"])
+        spec["baseline"]["default_scheme"] = None
+        rules = []
+        for r in self.rules:
+            if r.scheme not in (None, self.sides["baseline"].get("default_scheme")):
+                continue
+            t = dict(r.transform)
+            if t.get("op", "identity") not in ("identity", "transpose"):
+                t["inverse"] = True
+            rules.append({"id": r.id, "kind": r.kind, "baseline": [p.text for p in r.candidate],
+                          "candidate": [p.text for p in r.baseline], "transform": t,
+                          "tp_partition_dim": -1})
+        spec["rules"] = rules
+        spec["ignore"] = {"baseline": [p.text for p in self.ignore["candidate"]],
+                          "candidate": [p.text for p in self.ignore["baseline"]]}
+        spec["modules"] = [{"baseline": x.candidate.text, "candidate": x.baseline.text, "kind": x.kind}
+                           for x in self.modules]
+        lay = self.activation_layout
+        spec["activation_layout"] = {"baseline": lay.get("candidate"), "candidate": lay.get("baseline")}
+        return Mapping(spec, self.source)
+
+    def oriented(self, baseline_names: Iterable[str], candidate_names: Iterable[str]) -> Mapping:
+        """Pick self, swapped or mirrored from which side's patterns the names actually match."""
+        def score(names: Iterable[str], side: str) -> int:
+            return sum(self.match(n, side) is not None for n in names)
+        b, c = list(baseline_names), list(candidate_names)
+        bb, bc = score(b, "baseline"), score(b, "candidate")
+        cb, cc = score(c, "baseline"), score(c, "candidate")
+        if bb >= bc and cc >= cb:
+            return self
+        if bb >= bc:
+            return self.mirrored("baseline")
+        if cc >= cb:
+            return self.mirrored("candidate")
+        return self.swapped()
 
     # -- names ---------------------------------------------------------------------------------------
     def strip(self, name: str, side: str) -> str:

@@ -1,0 +1,265 @@
+"""Step-1 local norms (per-parameter gradient L2 norms) of two runs, compared through a name mapping.
+
+Why this works across frameworks and parallel layouts: every mapping transform only moves elements, so the
+norm of a fused parameter equals sqrt(sum of squares) of its parts' norms; and a TP-sharded parameter's
+full norm is sqrt(sum over its TP group of the shard norms^2), while a duplicated parameter (norm weights,
+``tp_partition_dim == -1``) is counted once. Reading is streaming: only the ``local_norm`` group of each
+rank file is read, one file at a time, so memory grows with the number of parameters, not with the dump.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from align.errors import BadInput
+from comparators.findings import Finding, StageResult
+
+STAGE = "step1_local_norm"
+# Relative tolerance of a local norm by compute dtype: (pass up to, warn up to); beyond is a fail.
+# float32 cross-framework noise on identical weights and data is ~1e-6..1e-5 relative; bf16 keeps 8 bits.
+RTOL = {"float32": (1e-4, 1e-2), "float16": (5e-3, 5e-2), "bfloat16": (2e-2, 1e-1)}
+
+
+@dataclass
+class ShardNorm:
+    """Squared-norm pieces of one parameter seen on the ranks of one run."""
+
+    partition_dim: int
+    tp_size: int
+    shards: dict[int, float]        # tp_rank -> norm
+    numel: dict[int, int]           # tp_rank -> numel of the shard
+    pp_ranks: set[int]
+    disagree: float = 0.0           # duplicated parameter: largest relative spread between TP ranks
+
+    def full_norm(self) -> float:
+        if self.partition_dim < 0:
+            return self.shards[min(self.shards)]
+        return math.sqrt(sum(v * v for v in self.shards.values()))
+
+    def full_numel(self) -> int:
+        if self.partition_dim < 0:
+            return self.numel[min(self.numel)]
+        return sum(self.numel.values())
+
+    @property
+    def missing_shards(self) -> list[int]:
+        if self.partition_dim < 0:
+            return []
+        return [r for r in range(self.tp_size) if r not in self.shards]
+
+
+def _rank_file(reader: Any, step: int, rank: int) -> Path:
+    getter = getattr(reader, "step_file", None)
+    if callable(getter):
+        return Path(getter(step, rank))
+    return Path(reader._step_files[step][rank])  # noqa: SLF001 - the reader has no public path accessor yet
+
+
+def _read_group(path: Path, group: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    try:
+        with h5py.File(path, "r") as h5:
+            if group not in h5:
+                return None
+            g = h5[group]
+            cols = {}
+            for k, ds in g.items():
+                if isinstance(ds, h5py.Dataset):
+                    arr = ds[...]
+                    if arr.dtype.kind in ("O", "S"):
+                        arr = np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr],
+                                       dtype=object)
+                    cols[k] = arr
+            return cols, dict(g.attrs)
+    except OSError as exc:
+        raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+
+
+def read_local_norms(run: str | os.PathLike | Any, step: int = 1
+                     ) -> tuple[dict[str, ShardNorm], dict[str, Any]]:
+    """Combine one run's per-rank ``local_norm`` tables of ``step`` into one entry per parameter.
+
+    DP replicas hold the same reduced gradient: the first rank seen for a (name, tp_rank) wins.
+    """
+    from align.runstore import RunReader
+
+    reader = run if hasattr(run, "array_ranks") else RunReader(run)
+    ranks = reader.array_ranks(step)
+    if not ranks:
+        raise BadInput(f"{reader.root}: no complete array file for step {step}")
+    out: dict[str, ShardNorm] = {}
+    info: dict[str, Any] = {"ranks": ranks, "global_norm": None, "tables": 0}
+    for rank in ranks:
+        got = _read_group(_rank_file(reader, step, rank), "local_norm")
+        if got is None:
+            continue
+        cols, attrs = got
+        info["tables"] += 1
+        if info["global_norm"] is None and "global_norm" in attrs:
+            info["global_norm"] = float(attrs["global_norm"])
+        rinfo = reader.rank_info(rank)
+        pp_rank = int(rinfo.get("pp_rank", 0) or 0)
+        n = len(cols["name"])
+        tp_rank = cols.get("tp_rank", np.full(n, int(rinfo.get("tp_rank", 0) or 0)))
+        tp_size = cols.get("tp_size", np.ones(n, dtype=np.int64))
+        pdim = cols.get("tp_partition_dim", np.full(n, -1))
+        numel = cols.get("numel", np.zeros(n, dtype=np.int64))
+        for i in range(n):
+            name, tr = str(cols["name"][i]), int(tp_rank[i])
+            norm = float(cols["norm"][i])
+            e = out.get(name)
+            if e is None:
+                e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
+            e.pp_ranks.add(pp_rank)
+            if tr in e.shards:
+                continue
+            if e.partition_dim < 0 and e.shards:
+                ref = next(iter(e.shards.values()))
+                e.disagree = max(e.disagree, abs(norm - ref) / max(abs(ref), 1e-30))
+            e.shards[tr] = norm
+            e.numel[tr] = int(numel[i])
+    if info["tables"] == 0:
+        raise BadInput(f"{reader.root}: step {step} has no local_norm table on any rank")
+    info["tp"] = max((e.tp_size for e in out.values()), default=1)
+    return out, info
+
+
+def _kind_of(rule_kind: str) -> str:
+    return {"output": "embedding"}.get(rule_kind, rule_kind)
+
+
+def _rel(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), 1e-30)
+
+
+def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, step: int = 1,
+                        dtype: str = "float32", rtol: tuple[float, float] | None = None,
+                        top: int = 20) -> StageResult:
+    """Compare two runs' step-``step`` local norms; details name the worst parameters by baseline name."""
+    from align.mapping import Mapping
+
+    m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
+    pass_tol, warn_tol = rtol or RTOL.get(dtype, RTOL["float32"])
+    b_norms, b_info = read_local_norms(baseline, step)
+    c_norms, c_info = read_local_norms(candidate, step)
+    return compare_norm_entries(b_norms, c_norms, m, pass_tol=pass_tol, warn_tol=warn_tol, top=top,
+                                info={"baseline": b_info, "candidate": c_info, "step": step, "dtype": dtype})
+
+
+def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, ShardNorm], m: Any, *,
+                         pass_tol: float = 1e-4, warn_tol: float = 1e-2, top: int = 20,
+                         info: dict[str, Any] | None = None) -> StageResult:
+    """The comparison proper, on already-combined per-parameter entries (kept separate for tests)."""
+    res = StageResult(STAGE)
+    info = info or {}
+    for side, norms in (("baseline", b_norms), ("candidate", c_norms)):
+        for name, e in norms.items():
+            if e.missing_shards:
+                res.add(Finding(STAGE, "warn", name, "missing_tp_shards", len(e.missing_shards), 0,
+                                f"{side} {name}: TP shards {e.missing_shards} of {e.tp_size} missing; "
+                                "its norm is partial"))
+            if e.disagree > 1e-3:
+                res.add(Finding(STAGE, "warn", name, "tp_replica_disagree", e.disagree, 1e-3,
+                                f"{side} {name} is duplicated across TP ranks but their gradient "
+                                f"norms differ by {e.disagree:.2e} (sequence-parallel grads not reduced?)"))
+            if len(e.pp_ranks) > 1:
+                res.add(Finding(STAGE, "warn", name, "name_on_several_pp_stages", len(e.pp_ranks), 1,
+                                f"{side} {name} appears on pipeline stages {sorted(e.pp_ranks)}: names must "
+                                "carry global layer numbers"))
+    m = m.oriented(b_norms, c_norms)
+    pairs, unmapped, _ignored = m.pair(b_norms, c_norms)
+    rows = []
+    for gp in pairs:
+        if not gp.complete:
+            have = set(gp.baseline_present) | set(gp.candidate_present)
+            miss = [n for n in gp.match.baseline + gp.match.candidate
+                    if n not in {m.strip(h, s) for h in have for s in ("baseline", "candidate")}]
+            res.add(Finding(STAGE, "warn", gp.name, "missing_counterpart", None, None,
+                            f"{gp.name}: not compared, the other run has no {', '.join(miss)}"))
+            continue
+        b = math.sqrt(sum(b_norms[n].full_norm() ** 2 for n in gp.baseline_present))
+        c = math.sqrt(sum(c_norms[n].full_norm() ** 2 for n in gp.candidate_present))
+        bn = sum(b_norms[n].full_numel() for n in gp.baseline_present)
+        cn = sum(c_norms[n].full_numel() for n in gp.candidate_present)
+        rows.append({"name": m.strip(gp.baseline_present[0], "baseline"),
+                     "candidate": ",".join(gp.candidate_present), "layer": gp.match.layer,
+                     "kind": _kind_of(gp.match.rule.kind), "baseline_norm": b, "candidate_norm": c,
+                     "abs_diff": abs(b - c), "rel_diff": _rel(b, c), "numel_baseline": bn,
+                     "numel_candidate": cn})
+    for side in ("baseline", "candidate"):
+        for n in unmapped[side]:
+            res.add(Finding(STAGE, "warn", n, "unmapped", None, None,
+                            f"{side} parameter {n} has no rule in mapping {m.name}; "
+                            "its norm was not compared"))
+    failing = 0
+    for r in rows:
+        if r["numel_baseline"] and r["numel_candidate"] and r["numel_baseline"] != r["numel_candidate"]:
+            res.add(Finding(STAGE, "fail", r["name"], "numel", r["numel_candidate"], r["numel_baseline"],
+                            f"{r['name']}: {r['numel_baseline']} elements in the baseline, "
+                            f"{r['numel_candidate']} in the candidate ({r['candidate']})"))
+        rel = r["rel_diff"]
+        if rel > pass_tol or not math.isfinite(r["candidate_norm"]) or not math.isfinite(r["baseline_norm"]):
+            failing += 1
+            verdict = "warn" if rel <= warn_tol else "fail"
+            res.add(Finding(STAGE, verdict, r["name"], "local_norm_rel_diff", rel, pass_tol,
+                            f"{r['name']}: gradient norm {r['baseline_norm']:.6g} (baseline) vs "
+                            f"{r['candidate_norm']:.6g} ({r['candidate']}), relative difference {rel:.3g}"))
+    rows.sort(key=lambda r: (-r["rel_diff"] if math.isfinite(r["rel_diff"]) else -math.inf))
+    if rows and failing == 0:
+        res.add(Finding(STAGE, "pass", rows[0]["name"], "local_norm_rel_diff", rows[0]["rel_diff"], pass_tol,
+                        f"all {len(rows)} parameter groups within {pass_tol:g} relative; worst "
+                        f"{rows[0]['name']} at {rows[0]['rel_diff']:.3g}"))
+    res.details = {"compared": len(rows), "failing": failing, "rtol": pass_tol, **info,
+                   "worst": rows[:top], "per_layer": _aggregate(rows, "layer"),
+                   "per_kind": _aggregate(rows, "kind"),
+                   "parameters": sorted(rows, key=lambda r: (r["layer"] if r["layer"] is not None else -1,
+                                                             r["name"]))}
+    if not rows and not res.findings:
+        res.verdict = "skipped"
+        res.details["reason"] = "no parameter pairs to compare"
+    return res
+
+
+def _aggregate(rows: Iterable[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    acc: dict[Any, list[float]] = {}
+    for r in rows:
+        a = acc.setdefault(r[key], [0.0, 0.0, 0, 0.0])
+        a[0] += r["baseline_norm"] ** 2
+        a[1] += r["candidate_norm"] ** 2
+        a[2] += 1
+        a[3] = max(a[3], r["rel_diff"])
+    out = []
+    for k in sorted(acc, key=lambda x: (x is None, x if x is not None else 0) if key == "layer" else str(x)):
+        b, c, n, worst_rel = acc[k]
+        b, c = math.sqrt(b), math.sqrt(c)
+        out.append({key: k, "baseline_norm": b, "candidate_norm": c, "rel_diff": _rel(b, c),
+                    "max_param_rel_diff": worst_rel, "parameters": n})
+    return out
+
+
+def combine_tables(tables: Iterable[tuple[dict[str, Any], dict[str, np.ndarray]]]) -> dict[str, ShardNorm]:
+    """Combine in-memory local_norm tables (rank_info, columns) the same way ``read_local_norms`` does."""
+    out: dict[str, ShardNorm] = {}
+    for rinfo, cols in tables:
+        n = len(cols["name"])
+        for i in range(n):
+            name = str(cols["name"][i])
+            tr = int(cols["tp_rank"][i]) if "tp_rank" in cols else int(rinfo.get("tp_rank", 0))
+            e = out.setdefault(name, ShardNorm(int(cols.get("tp_partition_dim", [-1] * n)[i]),
+                                               int(cols.get("tp_size", [1] * n)[i]), {}, {}, set()))
+            e.pp_ranks.add(int(rinfo.get("pp_rank", 0)))
+            if tr not in e.shards:
+                e.shards[tr] = float(cols["norm"][i])
+                e.numel[tr] = int(cols.get("numel", [0] * n)[i])
+    return out
