@@ -105,6 +105,22 @@ def llama_inputs(batch: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
     return tuple(args)
 
 
+class LlamaReplayLoss(nn.Cell):
+    """LlamaForCausalLM called with (input_ids, labels, loss_mask) only: the replay dataset's columns.
+
+    Why: ``Model.train`` and plain training cells pass dataset columns positionally, while loss_mask is
+    LlamaForCausalLM's 16th argument.
+    """
+
+    def __init__(self, net: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        self.net = net
+
+    def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
+        return self.net(input_ids, labels, None, None, None, None, None, None, None, None, None, None,
+                        None, None, None, loss_mask)
+
+
 def train_loop(cell: nn.Cell, batches: Iterable[Mapping[str, np.ndarray]],
                on_step: Any = None) -> list[dict[str, Any]]:
     """Run ``cell`` over ``batches`` (MindFormers column names); returns what each step produced.
@@ -177,10 +193,12 @@ def trainer_config(data_dir: str, *, steps: int, output_dir: str, mode: str = "p
     }
 
 
-def run_trainer(config: Mapping[str, Any], callbacks: Sequence[Any] | None = None) -> Any:
+def run_trainer(config: Mapping[str, Any], callbacks: Sequence[Any] | None = None,
+                model: nn.Cell | None = None) -> Any:
     """Train with MindFormers' own Trainer from a config dict (as a YAML would give).
 
-    ``callbacks`` are added to the YAML's (e.g. a MindFormersDumperCallback).
+    ``callbacks`` are added to the YAML's (e.g. a MindFormersDumperCallback); ``model`` replaces the
+    YAML's model (so a dumper can hook the very network the Trainer trains).
     """
     from mindformers import MindFormerConfig, Trainer
 
@@ -190,7 +208,7 @@ def run_trainer(config: Mapping[str, Any], callbacks: Sequence[Any] | None = Non
     if cfg.context.mode == 1:
         ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
         ms.runtime.launch_blocking()
-    trainer = Trainer(args=cfg, callbacks=list(callbacks) if callbacks else None)
+    trainer = Trainer(args=cfg, model=model, callbacks=list(callbacks) if callbacks else None)
     trainer.train()
     return trainer
 

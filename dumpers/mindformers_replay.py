@@ -118,6 +118,53 @@ class ReplaySource:
             return self._step_path(step) / f"rank_{self.rank:05d}.h5"
         return self._step_path(step) / f"rank_{self.rank}"
 
+    def check_all(self) -> None:
+        """Check every step's files and shapes now, from headers only (cheap), so errors surface before
+        training starts, as one line, instead of inside a data-pipeline worker at step N."""
+        names = [COLUMN_SOURCES[c] for c in self.columns]
+        first: dict[str, tuple[int, ...]] | None = None
+        first_step = self.steps[0]
+        for step in self.steps:
+            where = self._rank_path(step)
+            shapes = self._stored_shapes(step, names)
+            ref = shapes.get("tokens") or next(iter(shapes.values()))
+            for name, shape in shapes.items():
+                if name in ("attention_mask",):
+                    continue
+                if shape != ref:
+                    raise BadInput(f"{where}: {name} shape {shape} does not match tokens {ref}")
+            if first is None:
+                first = shapes
+            else:
+                for name, shape in shapes.items():
+                    if shape != first[name]:
+                        col = next(c for c in self.columns if COLUMN_SOURCES[c] == name)
+                        raise BadInput(f"{where}: {col} shape {shape} differs from step {first_step}'s "
+                                       f"{first[name]} (MindFormers needs one static shape)")
+
+    def _stored_shapes(self, step: int, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        where = self._rank_path(step)
+        out: dict[str, tuple[int, ...]] = {}
+        if self.layout == "runstore":
+            import h5py
+
+            try:
+                with h5py.File(where, "r") as h5:
+                    for name in names:
+                        key = f"batch/{name}"
+                        if key not in h5:
+                            raise BadInput(f"{where}: no {key} array (the dump lacks '{name}')")
+                        out[name] = tuple(h5[key].shape)
+            except OSError as exc:
+                raise BadInput(f"{where}: not a readable HDF5 file ({exc})") from None
+            return out
+        for name in names:
+            path = where / f"{name}.npy"
+            if not path.is_file():
+                raise BadInput(f"{path}: missing")
+            out[name] = _npy_shape(path)
+        return out
+
     def __len__(self) -> int:
         return len(self.steps)
 
@@ -192,6 +239,21 @@ class ReplaySource:
         return tuple(batch[c] for c in self.columns)
 
 
+def _npy_shape(path: Path) -> tuple[int, ...]:
+    """Shape from the .npy header alone; a pickled (object) array is refused here, without loading it."""
+    try:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read(fh)
+    except (ValueError, OSError, EOFError) as exc:
+        raise BadInput(f"{path}: not a valid .npy array ({exc})") from None
+    if dtype.hasobject:
+        raise BadInput(f"{path}: holds pickled objects; refusing to load (no pickle)")
+    return tuple(shape)
+
+
 def _register() -> type:
     """Register :class:`MegatronReplayDataset` in MindFormers' class-level registry (no package edits)."""
     import mindspore.dataset as ds
@@ -223,7 +285,8 @@ def _register() -> type:
             steps = cfg.get("steps", steps)
             columns = cfg.get("columns") or columns or cfg.get("construct_args_key") or DEFAULT_COLUMNS
             source = ReplaySource(data_dir, rank=rank, steps=steps, columns=columns)
-            source.batch(source.steps[0])  # fail now, with a clear message, not inside a data worker
+            source.check_all()  # fail now, with a clear message, not inside a data worker
+            source.batch(source.steps[0])
             dataset = ds.GeneratorDataset(source, column_names=list(source.columns), shuffle=False,
                                           num_parallel_workers=1, python_multiprocessing=False)
             repeat = int(cfg.get("repeat", repeat) or 1)
