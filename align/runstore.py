@@ -18,12 +18,10 @@ names the incomplete one. Nothing is pickled: HDF5, JSON and ``.npy`` read with 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,19 +127,22 @@ class RunWriter:
         self._scalars.write(json.dumps(record, default=_json_default) + "\n")
         self._scalars.flush()
 
-    def log_scalar_table(self, table: pd.DataFrame) -> None:
-        """Append many steps at once (importers). ``table`` has a ``step`` column."""
-        cols = list(table.columns)
-        arrays = [table[c].to_numpy() for c in cols]
+    def log_scalar_series(self, series: Mapping[str, pd.Series]) -> None:
+        """Append many steps at once (importers): one record per step, only the keys reported there."""
+        frame = pd.DataFrame(dict(series))
+        frame.index.name = "step"
+        present = np.zeros(frame.shape, dtype=bool)
+        for key, s in series.items():  # a NaN the run reported is kept; a key absent at a step is not
+            present[:, frame.columns.get_loc(key)] = frame.index.isin(s.index)
+        cols = list(frame.columns)
+        values = frame.to_numpy(dtype=np.float64)
         lines = []
-        for row in zip(*arrays, strict=True):
-            rec = {}
-            for c, v in zip(cols, row, strict=True):
-                if isinstance(v, float) and math.isnan(v) and c != "step":
-                    # NaN values that only mean "absent" are dropped; real NaNs live in explicit columns.
-                    continue
-                rec[c] = v.item() if isinstance(v, np.generic) else v
-            lines.append(json.dumps(rec, default=_json_default))
+        for step, row, keep in zip(frame.index.tolist(), values.tolist(), present.tolist(), strict=True):
+            rec = {"step": int(step)}
+            for c, v, k in zip(cols, row, keep, strict=True):
+                if k:
+                    rec[c] = v
+            lines.append(json.dumps(rec))
         self._scalars.write("\n".join(lines) + ("\n" if lines else ""))
         self._scalars.flush()
 
@@ -375,19 +376,23 @@ class RunReader:
         return sorted(self._step_files.get(step, {}))
 
     # -- content --------------------------------------------------------------------------------------
+    def scalar_records(self, rank: int) -> list[dict[str, Any]]:
+        """One rank's scalar records in file order; a torn last line is listed in ``incomplete``."""
+        path = self.root / SCALAR_DIR / f"rank_{rank:05d}.jsonl"
+        if not path.is_file():
+            return []
+        records, torn = _parse_jsonl(path)
+        if torn is not None:
+            last = records[-1].get("step") if records else None
+            nxt = last + 1 if isinstance(last, int) else None
+            self.incomplete.append(Incomplete(nxt, rank, "scalar line torn (run stopped while writing)"))
+        return records
+
     def scalars(self, rank: int | None = None) -> pd.DataFrame:
-        """Per-step scalars; with ``rank=None`` every rank's rows, with a ``rank`` column."""
+        """Scalars as one table (every rank's rows, with a ``rank`` column); absent keys are NaN."""
         frames = []
-        ranks = [rank] if rank is not None else self.ranks
-        for r in ranks:
-            path = self.root / SCALAR_DIR / f"rank_{r:05d}.jsonl"
-            if not path.is_file():
-                continue
-            records, torn = _parse_jsonl(path)
-            if torn is not None:
-                last = records[-1]["step"] if records else None
-                nxt = last + 1 if isinstance(last, int) else None
-                self.incomplete.append(Incomplete(nxt, r, "scalar line torn (run stopped while writing)"))
+        for r in ([rank] if rank is not None else self.ranks):
+            records = self.scalar_records(r)
             if records:
                 df = pd.DataFrame.from_records(records)
                 df["rank"] = r

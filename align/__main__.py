@@ -1,0 +1,5 @@
+import sys
+
+from align.cli import main
+
+sys.exit(main())

@@ -1,0 +1,87 @@
+"""The comparison procedure: load the runs, run every stage that has data, write the report."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from align.errors import BadInput
+from align.run import Run
+from align.sources import detect, load_run
+from comparators.findings import StageResult, skipped
+from comparators.scalars import ScalarOptions, compare_scalars
+from reports.writer import ReportInput, write_report
+
+
+def _size(path: str) -> str:
+    p = Path(path)
+    if p.is_file():
+        n = p.stat().st_size
+        for unit in ("B", "KB", "MB", "GB"):
+            if n < 1024 or unit == "GB":
+                return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            n /= 1024
+    return "dir"
+
+
+def load_runs(baseline: str, candidate: str, repeats: list[str],
+              progress: Callable[[str], None] | None = None) -> tuple[Run, Run, list[Run]]:
+    """Load every source before anything is written: bad input stops here with one line."""
+    items = [("baseline", baseline), ("candidate", candidate)] + [(f"repeat {i + 1}", r)
+                                                                   for i, r in enumerate(repeats)]
+    kinds = {role: detect(p) for role, p in items}
+    loaded = []
+    for role, path in items:
+        t = time.perf_counter()
+        run = load_run(path, kinds[role])
+        if progress:
+            n = len(run.steps)
+            progress(f"{role}: {path} ({kinds[role]}, {_size(path)}): {n} steps in "
+                     f"{time.perf_counter() - t:.2f} s")
+        loaded.append(run)
+    return loaded[0], loaded[1], loaded[2:]
+
+
+def local_norm_stage(baseline: Run, candidate: Run, mapping: str | None) -> StageResult:
+    """Step-1 local norms through the name mapping, when both runs recorded them."""
+    if not baseline.local_norm_steps() or not candidate.local_norm_steps():
+        missing = [r.label for r in (baseline, candidate) if not r.local_norm_steps()]
+        return skipped("step1_local_norm", f"no local norms in {', '.join(missing)}")
+    try:
+        from comparators.local_norms import compare_local_norm_runs
+    except ImportError:
+        return skipped("step1_local_norm", "local-norm comparator not available")
+    return compare_local_norm_runs(baseline, candidate, mapping=mapping)
+
+
+def report(baseline: str, candidate: str, out: str, repeats: list[str] | None = None,
+           options: ScalarOptions | None = None, mapping: str | None = None,
+           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    b, c, reps = load_runs(baseline, candidate, repeats or [], progress)
+    if not b.has("loss") and not b.local_norm_steps():
+        raise BadInput(f"{baseline}: no loss values and no local norms to compare")
+    if not c.has("loss") and not c.local_norm_steps():
+        raise BadInput(f"{candidate}: no loss values and no local norms to compare")
+    cmp = compare_scalars(b, c, reps, options)
+    stages = dict(cmp.stages)
+    stages["step1_local_norm"] = local_norm_stage(b, c, mapping)
+    order = ["step1_loss", "step1_local_norm", "step2_loss", "long_run", "grad_norm", "lr_schedule",
+             "nonfinite"]
+    stages = {k: stages[k] for k in order if k in stages} | {k: v for k, v in stages.items() if k not in order}
+    runs = [{"role": role, "path": r.path, "kind": r.kind, "steps": len(r.steps), "notes": r.notes}
+            for role, r in [("baseline", b), ("candidate", c)] + [(f"repeat{i + 1}", r)
+                                                                  for i, r in enumerate(reps)]]
+    if progress:
+        progress(f"compared in {time.perf_counter() - t0:.2f} s; writing {out}")
+    data = write_report(ReportInput(runs, stages, cmp.table), out)
+    if progress:
+        progress(f"done in {time.perf_counter() - t0:.2f} s")
+    return data
+
+
+def stderr_progress(msg: str) -> None:
+    print(f"align: {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,60 @@
+"""Detect what a run argument is (run store, Megatron log, MindFormers log, TensorBoard dir) and load it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from align.errors import BadInput
+from align.run import Run, open_store
+from align.runstore import META, SCALAR_DIR
+
+KINDS = ("runstore", "megatron_log", "mindformers_log", "tensorboard")
+
+
+def detect(path: str | Path) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"{p}: no such file or directory")
+    if p.is_dir():
+        if (p / META).is_file() or (p / SCALAR_DIR).is_dir():
+            return "runstore"
+        if any(p.rglob("events.out.tfevents.*")):
+            return "tensorboard"
+        raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/) nor a TensorBoard "
+                       "log dir (events.out.tfevents.*)")
+    with open(p, "rb") as fh:
+        head = fh.read(4 << 20)
+    if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or b"\x00" in head[:65536]:
+        raise BadInput(f"{p}: binary file, not a training log")
+    if b"Epoch:[" in head or b"local_norm:" in head:
+        return "mindformers_log"
+    if b"iteration" in head and b"|" in head:
+        return "megatron_log"
+    # Large logs may start with a long preamble: look further only at the marker bytes.
+    with open(p, "rb") as fh:
+        for chunk in iter(lambda: fh.read(16 << 20), b""):
+            if b"Epoch:[" in chunk:
+                return "mindformers_log"
+            if b"| lm loss" in chunk or b"consumed samples" in chunk:
+                return "megatron_log"
+    if not head.strip():
+        raise BadInput(f"{p}: empty file")
+    raise BadInput(f"{p}: not a recognised training log (no Megatron 'iteration' or MindFormers "
+                   "'Epoch:[..] step:[..]' lines)")
+
+
+def load_run(path: str | Path, kind: str | None = None) -> Run:
+    """Load any supported source as a Run; ``kind`` overrides detection."""
+    kind = kind or detect(path)
+    if kind == "runstore":
+        return open_store(path)
+    if kind == "megatron_log":
+        from dumpers.megatron_log import parse_megatron_log
+        return parse_megatron_log(path)
+    if kind == "mindformers_log":
+        from dumpers.mindformers_log import parse_mindformers_log
+        return parse_mindformers_log(path)
+    if kind == "tensorboard":
+        from dumpers.tensorboard_import import read_tensorboard
+        return read_tensorboard(path)
+    raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(KINDS)})")

@@ -1,0 +1,265 @@
+"""Per-step scalar comparison: step-1 / step-2 loss, the long run against a benchmark error band,
+divergence, late-stage gap, first non-finite step, learning-rate schedule.
+
+The statistics, in plain words (README "How the verdict is reached" repeats this):
+- delta = candidate - baseline at each step both runs logged.
+- The benchmark error band is how far the baseline differs from itself when run again: with repeats,
+  band(step) = band_k x the rolling RMS (window ``band_window`` steps) of (repeat - baseline) over all
+  repeats, never below ``band_floor``. Without repeats the band is ``rtol`` x |baseline loss|.
+- outside_band_fraction: share of common steps where |delta| > band.
+- mean_delta / spread: mean(delta) divided by std(delta). Near 0 the candidate fluctuates around the
+  baseline; near +-1 or beyond it sits consistently on one side (a bias, even inside the band).
+- divergence_step: first step of the first run of ``sustain`` consecutive steps outside the band
+  (a lone spike is noise, a sustained departure is a divergence).
+- late-stage gap: over the last ``tail`` share of steps the mean |delta| exceeds the mean band while the
+  first half was inside: training agreed, then drifted apart late.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from align.run import Run
+from comparators.findings import Finding, StageResult, skipped
+
+
+@dataclass
+class ScalarOptions:
+    step_rtol: float = 5e-3        # step-1 / step-2 loss: relative tolerance
+    rtol: float = 1e-2             # long run band when there are no repeats
+    band_k: float = 3.0            # band = band_k x rolling RMS of repeat deltas
+    band_window: int = 51          # steps in the rolling window of the band
+    band_floor: float = 1e-6       # absolute floor of the band (a bit-identical repeat gives 0)
+    max_outside: float = 0.05      # allowed share of steps outside the band
+    max_bias: float = 0.5          # |mean delta| / std(delta) above this: the delta does not centre on 0
+    sustain: int = 10              # consecutive out-of-band steps that make a divergence
+    tail: float = 0.2              # last share of steps checked for a late-stage gap
+    lr_rtol: float = 1e-5          # learning rates must agree to this relative tolerance
+
+
+@dataclass
+class ScalarComparison:
+    stages: dict[str, StageResult]
+    table: pd.DataFrame            # per step: baseline, candidate, delta, band, outside, repeats ...
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _common(a: pd.Series, b: pd.Series) -> pd.Index:
+    return a.index.intersection(b.index)
+
+
+def _rel(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(b - a) / max(abs(a), 1e-12)
+
+
+def _step_stage(name: str, nth: int, base: pd.Series, cand: pd.Series, opt: ScalarOptions) -> StageResult:
+    common = _common(base, cand)
+    if len(common) < nth:
+        return skipped(name, f"fewer than {nth} steps logged by both runs")
+    step = int(common[nth - 1])
+    b, c = float(base[step]), float(cand[step])
+    rel = _rel(b, c)
+    st = StageResult(name, details={"step": step, "baseline": b, "candidate": c,
+                                    "abs_delta": c - b, "rel_delta": rel, "threshold": opt.step_rtol})
+    verdict = "pass" if rel <= opt.step_rtol else "fail"
+    label = "step-1" if nth == 1 else "step-2"
+    what = "forward (same weights and data?)" if nth == 1 else "optimizer update (lr, betas, eps, decay?)"
+    msg = (f"{label} loss (step {step}): baseline {b:.6g}, candidate {c:.6g}, relative delta {rel:.3g} "
+           f"{'<=' if verdict == 'pass' else '>'} {opt.step_rtol:g}")
+    if verdict == "fail":
+        msg += f"; suspect the {what}"
+    st.add(Finding(name, verdict, "loss", "rel_delta", rel, opt.step_rtol, msg))
+    return st
+
+
+def _rolling_rms(x: np.ndarray, window: int) -> np.ndarray:
+    s = pd.Series(x * x)
+    return np.sqrt(s.rolling(window, center=True, min_periods=1).mean().to_numpy())
+
+
+def _first_sustained(outside: np.ndarray, sustain: int) -> int | None:
+    """Index of the first run of ``sustain`` consecutive True values, vectorised."""
+    if len(outside) < sustain or sustain <= 0:
+        return None
+    run = np.convolve(outside.astype(np.int32), np.ones(sustain, dtype=np.int32), mode="valid")
+    hits = np.flatnonzero(run == sustain)
+    return int(hits[0]) if len(hits) else None
+
+
+def _first_nonfinite(run: Run, keys: tuple[str, ...]) -> tuple[int, str, float] | None:
+    best = None
+    for k in keys:
+        s = run.series(k)
+        bad = s[~np.isfinite(s.to_numpy())]
+        if len(bad) and (best is None or int(bad.index[0]) < best[0]):
+            best = (int(bad.index[0]), k, float(bad.iloc[0]))
+    return best
+
+
+def compare_scalars(baseline: Run, candidate: Run, repeats: list[Run] | None = None,
+                    opt: ScalarOptions | None = None) -> ScalarComparison:
+    opt = opt or ScalarOptions()
+    repeats = repeats or []
+    stages: dict[str, StageResult] = {}
+    base, cand = baseline.series("loss"), candidate.series("loss")
+    stages["step1_loss"] = _step_stage("step1_loss", 1, base, cand, opt)
+    stages["step2_loss"] = _step_stage("step2_loss", 2, base, cand, opt)
+    stages["nonfinite"] = _nonfinite_stage(baseline, candidate, repeats)
+    stages["lr_schedule"] = _lr_stage(baseline, candidate, opt)
+
+    table, long_run = _long_run("loss", "long_run", baseline, candidate, repeats, opt)
+    stages["long_run"] = long_run
+    gtable, gstage = _long_run("grad_norm", "grad_norm", baseline, candidate, repeats, opt,
+                               fail_verdict="warn")
+    stages["grad_norm"] = gstage
+    if not gtable.empty:
+        gtable = gtable.add_prefix("grad_norm_")
+        table = table.join(gtable, how="outer") if not table.empty else gtable
+    return ScalarComparison(stages, table)
+
+
+def _nonfinite_stage(baseline: Run, candidate: Run, repeats: list[Run]) -> StageResult:
+    st = StageResult("nonfinite")
+    keys = ("loss", "grad_norm")
+    any_data = False
+    for role, run in (("candidate", candidate), ("baseline", baseline)) + tuple(
+            (f"repeat {i + 1}", r) for i, r in enumerate(repeats)):
+        if not any(run.has(k) for k in keys):
+            continue
+        any_data = True
+        hit = _first_nonfinite(run, keys)
+        if hit is not None:
+            step, key, value = hit
+            st.add(Finding("nonfinite", "fail", key, "first_nonfinite_step", step, None,
+                           f"{role} ({run.label}): {key} is {value} first at step {step}"))
+            st.details.setdefault("first_nonfinite", {})[role] = {"step": step, "metric": key}
+    if not any_data:
+        return skipped("nonfinite", "no loss or grad norm values")
+    if not st.findings:
+        st.add(Finding("nonfinite", "pass", None, "first_nonfinite_step", None, None,
+                       "loss and grad norm finite at every step in every run"))
+    return st
+
+
+def _lr_stage(baseline: Run, candidate: Run, opt: ScalarOptions) -> StageResult:
+    b, c = baseline.series("lr"), candidate.series("lr")
+    common = _common(b, c)
+    if len(common) == 0:
+        return skipped("lr_schedule", "learning rate not logged by both runs")
+    bv, cv = b[common].to_numpy(), c[common].to_numpy()
+    bad = np.abs(cv - bv) > opt.lr_rtol * np.maximum(np.abs(bv), 1e-30)
+    st = StageResult("lr_schedule", details={"steps": int(len(common)), "mismatched_steps": int(bad.sum())})
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        st.details["first_mismatch_step"] = int(common[i])
+        st.add(Finding("lr_schedule", "fail", "learning_rate", "first_mismatch_step", int(common[i]), None,
+                       f"learning rate differs from step {int(common[i])}: baseline {bv[i]:.6g}, candidate "
+                       f"{cv[i]:.6g} ({int(bad.sum())} of {len(common)} steps differ); check warmup, decay "
+                       "style, min lr and the step the schedule counts from"))
+    else:
+        st.add(Finding("lr_schedule", "pass", "learning_rate", "mismatched_steps", 0, None,
+                       f"learning rate identical at all {len(common)} common steps"))
+    return st
+
+
+def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[Run],
+              opt: ScalarOptions, fail_verdict: str = "fail") -> tuple[pd.DataFrame, StageResult]:
+    base, cand = baseline.series(key), candidate.series(key)
+    common = _common(base, cand)
+    if len(common) < 3:
+        return pd.DataFrame(), skipped(name, f"fewer than 3 steps with {key} in both runs")
+    b = base[common].to_numpy()
+    c = cand[common].to_numpy()
+    delta = c - b
+    table = pd.DataFrame({"baseline": b, "candidate": c, "delta": delta}, index=common)
+    rep_deltas = []
+    for i, r in enumerate(repeats):
+        rs = r.series(key).reindex(common)
+        if rs.notna().sum() == 0:
+            continue
+        d = (rs.to_numpy() - b)
+        table[f"repeat{i + 1}"] = rs.to_numpy()
+        rep_deltas.append(d)
+    finite = np.isfinite(delta)
+    if rep_deltas:
+        stack = np.vstack(rep_deltas)
+        sq = np.where(np.isfinite(stack), stack, np.nan) ** 2
+        ms = np.nanmean(sq, axis=0)
+        rms = np.sqrt(pd.Series(ms).rolling(opt.band_window, center=True, min_periods=1).mean().to_numpy())
+        band = np.maximum(opt.band_k * np.nan_to_num(rms, nan=0.0), opt.band_floor)
+        band_source = f"{len(rep_deltas)} baseline repeat(s): {opt.band_k:g} x rolling RMS"
+    else:
+        band = np.maximum(opt.rtol * np.abs(b), opt.band_floor)
+        band_source = f"no repeats: rtol {opt.rtol:g} x |baseline|"
+    outside = ~finite | (np.abs(delta) > band)
+    table["band"] = band
+    table["outside"] = outside
+    n = len(common)
+    d_f = delta[finite]
+    mean_delta = float(d_f.mean()) if len(d_f) else math.nan
+    spread = float(d_f.std()) if len(d_f) > 1 else math.nan
+    bias = abs(mean_delta) / spread if spread and spread > 0 else (0.0 if mean_delta == 0 else math.inf)
+    frac = float(outside.mean())
+    first = _first_sustained(outside, opt.sustain)
+    div_step = int(common[first]) if first is not None else None
+    st = StageResult(name, details={
+        "steps": int(n), "first_step": int(common[0]), "last_step": int(common[-1]),
+        "outside_band_fraction": frac, "mean_delta": mean_delta, "delta_std": spread,
+        "mean_delta_over_spread": bias, "divergence_step": div_step, "band": band_source,
+        "max_abs_delta": float(np.nanmax(np.abs(d_f))) if len(d_f) else math.nan,
+    })
+    label = "loss" if key == "loss" else key.replace("_", " ")
+    if frac > opt.max_outside:
+        st.add(Finding(name, fail_verdict, key, "outside_band_fraction", frac, opt.max_outside,
+                       f"{label}: {frac:.1%} of {n} steps outside the benchmark band "
+                       f"(allowed {opt.max_outside:.0%}; band from {band_source})"))
+    else:
+        st.add(Finding(name, "pass", key, "outside_band_fraction", frac, opt.max_outside,
+                       f"{label}: {frac:.1%} of {n} steps outside the benchmark band "
+                       f"(allowed {opt.max_outside:.0%})"))
+    if div_step is not None:
+        st.add(Finding(name, fail_verdict, key, "divergence_step", div_step, opt.sustain,
+                       f"{label}: sustained divergence starts at step {div_step} (>= {opt.sustain} "
+                       f"consecutive steps outside the band); delta there {delta[first]:+.4g}, "
+                       f"band {band[first]:.3g}"))
+    if math.isfinite(bias) and bias > opt.max_bias and len(d_f) > 10:
+        st.add(Finding(name, "warn" if frac <= opt.max_outside else fail_verdict, key,
+                       "mean_delta_over_spread", bias, opt.max_bias,
+                       f"{label}: the delta does not fluctuate around 0 (mean {mean_delta:+.3g} = "
+                       f"{bias:.2f} x its spread {spread:.3g}); the candidate is biased "
+                       f"{'high' if mean_delta > 0 else 'low'}"))
+    _late_gap(st, key, label, common, delta, band, finite, opt, fail_verdict)
+    return table, st
+
+
+def _late_gap(st: StageResult, key: str, label: str, common: pd.Index, delta: np.ndarray,
+              band: np.ndarray, finite: np.ndarray, opt: ScalarOptions, fail_verdict: str) -> None:
+    n = len(common)
+    k = max(int(n * opt.tail), opt.sustain)
+    if n < 2 * k or k < 2:
+        return
+    tail = slice(n - k, n)
+    head = slice(0, n // 2)
+    ok = finite[tail]
+    if not ok.any():
+        return
+    tail_gap = float(np.mean(np.abs(delta[tail][ok])))
+    tail_band = float(np.mean(band[tail][ok]))
+    head_ok = finite[head]
+    head_gap = float(np.mean(np.abs(delta[head][head_ok]))) if head_ok.any() else math.inf
+    head_band = float(np.mean(band[head][head_ok])) if head_ok.any() else 0.0
+    st.details["late_gap"] = {"tail_steps": [int(common[n - k]), int(common[-1])],
+                              "tail_mean_abs_delta": tail_gap, "tail_mean_band": tail_band}
+    if tail_gap > tail_band and head_gap <= head_band:
+        mean_tail = float(np.mean(delta[tail][ok]))
+        st.add(Finding(st.name, fail_verdict, key, "late_stage_gap", mean_tail, tail_band,
+                       f"{label}: late-stage gap: over steps {int(common[n - k])}-{int(common[-1])} the "
+                       f"candidate is {mean_tail:+.4g} from the baseline on average (band {tail_band:.3g}), "
+                       f"while the first half agreed"))

@@ -1,0 +1,83 @@
+"""Shared handling of training-log text: binary detection, ANSI colour, terminal wrapping.
+
+Logs reach us pasted from terminals: colour codes, carriage-return progress bars, and lines cut at the
+terminal width (mid-word, no marker). We undo those before any format-specific parsing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+from align.errors import BadInput
+
+_ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def read_log_bytes(path: str | Path) -> bytes:
+    """Read a log file, refusing what is not text (one-line BadInput naming the file)."""
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"{p}: no such file")
+    if p.is_dir():
+        raise BadInput(f"{p}: is a directory, expected a log file")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise BadInput(f"{p}: cannot read ({exc.strerror})") from None
+    if not data[:4096].strip() and not data.strip():
+        raise BadInput(f"{p}: empty file")
+    head = data[:65536]
+    if b"\x00" in head:
+        raise BadInput(f"{p}: binary file (NUL bytes), not a training log")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        # A multi-byte character cut at the 64 KiB boundary is fine; garbage early on is not.
+        if exc.start < len(head) - 4:
+            bad = sum(1 for b in head if b >= 0x80)
+            if bad > len(head) // 10:
+                raise BadInput(f"{p}: not UTF-8 text, not a training log") from None
+    return data
+
+
+def clean_text(data: bytes) -> bytes:
+    """Strip ANSI colour, turn CR progress updates into lines, and undo terminal wrapping."""
+    if b"\x1b" in data:
+        data = _ANSI.sub(b"", data)
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return data
+
+
+def unwrap(lines: list[bytes], is_complete: callable) -> tuple[list[bytes], int]:
+    """Join physical lines that a terminal cut at its width.
+
+    A copy from a terminal breaks long lines at exactly the terminal width, with nothing inserted. So the
+    width shows as the most common length among the longest lines; a line of exactly that length that is
+    not a complete record is joined with the next one. Returns the lines and how many joins were made.
+    """
+    lengths = Counter(len(x) for x in lines if len(x) >= 40)
+    if not lengths:
+        return lines, 0
+    longest = max(lengths)
+    if lengths[longest] < 2:
+        return lines, 0
+    width = longest
+    out: list[bytes] = []
+    joins = 0
+    buf = b""
+    for line in lines:
+        if buf:
+            buf += line
+            joins += 1
+        else:
+            buf = line
+        if len(line) == width and not is_complete(buf):
+            continue
+        out.append(buf)
+        buf = b""
+    if buf:
+        out.append(buf)
+    return out, joins

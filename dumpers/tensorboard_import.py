@@ -1,0 +1,76 @@
+"""TensorBoard event directories (what Megatron writes with --tensorboard-dir) -> Run.
+
+Megatron's tags are mapped to the run store's scalar keys; ``... vs samples`` / ``vs tokens`` copies of
+the same curves are left out. Reading uses TensorBoard's own event reader (the optional ``tensorboard``
+extra): the log-only path keeps needing nothing more than numpy, pandas, matplotlib and h5py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from align.errors import BadInput
+from align.run import Run, make_series
+
+TAGS = {
+    "lm loss": "loss",
+    "lm-loss": "loss",
+    "loss": "loss",
+    "train/loss": "loss",
+    "grad-norm": "grad_norm",
+    "grad_norm": "grad_norm",
+    "learning-rate": "lr",
+    "learning_rate": "lr",
+    "loss-scale": "loss_scale",
+    "num-zeros": "num_zeros",
+    "batch-size": "global_batch_size",
+    "params-norm": "params_norm",
+    "iteration-time": "elapsed_s",
+    "lm loss validation": "val_loss",
+    "lm loss validation ppl": "val_ppl",
+}
+
+
+def event_files(path: Path) -> list[Path]:
+    return sorted(p for p in Path(path).rglob("events.out.tfevents.*") if p.is_file())
+
+
+def _key(tag: str) -> str:
+    return TAGS.get(tag, re.sub(r"[^0-9a-zA-Z]+", "_", tag).strip("_").lower())
+
+
+def read_tensorboard(path: str | Path) -> Run:
+    path = Path(path)
+    files = event_files(path)
+    if not files:
+        raise BadInput(f"{path}: no TensorBoard event files (events.out.tfevents.*)")
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import (  # noqa: PLC0415
+            SCALARS,
+            EventAccumulator,
+        )
+    except ImportError:
+        raise BadInput(f"{path}: reading TensorBoard files needs the 'tensorboard' package "
+                       "(pip install 'xf-align[tensorboard]')") from None
+    series = {}
+    notes = []
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={SCALARS: 0})
+        try:
+            acc.Reload()
+        except Exception as exc:  # the reader raises several types for a corrupt record
+            raise BadInput(f"{f}: corrupt TensorBoard event file ({exc.__class__.__name__})") from None
+        for tag in acc.Tags().get("scalars", []):
+            if " vs " in tag:
+                continue
+            events = acc.Scalars(tag)
+            key = _key(tag)
+            s = make_series([e.step for e in events], [e.value for e in events], key)
+            series[key] = s if key not in series else s.combine_first(series[key])
+    if not series:
+        raise BadInput(f"{path}: TensorBoard files hold no scalars")
+    if len(files) > 1:
+        notes.append(f"{len(files)} event files merged (a later file wins on repeated steps)")
+    meta = {"framework": "tensorboard", "source": {"kind": "tensorboard", "path": str(path)}}
+    return Run(str(path), "tensorboard", meta, series, {}, notes)

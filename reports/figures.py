@@ -1,0 +1,99 @@
+"""PNG figures: a reader sees the verdict at a glance (title colour, shaded band, marked steps)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+COLOURS = {"pass": "#1a7f37", "warn": "#b35900", "fail": "#c62828", "skipped": "#666666"}
+MAX_POINTS = 4000
+
+
+def _thin(df: pd.DataFrame) -> pd.DataFrame:
+    """Keep at most MAX_POINTS rows for drawing; out-of-band rows are always kept so spikes stay visible."""
+    if len(df) <= MAX_POINTS:
+        return df
+    stride = int(np.ceil(len(df) / MAX_POINTS))
+    keep = np.zeros(len(df), dtype=bool)
+    keep[::stride] = True
+    if "outside" in df:
+        out_idx = np.flatnonzero(df["outside"].to_numpy())
+        keep[out_idx[: MAX_POINTS]] = True
+    keep[-1] = True
+    return df[keep]
+
+
+def _save(fig: plt.Figure, path: Path) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    data = buf.getvalue()
+    path.write_bytes(data)
+    return data
+
+
+def loss_curves(table: pd.DataFrame, labels: dict[str, str], verdict: str, path: Path,
+                title: str = "Loss", prefix: str = "") -> bytes | None:
+    cols = {c[len(prefix):]: c for c in table.columns if c.startswith(prefix)} if prefix else \
+        {c: c for c in table.columns}
+    if "baseline" not in cols or "candidate" not in cols:
+        return None
+    df = _thin(table[[cols[k] for k in cols]].dropna(how="all").rename(columns={v: k for k, v in cols.items()}))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for c in sorted(k for k in df.columns if k.startswith("repeat")):
+        ax.plot(df.index, df[c], color="#9e9e9e", lw=0.8, alpha=0.8, label=labels.get(c, c))
+    ax.plot(df.index, df["baseline"], color="#1f4e9e", lw=1.2, label=labels.get("baseline", "baseline"))
+    ax.plot(df.index, df["candidate"], color="#e07b00", lw=1.0, ls="--",
+            label=labels.get("candidate", "candidate"))
+    ax.set_xlabel("step")
+    ax.set_ylabel(title.lower())
+    ax.set_title(f"{title}: baseline vs candidate  [{verdict.upper()}]", color=COLOURS.get(verdict, "k"))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, path)
+
+
+def delta_band(table: pd.DataFrame, verdict: str, path: Path, divergence_step: int | None,
+               nonfinite_step: int | None, title: str = "Loss delta", prefix: str = "") -> bytes | None:
+    need = [prefix + c for c in ("delta", "band", "outside")]
+    if any(c not in table.columns for c in need):
+        return None
+    df = table[[c for c in table.columns if c.startswith(prefix)]].dropna(subset=[prefix + "delta"])
+    df = df.rename(columns=lambda c: c[len(prefix):])
+    df = _thin(df)
+    if df.empty:
+        return None
+    x = df.index.to_numpy()
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    ax.fill_between(x, -df["band"], df["band"], color="#90caf9", alpha=0.5, step="mid",
+                    label="benchmark error band")
+    for c in sorted(k for k in df.columns if k.startswith("repeat")):
+        ax.plot(x, df[c] - df["baseline"], color="#9e9e9e", lw=0.6, alpha=0.8, label=f"{c} - baseline")
+    ax.plot(x, df["delta"], color="#e07b00", lw=0.9, label="candidate - baseline")
+    out = df[df["outside"].astype(bool)]
+    if len(out):
+        ax.scatter(out.index, out["delta"].clip(-1e30, 1e30), s=6, color=COLOURS["fail"], zorder=3,
+                   label=f"outside band ({len(out)} shown)")
+    ax.axhline(0, color="k", lw=0.6)
+    if divergence_step is not None:
+        ax.axvline(divergence_step, color=COLOURS["fail"], ls="--", lw=1.2)
+        ax.annotate(f"divergence from step {divergence_step}", (divergence_step, ax.get_ylim()[1]),
+                    color=COLOURS["fail"], fontsize=8, va="top", ha="left", xytext=(4, -4),
+                    textcoords="offset points")
+    if nonfinite_step is not None:
+        ax.axvline(nonfinite_step, color="#6a1b9a", ls=":", lw=1.5)
+        ax.annotate(f"NaN/Inf at step {nonfinite_step}", (nonfinite_step, ax.get_ylim()[0]),
+                    color="#6a1b9a", fontsize=8, va="bottom", xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("step")
+    ax.set_ylabel("candidate - baseline")
+    ax.set_title(f"{title} against the benchmark band  [{verdict.upper()}]", color=COLOURS.get(verdict, "k"))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, path)

@@ -1,0 +1,130 @@
+"""Findings -> DIR/report.html, DIR/summary.json, DIR/deltas.csv, DIR/figures/*.png.
+
+Everything is written into a fresh temporary folder beside DIR and moved in at the end, so a failure
+leaves DIR as it was: never a half-written report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from comparators.findings import StageResult, worst
+from reports import figures, html
+
+CONTRACT_STAGES = ("step1_loss", "step1_local_norm", "step2_loss", "long_run")
+
+
+@dataclass
+class ReportInput:
+    runs: list[dict[str, Any]]                  # role, path, kind, steps, notes
+    stages: dict[str, StageResult]
+    scalar_table: pd.DataFrame = field(default_factory=pd.DataFrame)
+    extra_figures: list[tuple[str, str, bytes]] = field(default_factory=list)   # (file, title, png)
+    extra_sections: list[tuple[str, str]] = field(default_factory=list)         # (title, html body)
+    extra_tables: dict[str, pd.DataFrame] = field(default_factory=dict)         # file name -> table
+
+
+def overall_verdict(stages: dict[str, StageResult]) -> str:
+    v = worst([s.verdict for s in stages.values() if s.verdict != "skipped"])
+    return "warn" if v == "skipped" else v  # nothing compared is not a pass
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN/Inf: write them as null so any JSON reader accepts the file."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if hasattr(obj, "item"):
+        return _clean(obj.item())
+    return obj
+
+
+def summary(inp: ReportInput) -> dict[str, Any]:
+    stages = dict(inp.stages)
+    for name in CONTRACT_STAGES:
+        stages.setdefault(name, StageResult(name, "skipped", {"reason": "no data for this stage"}))
+    out_stages = {name: st.to_json() for name, st in stages.items()}
+    lr = out_stages["long_run"]
+    for key in ("steps", "outside_band_fraction", "mean_delta", "divergence_step"):
+        lr.setdefault(key, None)
+    return _clean({
+        "verdict": overall_verdict(inp.stages),
+        "stages": out_stages,
+        "findings": [f.to_json() for st in stages.values() for f in st.findings],
+        "runs": [{k: r[k] for k in ("role", "path", "kind", "steps") if k in r} for r in inp.runs],
+    })
+
+
+def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        data = summary(inp)
+        figdir = tmp / "figures"
+        figdir.mkdir()
+        figs: list[tuple[str, bytes]] = []
+        labels = {r["role"]: f"{r['role']}: {Path(r['path']).name}" for r in inp.runs}
+        long_run = inp.stages.get("long_run")
+        nonfinite = inp.stages.get("nonfinite")
+        nf_step = None
+        if nonfinite is not None:
+            steps = [v["step"] for v in nonfinite.details.get("first_nonfinite", {}).values()]
+            nf_step = min(steps) if steps else None
+        t = inp.scalar_table
+        if not t.empty:
+            lv = long_run.verdict if long_run else "skipped"
+            png = figures.loss_curves(t, labels, lv, figdir / "loss.png")
+            if png:
+                figs.append(("Loss curves", png))
+            png = figures.delta_band(t, lv, figdir / "loss_delta_band.png",
+                                     long_run.details.get("divergence_step") if long_run else None, nf_step)
+            if png:
+                figs.append(("Loss delta against the band", png))
+            g = inp.stages.get("grad_norm")
+            gv = g.verdict if g else "skipped"
+            png = figures.loss_curves(t, labels, gv, figdir / "grad_norm.png", title="Grad norm",
+                                      prefix="grad_norm_")
+            if png:
+                figs.append(("Grad norm curves", png))
+            png = figures.delta_band(t, gv, figdir / "grad_norm_delta_band.png",
+                                     g.details.get("divergence_step") if g else None, nf_step,
+                                     title="Grad norm delta", prefix="grad_norm_")
+            if png:
+                figs.append(("Grad norm delta against the band", png))
+            t.to_csv(tmp / "deltas.csv", index_label="step")
+        for fname, title, png in inp.extra_figures:
+            (figdir / fname).write_bytes(png)
+            figs.append((title, png))
+        for fname, table in inp.extra_tables.items():
+            table.to_csv(tmp / fname, index=False)
+        step_rows = []
+        for name in ("step1_loss", "step2_loss"):
+            st = inp.stages.get(name)
+            if st is not None and st.verdict != "skipped":
+                step_rows.append({"stage": name, "verdict": st.verdict, **st.details})
+        page = html.render(data["verdict"], inp.runs, inp.stages, figs, step_rows, inp.extra_sections)
+        (tmp / "report.html").write_text(page, encoding="utf-8")
+        (tmp / "summary.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
+        out.mkdir(exist_ok=True)
+        for src in sorted(tmp.rglob("*")):
+            dst = out / src.relative_to(tmp)
+            if src.is_dir():
+                dst.mkdir(exist_ok=True)
+            else:
+                os.replace(src, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return data
