@@ -475,7 +475,7 @@ class TorchDumper:
         g = self._grad_of(p)
         tensors: list[tuple[str, str, torch.Tensor]] = []
         if g is not None:
-            tensors.append((name, "grad", g))
+            tensors.append((module, "grad", g))
         for kind, t in self._io_refs.get(module, {}).items():
             tensors.append((module, kind, t))
         self._write_trace("grad", name, module, detail, tensors, 2)
