@@ -165,8 +165,10 @@ class RunWriter:
         """Store one array under ``key`` (slashes make groups) in this step's file."""
         h5 = self._file_for(step)
         arr = np.asarray(array)
-        if arr.dtype == object:
-            raise TypeError(f"{key}: object arrays are not stored (no pickle)")
+        if arr.dtype == object and h5py.check_string_dtype(arr.dtype) is None:
+            if not all(isinstance(x, str) for x in arr.ravel()):
+                raise TypeError(f"{key}: object arrays are not stored (no pickle)")
+            arr = arr.astype(h5py.string_dtype())
         if arr.dtype.kind == "U":
             arr = arr.astype(h5py.string_dtype())
         if key in h5:

@@ -24,6 +24,8 @@ def detect(path: str | Path) -> str:
                        "log dir (events.out.tfevents.*)")
     with open(p, "rb") as fh:
         head = fh.read(4 << 20)
+    if not head.strip() and p.stat().st_size < (4 << 20):
+        raise BadInput(f"{p}: empty file")
     if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or b"\x00" in head[:65536]:
         raise BadInput(f"{p}: binary file, not a training log")
     if b"Epoch:[" in head or b"local_norm:" in head:
@@ -37,8 +39,6 @@ def detect(path: str | Path) -> str:
                 return "mindformers_log"
             if b"| lm loss" in chunk or b"consumed samples" in chunk:
                 return "megatron_log"
-    if not head.strip():
-        raise BadInput(f"{p}: empty file")
     raise BadInput(f"{p}: not a recognised training log (no Megatron 'iteration' or MindFormers "
                    "'Epoch:[..] step:[..]' lines)")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from align.errors import BadInput
@@ -51,7 +52,7 @@ def clean_text(data: bytes) -> bytes:
     return data
 
 
-def unwrap(lines: list[bytes], is_complete: callable) -> tuple[list[bytes], int]:
+def unwrap(lines: list[str], is_complete: Callable[[str], bool]) -> tuple[list[str], int]:
     """Join physical lines that a terminal cut at its width.
 
     A copy from a terminal breaks long lines at exactly the terminal width, with nothing inserted. So the
@@ -65,9 +66,9 @@ def unwrap(lines: list[bytes], is_complete: callable) -> tuple[list[bytes], int]
     if lengths[longest] < 2:
         return lines, 0
     width = longest
-    out: list[bytes] = []
+    out: list[str] = []
     joins = 0
-    buf = b""
+    buf = ""
     for line in lines:
         if buf:
             buf += line
@@ -77,7 +78,7 @@ def unwrap(lines: list[bytes], is_complete: callable) -> tuple[list[bytes], int]
         if len(line) == width and not is_complete(buf):
             continue
         out.append(buf)
-        buf = b""
+        buf = ""
     if buf:
         out.append(buf)
     return out, joins

@@ -52,8 +52,8 @@ def _key(name: str) -> str:
     return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_").lower()
 
 
-def _is_complete(line: bytes) -> bool:
-    return line.rstrip().endswith(b"|") or b"iteration" not in line
+def _is_complete(line: str) -> bool:
+    return line.rstrip().endswith("|") or "iteration" not in line
 
 
 def _parse_value(text: str) -> Any:
@@ -153,10 +153,10 @@ def parse_megatron_log(path: str | Path) -> Run:
         columns = {k: (v, np.ones(len(v), dtype=bool)) for k, v in values.items()}
     else:
         if any(not r.rstrip().endswith(b"|") for r in records[:-1]):
-            lines, joins = unwrap(raw.split(b"\n"), _is_complete)
+            lines, joins = unwrap(raw.decode("utf-8", "replace").split("\n"), _is_complete)
             if joins:
                 notes.append(f"re-joined {joins} lines wrapped by a terminal")
-                raw = b"\n".join(lines)
+                raw = "\n".join(lines).encode()
                 records = _RECORD.findall(raw)
         columns, iters = _careful_table(records, notes, path)
     series = {k: make_series(iters[present], values[present], k) for k, (values, present) in columns.items()}

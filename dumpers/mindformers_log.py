@@ -48,10 +48,10 @@ def _number(text: str) -> float:
     return float(t)
 
 
-def _is_complete(line: bytes) -> bool:
-    if b"Epoch:[" not in line:
-        return True
-    return line.rstrip().endswith(b"]")
+def _is_complete(line: str) -> bool:
+    if "Epoch:[" not in line:
+        return "local_norm" not in line and "norm_size" not in line or line.rstrip().endswith(")")
+    return line.rstrip().endswith("]")
 
 
 def _config_block(lines: list[str]) -> dict[str, Any]:
@@ -77,12 +77,11 @@ def parse_mindformers_log(path: str | Path) -> Run:
     """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
     raw = clean_text(read_log_bytes(path))
     notes: list[str] = []
-    lines = raw.split(b"\n")
-    if any(not _is_complete(x) for x in lines[:-1]):
-        lines, joins = unwrap(lines, _is_complete)
+    text_lines = raw.decode("utf-8", "replace").split("\n")
+    if any(not _is_complete(x) for x in text_lines[:-1]):
+        text_lines, joins = unwrap(text_lines, _is_complete)
         if joins:
             notes.append(f"re-joined {joins} lines wrapped by a terminal")
-    text_lines = [x.decode("utf-8", "replace") for x in lines]
 
     cols: dict[str, tuple[list[int], list[float]]] = {}
     local_norms: dict[int, pd.DataFrame] = {}

@@ -69,7 +69,8 @@ def read_tensorboard(path: str | Path) -> Run:
             s = make_series([e.step for e in events], [e.value for e in events], key)
             series[key] = s if key not in series else s.combine_first(series[key])
     if not series:
-        raise BadInput(f"{path}: TensorBoard files hold no scalars")
+        names = ", ".join(f.name for f in files[:3])
+        raise BadInput(f"{path}: no readable scalars in {names} (corrupt or empty event files?)")
     if len(files) > 1:
         notes.append(f"{len(files)} event files merged (a later file wins on repeated steps)")
     meta = {"framework": "tensorboard", "source": {"kind": "tensorboard", "path": str(path)}}

@@ -1,0 +1,131 @@
+"""`align report` end to end through the CLI: verdicts, stages, steps, exit codes, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.cli import main
+from align.examples.make_example_logs import write_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def report(tmp_path, fault="none", fault_step=None, steps=300, repeat=True, extra=()):
+    paths = write_examples(tmp_path / "in", steps=steps, fault=fault, fault_step=fault_step)
+    out = tmp_path / "out"
+    argv = ["report", str(paths["baseline"]), str(paths["candidate"]), "--out", str(out), "-q", *extra]
+    if repeat:
+        argv += ["--repeat", str(paths["repeat"])]
+    code = main(argv)
+    summary = json.loads((out / "summary.json").read_text())
+    return code, summary, out
+
+
+def failing(summary, stage):
+    return [f for f in summary["findings"] if f["stage"] == stage and f["verdict"] == "fail"]
+
+
+def test_clean_pair_passes_and_contract_holds(tmp_path):
+    code, s, out = report(tmp_path)
+    assert code == 0 and s["verdict"] == "pass"
+    for stage in ("step1_loss", "step1_local_norm", "step2_loss", "long_run"):
+        assert "verdict" in s["stages"][stage]
+    assert s["stages"]["step1_local_norm"]["verdict"] == "skipped"  # logs carry no named norms
+    lr = s["stages"]["long_run"]
+    assert lr["steps"] == 300 and lr["divergence_step"] is None
+    assert 0 <= lr["outside_band_fraction"] <= 0.05 and isinstance(lr["mean_delta"], float)
+    for f in s["findings"]:
+        assert set(f) == {"stage", "verdict", "component", "metric", "value", "threshold", "message"}
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64," in html and "<img" in html and "src=\"http" not in html
+    assert (out / "deltas.csv").read_text().startswith("step,")
+    assert {p.name for p in (out / "figures").iterdir()} >= {"loss.png", "loss_delta_band.png"}
+
+
+def test_late_stage_gap(tmp_path):
+    code, s, _ = report(tmp_path, "late_gap")
+    assert code == 1 and s["verdict"] == "fail"
+    gap = [f for f in failing(s, "long_run") if f["metric"] == "late_stage_gap"]
+    assert gap and gap[0]["value"] == pytest.approx(0.1, abs=0.01)
+    assert s["stages"]["long_run"]["divergence_step"] == 241  # the gap starts at 80% of 300 steps
+    assert s["stages"]["step1_loss"]["verdict"] == "pass"
+
+
+def test_step1_loss_mismatch(tmp_path):
+    code, s, _ = report(tmp_path, "step1")
+    assert code == 1
+    assert s["stages"]["step1_loss"]["verdict"] == "fail" and s["stages"]["step1_loss"]["step"] == 1
+    assert s["stages"]["step2_loss"]["verdict"] == "pass"
+    assert s["stages"]["long_run"]["divergence_step"] is None
+
+
+def test_divergence_from_a_known_step(tmp_path):
+    code, s, _ = report(tmp_path, "diverge", fault_step=170)
+    assert code == 1
+    assert s["stages"]["long_run"]["divergence_step"] == 170
+    assert s["stages"]["step1_loss"]["verdict"] == "pass"
+
+
+def test_nan_at_a_known_step(tmp_path):
+    code, s, _ = report(tmp_path, "nan", fault_step=123)
+    assert code == 1
+    nf = failing(s, "nonfinite")
+    assert nf and nf[0]["value"] == 123 and "candidate" in nf[0]["message"]
+
+
+def test_without_repeats_band_comes_from_rtol(tmp_path):
+    code, s, _ = report(tmp_path, repeat=False)
+    assert code == 0 and "rtol" in s["stages"]["long_run"]["band"]
+
+
+def test_thresholds_from_the_cli(tmp_path):
+    code, s, _ = report(tmp_path, "step1", extra=["--step-rtol", "0.05"])
+    assert s["stages"]["step1_loss"]["verdict"] == "pass" and code == 0
+
+
+def test_names_are_escaped(tmp_path):
+    paths = write_examples(tmp_path / "in", steps=30)
+    evil = tmp_path / "in" / "<script>alert(1)<x>.log"
+    evil.write_text(paths["candidate"].read_text())
+    main(["report", str(paths["baseline"]), str(evil), "--out", str(tmp_path / "o"), "-q"])
+    html = (tmp_path / "o" / "report.html").read_text()
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "align", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda d: d.joinpath("empty.log").write_text("") and d / "empty.log", "empty file"),
+    (lambda d: d.joinpath("bin.log").write_bytes(b"\x00\xff" * 500) and d / "bin.log", "binary"),
+    (lambda d: d.joinpath("noit.log").write_text("hello\nworld\n") and d / "noit.log", "not a recognised"),
+    (lambda d: d / "missing.log", "no such file"),
+    (lambda d: (d / "junk").mkdir() or (d / "junk" / "a.txt").write_text("x") and d / "junk", "neither a run"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, make, reason):
+    paths = write_examples(tmp_path / "in", steps=20)
+    bad = make(tmp_path)
+    out = tmp_path / "out"
+    r = run_cli("report", str(paths["baseline"]), str(bad), "--out", str(out), "-q")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and reason in lines[0] and str(bad) in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_import_then_report_on_stores(tmp_path):
+    paths = write_examples(tmp_path / "in", steps=60)
+    for role in ("baseline", "candidate", "repeat"):
+        assert run_cli("import", str(paths[role]), "--out", str(tmp_path / role)).returncode == 0
+    r = run_cli("report", str(tmp_path / "baseline"), str(tmp_path / "candidate"), "--repeat",
+                str(tmp_path / "repeat"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["verdict"] == "pass"
+    assert "verdict: pass" in r.stdout

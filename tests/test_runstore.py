@@ -1,0 +1,142 @@
+"""Run store: round trip, atomic appearance, a killed writer, no pickle."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from align.errors import BadInput
+from align.run import open_store, save_run
+from align.runstore import RunReader, RunWriter, load_npy, read_seed_batch
+from align.sources import load_run
+
+
+def test_round_trip(tmp_path):
+    with RunWriter(tmp_path / "run", rank=0, meta={"framework": "torch", "parallel": {"tp": 1}},
+                   rank_info={"tp_rank": 0}) as w:
+        for step in (1, 2, 3):
+            w.log_scalars(step, {"loss": 10.0 / step, "grad_norm": float("nan") if step == 2 else 1.0})
+            w.put_array(step, "batch/tokens", np.arange(8).reshape(2, 4) + step)
+            w.put_table(step, "local_norm", {"name": ["a.weight", "b.bias"], "norm": np.array([1.0, 2.0]),
+                                             "numel": np.array([4, 2])})
+            w.finish_step()
+    r = RunReader(tmp_path / "run")
+    assert r.meta["framework"] == "torch" and r.ranks == [0]
+    assert r.array_steps() == [1, 2, 3] and r.incomplete == []
+    sa = r.step_arrays(2)
+    assert sa.data["batch/tokens"].tolist() == [[2, 3, 4, 5], [6, 7, 8, 9]]
+    t = sa.table("local_norm")
+    assert t["name"].tolist() == ["a.weight", "b.bias"] and t["norm"].tolist() == [1.0, 2.0]
+    run = open_store(tmp_path / "run")
+    assert run.series("loss").to_dict() == pytest.approx({1: 10.0, 2: 5.0, 3: 10 / 3})
+    assert math.isnan(run.series("grad_norm")[2])  # a NaN the run logged stays a NaN, it is not dropped
+
+
+def test_lowest_rank_wins_and_sparse_keys(tmp_path):
+    for rank in (0, 1):
+        with RunWriter(tmp_path / "run", rank=rank) as w:
+            w.log_scalars(1, {"loss": 1.0 + rank})
+            w.log_scalars(2, {"loss": 2.0 + rank, "val_loss": 3.0})
+    run = open_store(tmp_path / "run")
+    assert run.series("loss").to_dict() == {1: 1.0, 2: 2.0}
+    assert run.series("val_loss").to_dict() == {2: 3.0}
+
+
+def test_imported_log_saves_and_reopens_identically(tmp_path):
+    from align.examples.make_example_logs import write_examples
+    paths = write_examples(tmp_path / "ex", steps=40, fault="nan", fault_step=30)
+    run = load_run(paths["candidate"])
+    save_run(run, tmp_path / "store")
+    back = load_run(tmp_path / "store")
+    for key, s in run.scalars.items():
+        pd.testing.assert_series_equal(s, back.series(key), check_names=False)
+
+
+KILLER = textwrap.dedent("""
+    import sys, time, numpy as np
+    from align.runstore import RunWriter
+    w = RunWriter(sys.argv[1], rank=0)
+    for step in range(1, 1000):
+        w.log_scalars(step, {"loss": 1.0 / step})
+        w.put_array(step, "a", np.zeros(1000))
+        if step == 4:
+            print("ready", flush=True)
+            time.sleep(60)          # killed here: step 4's file is still open
+        w.finish_step()
+""")
+
+
+def test_killed_mid_step_leaves_completed_steps_readable(tmp_path):
+    root = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(root)], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    r = RunReader(root)
+    assert r.array_steps() == [1, 2, 3]
+    assert [(i.step, i.rank) for i in r.incomplete] == [(4, 0)]
+    for step in (1, 2, 3):
+        assert r.step_arrays(step).data["a"].shape == (1000,)
+
+
+def test_torn_scalar_line_is_reported(tmp_path):
+    with RunWriter(tmp_path / "run") as w:
+        w.log_scalars(1, {"loss": 1.0})
+        w.log_scalars(2, {"loss": 2.0})
+    with open(tmp_path / "run" / "scalars" / "rank_00000.jsonl", "a") as fh:
+        fh.write('{"step": 3, "lo')
+    run = open_store(tmp_path / "run")
+    assert run.series("loss").to_dict() == {1: 1.0, 2: 2.0}
+    assert any("step 3" in n and "torn" in n for n in run.notes)
+
+
+def test_garbled_scalar_line_names_file_and_line(tmp_path):
+    with RunWriter(tmp_path / "run") as w:
+        w.log_scalars(1, {"loss": 1.0})
+    path = tmp_path / "run" / "scalars" / "rank_00000.jsonl"
+    path.write_text(path.read_text() + "#garbage\n" + '{"step": 3, "loss": 1}\n')
+    with pytest.raises(BadInput, match=r"rank_00000.jsonl:2: garbled"):
+        open_store(tmp_path / "run")
+
+
+def test_no_pickle_anywhere(tmp_path):
+    p = tmp_path / "obj.npy"
+    np.save(p, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(BadInput, match="pickled"):
+        load_npy(p)
+    with RunWriter(tmp_path / "run") as w, pytest.raises(TypeError, match="no pickle"):
+        w.put_array(1, "x", np.array([object()], dtype=object))
+
+
+def test_truncated_npy_and_missing_rank(tmp_path):
+    with RunWriter(tmp_path / "run", rank=0) as w:
+        w.write_seed_batch(1, {"tokens": np.arange(6).reshape(1, 6), "labels": np.arange(6).reshape(1, 6),
+                               "loss_mask": np.ones((1, 6)), "attention_mask": np.ones((1, 1, 6, 6))})
+    assert read_seed_batch(tmp_path / "run", 1, 0)["tokens"].shape == (1, 6)
+    p = tmp_path / "run" / "step_1" / "rank_0" / "tokens.npy"
+    p.write_bytes(p.read_bytes()[:-10])
+    with pytest.raises(BadInput, match="tokens.npy"):
+        read_seed_batch(tmp_path / "run", 1, 0)
+    with pytest.raises(BadInput, match="rank 1 missing"):
+        read_seed_batch(tmp_path / "run", 1, 1)
+    with pytest.raises(BadInput, match="step 2 missing"):
+        read_seed_batch(tmp_path / "run", 2, 0)
+
+
+def test_corrupt_h5(tmp_path):
+    with RunWriter(tmp_path / "run") as w:
+        w.put_array(1, "a", np.zeros(3))
+        w.finish_step()
+    f = next((tmp_path / "run" / "steps").rglob("*.h5"))
+    f.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\x00" * 100)
+    with pytest.raises(BadInput, match="not a readable HDF5"):
+        RunReader(tmp_path / "run").step_arrays(1)

@@ -1,0 +1,37 @@
+"""TensorBoard import: event files written by torch's SummaryWriter with Megatron's tag names."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from align.errors import BadInput
+from align.sources import detect, load_run
+
+torch_tb = pytest.importorskip("torch.utils.tensorboard")
+
+
+def test_megatron_tags(tmp_path):
+    w = torch_tb.SummaryWriter(log_dir=str(tmp_path / "tb"))
+    for step in range(1, 11):  # what Megatron's training_log writes
+        w.add_scalar("lm loss", 10.0 - step * 0.1, step)
+        w.add_scalar("lm loss vs samples", 10.0 - step * 0.1, step * 16)
+        w.add_scalar("grad-norm", 1.0 if step != 7 else float("nan"), step)
+        w.add_scalar("learning-rate", 1e-4 * step, step)
+    w.close()
+    assert detect(tmp_path / "tb") == "tensorboard"
+    run = load_run(tmp_path / "tb")
+    assert run.series("loss").to_dict() == pytest.approx({s: 10.0 - s * 0.1 for s in range(1, 11)})
+    assert math.isnan(run.series("grad_norm")[7])
+    assert run.series("lr")[10] == pytest.approx(1e-3)
+    assert "lm_loss_vs_samples" not in run.scalars
+
+
+def test_corrupt_event_file(tmp_path):
+    d = tmp_path / "tb"
+    d.mkdir()
+    (d / "events.out.tfevents.123.host").write_bytes(b"\x10\x00\x00\x00garbage" * 10)
+    with pytest.raises(BadInput) as err:
+        load_run(d)
+    assert "events.out.tfevents" in str(err.value)
