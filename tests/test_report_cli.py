@@ -101,12 +101,26 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "align", *args], capture_output=True, text=True, cwd=ROOT)
 
 
+def _file(name, data):
+    def make(d):
+        p = d / name
+        p.write_bytes(data)
+        return p
+    return make
+
+
+def _junk_dir(d):
+    (d / "junk").mkdir()
+    (d / "junk" / "a.txt").write_text("x")
+    return d / "junk"
+
+
 @pytest.mark.parametrize("make, reason", [
-    (lambda d: d.joinpath("empty.log").write_text("") and d / "empty.log", "empty file"),
-    (lambda d: d.joinpath("bin.log").write_bytes(b"\x00\xff" * 500) and d / "bin.log", "binary"),
-    (lambda d: d.joinpath("noit.log").write_text("hello\nworld\n") and d / "noit.log", "not a recognised"),
+    (_file("empty.log", b""), "empty file"),
+    (_file("bin.log", b"\x00\xff" * 500), "binary"),
+    (_file("noit.log", b"hello\nworld\n"), "not a recognised"),
     (lambda d: d / "missing.log", "no such file"),
-    (lambda d: (d / "junk").mkdir() or (d / "junk" / "a.txt").write_text("x") and d / "junk", "neither a run"),
+    (_junk_dir, "neither a run"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, make, reason):
     paths = write_examples(tmp_path / "in", steps=20)
