@@ -23,6 +23,7 @@ import fnmatch
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,7 +120,12 @@ def _flatten_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """[max, min, mean, L2 norm, nan count, inf count] as float32 on ``t``'s device (no host sync)."""
+    """[max, min, mean, L2 norm, nan count, inf count] as float32 on ``t``'s device.
+
+    Three passes over the data (aminmax, sum, norm). The nan/inf counts need two more, so on CPU, where
+    reading one scalar costs nothing, they are skipped when the norm is finite (a finite L2 norm means
+    every element is finite); on an accelerator they are always computed so nothing syncs.
+    """
     x = t.detach()
     if x.numel() == 0:
         return torch.zeros(6, dtype=torch.float32, device=x.device)
@@ -128,9 +134,12 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     mn, mx = torch.aminmax(x)
     total = x.sum(dtype=torch.float32)
     norm = torch.linalg.vector_norm(x, dtype=torch.float32)
-    nan = torch.isnan(x).sum()
-    inf = torch.isinf(x).sum()
-    return torch.stack([mx.float(), mn.float(), total / x.numel(), norm, nan.float(), inf.float()])
+    if x.device.type == "cpu" and math.isfinite(float(norm)):
+        nan = inf = torch.zeros((), dtype=torch.float32)
+    else:
+        nan = torch.isnan(x).sum().float()
+        inf = torch.isinf(x).sum().float()
+    return torch.stack([mx.float(), mn.float(), total / x.numel(), norm, nan, inf])
 
 
 class TorchDumper:
@@ -177,6 +186,7 @@ class TorchDumper:
             self._pending_batch: dict[str, list[np.ndarray]] = {}
             self._rows: list[tuple[str, str, str, str, int, str]] = []
             self._row_stats: list[torch.Tensor] = []
+            self._stats_cache: dict[int, tuple[Any, int, torch.Tensor]] = {}
             self._io_refs: dict[str, dict[str, torch.Tensor]] = {}
             self._trace_rows: list[dict[str, Any]] = []
             self._trace_tensors: list[tuple[int, str, str, str, np.ndarray]] = []
@@ -359,7 +369,7 @@ class TorchDumper:
         shape = "x".join(str(s) for s in t.shape) or "scalar"
         self._rows.append((module, kind, _dtype_name(t.dtype), shape, t.numel(), str(t.device)))
         if self._tensor_step and self.config.tensors != "off":
-            self._row_stats.append(tensor_stats(t))
+            self._row_stats.append(self._stats_cached(t))
         else:  # nan tracing only: a cheap finiteness flag, in the stats' nan column
             x = t.detach()
             bad = (~torch.isfinite(x)).sum().float() if x.is_floating_point() else x.new_zeros((), dtype=
@@ -374,6 +384,19 @@ class TorchDumper:
                                    {"module": module, "kind": kind, "dtype": _dtype_name(t.dtype),
                                     "order": order})
 
+    def _stats_cached(self, t: torch.Tensor) -> torch.Tensor:
+        """Statistics of ``t``, reused when the same unchanged tensor was already measured this step.
+
+        A module's input is often its parent's input, and one gradient reaches several backward hooks.
+        """
+        key = id(t)
+        hit = self._stats_cache.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        st = tensor_stats(t)
+        self._stats_cache[key] = (weakref.ref(t), t._version, st)
+        return st
+
     def begin_step(self, step: int) -> None:
         """Start step ``step`` (numbered from 1, like Megatron's iteration)."""
         if not self.enabled:
@@ -387,6 +410,7 @@ class TorchDumper:
             self._pending_batch.clear()
             self._rows.clear()
             self._row_stats.clear()
+            self._stats_cache.clear()
             self._io_refs.clear()
             self._trace_rows.clear()
             self._trace_tensors.clear()
@@ -561,6 +585,7 @@ class TorchDumper:
         self._io_refs.clear()
         self._rows.clear()
         self._row_stats.clear()
+        self._stats_cache.clear()
         self._trace_rows.clear()
         self._trace_tensors.clear()
         self._step = None
