@@ -76,29 +76,33 @@ class _Acc:
 
     def add(self, a: np.ndarray, b: np.ndarray, work: np.ndarray, work2: np.ndarray) -> None:
         n = a.size
-        for i, x in enumerate((a, b)):
-            s = float(np.add.reduce(x, dtype=np.float64)) if n < 64 else float(x.sum())
-            if not math.isfinite(s):     # rare path: count exactly, then neutralise for the metrics
+        if n > work.size:    # keep every pass inside the cache-sized work buffers
+            for s in range(0, n, work.size):
+                self.add(a[s:s + work.size], b[s:s + work.size], work, work2)
+            return
+        aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
+        if not (math.isfinite(aa) and math.isfinite(bb)):    # rare path: count exactly, then neutralise
+            for i, x in enumerate((a, b)):
                 nan, inf = np.isnan(x), np.isinf(x)
                 self.nan[i] += int(nan.sum())
                 self.inf[i] += int(inf.sum())
-                if self.nan[i] or self.inf[i]:
-                    x[nan | inf] = 0.0
-        d, ad, ab_ = work[:n], work2[:n], None
+                x[nan | inf] = 0.0
+            aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
+        d, rel = work[:n], work2[:n]
+        self.aa += aa
+        self.bb += bb
         self.ab += float(np.dot(a, b))
-        self.aa += float(np.dot(a, a))
-        self.bb += float(np.dot(b, b))
         np.subtract(a, b, out=d)
         self.dd += float(np.dot(d, d))
         np.abs(d, out=d)
         self.max_abs = max(self.max_abs, float(d.max()) if n else 0.0)
-        ab_ = np.abs(b, out=ad)
-        # |d| <= 0.001 * |b|  <=>  relative error within one thousandth (elements with b == 0 need d == 0)
-        self.within5 += int(np.count_nonzero(d <= ab_ * np.float32(0.005)))
-        self.within1 += int(np.count_nonzero(d <= ab_ * np.float32(0.001)))
-        np.maximum(ab_, np.float32(1e-12), out=ab_)
-        np.divide(d, ab_, out=ab_)
-        self.max_rel = max(self.max_rel, float(ab_.max()) if n else 0.0)
+        # relative error |a-b| / |b| (|b| floored at 1e-12, so b == 0 with a == b counts as exact)
+        np.abs(b, out=rel)
+        np.maximum(rel, np.float32(1e-12), out=rel)
+        np.divide(d, rel, out=rel)
+        self.max_rel = max(self.max_rel, float(rel.max()) if n else 0.0)
+        self.within5 += int(np.count_nonzero(rel <= np.float32(0.005)))
+        self.within1 += int(np.count_nonzero(rel <= np.float32(0.001)))
         self.n += n
 
     def result(self) -> Metrics:

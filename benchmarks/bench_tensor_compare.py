@@ -1,0 +1,102 @@
+"""Tensor-compare throughput (GB/s) and peak RSS on two full-tensor dumps of >= 2 GB each.
+
+Why: full-tensor dumps of a real model run to gigabytes; the comparator must stream them (bounded memory) and
+be memory-bandwidth bound. The anchor: msprobe compares 2 x 1.83 GB in 25 s (~150 MB/s of input), ~505 MB RSS.
+
+Generates two run stores in a temporary directory (baseline; candidate = baseline + 1e-6 relative noise, one
+tensor perturbed by 1e-3), compares them in a fresh subprocess (so peak RSS is the comparator's own), prints
+the numbers, and removes the data. Usage: python benchmarks/bench_tensor_compare.py [--gb 2.1] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TENSOR = 4 * 1024 * 2048          # elements per tensor (32 MiB of float32): a [4, 1024, 2048] activation
+
+
+def generate(root: Path, gb: float) -> int:
+    from align.runstore import RunWriter
+
+    n = max(1, int(gb * 1e9 // (TENSOR * 4)) + 1)
+    rng = np.random.default_rng(0)
+    writers = {s: RunWriter(root / s, rank=0, meta={"framework": "bench"}) for s in ("base", "cand")}
+    rows = {s: [] for s in writers}
+    for i in range(n):
+        a = rng.standard_normal(TENSOR, dtype=np.float32).reshape(4, 1024, 2048)
+        b = a + (a * np.float32(1e-6 if i != n // 2 else 1e-3))
+        for s, arr in (("base", a), ("cand", b)):
+            writers[s].put_array(1, f"tensors/{i:06d}", arr, attrs={"module": f"decoder.layers.{i}", "kind":
+                                                                    "forward.output.0", "dtype": "float32"})
+            rows[s].append((i, float(np.linalg.norm(arr.ravel())), float(arr.max()), float(arr.min())))
+    for s, w in writers.items():
+        r = rows[s]
+        w.put_table(1, "tensor_stats", {
+            "order": np.array([x[0] for x in r]), "module": np.array([f"decoder.layers.{x[0]}" for x in r]),
+            "kind": np.array(["forward.output.0"] * len(r)), "dtype": np.array(["float32"] * len(r)),
+            "shape": np.array(["4x1024x2048"] * len(r)), "numel": np.full(len(r), TENSOR),
+            "max": np.array([x[2] for x in r]), "min": np.array([x[3] for x in r]),
+            "mean": np.zeros(len(r)), "norm": np.array([x[1] for x in r]),
+            "nan": np.zeros(len(r), int), "inf": np.zeros(len(r), int)})
+        w.close()
+    return n
+
+
+def measure(root: Path, threads: int) -> dict:
+    """Runs in a fresh process: compare, report wall time, bytes and peak RSS."""
+    import resource
+
+    from align.mapping import Mapping
+    from comparators.tensors import compare_layer_tensors
+
+    nbytes = sum(f.stat().st_size for s in ("base", "cand") for f in (root / s / "steps").rglob("*.h5"))
+    t0 = time.perf_counter()
+    res = compare_layer_tensors(root / "base", root / "cand", Mapping.load(), threads=threads)
+    dt = time.perf_counter() - t0
+    return {"bytes_both_sides": nbytes, "seconds": dt, "gb_per_s": nbytes / dt / 1e9, "threads": threads,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rows": res.details["compared"], "first_departing": res.details["first_departing_forward"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=2.1, help="size of EACH dump in GB (default 2.1)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--keep", help="generate into this directory and keep it")
+    ap.add_argument("--_measure", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._measure:
+        print(json.dumps(measure(Path(args._measure), args.threads)))
+        return
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_tensors_"))
+    try:
+        t0 = time.perf_counter()
+        n = generate(root, args.gb)
+        print(f"generated 2 dumps x {n} tensors of {TENSOR * 4 / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s")
+        for threads in sorted({1, args.threads}):
+            out = subprocess.run([sys.executable, __file__, "--_measure", str(root), "--threads", str(threads)],
+                                 capture_output=True, text=True, check=True, env=dict(os.environ))
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"threads={threads}: {r['bytes_both_sides'] / 1e9:.2f} GB (both sides) in {r['seconds']:.2f} s"
+                  f" -> {r['gb_per_s']:.2f} GB/s; peak RSS {r['peak_rss_mb']:.0f} MB; {r['rows']} tensor pairs;"
+                  f" first departing: {r['first_departing']['module'] if r['first_departing'] else None}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
