@@ -419,9 +419,20 @@ class TorchDumper:
         except Exception as exc:
             self._fail("begin_step", exc)
 
-    def record_batch(self, batch: Mapping[str, Any]) -> None:
-        """Record one micro-batch (call once per micro-batch; they are concatenated on dim 0)."""
-        if not self.enabled or self._step is None:
+    def record_batch(self, batch: Mapping[str, Any], step: int | None = None) -> None:
+        """Record one micro-batch (call once per micro-batch; they are concatenated on dim 0).
+
+        With ``step`` given, this call also moves the step boundary: a new step number ends the open step
+        and begins the next one, so a script whose loop it cannot edit (Megatron's ``pretrain``) only needs
+        this call in ``forward_step``; ``close()`` ends the last step.
+        """
+        if not self.enabled:
+            return
+        if step is not None and step != self._step:
+            if self._step is not None:
+                self.end_step()
+            self.begin_step(step)
+        if self._step is None:
             return
         try:
             for key, value in batch.items():
@@ -661,7 +672,10 @@ class TorchDumper:
         self.end_step()
 
     def close(self) -> None:
-        """Remove every hook and close the writer (an open step is finished)."""
+        """End an open step, remove every hook and close the writer."""
+        if self._step is not None:
+            with contextlib.suppress(NonFiniteError):
+                self.end_step()
         for h in self._handles:
             with contextlib.suppress(Exception):
                 h.remove()

@@ -148,3 +148,24 @@ def test_unwritable_output_never_breaks_training(tmp_path: Path) -> None:
 def test_ranks_filter_writes_nothing_for_other_ranks(tmp_path: Path) -> None:
     _, _, d = train(tmp_path / "run", ranks=[1])
     assert not d.enabled and d.errors == 0 and not (tmp_path / "run").exists()
+
+
+def test_record_batch_with_step_moves_the_boundary(tmp_path: Path) -> None:
+    """The pretrain_gpt.py form: only ``record_batch(batch, step=...)`` per micro-batch, then ``close()``."""
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    d = TorchDumper(net, opt, DumpConfig(out=tmp_path))
+    for step in (1, 2):
+        opt.zero_grad()
+        for micro in range(2):
+            b = batch(10 * step + micro)
+            d.record_batch(b, step=step)
+            net(b["tokens"]).sum().backward()
+        opt.step()
+    d.close()
+    r = RunReader(tmp_path)
+    assert r.array_steps() == [1, 2] and not r.incomplete
+    a = r.step_arrays(2)
+    assert a.data["batch/tokens"].shape == (8, 8) and a.attrs["batch/tokens"]["micro_batches"] == 2
+    np.testing.assert_array_equal(a.data["batch/tokens"][4:], batch(21)["tokens"].numpy())
+    assert len(a.table("local_norm")) == 5 and list(r.scalars()["tokens_per_step"]) == [64, 64]
