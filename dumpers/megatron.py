@@ -102,6 +102,20 @@ class MegatronDumper(TorchDumper):
             except Exception as exc:
                 self._fail("install grad-norm hook", exc)
 
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Attach the optimizer once it exists (Megatron-LM builds it after ``model_provider``)."""
+        try:
+            self.optimizer = optimizer
+            if not self.enabled or not (self.config.local_norms or self.config.nan_trace != "off"):
+                return
+            if _is_megatron_optimizer(optimizer):
+                self._megatron_opt = True
+                install_grad_norm_hook(self)
+            elif hasattr(optimizer, "register_step_pre_hook"):
+                self._handles.append(optimizer.register_step_pre_hook(self._opt_pre_hook))
+        except Exception as exc:
+            self._fail("attach_optimizer", exc)
+
     def _default_rank_info(self) -> dict[str, Any]:
         try:
             from megatron.core import parallel_state as ps

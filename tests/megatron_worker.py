@@ -152,6 +152,21 @@ def main() -> None:
                           between=breaker)
             r["warnings"] = [str(w.message) for w in caught if "dumper" in str(w.message)]
             result[scenario] = {"base": base, "dumped": r}
+        elif scenario == "attach":
+            # the pretrain_gpt.py form: dumper made on the bare model, optimizer attached later,
+            # step boundaries from record_batch(step=...), last step ended by close()
+            bare = mc.build_tiny_llama(cfg, seed=1234)
+            dumper = MegatronDumper(bare, None, DumpConfig(out=run_dir))
+            model = mc.wrap_ddp(bare)
+            opt = mc.make_megatron_optimizer(model, lr=1e-3, clip_grad=1.0)
+            dumper.attach_optimizer(opt)
+            norms = []
+            for step in range(1, STEPS + 1):
+                batch = mc.synthetic_batch(step, cfg, dp_rank=info.dp_rank)
+                dumper.record_batch(batch, step=step)
+                norms.append(mc.train_step(model, opt, batch)[1])
+            dumper.close()
+            result[scenario] = {"grad_norms": norms, "errors": dumper.errors}
         elif scenario == "pause":
             train(cfg, info, megatron_opt=True, dumper_cfg=DumpConfig(out=run_dir, **everything), pause_at=3)
     (out / f"result_rank{info.rank}.json").write_text(json.dumps(result, indent=1))

@@ -58,7 +58,7 @@ def _run(out: Path, scenarios: str, nproc: int = 1, tp: int = 1, extra: tuple[st
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("single")
-    return out, _run(out, "identical,nan_grad,nan_act,unwritable")[0]
+    return out, _run(out, "identical,nan_grad,nan_act,unwritable,attach")[0]
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +184,16 @@ def test_single_unwritable_output_warns_counts_and_training_continues(single: tu
     assert base["losses"] == dumped["losses"] and base["digest"] == dumped["digest"]
     r = RunReader(out / "unwritable")
     assert list(r.scalars()["step"]) == [1, 2, 3]  # the scalar file stayed open and kept logging
+
+
+def test_single_pretrain_style_attach_and_step_boundaries(single: tuple[Path, dict]) -> None:
+    out, result = single
+    res = result["attach"]
+    r = RunReader(out / "attach")
+    assert res["errors"] == 0 and r.array_steps() == [1, 2, 3] and not r.incomplete
+    for step in (1, 2, 3):
+        attrs = r.step_arrays(step).attrs["local_norm"]
+        assert attrs["global_norm_source"] == "optimizer" and attrs["global_norm"] == res["grad_norms"][step - 1]
 
 
 def test_sigkill_mid_dump_leaves_completed_steps_readable(tmp_path: Path) -> None:
