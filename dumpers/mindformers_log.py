@@ -28,6 +28,12 @@ from dumpers.logtext import clean_text, read_log_bytes, unwrap
 _STEP = re.compile(r"\{ ?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\],(.*)$")
 _FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]]*\]|[^,]*)\s*(?:,|$)")
 _NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
+# The line as MFLossMonitor prints it (MindFormers 1.x-2.x); anything else takes the careful path.
+_FAST = re.compile(
+    rb"\{ ?Epoch:\[\s*(\d+)/\s*\d+\],\s*step:\[\s*(\d+)/\s*(\d+)\],\s*loss:\[\s*([^/\],]+)/\s*([^\],]+)\],"
+    rb"\s*per_step_time:\s*([0-9.]+)ms,\s*lr:\s*([^,\s]+),\s*overflow cond:\s*(True|False),"
+    rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*\[\s*([^\]\s]+)\s*\][ \t]*$", re.M)
+_FAST_KEYS = ("loss", "loss_avg", "per_step_time_ms", "lr", "overflow", "loss_scale", "grad_norm")
 
 FIELDS = {
     "loss": "loss",
@@ -73,10 +79,36 @@ def _config_block(lines: list[str]) -> dict[str, Any]:
     return {}
 
 
+def _fast(raw: bytes) -> dict[str, pd.Series] | None:
+    """All step lines in the standard format and no local_norm blocks: parse them in bulk."""
+    if b"local_norm:" in raw:
+        return None
+    rows = _FAST.findall(raw)
+    if not rows or len(rows) != raw.count(b"Epoch:["):
+        return None
+    cols = list(zip(*rows, strict=True))
+    try:
+        epoch = np.array(cols[0]).astype(np.int64)
+        step = np.array(cols[1]).astype(np.int64)
+        per_epoch = np.array(cols[2]).astype(np.int64)
+        values = [np.array(c).astype(np.float64) for c in cols[3:7]]
+        overflow = (np.array(cols[7]) == b"True").astype(np.float64)
+        values += [overflow] + [np.array(c).astype(np.float64) for c in cols[8:]]
+    except ValueError:
+        return None  # a garbled number: the careful path names the step
+    gstep = (epoch - 1) * per_epoch + step
+    return {k: make_series(gstep, v, k) for k, v in zip(_FAST_KEYS, values, strict=True)}
+
+
 def parse_mindformers_log(path: str | Path) -> Run:
     """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
     raw = clean_text(read_log_bytes(path))
     notes: list[str] = []
+    fast = _fast(raw)
+    if fast is not None:
+        return Run(str(path), "mindformers_log", _meta(path, raw.decode("utf-8", "replace").split("\n")
+                                                       if raw.startswith(b"{'") or b"\n{'" in raw else []),
+                   fast, {}, notes)
     text_lines = raw.decode("utf-8", "replace").split("\n")
     if any(not _is_complete(x) for x in text_lines[:-1]):
         text_lines, joins = unwrap(text_lines, _is_complete)
@@ -140,13 +172,16 @@ def parse_mindformers_log(path: str | Path) -> Run:
     if steps_seen == 0:
         raise BadInput(f"{path}: no MindFormers '{{ Epoch:[..], step:[..], loss:[..] ...' lines found")
     series = {k: make_series(st, v, k) for k, (st, v) in cols.items()}
-    meta: dict[str, Any] = {
+    return Run(str(path), "mindformers_log", _meta(path, text_lines), series, local_norms, notes)
+
+
+def _meta(path: str | Path, text_lines: list[str]) -> dict[str, Any]:
+    return {
         "framework": "mindformers",
         "source": {"kind": "mindformers_log", "path": str(path)},
         "config": _config_block(text_lines),
         "name_scheme": "index",
     }
-    return Run(str(path), "mindformers_log", meta, series, local_norms, notes)
 
 
 def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[int], list[float]] | None, int]:

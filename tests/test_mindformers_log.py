@@ -67,3 +67,17 @@ def test_no_step_lines(tmp_path):
     p.write_text("2024-01-01 - INFO - nothing to see\n")
     with pytest.raises(BadInput, match="no MindFormers"):
         parse_mindformers_log(p)
+
+
+def test_bulk_and_line_by_line_paths_agree(tmp_path):
+    from align.examples.make_example_logs import mindformers_log
+    p = tmp_path / "a.log"
+    mindformers_log(p, 50, seed=3)
+    fast = parse_mindformers_log(p)
+    q = tmp_path / "b.log"  # one odd line sends the whole file down the careful path
+    q.write_text(p.read_text() + "x - INFO - { Epoch:[  1/  1], step:[   51/   50], loss:[oops/1.0]\n")
+    careful = parse_mindformers_log(q)
+    assert any("step 51" in n for n in careful.notes)
+    for key in ("loss", "loss_avg", "lr", "grad_norm", "per_step_time_ms", "loss_scale", "overflow"):
+        assert np.array_equal(fast.series(key).to_numpy(), careful.series(key).to_numpy()), key
+        assert list(fast.series(key).index) == list(range(1, 51))
