@@ -11,13 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK = "<!-- tested: tests/test_readme.py runs this block -->"
 
 
-def tested_blocks() -> list[str]:
+def readme_blocks() -> list[str]:
     text = (ROOT / "README.md").read_text()
     return re.findall(re.escape(MARK) + r"\s*```bash\n(.*?)```", text, re.S)
 
 
 def test_readme_examples_run(tmp_path):
-    blocks = tested_blocks()
+    blocks = readme_blocks()
     assert blocks, "README lost its tested example"
     venv_bin = str(Path(sys.executable).parent)
     for block in blocks:
