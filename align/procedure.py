@@ -46,15 +46,19 @@ def load_runs(baseline: str, candidate: str, repeats: list[str],
 
 
 def local_norm_stage(baseline: Run, candidate: Run, mapping: str | None) -> StageResult:
-    """Step-1 local norms through the name mapping, when both runs recorded them."""
-    if not baseline.local_norm_steps() or not candidate.local_norm_steps():
-        missing = [r.label for r in (baseline, candidate) if not r.local_norm_steps()]
+    """Step-1 local norms through the name mapping, when both runs recorded named norms."""
+    missing = [r.label for r in (baseline, candidate) if not r.local_norm_steps()]
+    if missing:
         return skipped("step1_local_norm", f"no local norms in {', '.join(missing)}")
-    try:
-        from comparators.local_norms import compare_local_norm_runs
-    except ImportError:
-        return skipped("step1_local_norm", "local-norm comparator not available")
-    return compare_local_norm_runs(baseline, candidate, mapping=mapping)
+    unnamed = [r.label for r in (baseline, candidate) if r.store is None]
+    if unnamed:
+        return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (log import, "
+                       "optimizer order); dump them with the MindSpore/Megatron dumper to compare by name")
+    from comparators.local_norms import compare_local_norms
+    steps = sorted(set(baseline.local_norm_steps()) & set(candidate.local_norm_steps()))
+    if not steps:
+        return skipped("step1_local_norm", "the runs recorded local norms at different steps")
+    return compare_local_norms(baseline.store, candidate.store, mapping, step=steps[0])
 
 
 def report(baseline: str, candidate: str, out: str, repeats: list[str] | None = None,
