@@ -1,0 +1,173 @@
+"""`align check-data`: sanity of the batches a run trained on, step by step.
+
+Why these checks: they are the data faults that silently break cross-framework alignment. Ids outside
+[0, vocab) index garbage embeddings (or crash on one side only); labels that are not tokens shifted by one
+mean the replay shifted twice; a loss_mask whose sum shrinks step after step is the signature of a cached
+mask mutated in place; with pad id == eos id every EOD is masked out of the loss; an all-masked sample
+divides by zero or contributes nothing. Works on a run store (``batch/*`` arrays in step files) or the seed
+layout ``step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy``; one step in memory at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from align.errors import BadInput
+from comparators.findings import Finding, StageResult
+
+STAGE = "data"
+
+
+def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+    """(step, rank, {tokens, labels, loss_mask, ...}) from a run store or the seed layout."""
+    from align import runstore
+
+    p = Path(path)
+    if not p.is_dir():
+        raise BadInput(f"{p}: not a directory (run store or step_N/rank_R batch dump)")
+    seed = runstore.seed_steps(p)
+    if (p / runstore.META).is_file() or (p / runstore.STEP_DIR).is_dir():
+        reader = runstore.RunReader(p)
+        found = False
+        for step in reader.array_steps():
+            for rank in reader.array_ranks(step):
+                sa = reader.step_arrays(step, rank)
+                batch = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
+                if batch:
+                    found = True
+                    yield step, rank, batch
+        if found or not seed:
+            if not found:
+                raise BadInput(f"{p}: run store has no batch/* arrays")
+            return
+    if not seed:
+        raise BadInput(f"{p}: no step_N/rank_R folders and no run store")
+    for step in sorted(seed):
+        for rank in sorted(seed[step]):
+            folder = seed[step][rank]
+            keys = [k for k in runstore.SEED_BATCH_KEYS if (folder / f"{k}.npy").is_file()]
+            yield step, rank, runstore.read_seed_batch(p, step, rank, keys)
+
+
+def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | None = None,
+                  pad_id: int | None = None, ignore_index: int = -100) -> StageResult:
+    """Run every check over ``batches`` (an iterable of (step, rank, batch dict))."""
+    res = StageResult(STAGE)
+    per_step: dict[int, dict[str, Any]] = {}
+    eod_total = eod_trained = 0
+    n = 0
+    for step, rank, b in batches:
+        n += 1
+        tokens = np.asarray(b.get("tokens"))
+        if tokens is None or tokens.ndim == 0:
+            raise BadInput(f"step {step} rank {rank}: no tokens array")
+        tokens = tokens.reshape(-1, tokens.shape[-1])
+        labels = b.get("labels")
+        mask = b.get("loss_mask")
+        where = f"step {step} rank {rank}"
+        rec = per_step.setdefault(step, {"step": step, "loss_mask_sum": 0.0, "samples": 0, "token_min": None,
+                                         "token_max": None})
+        rec["samples"] += tokens.shape[0]
+        tmin, tmax = int(tokens.min()), int(tokens.max())
+        rec["token_min"] = tmin if rec["token_min"] is None else min(rec["token_min"], tmin)
+        rec["token_max"] = tmax if rec["token_max"] is None else max(rec["token_max"], tmax)
+        if tmin < 0 or (vocab_size is not None and tmax >= vocab_size):
+            bad = int(((tokens < 0) | ((tokens >= vocab_size) if vocab_size else False)).sum())
+            res.add(Finding(STAGE, "fail", where, "token_id_out_of_range", tmax if tmin >= 0 else tmin,
+                            vocab_size, f"{where}: {bad} token ids outside [0, {vocab_size}) "
+                            f"(min {tmin}, max {tmax})"))
+        if mask is not None:
+            mask = np.asarray(mask, dtype=np.float64).reshape(tokens.shape)
+            rec["loss_mask_sum"] += float(mask.sum())
+            empty = np.flatnonzero(mask.sum(axis=1) == 0)
+            if empty.size:
+                res.add(Finding(STAGE, "warn", where, "all_masked_samples", int(empty.size), 0,
+                                f"{where}: {empty.size} sample(s) have every position masked out of the loss "
+                                f"(rows {empty[:5].tolist()})"))
+        if labels is not None:
+            labels = np.asarray(labels).reshape(tokens.shape)
+            live = labels != ignore_index
+            if mask is not None:
+                live &= mask > 0
+            if vocab_size is not None:
+                out = live & ((labels < 0) | (labels >= vocab_size))
+                if out.any():
+                    res.add(Finding(STAGE, "fail", where, "label_id_out_of_range", int(out.sum()), vocab_size,
+                                    f"{where}: {int(out.sum())} label ids outside [0, {vocab_size})"))
+            if tokens.shape[1] > 1:
+                shifted = labels[:, :-1] != tokens[:, 1:]
+                frac = float(shifted.mean())
+                if frac > 0:
+                    res.add(Finding(STAGE, "fail" if frac > 0.01 else "warn", where, "labels_not_shifted_tokens",
+                                    frac, 0.0, f"{where}: labels differ from tokens shifted by one at "
+                                    f"{frac:.1%} of positions (shifted twice, or not at all?)"))
+            if eos_id is not None and mask is not None:
+                eod = labels == eos_id
+                eod_total += int(eod.sum())
+                eod_trained += int((eod & (mask > 0)).sum())
+    if n == 0:
+        raise BadInput("no batches found")
+    steps = [per_step[s] for s in sorted(per_step)]
+    _trend(res, steps)
+    if eos_id is not None and eod_trained == 0:
+        if same_ids(pad_id, eos_id):
+            res.add(Finding(STAGE, "fail", "loss_mask", "eod_never_trained", 0, eod_total,
+                            f"pad id == eos id ({eos_id}): no EOD target is ever in the loss (masking the "
+                            "padding masks every EOD; Megatron also rewrites padded labels to 0)"))
+        elif eod_total:
+            res.add(Finding(STAGE, "warn", "loss_mask", "eod_all_masked", eod_total, eod_total,
+                            f"every one of {eod_total} EOD targets (id {eos_id}) is masked out of the loss"))
+    if not res.findings:
+        res.add(Finding(STAGE, "pass", None, "batches_checked", n, None,
+                        f"{n} batches over {len(steps)} steps: ids in range, labels shifted, masks steady"))
+    res.details = {"batches": n, "steps": steps, "eod_targets": eod_total, "eod_trained": eod_trained}
+    return res
+
+
+def same_ids(a: int | None, b: int | None) -> bool:
+    return a is not None and a == b
+
+
+def _trend(res: StageResult, steps: list[dict[str, Any]]) -> None:
+    """A loss_mask sum that only ever goes down over >= 3 steps (and by a real amount) is a mutated cache."""
+    sums = np.array([s["loss_mask_sum"] for s in steps], dtype=np.float64)
+    if len(sums) < 3 or sums[0] <= 0:
+        return
+    diffs = np.diff(sums)
+    down = np.count_nonzero(diffs < 0)
+    if np.all(diffs <= 0) and down >= max(2, int(0.8 * len(diffs))) and sums[-1] < 0.95 * sums[0]:
+        res.add(Finding(STAGE, "fail", "loss_mask", "loss_mask_shrinking", float(sums[-1]), float(sums[0]),
+                        f"loss_mask sum falls at {down} of {len(diffs)} step transitions, from {sums[0]:g} at "
+                        f"step {steps[0]['step']} to {sums[-1]:g} at step {steps[-1]['step']}: a cached mask "
+                        "is probably being modified in place"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`align check-data PATH [--vocab-size V] [--eos-id E] [--pad-id P] [--json OUT|-]`."""
+    parser.add_argument("path", help="run store, or a step_N/rank_R/*.npy batch dump")
+    parser.add_argument("--vocab-size", type=int, help="ids must lie in [0, vocab)")
+    parser.add_argument("--eos-id", type=int, help="EOD / eos token id")
+    parser.add_argument("--pad-id", type=int, help="pad token id")
+    parser.add_argument("--ignore-index", type=int, default=-100, help="label value that means 'no target'")
+    parser.add_argument("--json", metavar="OUT", help="write findings as JSON to OUT ('-' = stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    res = check_batches(iter_batches(args.path), vocab_size=args.vocab_size, eos_id=args.eos_id,
+                        pad_id=args.pad_id, ignore_index=args.ignore_index)
+    payload = {"verdict": res.verdict, **res.details, "findings": [f.to_json() for f in res.findings]}
+    if args.json == "-":
+        print(json.dumps(payload, indent=2))
+    else:
+        for f in res.findings:
+            print(f"{f.verdict.upper():4} {f.message}")
+        print(f"check-data: {res.verdict} ({res.details['batches']} batches)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(payload, indent=2))
+    return 1 if res.verdict == "fail" else 0
