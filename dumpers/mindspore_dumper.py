@@ -33,6 +33,7 @@ from mindspore import Tensor, nn, ops
 from align.runstore import RunWriter
 
 TENSOR_MODES = ("off", "stats", "full")
+_FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 NAN_MODES = ("off", "grads", "all")
 
 
@@ -269,8 +270,6 @@ class MindSporeDumper:
             if not name or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
                 continue
             self._handles.append(cell.register_forward_hook(self._forward_hook(name)))
-            if self.config.backward:
-                self._handles.append(cell.register_backward_hook(self._backward_hook(name)))
         if not self._handles:
             warnings.warn(f"MindSporeDumper: no cell matched {patterns}", RuntimeWarning, stacklevel=2)
 
@@ -292,17 +291,27 @@ class MindSporeDumper:
                 try:
                     for label, t in _flatten(output):
                         self._record_tensor(name, f"forward.output.{label}", t)
+                        if self.config.backward and self._tensor_step and t.dtype in _FLOAT_DTYPES:
+                            try:
+                                t.register_hook(self._grad_hook(name, f"backward.grad_output.{label}"))
+                            except RuntimeError:
+                                pass  # no gradient flows into this output (constants such as rope tables)
                 except Exception as exc:  # noqa: BLE001
                     self._fail(f"forward hook of {name}", exc)
             return None
         return hook
 
-    def _backward_hook(self, name: str) -> Any:
-        def hook(cell: nn.Cell, grad_input: Any, grad_output: Any) -> None:
+    def _grad_hook(self, name: str, kind: str) -> Any:
+        """Output gradients via a hook on the output tensor, not Cell.register_backward_hook.
+
+        Why: a Cell backward hook wraps the cell in an extra backward node, which changes the order in which
+        MindSpore sums the gradient contributions of a tensor used inside and outside the cell (a residual
+        stream into RMSNorm): the run's numbers move by an ulp. A tensor hook only reads the gradient.
+        """
+        def hook(grad: Tensor) -> None:
             if self._capturing():
                 try:
-                    for label, t in _flatten(grad_output):
-                        self._record_tensor(name, f"backward.grad_output.{label}", t)
+                    self._record_tensor(name, kind, grad)
                 except Exception as exc:  # noqa: BLE001
                     self._fail(f"backward hook of {name}", exc)
             return None
