@@ -1,0 +1,174 @@
+"""`align convert-weights`: Megatron-core state_dict <-> MindSpore checkpoint for MindFormers' Llama.
+
+Why through the mapping: the same YAML rules that pair names for comparison also move the tensors (fused
+QKV split by query group, gated fc1 chunked per TP shard), so conversion and comparison can never disagree.
+Transforms only slice and concatenate, so the round trip is bit-identical. bfloat16 travels as float32
+(exact both ways) because numpy has no bfloat16. torch / mindspore are imported inside the functions that
+need them: align/ stays importable with numpy alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping as MappingABC
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from align.errors import BadInput
+from align.mapping import Mapping, TransformParams
+from comparators.findings import StageResult
+
+
+def _torch_state(path: str | Path) -> dict[str, Any]:
+    import torch
+
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
+        raise BadInput(f"{path}: not a loadable torch checkpoint with weights_only=True "
+                       f"({exc.__class__.__name__})") from None
+    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
+        obj = obj["model"]
+    if not isinstance(obj, dict):
+        raise BadInput(f"{path}: expected a state_dict (name -> tensor)")
+    return obj
+
+
+def merge_tp_shards(shards: Sequence[MappingABC[str, np.ndarray]], mapping: Mapping) -> dict[str, np.ndarray]:
+    """Concatenate TP shards on each rule's partition dim; duplicated (dim -1) tensors are taken once."""
+    if len(shards) == 1:
+        return dict(shards[0])
+    out = {}
+    for name in shards[0]:
+        m = mapping.match(name, "baseline")
+        dim = m.rule.tp_partition_dim if m else -1
+        parts = [s[name] for s in shards]
+        out[name] = np.concatenate(parts, axis=dim) if dim >= 0 else parts[0]
+    return out
+
+
+def megatron_to_numpy(paths: Sequence[str | Path]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Load Megatron state_dict files (one, or one per TP rank in rank order) as float32/int numpy."""
+    import torch
+
+    shards, dtypes = [], {}
+    for p in paths:
+        sd = _torch_state(p)
+        arrays = {}
+        for k, v in sd.items():
+            if not isinstance(v, torch.Tensor):
+                continue           # _extra_state and other non-tensor entries
+            dtypes[k] = str(v.dtype).replace("torch.", "")
+            arrays[k] = (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
+        shards.append(arrays)
+    return shards[0] if len(shards) == 1 else shards, dtypes   # type: ignore[return-value]
+
+
+def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path, *, num_heads: int,
+                                    num_query_groups: int | None = None, mapping: str | None = None,
+                                    dtype: str | None = None) -> StageResult:
+    """Megatron-core state_dict(s) -> MindSpore checkpoint with MindFormers Llama names."""
+    import mindspore as ms
+
+    m = Mapping.load(mapping)
+    loaded, dtypes = megatron_to_numpy(paths)
+    tp = len(paths)
+    state = merge_tp_shards(loaded if tp > 1 else [loaded], m)   # type: ignore[list-item]
+    # fc1 halves are [gate; up] per TP shard; after concatenation the chunk transform needs tp
+    params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads, tp=tp)
+    converted, res = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate",
+                               params)
+    src_dtype = dtype or (next(iter(dtypes.values())) if dtypes else "float32")
+    items = []
+    for name, arr in converted.items():
+        t = ms.Tensor(arr)
+        if src_dtype == "bfloat16":
+            t = t.astype(ms.bfloat16)
+        items.append({"name": name, "data": ms.Parameter(t, name=name)})
+    ms.save_checkpoint(items, str(out))
+    res.details.update({"out": str(out), "tensors": len(items), "tp_shards_merged": tp, "dtype": src_dtype})
+    return res
+
+
+def mindformers_to_numpy(path: str | Path) -> tuple[dict[str, np.ndarray], str]:
+    import mindspore as ms
+
+    try:
+        params = ms.load_checkpoint(str(path))
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"{path}: not a MindSpore checkpoint ({exc.__class__.__name__})") from None
+    out, dtype = {}, "float32"
+    for k, p in params.items():
+        if p.dtype == ms.bfloat16:
+            dtype = "bfloat16"
+            out[k] = p.astype(ms.float32).asnumpy()
+        else:
+            out[k] = p.asnumpy()
+    return out, dtype
+
+
+def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_heads: int,
+                                    num_query_groups: int | None = None, mapping: str | None = None,
+                                    scheme: str = "local") -> StageResult:
+    """MindSpore checkpoint (MindFormers Llama names) -> Megatron-core state_dict (TP=1) saved by torch."""
+    import torch
+
+    m = Mapping.load(mapping)
+    state, dtype = mindformers_to_numpy(path)
+    params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads)
+    # optimizer state (adam moments, step counters) lives in the same file: not weights, not converted
+    weights = {k: v for k, v in state.items() if m.match(k, "candidate") is not None or not _optimizer_key(k)}
+    converted, res = m.convert(weights, "baseline", params, scheme=scheme)
+    tdt = torch.bfloat16 if dtype == "bfloat16" else None
+    sd = {k: (torch.from_numpy(np.ascontiguousarray(v)).to(tdt) if tdt else torch.from_numpy(
+        np.ascontiguousarray(v))) for k, v in converted.items()}
+    torch.save(sd, str(out))
+    res.details.update({"out": str(out), "tensors": len(sd), "dtype": dtype})
+    return res
+
+
+def _optimizer_key(name: str) -> bool:
+    return name.startswith(("adam_", "moment1.", "moment2.", "global_step", "learning_rate", "scale_sense",
+                            "current_iterator_step", "last_overflow_iterator_step", "epoch_num", "step_num",
+                            "loss_scale"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`align convert-weights --to mindformers IN.pt [IN_tp1.pt ...] --out OUT.ckpt --num-heads N ...`."""
+    parser.add_argument("inputs", nargs="+", help="Megatron state_dict .pt (one per TP rank, in rank order) "
+                        "or one MindSpore .ckpt")
+    parser.add_argument("--to", choices=["mindformers", "megatron"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-heads", type=int, required=True)
+    parser.add_argument("--num-query-groups", type=int, help="GQA groups (default: MHA, = heads)")
+    parser.add_argument("--mapping", help="preset name or YAML mapping file")
+    parser.add_argument("--scheme", choices=["local", "te"], default="local",
+                        help="Megatron norm names to write (to megatron)")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    for p in args.inputs:
+        if not Path(p).is_file():
+            raise BadInput(f"{p}: no such file")
+    if args.to == "mindformers":
+        res = convert_megatron_to_mindformers(args.inputs, args.out, num_heads=args.num_heads,
+                                              num_query_groups=args.num_query_groups, mapping=args.mapping)
+    else:
+        if len(args.inputs) != 1:
+            raise BadInput("converting to Megatron takes exactly one MindSpore checkpoint")
+        res = convert_mindformers_to_megatron(args.inputs[0], args.out, num_heads=args.num_heads,
+                                              num_query_groups=args.num_query_groups, mapping=args.mapping,
+                                              scheme=args.scheme)
+    if args.json:
+        print(json.dumps({"verdict": res.verdict, **res.details, "findings": [f.to_json() for f in res.findings]},
+                         indent=2))
+    else:
+        for f in res.findings:
+            print(f"{f.verdict.upper():4} {f.message}")
+        print(f"wrote {res.details['tensors']} tensors to {res.details['out']} ({res.verdict})")
+    return 1 if res.verdict == "fail" else 0
