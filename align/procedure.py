@@ -61,9 +61,18 @@ def local_norm_stage(baseline: Run, candidate: Run, mapping: str | None) -> Stag
     return compare_local_norms(baseline.store, candidate.store, mapping, step=steps[0])
 
 
+STAGE_ORDER = ["checklist", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
+               "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite"]
+
+
 def report(baseline: str, candidate: str, out: str, repeats: list[str] | None = None,
            options: ScalarOptions | None = None, mapping: str | None = None,
-           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+           progress: Callable[[str], None] | None = None,
+           extra_stages: dict[str, StageResult] | None = None,
+           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Compare and write the report. ``extra_stages`` (checklist, layer tensors, optimizer, ...) come from
+    callers that ran more of the procedure (``align demo``); ``extra`` holds ReportInput's extra_figures /
+    extra_sections / extra_tables."""
     t0 = time.perf_counter()
     b, c, reps = load_runs(baseline, candidate, repeats or [], progress)
     if not b.has("loss") and not b.local_norm_steps():
@@ -73,15 +82,15 @@ def report(baseline: str, candidate: str, out: str, repeats: list[str] | None = 
     cmp = compare_scalars(b, c, reps, options)
     stages = dict(cmp.stages)
     stages["step1_local_norm"] = local_norm_stage(b, c, mapping)
-    order = ["step1_loss", "step1_local_norm", "step2_loss", "long_run", "grad_norm", "lr_schedule",
-             "nonfinite"]
-    stages = {k: stages[k] for k in order if k in stages} | {k: v for k, v in stages.items() if k not in order}
+    stages.update(extra_stages or {})
+    stages = {k: stages[k] for k in STAGE_ORDER if k in stages} | {k: v for k, v in stages.items()
+                                                                   if k not in STAGE_ORDER}
     runs = [{"role": role, "path": r.path, "kind": r.kind, "steps": len(r.steps), "notes": r.notes}
             for role, r in [("baseline", b), ("candidate", c)] + [(f"repeat{i + 1}", r)
                                                                   for i, r in enumerate(reps)]]
     if progress:
         progress(f"compared in {time.perf_counter() - t0:.2f} s; writing {out}")
-    data = write_report(ReportInput(runs, stages, cmp.table), out)
+    data = write_report(ReportInput(runs, stages, cmp.table, **(extra or {})), out)
     if progress:
         progress(f"done in {time.perf_counter() - t0:.2f} s")
     return data
