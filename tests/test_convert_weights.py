@@ -1,7 +1,8 @@
 """Weight conversion on real models: Megatron-core GPTModel -> MindFormers LlamaForCausalLM -> Megatron is
 bit-identical, and both models give the same step-1 loss on the same (pre-shifted) batch.
 
-Tolerance for the loss: 1e-5 relative (currently NOT met, see the xfail: ~2.4e-4 gap under investigation). Both run float32 on CPU; the two frameworks order their reductions
+Tolerance for the loss: 1e-5 relative (currently NOT met, see the xfail: ~2.4e-4 gap open).
+Both run float32 on CPU; the two frameworks order their reductions
 differently (matmul blocking, softmax and RMSNorm sums), so each of the ~20 float32 ops a layer accumulates
 rounding of order 1e-7 relative; over 2 layers and a cross-entropy over 128 classes the observed gap is
 ~1e-7..1e-6 expected. Note: with a freshly initialised tiny model the loss sits near log(vocab), so even a
