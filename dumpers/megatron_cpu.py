@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -130,11 +131,15 @@ def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | No
 
     redirect_current_device()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(port or _free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+        timeout = datetime.timedelta(minutes=5)
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo", timeout=timeout)
+        elif port is not None:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=0, world_size=1, timeout=timeout)
+        else:  # a lone process needs no port: a file store cannot collide with other runs on the machine
+            store = dist.FileStore(tempfile.mktemp(prefix="megatron_cpu_store_"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  pipeline_model_parallel_size=pp)
@@ -163,14 +168,6 @@ def destroy_megatron_cpu() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------------------

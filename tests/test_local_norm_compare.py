@@ -24,8 +24,8 @@ def runs(tmp_path_factory) -> Path:
     pytest.importorskip("megatron.core")
     out = tmp_path_factory.mktemp("local_norms")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(WORKER),
-                           str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(WORKER), str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,19 +36,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(out: Path, scenarios: str, nproc: int = 1, tp: int = 1, extra: tuple[str, ...] = ()) -> dict:
     args = [str(WORKER), "--out", str(out), "--tp", str(tp), "--scenarios", scenarios, *extra]
     if nproc == 1:
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_port()), *args]
+               "--standalone", *args]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {r: json.loads((out / f"result_rank{r}.json").read_text()) for r in range(nproc)}
