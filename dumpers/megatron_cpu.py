@@ -138,7 +138,9 @@ def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | No
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             dist.init_process_group("gloo", rank=0, world_size=1, timeout=timeout)
         else:  # a lone process needs no port: a file store cannot collide with other runs on the machine
-            store = dist.FileStore(tempfile.mktemp(prefix="megatron_cpu_store_"), 1)
+            fd, path = tempfile.mkstemp(prefix="megatron_cpu_store_")
+            os.close(fd)
+            store = dist.FileStore(path, 1)
             dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
