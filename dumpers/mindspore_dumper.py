@@ -31,6 +31,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from align.runstore import RunWriter
+from dumpers.steps import NonFiniteError, parse_steps
 
 TENSOR_MODES = ("off", "stats", "full")
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
@@ -39,28 +40,6 @@ NAN_MODES = ("off", "grads", "all")
 
 class LayerCaptureError(RuntimeError):
     """Layer capture was asked for where it cannot run (GRAPH mode compiles Python hooks away)."""
-
-
-class NonFiniteError(RuntimeError):
-    """Raised by ``end_step`` only when ``stop_on_nan`` asked for it, after the trace is written."""
-
-
-def parse_steps(spec: str | int | Iterable[int] | None) -> frozenset[int] | None:
-    """``None`` = every step; ``"1-3,10"``, an int or an iterable of ints = those steps."""
-    if spec is None:
-        return None
-    if isinstance(spec, int):
-        return frozenset([spec])
-    if isinstance(spec, str):
-        out: set[int] = set()
-        for part in spec.replace(" ", "").split(","):
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out.update(range(int(a), int(b) + 1))
-            elif part:
-                out.add(int(part))
-        return frozenset(out)
-    return frozenset(int(s) for s in spec)
 
 
 def dtype_name(dtype: Any) -> str:

@@ -32,34 +32,11 @@ import numpy as np
 import torch
 
 from align.runstore import SEED_BATCH_KEYS, RunWriter
+from dumpers.steps import NonFiniteError, parse_steps
 
 TENSOR_MODES = ("off", "stats", "full")
 NAN_MODES = ("off", "grads", "all")
 _STAT_COLS = ("max", "min", "mean", "norm", "nan", "inf")
-
-
-class NonFiniteError(RuntimeError):
-    """Raised by ``end_step`` only when ``DumpConfig.stop_on_nan`` asked for it."""
-
-
-def parse_steps(spec: str | int | Iterable[int] | None) -> frozenset[int] | None:
-    """``None`` = every step; ``"1-3,10"`` or an iterable of ints = those steps."""
-    if spec is None:
-        return None
-    if isinstance(spec, int):
-        return frozenset([spec])
-    if isinstance(spec, str):
-        out: set[int] = set()
-        for part in spec.replace(" ", "").split(","):
-            if not part:
-                continue
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out.update(range(int(a), int(b) + 1))
-            else:
-                out.add(int(part))
-        return frozenset(out)
-    return frozenset(int(s) for s in spec)
 
 
 @dataclass
