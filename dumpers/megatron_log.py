@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from align.check_config import parse_arguments_block
 from align.errors import BadInput
 from align.run import Run, make_series
 from dumpers.logtext import clean_text, read_log_bytes, unwrap
@@ -40,7 +41,6 @@ FIELDS = {
 
 _RECORD = re.compile(rb"iteration(\s+\d+\s*/\s*\d+\s*\|[^\n]*)")
 _VALID = re.compile(rb"validation loss at ([^|\n]*?)\|([^\n]*)")
-_ARG = re.compile(r"^\s*(\S+) \.{2,}\s?(.*)$")
 _ARGS_START = b"------------------------ arguments ------------------------"
 _ARGS_END = b"-------------------- end of arguments ---------------------"
 
@@ -54,44 +54,6 @@ def _key(name: str) -> str:
 
 def _is_complete(line: str) -> bool:
     return line.rstrip().endswith("|") or "iteration" not in line
-
-
-def _parse_value(text: str) -> Any:
-    """Argument values as Megatron prints them (Python reprs), without eval."""
-    t = text.strip()
-    if t in ("True", "False"):
-        return t == "True"
-    if t == "None":
-        return None
-    try:
-        return int(t)
-    except ValueError:
-        pass
-    try:
-        return float(t)
-    except ValueError:
-        pass
-    if t.startswith("[") and t.endswith("]"):
-        inner = t[1:-1].strip()
-        return [_parse_value(x) for x in inner.split(",")] if inner else []
-    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
-        return t[1:-1]
-    return t
-
-
-def parse_arguments_block(text: str) -> dict[str, Any]:
-    """The ``arguments`` block Megatron prints at start-up, as a dict (empty when absent)."""
-    args: dict[str, Any] = {}
-    inside = False
-    for line in text.splitlines():
-        if "------------------------ arguments ------------------------" in line:
-            inside = True
-            continue
-        if "end of arguments" in line:
-            break
-        if inside and (m := _ARG.match(line)):
-            args[m.group(1)] = _parse_value(m.group(2))
-    return args
 
 
 def _fields(rest: bytes) -> tuple[list[tuple[str, str]], bool]:

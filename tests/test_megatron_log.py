@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from align.check_config import parse_arguments_block
 from align.errors import BadInput
-from dumpers.megatron_log import parse_arguments_block, parse_megatron_log
+from dumpers.megatron_log import parse_megatron_log
 
 # Verbatim from a Megatron-LM run (DESIGN.md).
 REAL = ("[2024-05-01 10:12:31] iteration      250/    1000 | consumed samples:         4000 | elapsed time per "
