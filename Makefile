@@ -33,6 +33,14 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_logs.py
+	# msprobe side by side: its own environment (benchmarks/.venv-msprobe, never a product dependency).
+	# Without msprobe the comparison still runs our side in .venv and says why msprobe is missing.
+	@if PYTHON=$(PYTHON) bash benchmarks/msprobe_env.sh; then \
+		benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py; \
+	else \
+		echo "bench: msprobe could not be installed (reason above); timing this toolkit only"; \
+		$(PY) benchmarks/bench_vs_msprobe.py; \
+	fi
 
 clean:
 	rm -rf $(VENV) $(OUT)
