@@ -1,0 +1,293 @@
+"""The paired experiment's shared, framework-free parts: the run spec, the data, the faults, the configs.
+
+Why here: both runners (``dumpers.paired_megatron`` under torch, ``dumpers.paired_mindformers`` under
+MindSpore) and the orchestrator (``align.demo``) must agree on the model, the data and what each injected
+fault changes, while ``align/`` never imports a framework. Everything in this module is plain Python and
+numpy; the runners read a :class:`Spec` from JSON and write run stores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Token ids of the synthetic corpus: 0 is padding (never occurs in packed data), 1 ends a document.
+PAD_ID = 0
+EOS_ID = 1
+
+
+@dataclass
+class Model:
+    """The tiny Llama both frameworks build (Megatron TinyLlamaConfig / MindFormers LlamaConfig)."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    norm_eps: float = 1e-5
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+
+@dataclass
+class Spec:
+    """One run of the pair, as a runner receives it (JSON file)."""
+
+    role: str                      # baseline | repeat | candidate | optimizer_check
+    out: str                       # run-store directory
+    steps: int
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    lr_schedule: str = "constant"  # constant | cosine (with warm-up)
+    warmup_steps: int = 0
+    seed: int = 1234
+    threads: int = 1
+    tp: int = 1                    # tensor parallel size (the repeat runs TP=2 under torchrun)
+    tensor_steps: str = "1-2"
+    model: Model = field(default_factory=Model)
+    pad_id: int = PAD_ID
+    eos_id: int = EOS_ID
+    eod_mask_loss: bool = False
+    inject: str | None = None
+    # files exchanged between the runs
+    init_weights: str | None = None     # baseline writes its initial state_dict here (torch.save)
+    step1_file: str | None = None       # baseline: step-1 grads and updated weights (npz, no pickle)
+    replay_dir: str | None = None       # candidate: the baseline run store to replay
+    converted: str | None = None        # candidate: converted MindSpore checkpoint it writes and loads
+    result_file: str | None = None      # runner writes a small JSON of results here
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Spec:
+        d = json.loads(text)
+        d["model"] = Model(**d.get("model", {}))
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Faults: what each one changes, on which side, and where the report must show it
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected mistake of a real migration; ``stage``/``component`` say where the report must fail."""
+
+    name: str
+    side: str          # baseline | candidate | both | conversion
+    stage: str         # the stage that must fail
+    component: str     # a substring of the failing finding's component
+    what: str
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in [
+    Fault("embedding_fp16", "candidate", "layer_tensors", "embedding",
+          "candidate computes the token embedding in float16 (a lower-precision gather on one side)"),
+    Fault("weight_decay_all", "baseline", "optimizer", "layernorm",
+          "baseline decays every parameter, norms and biases included (Megatron config_overrides={})"),
+    Fault("norm_eps", "candidate", "layer_tensors", "input_layernorm",
+          "candidate RMSNorm epsilon 1e-2 instead of 1e-5"),
+    Fault("dropout_on", "baseline", "checklist", "dropout",
+          "baseline leaves hidden/attention dropout at Megatron's default 0.1"),
+    Fault("lr_schedule", "candidate", "lr_schedule", "lr",
+          "candidate uses cosine decay with warm-up while the baseline keeps a constant lr"),
+    Fault("qk_swap", "conversion", "layer_tensors", "self_attention",
+          "weight conversion permutes the q/k rows of every head (interleaved vs half RoPE layout)"),
+    Fault("pad_eos", "both", "data_checks", "loss_mask",
+          "pad id equal to eos id: EOD targets masked out of the loss, MindFormers masks EOD keys"),
+    Fault("loss_mask_mutation", "baseline", "data_checks", "loss_mask",
+          "the baseline data loader mutates its cached loss_mask in place each step"),
+    Fault("nan_param", "candidate", "nan_trace", "feed_forward.w2",
+          "one parameter's gradient becomes NaN at step 3 on the candidate"),
+]}
+
+NAN_STEP = 3
+NAN_PARAM = "model.layers.1.feed_forward.w2.weight"
+NAN_PARAM_BASELINE = "decoder.layers.1.mlp.linear_fc2.weight"
+
+
+def fault(name: str | None) -> Fault | None:
+    if name is None:
+        return None
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    return FAULTS[name]
+
+
+def injects(spec: Spec, side: str) -> str | None:
+    """The fault name if ``spec.inject`` applies to ``side`` (baseline/candidate/conversion)."""
+    f = fault(spec.inject)
+    if f is None:
+        return None
+    return f.name if f.side in (side, "both") else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data: a learnable synthetic corpus, packed like Megatron's GPTDataset
+# ---------------------------------------------------------------------------------------------------------
+
+def sample_ids(step: int, model: Model, seed: int) -> np.ndarray:
+    """[micro_batch, seq+1] packed documents for ``step``: a noisy affine chain of tokens, EOS-terminated.
+
+    Why learnable: the long run must show a falling loss (a model that learns), so a divergence is visible
+    against a moving curve, not a flat log(vocab).
+    """
+    rng = np.random.default_rng([seed, step])
+    b, s, v = model.micro_batch_size, model.seq_length + 1, model.vocab_size
+    out = np.empty((b, s), dtype=np.int64)
+    for i in range(b):
+        row: list[int] = []
+        while len(row) < s:
+            n = int(rng.integers(4, 12))
+            x = int(rng.integers(2, v))
+            for _ in range(n):
+                row.append(x)
+                x = (5 * x + 3) % (v - 2) + 2 if rng.random() < 0.9 else int(rng.integers(2, v))
+            row.append(EOS_ID)
+        out[i] = row[:s]
+    return out
+
+
+def megatron_masks(tokens: np.ndarray, labels: np.ndarray, *, eos_id: int, pad_id: int,
+                   eod_mask_loss: bool) -> np.ndarray:
+    """Megatron GPTDataset's loss mask: 0 at EOD inputs (eod_mask_loss) and at padding labels."""
+    mask = np.ones(tokens.shape, dtype=np.float32)
+    if eod_mask_loss:
+        mask[tokens == eos_id] = 0.0
+    mask[labels == pad_id] = 0.0
+    return mask
+
+
+class BatchSource:
+    """Batches for the baseline, step by step; ``mutate_cache`` reproduces the cached-loss_mask bug.
+
+    The bug (seen in real GPT dataset code): a loss mask built once, cached, and then edited in place for
+    every sample's EOD positions, so it loses ones step after step.
+    """
+
+    def __init__(self, spec: Spec, mutate_cache: bool = False) -> None:
+        self.spec = spec
+        self.mutate_cache = mutate_cache
+        self._cached: np.ndarray | None = None
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        m, sp = self.spec.model, self.spec
+        ids = sample_ids(step, m, sp.seed)
+        tokens, labels = ids[:, :-1].copy(), ids[:, 1:].copy()
+        if self.mutate_cache:
+            if self._cached is None:
+                self._cached = np.ones(tokens.shape, dtype=np.float32)
+            self._cached[tokens == sp.eos_id] = 0.0          # in place: the cache remembers every EOD
+            self._cached[labels == sp.pad_id] = 0.0
+            loss_mask = self._cached.copy()
+        else:
+            loss_mask = megatron_masks(tokens, labels, eos_id=sp.eos_id, pad_id=sp.pad_id,
+                                       eod_mask_loss=sp.eod_mask_loss)
+        b, s = tokens.shape
+        attention_mask = np.broadcast_to(np.triu(np.ones((s, s), dtype=bool), 1), (b, 1, s, s)).copy()
+        position_ids = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "attention_mask": attention_mask,
+                "position_ids": position_ids}
+
+
+def lr_at(spec: Spec, step: int, schedule: str | None = None) -> float:
+    """Learning rate used at ``step`` (1-based): constant, or linear warm-up then cosine to min_lr."""
+    schedule = schedule or spec.lr_schedule
+    if schedule == "constant":
+        return spec.lr
+    w = max(spec.warmup_steps, 0)
+    if w and step <= w:
+        return spec.lr * step / w
+    total = max(spec.steps - w, 1)
+    frac = min(max(step - w, 0) / total, 1.0)
+    return spec.min_lr + 0.5 * (spec.lr - spec.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two configs, as each framework's user writes them (for the checklist and the record)
+# ---------------------------------------------------------------------------------------------------------
+
+def megatron_args(spec: Spec) -> dict[str, Any]:
+    """The Megatron-LM arguments equivalent to the baseline run (what ``--`` flags a user would pass)."""
+    m = spec.model
+    return {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
+        "group_query_attention": m.num_query_groups != m.num_heads, "num_query_groups": m.num_query_groups,
+        "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length, "max_position_embeddings": m.seq_length,
+        "vocab_size": m.vocab_size, "padded_vocab_size": m.vocab_size, "make_vocab_size_divisible_by": 128,
+        "normalization": "RMSNorm", "norm_epsilon": m.norm_eps, "swiglu": True,
+        "position_embedding_type": "rope", "rotary_base": 10000, "untie_embeddings_and_output_weights": True,
+        "add_bias_linear": False, "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout,
+        "lr": spec.lr, "min_lr": spec.min_lr, "lr_decay_style": spec.lr_schedule,
+        "lr_warmup_iters": spec.warmup_steps, "train_iters": spec.steps, "adam_beta1": spec.adam_beta1,
+        "adam_beta2": spec.adam_beta2, "adam_eps": spec.adam_eps, "weight_decay": spec.weight_decay,
+        "clip_grad": spec.clip_grad, "micro_batch_size": m.micro_batch_size,
+        "global_batch_size": m.micro_batch_size, "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1, "data_parallel_size": 1, "bf16": False, "fp16": False,
+        "params_dtype": "float32", "seed": spec.seed, "optimizer": "adam", "eod_mask_loss": spec.eod_mask_loss,
+        "use_distributed_optimizer": False,
+    }
+
+
+def mindformers_config(spec: Spec) -> dict[str, Any]:
+    """The MindFormers YAML (as a dict) of the candidate run; the runner trains from these very values."""
+    m = spec.model
+    if spec.lr_schedule == "cosine":
+        lr_schedule = {"type": "CosineWithWarmUpLR", "learning_rate": spec.lr, "lr_end": spec.min_lr,
+                       "warmup_steps": spec.warmup_steps, "total_steps": spec.steps}
+    else:
+        lr_schedule = {"type": "ConstantWarmUpLR", "learning_rate": spec.lr, "warmup_steps": 0,
+                       "total_steps": spec.steps}
+    return {
+        "seed": spec.seed, "run_mode": "train",
+        "runner_config": {"epochs": 1, "batch_size": m.micro_batch_size, "sink_mode": False,
+                          "gradient_accumulation_steps": 1},
+        "optimizer": {"type": "AdamW", "betas": [spec.adam_beta1, spec.adam_beta2], "eps": spec.adam_eps,
+                      "weight_decay": spec.weight_decay, "learning_rate": spec.lr},
+        "lr_schedule": lr_schedule,
+        "runner_wrapper": {"type": "CPUTrainOneStepCell", "scale_sense": 1.0, "use_clip_grad": spec.clip_grad > 0,
+                           "max_grad_norm": spec.clip_grad, "local_norm": True},
+        "parallel_config": {"data_parallel": 1, "model_parallel": 1, "pipeline_stage": 1, "micro_batch_num": 1},
+        "train_dataset": {"data_dir": spec.replay_dir, "columns": ["input_ids", "labels", "loss_mask"],
+                          "construct_args_key": ["input_ids", "labels", "loss_mask"], "batch_size": 1},
+        "train_dataset_task": {"type": "MegatronReplayDataset"},
+        "context": {"mode": 1, "device_target": "CPU"},
+        "model": {"arch": {"type": "LlamaForCausalLM"}, "model_config": {
+            "type": "LlamaConfig", "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
+            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+            "n_kv_heads": m.num_query_groups, "intermediate_size": m.ffn_hidden_size,
+            "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "pad_token_id": spec.pad_id,
+            "eos_token_id": spec.eos_id, "hidden_act": "silu", "theta": 10000.0,
+            "hidden_dropout_prob": m.hidden_dropout, "attention_dropout_prob": m.attention_dropout,
+            "compute_dtype": "float32", "param_init_type": "float32", "layernorm_compute_type": "float32",
+            "softmax_compute_type": "float32", "rotary_dtype": "float32", "embedding_init_type": "float32",
+            "fused_rms_norm": False, "use_rope_slice": True, "input_sliced_sig": True,
+            "use_flash_attention": False, "use_past": False, "tie_word_embeddings": False,
+            "qkv_has_bias": False, "checkpoint_name_or_path": ""}},
+    }
+
+
+def write_spec(spec: Spec, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(spec.to_json())
+    return p
+
+
+def read_spec(path: str | Path) -> Spec:
+    return Spec.from_json(Path(path).read_text())

@@ -1,0 +1,153 @@
+"""Baseline side of the paired demo: a real Megatron-core GPTModel trained on CPU, with the dumper on.
+
+``python -m dumpers.paired_megatron SPEC.json`` (see :class:`align.paired.Spec`). Why a separate process:
+torch and MindSpore each bring their own thread pools and allocators; one process per framework keeps the
+runs independent and lets the orchestrator stay framework-free. Megatron's own pieces are used where they
+decide numerics: GPTModel (local spec), its DDP, ``get_megatron_optimizer`` (Adam, grad clipping, weight
+decay groups from ``config_overrides``); the dumper captures local norms inside its grad-norm call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from align.paired import NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
+from dumpers.megatron import MegatronDumper, strip_module_prefix
+from dumpers.megatron_cpu import MegatronOptimizerCPU, cpu_device_redirect, forward_loss, init_megatron_cpu, wrap_ddp
+from dumpers.seed_torch import seed_everything
+from dumpers.torch_dumper import DumpConfig
+
+# Layer profile: the modules whose outputs (and output gradients) are summarised at steps 1-2.
+LAYER_MODULES = ("embedding", "decoder.layers.*.input_layernorm", "decoder.layers.*.self_attention",
+                 "decoder.layers.*.pre_mlp_layernorm", "decoder.layers.*.mlp", "decoder.final_layernorm",
+                 "output_layer")
+
+
+def build_model(spec: Spec) -> torch.nn.Module:
+    """Megatron-core GPTModel shaped like Llama (RMSNorm, SwiGLU, RoPE, GQA, untied, no bias)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m = spec.model
+    torch.manual_seed(spec.seed)
+    tcfg = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=False, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=spec.tp, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
+    return GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    parallel_output=True)
+
+
+def build_optimizer(ddp: torch.nn.Module, spec: Spec) -> MegatronOptimizerCPU:
+    """Megatron's optimizer; the weight_decay_all fault passes ``config_overrides={}`` (decay everything)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(optimizer="adam", lr=spec.lr, min_lr=spec.min_lr, weight_decay=spec.weight_decay,
+                          adam_beta1=spec.adam_beta1, adam_beta2=spec.adam_beta2, adam_eps=spec.adam_eps,
+                          clip_grad=spec.clip_grad, bf16=False, fp16=False, params_dtype=torch.float32,
+                          use_distributed_optimizer=False)
+    overrides: dict[Any, Any] | None = {} if injects(spec, "baseline") == "weight_decay_all" else None
+    with cpu_device_redirect():
+        inner = get_megatron_optimizer(cfg, [ddp], config_overrides=overrides)
+    return MegatronOptimizerCPU(inner)
+
+
+def build_scheduler(opt: MegatronOptimizerCPU, spec: Spec) -> Any:
+    """Megatron's OptimizerParamScheduler: it sets each group's lr and its weight decay (x wd_mult)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=spec.lr, min_lr=spec.min_lr,
+                                   lr_warmup_steps=spec.warmup_steps, lr_decay_steps=spec.steps,
+                                   lr_decay_style=spec.lr_schedule, start_wd=spec.weight_decay,
+                                   end_wd=spec.weight_decay, wd_incr_steps=spec.steps, wd_incr_style="constant")
+
+
+def _named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(strip_module_prefix(n), p) for n, p in model.named_parameters()]
+
+
+def run(spec: Spec) -> dict[str, Any]:
+    """Train ``spec.steps`` steps, dumping every step's batch, local norms and scalars; layers at 1-2."""
+    t0 = time.perf_counter()
+    torch.set_num_threads(max(1, spec.threads))
+    seed_info = seed_everything(spec.seed)
+    info = init_megatron_cpu(tp=spec.tp, seed=spec.seed)
+    lead = info.rank == 0
+    model = build_model(spec)
+    if spec.init_weights and lead:
+        Path(spec.init_weights).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
+                   spec.init_weights)
+    ddp = wrap_ddp(model)
+    opt = build_optimizer(ddp, spec)
+    sched = build_scheduler(opt, spec)
+    cfg = DumpConfig(out=spec.out, steps=None, tensor_steps=spec.tensor_steps if spec.tensor_steps else [],
+                     modules=LAYER_MODULES, tensors="stats" if spec.tensor_steps else "off", seed_layout=True,
+                     nan_trace="grads")
+    meta = {**seed_info, "config": megatron_args(spec), "role": spec.role, "inject": spec.inject,
+            "threads": torch.get_num_threads(), "mindformers_yaml": None}
+    dumper = MegatronDumper(ddp, opt, cfg, meta=meta)
+    source = BatchSource(spec, mutate_cache=injects(spec, "baseline") == "loss_mask_mutation")
+    params = _named_params(ddp)
+    nan_hook = None
+    if injects(spec, "baseline") == "nan_param":
+        p = dict(params)[NAN_PARAM_BASELINE]
+        nan_hook = p
+    losses = []
+    for step in range(1, spec.steps + 1):
+        arrays = source(step)
+        batch = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        lr = float(opt.param_groups[0]["lr"])
+        dumper.begin_step(step)
+        dumper.record_batch(batch)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = forward_loss(ddp, batch)
+        loss.backward()
+        with cpu_device_redirect():
+            ddp.finish_grad_sync()
+        if nan_hook is not None and step == NAN_STEP:
+            nan_hook.main_grad.view(-1)[0] = float("nan")
+        if step == 1 and spec.step1_file and lead:
+            grads = {n: p.main_grad.detach().clone().numpy() for n, p in params}
+        _, grad_norm, _ = opt.step()
+        if step == 1 and spec.step1_file and lead:
+            np.savez(spec.step1_file, **{f"grad/{n}": g for n, g in grads.items()},
+                     **{f"weight/{n}": p.detach().numpy().copy() for n, p in params})
+        losses.append(float(loss.detach()))
+        dumper.end_step(loss=losses[-1], lr=lr)
+        sched.step(1)
+    dumper.close()
+    return {"role": spec.role, "rank": info.rank, "tp": spec.tp, "steps": spec.steps,
+            "seconds": time.perf_counter() - t0,
+            "first_loss": losses[0], "last_loss": losses[-1], "threads": torch.get_num_threads(),
+            "dumper_errors": dumper.errors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = read_spec(argv[0])
+    result = run(spec)
+    if spec.result_file and result["rank"] == 0:
+        Path(spec.result_file).write_text(json.dumps(result))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

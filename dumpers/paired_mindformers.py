@@ -1,0 +1,217 @@
+"""Candidate side of the paired demo: MindFormers' LlamaForCausalLM on CPU replaying the baseline's batches.
+
+``python -m dumpers.paired_mindformers SPEC.json`` (see :class:`align.paired.Spec`). The run converts the
+baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses),
+builds the model and optimizer from the MindFormers config in :func:`align.paired.mindformers_config`
+(AdamW with MindFormers' own weight-decay grouping, its lr schedule, CPUTrainOneStepCell with clipping and
+local norms), replays every baseline step through ``ReplaySource`` and dumps what MindFormers computed.
+
+Role ``optimizer_check`` instead feeds the baseline's step-1 gradients (converted to MindFormers names)
+through the candidate's clipping and optimizer once and saves the updated weights: the optimizer stage
+compares them with the baseline's weights after step 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from align.paired import NAN_PARAM, NAN_STEP, Spec, injects, mindformers_config, read_spec
+
+os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
+
+import mindspore as ms  # noqa: E402
+from mindspore import Tensor, nn, ops  # noqa: E402
+
+from dumpers import mindformers_cpu as mc  # noqa: E402
+from dumpers.mindformers import name_local_norms, optimizer_param_names, optimizer_param_sizes, split_outputs  # noqa: E402
+from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
+
+# Layer profile cells, the MindFormers counterparts of dumpers.paired_megatron.LAYER_MODULES.
+LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
+               "model.layers.*.ffn_norm", "model.layers.*.feed_forward", "model.norm_out", "lm_head")
+
+
+def convert(spec: Spec) -> dict[str, Any]:
+    """Megatron initial weights -> MindSpore checkpoint; the qk_swap fault re-permutes q/k rows per head."""
+    from align.convert_weights import convert_megatron_to_mindformers
+
+    m = spec.model
+    res = convert_megatron_to_mindformers([spec.init_weights], spec.converted, num_heads=m.num_heads,
+                                          num_query_groups=m.num_query_groups)
+    if injects(spec, "conversion") == "qk_swap":
+        params = ms.load_checkpoint(spec.converted)
+        d = m.hidden_size // m.num_heads
+        perm = np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], axis=1).reshape(-1)  # halves -> pairs
+        items = []
+        for name, p in params.items():
+            arr = p.asnumpy()
+            if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                heads = arr.shape[0] // d
+                arr = arr.reshape(heads, d, -1)[:, perm, :].reshape(arr.shape)
+            items.append({"name": name, "data": ms.Parameter(Tensor(arr), name=name)})
+        ms.save_checkpoint(items, spec.converted)
+    return {"verdict": res.verdict, "tensors": res.details.get("tensors"),
+            "findings": [f.to_json() for f in res.findings]}
+
+
+def model_overrides(spec: Spec) -> dict[str, Any]:
+    """LlamaConfig values from the run's MindFormers config (the YAML the checklist reads)."""
+    mcfg = dict(mindformers_config(spec)["model"]["model_config"])
+    for key in ("type", "checkpoint_name_or_path", "hidden_dropout_prob", "attention_dropout_prob",
+                "tie_word_embeddings", "hidden_act", "qkv_has_bias"):
+        mcfg.pop(key, None)
+    return mcfg
+
+
+def build_net(spec: Spec) -> nn.Cell:
+    net = mc.build_tiny_llama(seed=spec.seed, **model_overrides(spec))
+    params = ms.load_checkpoint(spec.converted)
+    not_loaded, unused = ms.load_param_into_net(net, params, strict_load=True)
+    if not_loaded or unused:
+        raise RuntimeError(f"converted checkpoint does not fit the model: missing {not_loaded}, unused {unused}")
+    if injects(spec, "candidate") == "embedding_fp16":
+        emb = net.model.tok_embeddings
+        inner = emb.construct
+
+        def low_precision(*args: Any, **kwargs: Any) -> Any:
+            return inner(*args, **kwargs).astype(ms.float16).astype(ms.float32)
+
+        emb.construct = low_precision
+    return net
+
+
+def build_lr(spec: Spec) -> Any:
+    from mindformers.core.lr import ConstantWarmUpLR, CosineWithWarmUpLR
+
+    sched = dict(mindformers_config(spec)["lr_schedule"])
+    kind = sched.pop("type")
+    if kind == "CosineWithWarmUpLR":
+        return CosineWithWarmUpLR(**sched)
+    return ConstantWarmUpLR(**sched)
+
+
+def build_optimizer(net: nn.Cell, spec: Spec) -> nn.Optimizer:
+    """MindFormers AdamW over MindFormers' own parameter groups (no decay for 1-D weights and biases)."""
+    from mindformers.core.optim import AdamW
+    from mindformers.trainer.optimizer_grouped_parameters import get_optimizer_grouped_parameters
+
+    opt_cfg = mindformers_config(spec)["optimizer"]
+    lr = build_lr(spec)
+    groups = get_optimizer_grouped_parameters(model=net, weight_decay=opt_cfg["weight_decay"],
+                                              dynamic_lr_schedule=lr)
+    return AdamW(groups, learning_rate=lr, betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"],
+                 weight_decay=opt_cfg["weight_decay"])
+
+
+class FaultyTrainOneStepCell(mc.CPUTrainOneStepCell):
+    """CPUTrainOneStepCell that can poison one parameter's gradient (the nan_param fault, PYNATIVE only)."""
+
+    poison_index: int | None = None
+
+    def grads_for_legacy(self, *args: Any) -> Any:
+        loss, grads, factor = super().grads_for_legacy(*args)
+        if self.poison_index is not None:
+            i = self.poison_index
+            grads = grads[:i] + (grads[i] * Tensor(float("nan"), ms.float32),) + grads[i + 1:]
+        return loss, grads, factor
+
+
+def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell:
+    wrap = mindformers_config(spec)["runner_wrapper"]
+    opt = build_optimizer(net, spec)
+    cell = FaultyTrainOneStepCell(net, opt, local_norm=True, use_clip_grad=wrap["use_clip_grad"],
+                                  max_grad_norm=wrap["max_grad_norm"])
+    cell.set_train(True)
+    return cell
+
+
+def run(spec: Spec) -> dict[str, Any]:
+    """Replay every baseline step through MindFormers' training step, dumping what it computed."""
+    from dumpers.mindformers_replay import ReplaySource
+
+    t0 = time.perf_counter()
+    mc.set_cpu_context("pynative", seed=spec.seed)
+    conversion = convert(spec) if spec.init_weights else None
+    net = build_net(spec)
+    cell = build_cell(net, spec)
+    source = ReplaySource(spec.replay_dir, rank=0)
+    steps = list(source.steps)[:spec.steps]
+    dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [], cells=LAYER_CELLS,
+                      tensors="stats" if spec.tensor_steps else "off", nan_trace="grads",
+                      meta={"config": mindformers_config(spec), "role": spec.role, "inject": spec.inject})
+    dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
+    opt = cell.optimizer
+    names, sizes = optimizer_param_names(opt), optimizer_param_sizes(opt)
+    nan_index = names.index(NAN_PARAM) if injects(spec, "candidate") == "nan_param" else None
+    losses = []
+    for step in steps:
+        batch = source.batch(step)
+        dumper.begin_step(step)
+        dumper.record_batch({"tokens": batch["input_ids"], "labels": batch["labels"],
+                             "loss_mask": batch["loss_mask"]})
+        cell.poison_index = nan_index if step == NAN_STEP else None
+        out = cell(*mc.llama_inputs(batch))
+        vals = split_outputs(out)
+        gnorm = float(np.asarray(vals["global_norm"]).reshape(-1)[0]) if "global_norm" in vals else None
+        named = name_local_norms(vals["local_norm"], names, vals.get("norm_size"), sizes)
+        if gnorm is None:
+            gnorm = float(np.sqrt(sum(v * v for v in named.values())))
+        dumper.record_local_norms(list(named), np.array(list(named.values())), sizes, global_norm=gnorm,
+                                  where="mindformers.MFTrainOneStepCell.local_norm")
+        loss = float(np.asarray(vals["loss"]).reshape(-1)[0])
+        lr = float(np.asarray(vals["lr"]).reshape(-1)[0]) if "lr" in vals else None
+        losses.append(loss)
+        dumper.end_step(loss=loss, grad_norm=gnorm, overflow=bool(np.asarray(vals["overflow"]).reshape(-1)[0]),
+                        **({"lr": lr} if lr is not None else {}))
+    dumper.close()
+    return {"role": spec.role, "steps": len(steps), "seconds": time.perf_counter() - t0,
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "conversion": conversion}
+
+
+def optimizer_check(spec: Spec) -> dict[str, Any]:
+    """One candidate optimizer step on the baseline's step-1 gradients; saves the updated weights (npz)."""
+    from align.mapping import Mapping, TransformParams
+
+    mc.set_cpu_context("pynative", seed=spec.seed)
+    net = build_net(spec)
+    cell = build_cell(net, spec)
+    m = spec.model
+    with np.load(spec.step1_file, allow_pickle=False) as z:
+        grads_mg = {k[len("grad/"):]: z[k] for k in z.files if k.startswith("grad/")}
+    mapping = Mapping.load(None)
+    grads_mf, _ = mapping.convert(grads_mg, "candidate", TransformParams(num_heads=m.num_heads,
+                                                                         num_query_groups=m.num_query_groups))
+    opt = cell.optimizer
+    grads = tuple(Tensor(np.ascontiguousarray(grads_mf[p.name]).astype(np.float32)) for p in opt.parameters)
+    if cell.use_clip_grad:
+        grads, _ = cell.clip_grad_norm(grads)
+    opt(grads)
+    out = Path(spec.out)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "weights_after_step1.npz", **{p.name: p.asnumpy() for p in opt.parameters})
+    return {"role": spec.role, "file": str(out / "weights_after_step1.npz"), "parameters": len(grads)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = read_spec(argv[0])
+    result = optimizer_check(spec) if spec.role == "optimizer_check" else run(spec)
+    if spec.result_file:
+        Path(spec.result_file).write_text(json.dumps(result))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["run", "optimizer_check", "ops"]
