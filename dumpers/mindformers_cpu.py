@@ -28,7 +28,11 @@ from mindspore.amp import all_finite
 
 TINY_LLAMA: dict[str, Any] = {
     "batch_size": 2, "seq_length": 16, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "n_kv_heads": 2,
-    "intermediate_size": 64, "vocab_size": 64, "rms_norm_eps": 1e-5, "pad_token_id": 0,
+    "intermediate_size": 64, "vocab_size": 64, "rms_norm_eps": 1e-5, "theta": 10000.0,
+    # MindFormers hides every key whose token == pad_token_id from attention (its causal mask is built from
+    # the tokens when no attention_mask is fed); Megatron never does. -1 never occurs, so the model is the
+    # same as Megatron's on any batch. With 0 here a batch containing token 0 moved the loss by 2.3e-4.
+    "pad_token_id": -1,
     "compute_dtype": "float32", "param_init_type": "float32", "layernorm_compute_type": "float32",
     "softmax_compute_type": "float32", "rotary_dtype": "float32", "embedding_init_type": "float32",
     # CPU: no fused RMSNorm kernel, rope via slicing; Megatron batches are pre-shifted.
@@ -58,6 +62,22 @@ def tiny_llama_config(**overrides: Any) -> LlamaConfig:
     values = dict(TINY_LLAMA)
     values.update(overrides)
     return LlamaConfig(**values)
+
+
+def overrides_like_megatron(cfg: Any) -> dict[str, Any]:
+    """LlamaConfig overrides that define the same model as a Megatron ``TinyLlamaConfig`` (duck-typed).
+
+    Why: a paired run needs both sides to be one model; this maps every shape field and the settings whose
+    defaults must agree (RMSNorm epsilon, RoPE base) so callers cannot forget one.
+    """
+    extra = dict(getattr(cfg, "extra", None) or {})
+    return {"vocab_size": int(cfg.vocab_size), "hidden_size": int(cfg.hidden_size),
+            "num_layers": int(cfg.num_layers), "num_heads": int(cfg.num_attention_heads),
+            "n_kv_heads": int(cfg.num_query_groups or cfg.num_attention_heads),
+            "intermediate_size": int(cfg.ffn_hidden_size), "seq_length": int(cfg.seq_length),
+            "batch_size": int(cfg.micro_batch_size),
+            "rms_norm_eps": float(extra.get("layernorm_epsilon", 1e-5)),
+            "theta": float(extra.get("rotary_base", 10000.0))}
 
 
 def build_tiny_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
