@@ -92,8 +92,18 @@ def _run_import(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the bundled example and write its report")
+    p = sub.add_parser("demo", help="run the paired Megatron-core vs MindFormers experiment (CPU) and report")
     p.add_argument("--out", default="demo_out", metavar="DIR")
+    p.add_argument("--steps", type=int, default=300, metavar="N", help="steps of the long pair (default 300)")
+    p.add_argument("--lr0-steps", type=int, default=20, metavar="N", help="steps of the lr=0 pair (default 20)")
+    p.add_argument("--inject", metavar="FAULT", default=None,
+                   help="plant a known fault: embedding_fp16, weight_decay_all, norm_eps, dropout_on, "
+                        "lr_schedule, qk_swap, pad_eos, loss_mask_mutation, nan_param")
+    p.add_argument("--reuse-baseline", metavar="DIR", default=None,
+                   help="reuse the baseline-side runs of an earlier demo DIR (same --steps) for a "
+                        "candidate-side fault")
+    p.add_argument("--example-logs", action="store_true",
+                   help="compare the bundled example logs instead (no framework needed)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:

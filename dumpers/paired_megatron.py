@@ -108,6 +108,7 @@ def run(spec: Spec) -> dict[str, Any]:
     if injects(spec, "baseline") == "nan_param":
         p = dict(params)[NAN_PARAM_BASELINE]
         nan_hook = p
+    init = {n: p.detach().numpy().copy() for n, p in params} if spec.step1_file and lead else {}
     losses = []
     for step in range(1, spec.steps + 1):
         arrays = source(step)
@@ -128,6 +129,7 @@ def run(spec: Spec) -> dict[str, Any]:
         _, grad_norm, _ = opt.step()
         if step == 1 and spec.step1_file and lead:
             np.savez(spec.step1_file, **{f"grad/{n}": g for n, g in grads.items()},
+                     **{f"init/{n}": w for n, w in init.items()},
                      **{f"weight/{n}": p.detach().numpy().copy() for n, p in params})
         losses.append(float(loss.detach()))
         dumper.end_step(loss=losses[-1], lr=lr)
