@@ -1,0 +1,51 @@
+"""Candidate side of the optimizer check: one MindSpore optimizer step on the baseline's gradients.
+
+Why: to tell an optimizer difference from a forward/backward one, the candidate's own optimizer (its
+parameter groups, weight decay rules, betas, eps, clipping) must step from the baseline's weights with the
+baseline's gradients. This module does only that and returns the updated weights as numpy arrays;
+``comparators.optimizer_check.compare_updates`` compares them with the baseline's weights after its step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+def optimizer_step_with_grads(optimizer: Any, grads: Mapping[str, np.ndarray], *,
+                              clip_norm: float | None = None, train_cell: Any = None) -> dict[str, np.ndarray]:
+    """Run ``optimizer`` once on ``grads`` (candidate names); return {parameter name: updated weight}.
+
+    Gradients are passed in the optimizer's own parameter order (the order MindSpore expects), cast to each
+    parameter's dtype. Clipping: ``train_cell.clip_grad_norm`` when a MindFormers training cell with
+    ``use_clip_grad`` is given (its own clipping code), else ``ops.clip_by_global_norm`` when
+    ``clip_norm`` is set, else none. A parameter without a gradient is an error, not a zero gradient.
+    """
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    params = list(optimizer.parameters)
+    missing = [p.name for p in params if p.name not in grads]
+    if missing:
+        raise KeyError(f"no baseline gradient for {len(missing)} candidate parameter(s): {', '.join(missing[:5])}")
+    tensors = []
+    for p in params:
+        g = np.ascontiguousarray(grads[p.name])
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"{p.name}: gradient shape {g.shape} != parameter shape {tuple(p.shape)}")
+        t = Tensor(g.astype(np.float32))
+        tensors.append(t if p.dtype == ms.float32 else t.astype(p.dtype))
+    grads_t = tuple(tensors)
+    if train_cell is not None and getattr(train_cell, "use_clip_grad", False):
+        grads_t, _ = train_cell.clip_grad_norm(grads_t)
+    elif clip_norm is not None:
+        grads_t = ops.clip_by_global_norm(grads_t, float(clip_norm))
+    optimizer(grads_t)
+    return {p.name: p.asnumpy().copy() for p in params}
+
+
+def weights(net: Any) -> dict[str, np.ndarray]:
+    """Every trainable parameter of ``net`` as numpy (candidate names)."""
+    return {p.name: p.asnumpy().copy() for p in net.trainable_params()}
