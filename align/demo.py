@@ -31,7 +31,7 @@ from align.cli import EXIT
 from align.errors import BadInput
 from align.paired import FAULTS, Spec, fault, megatron_args, mindformers_config, write_spec
 from align.procedure import report, stderr_progress
-from comparators.findings import Finding, StageResult, skipped
+from comparators.findings import Finding, StageResult, skipped, worst
 from comparators.scalars import ScalarOptions
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,18 +85,20 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None) -> di
             "lr0_baseline": lr0_base, "lr0_candidate": lr0_cand}
 
 
-def _command(spec: Spec, spec_path: Path) -> list[str]:
+def _command(specs: list[Spec], paths: list[Path]) -> list[str]:
     py = sys.executable
-    if spec.role in ("candidate", "optimizer_check"):
-        return [py, "-m", "dumpers.paired_mindformers", str(spec_path)]
-    if spec.tp > 1:
-        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.tp}",
-                "-m", "dumpers.paired_megatron", str(spec_path)]
-    return [py, "-m", "dumpers.paired_megatron", str(spec_path)]
+    if specs[0].role in ("candidate", "optimizer_check"):
+        return [py, "-m", "dumpers.paired_mindformers", *map(str, paths)]
+    if specs[0].tp > 1:
+        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={specs[0].tp}",
+                "-m", "dumpers.paired_megatron", str(paths[0])]
+    return [py, "-m", "dumpers.paired_megatron", str(paths[0])]
 
 
-def run_jobs(jobs: list[tuple[str, Spec]], work: Path, parallel: int = 2) -> dict[str, float]:
-    """Run runner subprocesses, ``parallel`` at a time; a failing runner stops the demo with its log."""
+def run_jobs(jobs: list[tuple[str, list[Spec]]], work: Path, parallel: int = 2) -> dict[str, float]:
+    """Run runner subprocesses, ``parallel`` at a time; a failing runner stops the demo with its log.
+
+    A job is a list of specs run in one process (MindSpore runs share one start-up)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GLOG_v="3")
     pending = list(jobs)
@@ -104,15 +106,17 @@ def run_jobs(jobs: list[tuple[str, Spec]], work: Path, parallel: int = 2) -> dic
     took: dict[str, float] = {}
     while pending or running:
         while pending and len(running) < parallel:
-            name, spec = pending.pop(0)
-            shutil.rmtree(spec.out, ignore_errors=True)
-            path = write_spec(spec, work / "specs" / f"{name}.json")
+            name, specs = pending.pop(0)
+            paths = []
+            for spec in specs:
+                shutil.rmtree(spec.out, ignore_errors=True)
+                paths.append(write_spec(spec, work / "specs" / f"{spec.role}_{Path(spec.out).name}.json"))
             log = work / "logs" / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "w") as fh:
-                proc = subprocess.Popen(_command(spec, path), cwd=REPO, env=env, stdout=fh,
+                proc = subprocess.Popen(_command(specs, paths), cwd=REPO, env=env, stdout=fh,
                                         stderr=subprocess.STDOUT)
-            _log(f"started {name} ({spec.steps} steps)")
+            _log(f"started {name} ({', '.join(f'{s.role} {s.steps} steps' for s in specs)})")
             running.append((name, proc, time.perf_counter(), log))
         time.sleep(0.2)
         for item in list(running):
@@ -140,6 +144,21 @@ def _renamed(res: StageResult, name: str) -> StageResult:
     for f in res.findings:
         f.stage = name
     return res
+
+
+def demo_options(baseline_dir: str) -> ScalarOptions:
+    """The band floor: 8 float32 ulps of the largest baseline loss.
+
+    Why: two frameworks reduce the per-token cross-entropy in a different order, so the same forward pass
+    gives losses a few ulps apart (measured here: a steady ~3e-7 relative, 2-3 ulps). The TP=2 repeat
+    moves the loss by less than that, so without this floor the band would test float32 rounding, not
+    training. A real fault moves the loss by orders of magnitude more.
+    """
+    from align.runstore import RunReader
+
+    sc = RunReader(baseline_dir).scalars()
+    top = float(np.nanmax(np.abs(sc["loss"].to_numpy(dtype=float)))) if "loss" in sc and len(sc) else 1.0
+    return ScalarOptions(band_floor=max(1e-6, 8 * float(np.finfo(np.float32).eps) * top))
 
 
 def checklist_stage(specs: dict[str, Spec]) -> StageResult:
@@ -174,6 +193,14 @@ def layer_stage(specs: dict[str, Spec]) -> StageResult:
     from comparators.tensors import compare_layer_tensors
 
     res = compare_layer_tensors(specs["baseline"].out, specs["candidate"].out, None, step=1, stats_only=True)
+    # The MindSpore dumper captures cell outputs and output gradients only; the torch dumper also records
+    # module inputs and input gradients. Those have no counterpart by design: say so, don't warn.
+    unmatched = res.details.get("unmatched_baseline") or []
+    if unmatched and all(u.split(" ")[-1].startswith(("forward.input", "backward.grad_input")) for u in unmatched):
+        res.findings = [f for f in res.findings if f.metric != "unmatched_rows"]
+        res.verdict = worst([f.verdict for f in res.findings])
+        res.details["note"] = (f"{len(unmatched)} baseline rows (module inputs / input gradients) are recorded "
+                               "by the torch dumper only; outputs and output gradients are compared")
     return _renamed(res, "layer_tensors")
 
 
@@ -333,7 +360,9 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
         "bit-identical losses here), so a plain re-run would give a zero band. TP=2 splits every row-parallel "
         "matmul (attention output, fc2) into two partial sums added by an all-reduce: a different floating-point "
         "summation order, which is the same kind of non-determinism a GPU run shows from run to run. It is honest "
-        "but small; the band floor (1e-6 absolute) dominates where the repeat agrees to the last bit.</p>"
+        "but small, smaller than the float32 rounding between two frameworks, so the band has a floor of 8 "
+        "float32 ulps of the largest baseline loss (a few ulps is what two different cross-entropy reductions "
+        "give on the same logits).</p>"
         f"<p><b>lr = 0 pair:</b> {specs['lr0_baseline'].steps} steps each, learning rate 0 (weights never move), "
         "loss and global grad norm compared per step.</p>"
         f"<table><tr><th>run</th><th>wall time</th></tr>{rows}</table>")
@@ -400,11 +429,13 @@ def _lr0_figure(res: StageResult) -> tuple[str, str, bytes] | None:
 
 def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int = DEFAULT_LR0_STEPS,
                 inject: str | None = None, reuse_baseline: str | Path | None = None,
-                parallel: int = 2) -> dict[str, Any]:
+                repeat: bool = True, parallel: int = 2) -> dict[str, Any]:
     """Run the whole pair and write ``out/report.html``; returns summary.json's content.
 
-    ``reuse_baseline``: a previous demo output of the same ``steps``/``lr0_steps`` whose baseline-side runs
-    (baseline, repeat, lr=0 baseline) are reused when the fault is on the candidate side (tests share one).
+    ``repeat=False`` skips the TP=2 repeat (the band then falls back to a relative tolerance; for short
+    fault tests). ``reuse_baseline``: a previous demo output of the same ``steps``/``lr0_steps`` whose
+    baseline-side runs (baseline, repeat, lr=0 baseline) are reused for a candidate-side fault (tests share
+    one).
     """
     out = Path(out)
     work = out / "runs"
@@ -416,21 +447,32 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     if reuse_baseline is not None and (f is None or f.side in ("candidate", "conversion")):
         src = Path(reuse_baseline) / "runs"
         for name in ("baseline", "lr0_baseline", "repeat_tp2"):
-            shutil.copytree(src / name, work / name, dirs_exist_ok=True)
+            if (src / name).is_dir():
+                shutil.copytree(src / name, work / name, dirs_exist_ok=True)
         for name in ("megatron_init.pt", "baseline_step1.npz", "baseline.json", "repeat.json"):
-            shutil.copy2(src / name, work / name)
+            if (src / name).is_file():
+                shutil.copy2(src / name, work / name)
         reused = True
     took: dict[str, float] = {}
+    first: list[tuple[str, list[Spec]]] = []
     if not reused:
-        took.update(run_jobs([("baseline", specs["baseline"]), ("lr0_baseline", specs["lr0_baseline"])], work,
-                             parallel))
-    jobs = [("candidate", specs["candidate"])]
-    if not reused:
-        jobs.append(("repeat", specs["repeat"]))
+        first = [("baseline", [specs["baseline"]]), ("lr0_baseline", [specs["lr0_baseline"]])]
+        took.update(run_jobs(first, work, parallel))
+    jobs = [("candidate", [specs["candidate"], specs["optimizer_check"], specs["lr0_candidate"]])]
+    if not reused and repeat:
+        jobs.append(("repeat", [specs["repeat"]]))
     took.update(run_jobs(jobs, work, parallel))
-    took.update(run_jobs([("optimizer_check", specs["optimizer_check"]),
-                          ("lr0_candidate", specs["lr0_candidate"])], work, parallel))
     _log(f"runs done in {time.perf_counter() - t0:.1f} s{' (baseline side reused)' if reused else ''}")
+    data = compare_pair(out, specs, took, inject)
+    meta = {"inject": inject, "steps": steps, "lr0_steps": lr0_steps, "wall_seconds": time.perf_counter() - t0,
+            "run_seconds": took, "baseline_reused": reused}
+    (out / "demo.json").write_text(json.dumps(meta, indent=1))
+    return data
+
+
+def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inject: str | None) -> dict[str, Any]:
+    """Every stage from the finished runs' stores, then the report (no framework needed from here on)."""
+    work = Path(specs["baseline"].out).parent
 
     m = specs["baseline"].model
     with np.load(specs["baseline"].step1_file, allow_pickle=False) as z:
@@ -452,12 +494,10 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
                 ("Checklist: Megatron arguments vs MindFormers config", _section_checklist(stages["checklist"])),
                 ("Layer profile (step 1, forward then backward)", _section_layers(stages["layer_tensors"]))]
     extra: dict[str, Any] = {"extra_sections": sections, "extra_figures": [lr0_fig] if lr0_fig else []}
-    options = ScalarOptions()
-    data = report(specs["baseline"].out, specs["candidate"].out, str(out), [specs["repeat"].out],
+    options = demo_options(specs["baseline"].out)
+    repeats = [specs["repeat"].out] if Path(specs["repeat"].out, "meta.json").is_file() else []
+    data = report(specs["baseline"].out, specs["candidate"].out, str(out), repeats,
                   options=options, mapping=None, progress=stderr_progress, extra_stages=stages, extra=extra)
-    meta = {"inject": inject, "steps": steps, "lr0_steps": lr0_steps, "wall_seconds": time.perf_counter() - t0,
-            "run_seconds": took, "baseline_reused": reused}
-    (out / "demo.json").write_text(json.dumps(meta, indent=1))
     return data
 
 
