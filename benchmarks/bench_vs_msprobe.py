@@ -24,7 +24,7 @@ ru_maxrss). Throughput = tensor bytes on disk of both dumps / wall seconds. Also
 tool names the perturbed layer.
 
 Run in benchmarks/.venv-msprobe (built by benchmarks/msprobe_env.sh); without msprobe it times our side
-only. Usage: benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py [--repeats 3] [--steps 4]
+only. Usage: benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py [--repeats 5] [--steps 4]
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             if r.get("errors"):
                 print(f"  warning: our dumper reported {r['errors']} errors in {c}")
             rep_med[c] = statistics.median(r["step_s"])
-            size[c] = (r["dump_bytes"] // (args.steps + 1), r["dump_files"] // (args.steps + 1))
+            size[c] = (r["dump_bytes"] / (args.steps + 1), r["dump_files"])
             info = {"params": r["params"], "modules": r["modules"]}
             losses[c] = r["losses"]
             rss[c].append(r["peak_rss_mb"])
@@ -291,17 +291,22 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
                 ratio[c].append(rep_med[c] / rep_med["base"])
         print(f"  repeat {rep + 1}/{args.repeats} (order {', '.join(order)}): "
               + ", ".join(f"{c} {rep_med[c] * 1e3:.0f} ms" for c in configs), flush=True)
-    same_loss = all(losses[c] == losses["base"] for c in configs)
+    loss_note = {}
+    for c in configs:     # does the dumper change the training numerics? (bit-exact loss vs no dumper)
+        diff = [i for i, (a, b) in enumerate(zip(losses[c], losses["base"], strict=True)) if a != b]
+        loss_note[c] = ("loss bit-identical to no dumper" if not diff else
+                        f"loss DIFFERS from no dumper from step {diff[0] + 1} "
+                        f"(|delta| {abs(losses[c][diff[0]] - losses['base'][diff[0]]):.2g})")
     print(f"\n  model: Megatron-core GPTModel (local spec, Llama-shaped) {info['params'] / 1e6:.2f}M params, "
           f"{info['modules']} modules; hidden {args.hidden}, {args.layers} layers, seq {args.seq}, micro-batch "
           f"{args.batch}, vocab {args.vocab}; torch threads {args.threads}; AdamW")
     print(f"  {args.repeats} repeats x {args.steps} timed steps per configuration (+1 warm-up step each), every "
-          f"step dumped; losses identical across configurations: {same_loss}")
+          f"step dumped (step 1 included)")
     print("  step ms: median wall time of one training step (dumper calls + forward + backward + AdamW) in one "
           "process;\n  / no dumper: that over the same repeat's base median; min and median over repeats; peak RSS: "
           "the training process's ru_maxrss (median)")
     print(f"\n  {'configuration':12s} {'step ms':>8s} {'':>8s}  {'/ no dumper':>17s} {'peak RSS':>9s}   "
-          "dumped per step")
+          f"dumped per step; files in all {args.steps + 1} steps; numerics")
     print(f"  {'':12s} {'min':>8s} {'median':>8s}  {'min':>8s} {'median':>8s} {'MB':>9s}")
     for c in configs:
         line = f"  {c:12s} {_fmt_ms(med[c])}"
@@ -309,7 +314,8 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             line += f"  {'':17s} {statistics.median(rss[c]):9.0f}"
         else:
             b, f = size[c]
-            line += f"  {_fmt_x(ratio[c])} {statistics.median(rss[c]):9.0f}   {b / 1e6:8.1f} MB in {f} files"
+            line += (f"  {_fmt_x(ratio[c])} {statistics.median(rss[c]):9.0f}   {b / 1e6:7.2f} MB; {f:4d} files; "
+                     f"{loss_note[c]}")
         print(line)
     vs = {}
     if have_ms:
@@ -366,23 +372,31 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     startup = {"ours": _measured([sys.executable, "-c", "import align.mapping, comparators.tensors"], env, ROOT)}
     if have_ms:
         startup["msprobe"] = _measured([ms_exe, "compare", "-h"], env, ROOT)
-    runs: dict[str, list[dict]] = {t: [] for t in tools}
+    # Timed: ours and msprobe on the same thread budget; also ours at the product's default (2 threads),
+    # an extra row that the toolkit/msprobe ratios do not use.
+    variants = list(tools)
+    if args.compare_threads != 2:
+        variants.insert(1, "ours_2threads")
+    runs: dict[str, list[dict]] = {t: [] for t in variants}
     ours_detail = None
     ms_detail = None
     for rep in range(args.compare_repeats):
-        for tool in (tools if rep % 2 == 0 else tools[::-1]):
-            if tool == "ours":
+        for tool in (variants if rep % 2 == 0 else variants[::-1]):
+            if tool.startswith("ours"):
+                threads = 2 if tool == "ours_2threads" else args.compare_threads
                 with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
                     res_path = Path(tf.name)
                 cmd = [sys.executable, str(Path(__file__).resolve()), *_common(args), "--_result", str(res_path),
                        "--_worker", "compare", "--golden", str(dumps["ours"]["golden"]),
-                       "--target", str(dumps["ours"]["target"])]
-                m = _measured(cmd, env, ROOT)
+                       "--target", str(dumps["ours"]["target"]), "--compare-threads", str(threads)]
+                m = _measured(cmd, _env(threads), ROOT)
                 if m["rc"] != 0:
                     raise RuntimeError(f"our compare failed: {m['stderr_tail']}")
-                ours_detail = json.loads(res_path.read_text())
+                detail = json.loads(res_path.read_text())
                 res_path.unlink(missing_ok=True)
-                m["compute_s"] = ours_detail["compute_s"]
+                m["compute_s"] = detail["compute_s"]
+                if tool == "ours":
+                    ours_detail = detail
             else:
                 out = tmp / f"msprobe_compare_{rep}"
                 m = _measured([ms_exe, "compare", "-tp", str(ms_dirs["target"]), "-gp", str(ms_dirs["golden"]),
@@ -402,19 +416,22 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             da = nodes
         if da is None:
             da = [f"(no diff_analyze file; rc {m['rc']})"]
-    nbytes = {"ours": ours_bytes, "msprobe": ms_bytes}
+    nbytes = {"ours": ours_bytes, "ours_2threads": ours_bytes, "msprobe": ms_bytes}
+    startup["ours_2threads"] = startup["ours"]
     print(f"\n  dumps: one training step, micro-batch {args.compare_batch}, full tensors; candidate = "
           f"{PERTURBED_PARAM} x (1 + 1e-3 N(0,1))")
     print(f"  tensor bytes on disk, both sides: ours {ours_bytes / 1e6:.0f} MB (HDF5)"
           + (f", msprobe {ms_bytes / 1e6:.0f} MB (.pt; it also stores parameters and parameter grads)"
              if have_ms else ""))
-    print(f"  compare processes: ours threads={args.compare_threads}; both OMP_NUM_THREADS={args.compare_threads}; "
-          f"{args.compare_repeats} runs each, alternating")
-    print(f"  {'tool':8s} {'wall s':>14s} {'cpu s':>6s} {'peak RSS':>9s} {'MB/s (wall)':>14s} "
+    print(f"  compare processes: ours threads={args.compare_threads} and msprobe, both OMP_NUM_THREADS="
+          f"{args.compare_threads} (msprobe compare runs on one core); {args.compare_repeats} runs each, alternating;"
+          f"\n  wall = process wall time incl. start-up and imports; cpu = user+sys; start-up = a bare import of the "
+          f"comparator\n  (ours) or `msprobe compare -h` (msprobe); MB/s = tensor bytes of both dumps / median wall")
+    print(f"  {'tool':13s} {'wall s':>14s} {'cpu s':>6s} {'peak RSS':>9s} {'MB/s (wall)':>12s} "
           f"{'start-up s':>10s} {'MB/s excl. start-up':>20s}")
-    print(f"  {'':8s} {'min':>6s} {'median':>7s} {'median':>6s} {'MB max':>9s} {'median':>14s}")
+    print(f"  {'':13s} {'min':>6s} {'median':>7s} {'median':>6s} {'MB max':>9s} {'median':>12s}")
     summary: dict = {}
-    for tool in tools:
+    for tool in variants:
         w = [r["wall_s"] for r in runs[tool]]
         cpu = statistics.median(r["cpu_s"] for r in runs[tool])
         rss = max(r["peak_rss_mb"] for r in runs[tool])
@@ -423,14 +440,15 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
         mbs_ex = nbytes[tool] / 1e6 / max(statistics.median(w) - st, 1e-3)
         summary[tool] = {"wall_median_s": statistics.median(w), "wall_min_s": min(w), "cpu_s": cpu,
                          "peak_rss_mb": rss, "mb_per_s": mbs, "mb_per_s_excl_startup": mbs_ex, "startup_s": st}
-        print(f"  {tool:8s} {min(w):6.2f} {statistics.median(w):7.2f} {cpu:6.2f} {rss:9.0f} {mbs:14.0f} {st:10.2f}"
+        print(f"  {tool:13s} {min(w):6.2f} {statistics.median(w):7.2f} {cpu:6.2f} {rss:9.0f} {mbs:12.0f} {st:10.2f}"
               f" {mbs_ex:20.0f}")
     if ours_detail:
         print(f"  ours in-process compare time (no start-up): {ours_detail['compute_s']:.2f} s -> "
               f"{ours_bytes / 1e6 / ours_detail['compute_s']:.0f} MB/s")
     if have_ms:
         o, s = summary["ours"], summary["msprobe"]
-        print(f"  toolkit/msprobe: throughput {o['mb_per_s'] / s['mb_per_s']:.1f}x (wall), "
+        print(f"  toolkit (threads={args.compare_threads}) / msprobe: throughput "
+              f"{o['mb_per_s'] / s['mb_per_s']:.1f}x (wall), "
               f"{o['mb_per_s_excl_startup'] / s['mb_per_s_excl_startup']:.1f}x (excluding start-up); "
               f"peak RSS {o['peak_rss_mb'] / s['peak_rss_mb']:.2f}x; "
               f"wall time {o['wall_median_s'] / s['wall_median_s']:.2f}x")
@@ -459,7 +477,7 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3, help="overhead repeats (each runs every configuration)")
+    ap.add_argument("--repeats", type=int, default=5, help="overhead repeats (each runs every configuration)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per configuration and repeat")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the training processes")
     ap.add_argument("--hidden", type=int, default=128)
