@@ -81,7 +81,7 @@ def test_step1_loss_matches_mindformers_llama(megatron) -> None:
     tokens = ms.Tensor(batch["tokens"].numpy().astype(np.int32))
     loss_cell = mc.LlamaReplayLoss(net)
     mf_loss = float(loss_cell(tokens, ms.Tensor(batch["labels"].numpy().astype(np.int32)),
-                              ms.Tensor(batch["loss_mask"].numpy())).asnumpy())
+                              ms.Tensor(batch["loss_mask"].numpy())).asnumpy().reshape(-1)[0])
     net.set_train(False)
     mf_logits = net(tokens)[0].asnumpy().reshape(mg_logits.shape)
     net.set_train(True)
