@@ -164,7 +164,11 @@ def demo_options(baseline_dir: str) -> ScalarOptions:
 def checklist_stage(specs: dict[str, Spec]) -> StageResult:
     from align.check_config import compare_configs
 
-    _, res = compare_configs(megatron_args(specs["baseline"]), mindformers_config(specs["candidate"]))
+    rows, res = compare_configs(megatron_args(specs["baseline"]), mindformers_config(specs["candidate"]))
+    if not res.findings:
+        res.add(Finding("config", "pass", None, "settings_match", len(rows), None,
+                        f"all {len(rows)} compared settings match (model, optimizer, schedule, precision, "
+                        "parallel layout, dropout, weight-decay rules)"))
     return _renamed(res, "checklist")
 
 
@@ -192,7 +196,7 @@ def data_stage(specs: dict[str, Spec]) -> StageResult:
 def layer_stage(specs: dict[str, Spec]) -> StageResult:
     from comparators.tensors import compare_layer_tensors
 
-    res = compare_layer_tensors(specs["baseline"].out, specs["candidate"].out, None, step=1, stats_only=True)
+    res = compare_layer_tensors(specs["baseline"].out, specs["candidate"].out, None, step=1)
     # The MindSpore dumper captures cell outputs and output gradients only; the torch dumper also records
     # module inputs and input gradients. Those have no counterpart by design: say so, don't warn.
     unmatched = res.details.get("unmatched_baseline") or []
@@ -211,19 +215,27 @@ def _rel(a: float, b: float) -> float:
 
 
 def optimizer_stage_np(init: dict[str, np.ndarray], after_b: dict[str, np.ndarray],
-                       after_c_mf: dict[str, np.ndarray], num_heads: int, num_query_groups: int) -> StageResult:
+                       before_c_mf: dict[str, np.ndarray], after_c_mf: dict[str, np.ndarray], num_heads: int,
+                       num_query_groups: int) -> StageResult:
+    """The baseline's step-1 gradients through the candidate's optimizer: compare the updates per parameter.
+
+    Update = weight after step 1 - weight before, on each side from its own starting weights (so a
+    conversion fault does not pose as an optimizer one); the candidate's arrays are converted back through
+    the mapping, so findings name the baseline parameter.
+    """
     from align.mapping import Mapping, TransformParams
 
     m = Mapping.load(None)
-    after_c, _ = m.convert(after_c_mf, "baseline", TransformParams(num_heads=num_heads,
-                                                                   num_query_groups=num_query_groups))
+    tp = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups)
+    after_c, _ = m.convert(after_c_mf, "baseline", tp)
+    before_c, _ = m.convert(before_c_mf, "baseline", tp)
     res = StageResult("optimizer")
     rows = []
     for name in sorted(after_b):
-        if name not in after_c or name not in init:
+        if name not in after_c or name not in init or name not in before_c:
             continue
         db = after_b[name].astype(np.float64) - init[name]
-        dc = after_c[name].astype(np.float64) - init[name]
+        dc = after_c[name].astype(np.float64) - before_c[name]
         nb = float(np.linalg.norm(db))
         rel = float(np.linalg.norm(dc - db)) / max(nb, 1e-30)
         rows.append({"name": name, "update_norm_baseline": nb, "update_norm_candidate": float(np.linalg.norm(dc)),
@@ -406,7 +418,8 @@ def _lr0_figure(res: StageResult) -> tuple[str, str, bytes] | None:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig.suptitle("lr = 0 pair: loss per step (weights never move) and its delta", fontsize=10)
     ax1.plot(steps, [r["loss_baseline"] for r in rows], "o-", label="Megatron-core (baseline)")
     ax1.plot(steps, [r["loss_candidate"] for r in rows], "x--", label="MindFormers (candidate)")
     ax1.set_xlabel("step")
@@ -479,13 +492,14 @@ def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inje
         init = {k[len("init/"):]: z[k] for k in z.files if k.startswith("init/")}
         after_b = {k[len("weight/"):]: z[k] for k in z.files if k.startswith("weight/")}
     with np.load(Path(specs["optimizer_check"].out) / "weights_after_step1.npz", allow_pickle=False) as z:
-        after_c = {k: z[k] for k in z.files}
+        before_c = {k[len("before/"):]: z[k] for k in z.files if k.startswith("before/")}
+        after_c = {k[len("after/"):]: z[k] for k in z.files if k.startswith("after/")}
     stages = {
         "checklist": checklist_stage(specs),
         "conversion": conversion_stage(work),
         "data_checks": data_stage(specs),
         "layer_tensors": layer_stage(specs),
-        "optimizer": optimizer_stage_np(init, after_b, after_c, m.num_heads, m.num_query_groups),
+        "optimizer": optimizer_stage_np(init, after_b, before_c, after_c, m.num_heads, m.num_query_groups),
         "lr0_run": lr0_stage(specs),
         "nan_trace": nan_trace_stage(specs),
     }

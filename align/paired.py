@@ -104,7 +104,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "candidate RMSNorm epsilon 1e-2 instead of 1e-5"),
     Fault("dropout_on", "baseline", "checklist", "dropout",
           "baseline leaves hidden/attention dropout at Megatron's default 0.1"),
-    Fault("lr_schedule", "candidate", "lr_schedule", "lr",
+    Fault("lr_schedule", "candidate", "lr_schedule", "learning_rate",
           "candidate uses cosine decay with warm-up while the baseline keeps a constant lr"),
     Fault("qk_swap", "conversion", "layer_tensors", "self_attention",
           "weight conversion permutes the q/k rows of every head (interleaved vs half RoPE layout)"),

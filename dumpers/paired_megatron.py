@@ -97,7 +97,7 @@ def run(spec: Spec) -> dict[str, Any]:
     opt = build_optimizer(ddp, spec)
     sched = build_scheduler(opt, spec)
     cfg = DumpConfig(out=spec.out, steps=None, tensor_steps=spec.tensor_steps if spec.tensor_steps else [],
-                     modules=LAYER_MODULES, tensors="stats" if spec.tensor_steps else "off", seed_layout=True,
+                     modules=LAYER_MODULES, tensors="full" if spec.tensor_steps else "off", seed_layout=True,
                      nan_trace="grads")
     meta = {**seed_info, "config": megatron_args(spec), "role": spec.role, "inject": spec.inject,
             "threads": torch.get_num_threads(), "mindformers_yaml": None}

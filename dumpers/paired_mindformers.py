@@ -145,7 +145,7 @@ def run(spec: Spec) -> dict[str, Any]:
     source = ReplaySource(spec.replay_dir, rank=0)
     steps = list(source.steps)[:spec.steps]
     dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [], cells=LAYER_CELLS,
-                      tensors="stats" if spec.tensor_steps else "off", nan_trace="grads",
+                      tensors="full" if spec.tensor_steps else "off", nan_trace="grads",
                       meta={"config": mindformers_config(spec), "role": spec.role, "inject": spec.inject})
     dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
     opt = cell.optimizer
@@ -191,13 +191,15 @@ def optimizer_check(spec: Spec) -> dict[str, Any]:
     grads_mf, _ = mapping.convert(grads_mg, "candidate", TransformParams(num_heads=m.num_heads,
                                                                          num_query_groups=m.num_query_groups))
     opt = cell.optimizer
+    before = {p.name: p.asnumpy().copy() for p in opt.parameters}
     grads = tuple(Tensor(np.ascontiguousarray(grads_mf[p.name]).astype(np.float32)) for p in opt.parameters)
     if cell.use_clip_grad:
         grads, _ = cell.clip_grad_norm(grads)
     opt(grads)
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / "weights_after_step1.npz", **{p.name: p.asnumpy() for p in opt.parameters})
+    np.savez(out / "weights_after_step1.npz", **{f"before/{k}": v for k, v in before.items()},
+             **{f"after/{p.name}": p.asnumpy() for p in opt.parameters})
     return {"role": spec.role, "file": str(out / "weights_after_step1.npz"), "parameters": len(grads)}
 
 

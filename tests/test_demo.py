@@ -1,0 +1,95 @@
+"""The paired demo end to end, short: the clean pair passes every stage; each fault fails where it should.
+
+Why short runs: the stages under test (checklist, step 1/2, optimizer, layer profile, lr=0, data checks,
+NaN trace) need only a dozen steps; the 300-step long run is `make demo`'s. One clean baseline (with its
+TP=2 repeat) is shared: candidate-side faults reuse its baseline-side runs, baseline-side faults run their
+own baseline without the repeat (the band does not decide their stage).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+pytest.importorskip("mindspore")
+pytest.importorskip("mindformers")
+
+from align.demo import paired_demo  # noqa: E402
+from align.paired import FAULTS  # noqa: E402
+
+STEPS = 12
+LR0_STEPS = 3
+ALL_STAGES = ("checklist", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
+              "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite", "conversion",
+              "nan_trace")
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("demo") / "clean"
+    data = paired_demo(out, steps=STEPS, lr0_steps=LR0_STEPS)
+    return out, data
+
+
+def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
+    out, data = clean
+    assert data["verdict"] == "pass", [f for f in data["findings"] if f["verdict"] != "pass"]
+    for stage in ALL_STAGES:
+        assert data["stages"][stage]["verdict"] == "pass", (stage, data["stages"][stage])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "pass"
+    assert summary["stages"]["long_run"]["steps"] == STEPS
+    assert summary["stages"]["step1_local_norm"]["compared"] >= 9        # every parameter group, by name
+    assert summary["stages"]["layer_tensors"]["compared"] >= 20          # forward and backward rows
+    html = (out / "report.html").read_text()
+    assert "TP=2" in html and "lr = 0" in html and "Checklist" in html
+    assert "data:image/png;base64," in html
+    # the runs really are the two frameworks, and the repeat really ran TP=2
+    runs = out / "runs"
+    assert json.loads((runs / "baseline" / "meta.json").read_text())["framework"] == "megatron-core"
+    assert json.loads((runs / "candidate" / "meta.json").read_text())["framework"] == "mindformers"
+    assert json.loads((runs / "repeat_tp2" / "meta.json").read_text())["parallel"]["tp"] == 2
+    assert (runs / "baseline" / "step_1" / "rank_0" / "tokens.npy").is_file()   # seed layout for replay
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[Path, dict],
+                                                       tmp_path: Path) -> None:
+    f = FAULTS[name]
+    reuse = clean[0] if f.side in ("candidate", "conversion") else None
+    data = paired_demo(tmp_path / name, steps=STEPS, lr0_steps=LR0_STEPS, inject=name, reuse_baseline=reuse,
+                       repeat=False)
+    assert data["verdict"] == "fail"
+    stage = data["stages"][f.stage]
+    assert stage["verdict"] == "fail", (f.stage, stage)
+    hits = [x for x in data["findings"] if x["stage"] == f.stage and x["verdict"] == "fail"
+            and f.component in str(x["component"])]
+    assert hits, (f.component, [x for x in data["findings"] if x["stage"] == f.stage])
+    assert f.name in (tmp_path / name / "report.html").read_text()
+
+
+def test_cli_rejects_unknown_fault(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "align", "demo", "--inject", "nope", "--out", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown fault" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_report_renders_in_headless_browser(clean: tuple[Path, dict], tmp_path: Path) -> None:
+    """Screenshot of the report in a real browser (skipped without chromium): it renders, images decode."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium not installed")
+    png = tmp_path / "report.png"
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={png}", "--window-size=1200,3000",
+           (clean[0] / "report.html").resolve().as_uri()]
+    subprocess.run(cmd, capture_output=True, timeout=120)
+    assert png.is_file() and png.stat().st_size > 20_000
