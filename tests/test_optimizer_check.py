@@ -109,3 +109,29 @@ def test_missing_candidate_parameter_is_a_finding(pair) -> None:
     assert res.verdict == "fail"
     assert any(f.component == "decoder.final_layernorm.weight" and f.metric == "missing_candidate"
                for f in res.findings)
+
+
+def test_clipping_through_the_mindformers_cell(pair) -> None:
+    """The fed gradients are clipped by MindFormers' own training cell (max norm 0.1).
+
+    SGD with lr 1 on both sides, because Adam's first step is nearly scale-invariant and would hide a
+    clipping difference: the candidate matches a clipped baseline and fails against an unclipped one.
+    """
+    net = mc.build_tiny_llama(seed=0, **mc.overrides_like_megatron(CFG))
+    ms.load_param_into_net(net, ms.load_checkpoint(str(pair["step1"].parent / "mf.ckpt")), strict_load=True)
+    opt = ms.nn.SGD(net.trainable_params(), learning_rate=1.0)
+    cell = mc.build_train_cell(net, optimizer=opt, max_grad_norm=0.1)
+    after_c = optimizer_step_with_grads(opt, oc.to_candidate_names(pair["grads"], None, HEADS), train_cell=cell)
+
+    def torch_sgd(max_norm: float | None) -> dict[str, np.ndarray]:
+        params = {n: torch.nn.Parameter(torch.from_numpy(w.copy())) for n, w in pair["init"].items()}
+        for n, p in params.items():
+            p.grad = torch.from_numpy(pair["grads"][n].copy())
+        if max_norm is not None:
+            assert float(torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)) > max_norm
+        torch.optim.SGD(list(params.values()), lr=1.0, foreach=False).step()
+        return {n: p.detach().numpy().copy() for n, p in params.items()}
+
+    kw = {"mapping": "megatron_core_llama__mindformers_llama", "params": HEADS}
+    assert oc.compare_updates(pair["init"], torch_sgd(0.1), after_c, **kw).verdict == "pass"
+    assert oc.compare_updates(pair["init"], torch_sgd(None), after_c, **kw).verdict == "fail"
