@@ -135,13 +135,15 @@ def same_ids(a: int | None, b: int | None) -> bool:
 
 
 def _trend(res: StageResult, steps: list[dict[str, Any]]) -> None:
-    """A loss_mask sum that only ever goes down over >= 3 steps (and by a real amount) is a mutated cache."""
+    """A loss_mask sum that never goes up, falls at >= 3 step transitions and by a real amount is a mutated
+    cache. Plateaus are allowed: a new EOD can land where the cache is already 0, and a saturated cache stays
+    flat for the rest of the run; a healthy loader's sum goes up as often as down."""
     sums = np.array([s["loss_mask_sum"] for s in steps], dtype=np.float64)
     if len(sums) < 3 or sums[0] <= 0:
         return
     diffs = np.diff(sums)
     down = np.count_nonzero(diffs < 0)
-    if np.all(diffs <= 0) and down >= max(2, int(0.8 * len(diffs))) and sums[-1] < 0.95 * sums[0]:
+    if np.all(diffs <= 0) and down >= 3 and sums[-1] < 0.95 * sums[0]:
         res.add(Finding(STAGE, "fail", "loss_mask", "loss_mask_shrinking", float(sums[-1]), float(sums[0]),
                         f"loss_mask sum falls at {down} of {len(diffs)} step transitions, from {sums[0]:g} at "
                         f"step {steps[0]['step']} to {sums[-1]:g} at step {steps[-1]['step']}: a cached mask "
