@@ -33,11 +33,14 @@ TOLERANCE = {"float32": (1e-4, 1e-2, 0.99999), "float64": (1e-8, 1e-4, 0.9999999
              "float16": (2e-3, 5e-2, 0.999), "bfloat16": (1e-2, 1e-1, 0.999)}
 
 
-def tolerance(dtype: str) -> tuple[float, float, float]:
+def tolerance(dtype: str, table: dict[str, tuple[float, float, float]] | None = None
+              ) -> tuple[float, float, float]:
+    """(pass, warn, cosine) for ``dtype``; ``table`` overrides TOLERANCE per dtype (e.g. a measured noise)."""
     d = str(dtype).lower().replace("torch.", "").replace("mindspore.", "")
     d = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16",
          "double": "float64"}.get(d, d)
-    return TOLERANCE.get(d, TOLERANCE["float32"])
+    table = {**TOLERANCE, **(table or {})}
+    return table.get(d, table["float32"])
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -247,7 +250,8 @@ def _tensor_verdict(mt: Metrics, tol: tuple[float, float, float]) -> str:
 
 def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *, step: int = 1,
                           rank: int = 0, candidate_rank: int | None = None, stats_only: bool = False,
-                          threads: int = 2) -> StageResult:
+                          threads: int = 2, tolerances: dict[str, tuple[float, float, float]] | None = None
+                          ) -> StageResult:
     """Compare layer tensors of ``step``; names the first departing layer, forward then backward.
 
     Rows pair by module name through the mapping (same-scheme runs pair by identical names), the row kind
@@ -291,7 +295,7 @@ def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *,
 
     def work(pair: tuple[dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
         ra, rb = pair
-        tol = tolerance(ra.get("dtype", "float32"))
+        tol = tolerance(ra.get("dtype", "float32"), tolerances)
         out = {"order": int(ra["order"]), "module": ra["module"], "candidate_module": rb["module"],
                "kind": ra["kind"], "direction": _direction(ra["kind"]), "layer": _layer_of(ra["module"]),
                "dtype": ra.get("dtype", "float32"), "shape": ra.get("shape", ""),
