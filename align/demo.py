@@ -330,6 +330,30 @@ def nan_trace_stage(specs: dict[str, Spec]) -> StageResult:
     return res
 
 
+def band_stage(specs: dict[str, Spec], options: ScalarOptions) -> StageResult:
+    """The benchmark error band's source: how far the TP=2 repeat is from the baseline, and the floor."""
+    from align.runstore import RunReader
+
+    rep = Path(specs["repeat"].out)
+    if not (rep / "meta.json").is_file():
+        return skipped("band", "no baseline repeat (the long run falls back to a relative tolerance)")
+    b = RunReader(specs["baseline"].out).scalars().set_index("step")["loss"]
+    r = RunReader(rep).scalars()
+    r = r[r["rank"] == r["rank"].min()].set_index("step")["loss"]
+    common = b.index.intersection(r.index)
+    d = (r[common] - b[common]).to_numpy(dtype=float)
+    res = StageResult("band")
+    rms = float(np.sqrt(np.mean(d ** 2))) if len(d) else math.nan
+    res.details = {"source": "baseline repeated with TP=2 under torchrun (row-parallel partial sums)",
+                   "steps": int(len(d)), "repeat_max_abs_delta": float(np.max(np.abs(d))) if len(d) else None,
+                   "repeat_rms_delta": rms, "band_k": options.band_k, "band_floor": options.band_floor}
+    res.add(Finding("band", "pass", "loss", "repeat_rms_delta", rms, options.band_floor,
+                    f"TP=2 repeat vs baseline over {len(d)} steps: RMS loss delta {rms:.3g}, max "
+                    f"{res.details['repeat_max_abs_delta']:.3g}; band = max({options.band_k:g} x rolling RMS, "
+                    f"floor {options.band_floor:.3g})"))
+    return res
+
+
 def conversion_stage(work: Path) -> StageResult:
     res = StageResult("conversion")
     path = work / "candidate.json"
@@ -536,6 +560,7 @@ def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inje
     with np.load(Path(specs["optimizer_check"].out) / "weights_after_step1.npz", allow_pickle=False) as z:
         before_c = {k[len("before/"):]: z[k] for k in z.files if k.startswith("before/")}
         after_c = {k[len("after/"):]: z[k] for k in z.files if k.startswith("after/")}
+    options = demo_options(specs["baseline"].out)
     stages = {
         "checklist": checklist_stage(specs),
         "conversion": conversion_stage(work),
@@ -543,6 +568,7 @@ def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inje
         "layer_tensors": layer_stage(specs),
         "optimizer": optimizer_stage_np(init, after_b, before_c, after_c, m.num_heads, m.num_query_groups),
         "lr0_run": lr0_stage(specs),
+        "band": band_stage(specs, options),
         "nan_trace": nan_trace_stage(specs),
     }
     figs = [fig for fig in (_layer_figure(stages["layer_tensors"]), _lr0_figure(stages["lr0_run"])) if fig]
@@ -550,7 +576,6 @@ def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inje
                 ("Checklist: Megatron arguments vs MindFormers config", _section_checklist(stages["checklist"])),
                 ("Layer profile (step 1, forward then backward)", _section_layers(stages["layer_tensors"]))]
     extra: dict[str, Any] = {"extra_sections": sections, "extra_figures": figs}
-    options = demo_options(specs["baseline"].out)
     repeats = [specs["repeat"].out] if Path(specs["repeat"].out, "meta.json").is_file() else []
     data = report(specs["baseline"].out, specs["candidate"].out, str(out), repeats,
                   options=options, mapping=None, progress=stderr_progress, extra_stages=stages, extra=extra)

@@ -28,7 +28,7 @@ STEPS = 12
 LR0_STEPS = 3
 ALL_STAGES = ("checklist", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
               "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite", "conversion",
-              "nan_trace")
+              "band", "nan_trace")
 
 
 @pytest.fixture(scope="module")
