@@ -44,8 +44,6 @@ LR0_RTOL = (1e-5, 1e-4)
 # relative (measured), so float32 passes up to 1e-5 (20x that) and fails beyond 1e-4. The comparator's own
 # float32 default (1e-4 / 1e-2) is meant for different hardware kernels (NPU vs GPU).
 LAYER_TOLERANCE = {"float32": (1e-5, 1e-4, 0.999999)}
-# Optimizer check: relative difference of the step-1 update (w1 - w0) per parameter.
-OPT_RTOL = (1e-4, 1e-2)
 
 
 def _log(msg: str) -> None:
@@ -222,48 +220,21 @@ def _rel(a: float, b: float) -> float:
 def optimizer_stage_np(init: dict[str, np.ndarray], after_b: dict[str, np.ndarray],
                        before_c_mf: dict[str, np.ndarray], after_c_mf: dict[str, np.ndarray], num_heads: int,
                        num_query_groups: int) -> StageResult:
-    """The baseline's step-1 gradients through the candidate's optimizer: compare the updates per parameter.
+    """The baseline's step-1 gradients through the candidate's optimizer: ``comparators.optimizer_check``.
 
-    Update = weight after step 1 - weight before, on each side from its own starting weights (so a
-    conversion fault does not pose as an optimizer one); the candidate's arrays are converted back through
-    the mapping, so findings name the baseline parameter.
+    Each side's update is taken from its own starting weights: the candidate's update is re-based onto the
+    baseline's start (``init + (after_c - before_c)``, in candidate names), so a conversion fault (say q/k
+    rows permuted) does not pose as an optimizer one.
     """
     from align.mapping import Mapping, TransformParams
+    from comparators.optimizer_check import compare_updates, to_candidate_names
 
     m = Mapping.load(None)
     tp = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups)
-    after_c, _ = m.convert(after_c_mf, "baseline", tp)
-    before_c, _ = m.convert(before_c_mf, "baseline", tp)
-    res = StageResult("optimizer")
-    rows = []
-    for name in sorted(after_b):
-        if name not in after_c or name not in init or name not in before_c:
-            continue
-        db = after_b[name].astype(np.float64) - init[name]
-        dc = after_c[name].astype(np.float64) - before_c[name]
-        nb = float(np.linalg.norm(db))
-        rel = float(np.linalg.norm(dc - db)) / max(nb, 1e-30)
-        rows.append({"name": name, "update_norm_baseline": nb, "update_norm_candidate": float(np.linalg.norm(dc)),
-                     "rel_diff": rel})
-    rows.sort(key=lambda r: -r["rel_diff"])
-    bad = 0
-    for r in rows:
-        v = "pass" if r["rel_diff"] <= OPT_RTOL[0] else "warn" if r["rel_diff"] <= OPT_RTOL[1] else "fail"
-        if v != "pass":
-            bad += 1
-            res.add(Finding("optimizer", v, r["name"], "update_rel_diff", r["rel_diff"], OPT_RTOL[0],
-                            f"{r['name']}: step-1 update differs by {r['rel_diff']:.3g} relative when the "
-                            f"candidate's optimizer gets the baseline's gradients (update norm "
-                            f"{r['update_norm_baseline']:.4g} vs {r['update_norm_candidate']:.4g}): check weight "
-                            "decay groups, betas, eps, clipping"))
-    if rows and not bad:
-        res.add(Finding("optimizer", "pass", rows[0]["name"], "update_rel_diff", rows[0]["rel_diff"],
-                        OPT_RTOL[0], f"all {len(rows)} parameters updated alike (worst {rows[0]['name']} at "
-                        f"{rows[0]['rel_diff']:.3g})"))
-    if not rows:
-        return skipped("optimizer", "no parameters in common")
-    res.details = {"compared": len(rows), "failing": bad, "rtol": OPT_RTOL[0], "worst": rows[:8]}
-    return res
+    init_c = to_candidate_names(init, m, tp)
+    rebased = {k: init_c[k].astype(np.float64) + (after_c_mf[k].astype(np.float64) - before_c_mf[k])
+               for k in after_c_mf if k in init_c and k in before_c_mf}
+    return compare_updates(init, after_b, rebased, m, params=tp)
 
 
 def lr0_stage(specs: dict[str, Spec]) -> StageResult:
