@@ -14,6 +14,7 @@ DDP). This module bridges exactly those places and nothing else, so the model's 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -140,6 +141,7 @@ def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | No
         else:  # a lone process needs no port: a file store cannot collide with other runs on the machine
             fd, path = tempfile.mkstemp(prefix="megatron_cpu_store_")
             os.close(fd)
+            atexit.register(_remove_quietly, path)
             store = dist.FileStore(path, 1)
             dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
@@ -148,6 +150,11 @@ def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | No
     _install_cpu_memory_buffer()
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     return parallel_info()
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def parallel_info() -> ParallelInfo:
