@@ -16,7 +16,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;mar
 .banner{padding:14px 18px;border-radius:6px;color:#fff;font-size:22px;font-weight:600;margin-bottom:12px}
 .badge{display:inline-block;padding:1px 8px;border-radius:10px;color:#fff;font-size:12px;font-weight:600}
 table{border-collapse:collapse;margin:8px 0 18px 0;font-size:13px}
-th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}
+th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top;overflow-wrap:anywhere}
 th{background:#f4f4f4} td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
 img{max-width:100%;border:1px solid #eee;margin:6px 0}
 h2{margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
