@@ -151,3 +151,26 @@ def test_bad_logs(tmp_path, content, message):
     with pytest.raises(BadInput, match=message) as err:
         parse_megatron_log(p)
     assert str(p) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("use_arrow", [True, False])
+def test_bulk_number_readers_agree_with_the_careful_path(tmp_path, monkeypatch, use_arrow):
+    """pyarrow (when installed) and pandas read the same numbers, NaN included, as the field-by-field path."""
+    if use_arrow:
+        pytest.importorskip("pyarrow")
+    import dumpers.megatron_log as ml
+    real = ml._read_numbers
+    monkeypatch.setattr(ml, "_read_numbers", lambda t, n, u: real(t, n, u, use_arrow))
+    rng = np.random.default_rng(1)
+    lines = [line(i + 1, f"{v:.6E}", gnorm="nan" if i == 7 else f"{v / 3:.3f}")
+             for i, v in enumerate(rng.uniform(2, 10, 50))]
+    p = write(tmp_path, "\n".join(lines) + "\n")
+    fast = ml.parse_megatron_log(p)
+    assert ml._fast_columns(ml._RECORD.findall(p.read_bytes())) is not None  # the bulk path did the work
+    calls = []
+    monkeypatch.setattr(ml, "_fast_columns", lambda records: calls.append(1))  # force the careful path
+    careful = ml.parse_megatron_log(p)
+    assert calls
+    for key, s in careful.scalars.items():
+        np.testing.assert_array_equal(fast.series(key).to_numpy(), s.to_numpy())
+    assert math.isnan(fast.series("grad_norm")[8])
