@@ -403,11 +403,15 @@ class RunReader:
             return pd.DataFrame({"step": pd.Series(dtype="int64"), "rank": pd.Series(dtype="int64")})
         return pd.concat(frames, ignore_index=True)
 
-    def step_arrays(self, step: int, rank: int = 0) -> StepArrays:
+    def step_file(self, step: int, rank: int = 0) -> Path:
+        """The finished HDF5 file of one step on one rank (for readers that stream one group)."""
         path = self._step_files.get(step, {}).get(rank)
         if path is None:
             raise BadInput(f"{self.root}: no complete array file for step {step}, rank {rank}")
-        data, attrs = read_h5(path)
+        return path
+
+    def step_arrays(self, step: int, rank: int = 0) -> StepArrays:
+        data, attrs = read_h5(self.step_file(step, rank))
         return StepArrays(step, rank, data, attrs)
 
     def iter_step_arrays(self, rank: int | None = None) -> Iterator[StepArrays]:

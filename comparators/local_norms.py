@@ -57,10 +57,7 @@ class ShardNorm:
 
 
 def _rank_file(reader: Any, step: int, rank: int) -> Path:
-    getter = getattr(reader, "step_file", None)
-    if callable(getter):
-        return Path(getter(step, rank))
-    return Path(reader._step_files[step][rank])  # noqa: SLF001 - the reader has no public path accessor yet
+    return Path(reader.step_file(step, rank))
 
 
 def _read_group(path: Path, group: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:

@@ -199,13 +199,7 @@ def _file(run: Any, step: int, rank: int) -> Path:
     from align.runstore import RunReader
 
     reader = run if hasattr(run, "array_ranks") else RunReader(run)
-    getter = getattr(reader, "step_file", None)
-    if callable(getter):
-        return Path(getter(step, rank))
-    files = reader._step_files.get(step, {})  # noqa: SLF001 - no public accessor for the path yet
-    if rank not in files:
-        raise BadInput(f"{reader.root}: no complete array file for step {step}, rank {rank}")
-    return Path(files[rank])
+    return Path(reader.step_file(step, rank))
 
 
 def _direction(kind: str) -> str:
