@@ -47,7 +47,7 @@ def load_runs(baseline: str, candidate: str, repeats: list[str],
 
 def local_norm_stage(baseline: Run, candidate: Run, mapping: str | None) -> StageResult:
     """Step-1 local norms through the name mapping, when both runs recorded named norms."""
-    missing = [r.label for r in (baseline, candidate) if not r.local_norm_steps()]
+    missing = [r.label for r in (baseline, candidate) if not r.local_norm_steps(limit=1)]
     if missing:
         return skipped("step1_local_norm", f"no local norms in {', '.join(missing)}")
     unnamed = [r.label for r in (baseline, candidate) if r.store is None]
@@ -55,7 +55,7 @@ def local_norm_stage(baseline: Run, candidate: Run, mapping: str | None) -> Stag
         return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (log import, "
                        "optimizer order); dump them with the MindSpore/Megatron dumper to compare by name")
     from comparators.local_norms import compare_local_norms
-    steps = sorted(set(baseline.local_norm_steps()) & set(candidate.local_norm_steps()))
+    steps = sorted(set(baseline.local_norm_steps(limit=20)) & set(candidate.local_norm_steps(limit=20)))
     if not steps:
         return skipped("step1_local_norm", "the runs recorded local norms at different steps")
     return compare_local_norms(baseline.store, candidate.store, mapping, step=steps[0])
@@ -75,9 +75,9 @@ def report(baseline: str, candidate: str, out: str, repeats: list[str] | None = 
     extra_sections / extra_tables."""
     t0 = time.perf_counter()
     b, c, reps = load_runs(baseline, candidate, repeats or [], progress)
-    if not b.has("loss") and not b.local_norm_steps():
+    if not b.has("loss") and not b.local_norm_steps(limit=1):
         raise BadInput(f"{baseline}: no loss values and no local norms to compare")
-    if not c.has("loss") and not c.local_norm_steps():
+    if not c.has("loss") and not c.local_norm_steps(limit=1):
         raise BadInput(f"{candidate}: no loss values and no local norms to compare")
     cmp = compare_scalars(b, c, reps, options)
     stages = dict(cmp.stages)

@@ -50,10 +50,15 @@ class Run:
             idx = idx.union(s.index)
         return idx
 
-    def local_norm_steps(self) -> list[int]:
-        steps = set(self.local_norms)
+    def local_norm_steps(self, limit: int | None = None) -> list[int]:
+        """Steps with local norms, in order; ``limit`` stops the (file-opening) search early."""
+        steps = sorted(self.local_norms)
         if self.store is not None:
-            steps.update(self.store.array_steps())
+            for step in self.store.array_steps():
+                if limit is not None and len(steps) >= limit:
+                    break
+                if step not in self.local_norms and self.store.has_group(step, "local_norm"):
+                    steps.append(step)
         return sorted(steps)
 
     def local_norm_table(self, step: int, rank: int | None = None) -> pd.DataFrame | None:

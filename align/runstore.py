@@ -410,6 +410,17 @@ class RunReader:
             raise BadInput(f"{self.root}: no complete array file for step {step}, rank {rank}")
         return path
 
+    def has_group(self, step: int, group: str) -> bool:
+        """Whether any rank's finished file of ``step`` holds ``group`` (cheap: no data is read)."""
+        for path in self._step_files.get(step, {}).values():
+            try:
+                with h5py.File(path, "r") as h5:
+                    if group in h5:
+                        return True
+            except OSError as exc:
+                raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+        return False
+
     def step_arrays(self, step: int, rank: int = 0) -> StepArrays:
         data, attrs = read_h5(self.step_file(step, rank))
         return StepArrays(step, rank, data, attrs)

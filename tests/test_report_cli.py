@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from align.cli import main
@@ -143,3 +144,40 @@ def test_import_then_report_on_stores(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["verdict"] == "pass"
     assert "verdict: pass" in r.stdout
+
+
+def _store(root, norms, with_norms=True):
+    from align.runstore import RunWriter
+    names = list(norms)
+    with RunWriter(root, meta={"framework": "megatron-core", "name_scheme": "megatron-core-local"}) as w:
+        for step in range(1, 6):
+            w.log_scalars(step, {"loss": 5.0 - 0.1 * step, "grad_norm": 1.0})
+            w.put_array(step, "batch/tokens", np.arange(8).reshape(1, 8))
+            if with_norms:
+                w.put_table(step, "local_norm", {"name": names, "norm": np.array([norms[n] for n in names]),
+                                                 "numel": np.full(len(names), 64)})
+            w.finish_step()
+    return root
+
+
+NORMS = {"embedding.word_embeddings.weight": 1.0, "decoder.layers.0.self_attention.linear_proj.weight": 0.5,
+         "decoder.layers.0.mlp.linear_fc2.weight": 0.25, "decoder.final_layernorm.weight": 0.1,
+         "output_layer.weight": 2.0}
+
+
+def test_local_norm_stage_names_the_departing_parameter(tmp_path):
+    bad = dict(NORMS, **{"decoder.layers.0.mlp.linear_fc2.weight": 0.3})
+    b, c = _store(tmp_path / "b", NORMS), _store(tmp_path / "c", bad)
+    assert main(["report", str(b), str(c), "--out", str(tmp_path / "o"), "-q"]) == 1
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    stage = s["stages"]["step1_local_norm"]
+    assert stage["verdict"] == "fail"
+    assert "decoder.layers.0.mlp.linear_fc2.weight" in json.dumps(stage)
+    assert s["stages"]["step1_loss"]["verdict"] == "pass"
+
+
+def test_stores_without_local_norms_skip_that_stage(tmp_path):
+    b, c = _store(tmp_path / "b", NORMS, with_norms=False), _store(tmp_path / "c", NORMS, with_norms=False)
+    assert main(["report", str(b), str(c), "--out", str(tmp_path / "o"), "-q"]) == 0
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert s["stages"]["step1_local_norm"]["verdict"] == "skipped"
