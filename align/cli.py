@@ -36,7 +36,9 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--rtol", type=float, default=1e-2, help="band as a share of |loss| with no repeats")
     g.add_argument("--band-k", type=float, default=3.0, help="band = K x rolling RMS of repeat deltas")
     g.add_argument("--band-window", type=int, default=51, help="rolling window of the band, in steps")
-    g.add_argument("--band-floor", type=float, default=1e-6, help="smallest band (absolute)")
+    g.add_argument("--band-floor", type=float, default=0.0, help="smallest band (absolute)")
+    g.add_argument("--band-floor-ulps", type=float, default=8.0,
+                   help="smallest band in float32 ulps of the largest baseline value (rounding, not training)")
     g.add_argument("--max-outside", type=float, default=0.05, help="allowed share of steps outside band")
     g.add_argument("--max-bias", type=float, default=0.5, help="allowed |mean delta| / std(delta)")
     g.add_argument("--sustain", type=int, default=10,
@@ -50,6 +52,7 @@ def _run_report(args: argparse.Namespace) -> int:
     from comparators.scalars import ScalarOptions
     opt = ScalarOptions(step_rtol=args.step_rtol, rtol=args.rtol, band_k=args.band_k,
                         band_window=args.band_window, band_floor=args.band_floor,
+                        band_floor_ulps=args.band_floor_ulps,
                         max_outside=args.max_outside, max_bias=args.max_bias, sustain=args.sustain,
                         tail=args.tail)
     data = report(args.baseline, args.candidate, args.out, args.repeat, opt, args.mapping,

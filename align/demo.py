@@ -32,7 +32,7 @@ from align.errors import BadInput
 from align.paired import FAULTS, Spec, fault, megatron_args, mindformers_config, write_spec
 from align.procedure import report, stderr_progress
 from comparators.findings import Finding, StageResult, skipped, worst
-from comparators.scalars import ScalarOptions
+from comparators.scalars import ScalarOptions, band_floor
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
@@ -146,21 +146,6 @@ def _renamed(res: StageResult, name: str) -> StageResult:
     for f in res.findings:
         f.stage = name
     return res
-
-
-def demo_options(baseline_dir: str) -> ScalarOptions:
-    """The band floor: 8 float32 ulps of the largest baseline loss.
-
-    Why: two frameworks reduce the per-token cross-entropy in a different order, so the same forward pass
-    gives losses a few ulps apart (measured here: a steady ~3e-7 relative, 2-3 ulps). The TP=2 repeat
-    moves the loss by less than that, so without this floor the band would test float32 rounding, not
-    training. A real fault moves the loss by orders of magnitude more.
-    """
-    from align.runstore import RunReader
-
-    sc = RunReader(baseline_dir).scalars()
-    top = float(np.nanmax(np.abs(sc["loss"].to_numpy(dtype=float)))) if "loss" in sc and len(sc) else 1.0
-    return ScalarOptions(band_floor=max(1e-6, 8 * float(np.finfo(np.float32).eps) * top))
 
 
 def checklist_stage(specs: dict[str, Spec]) -> StageResult:
@@ -315,13 +300,14 @@ def band_stage(specs: dict[str, Spec], options: ScalarOptions) -> StageResult:
     d = (r[common] - b[common]).to_numpy(dtype=float)
     res = StageResult("band")
     rms = float(np.sqrt(np.mean(d ** 2))) if len(d) else math.nan
+    floor = band_floor(options, b.to_numpy(dtype=float))
     res.details = {"source": "baseline repeated with TP=2 under torchrun (row-parallel partial sums)",
                    "steps": int(len(d)), "repeat_max_abs_delta": float(np.max(np.abs(d))) if len(d) else None,
-                   "repeat_rms_delta": rms, "band_k": options.band_k, "band_floor": options.band_floor}
-    res.add(Finding("band", "pass", "loss", "repeat_rms_delta", rms, options.band_floor,
+                   "repeat_rms_delta": rms, "band_k": options.band_k, "band_floor": floor}
+    res.add(Finding("band", "pass", "loss", "repeat_rms_delta", rms, floor,
                     f"TP=2 repeat vs baseline over {len(d)} steps: RMS loss delta {rms:.3g}, max "
                     f"{res.details['repeat_max_abs_delta']:.3g}; band = max({options.band_k:g} x rolling RMS, "
-                    f"floor {options.band_floor:.3g})"))
+                    f"floor {floor:.3g})"))
     return res
 
 
@@ -531,7 +517,7 @@ def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inje
     with np.load(Path(specs["optimizer_check"].out) / "weights_after_step1.npz", allow_pickle=False) as z:
         before_c = {k[len("before/"):]: z[k] for k in z.files if k.startswith("before/")}
         after_c = {k[len("after/"):]: z[k] for k in z.files if k.startswith("after/")}
-    options = demo_options(specs["baseline"].out)
+    options = ScalarOptions()
     stages = {
         "checklist": checklist_stage(specs),
         "conversion": conversion_stage(work),

@@ -5,7 +5,10 @@ The statistics, in plain words (README "How the verdict is reached" repeats this
 - delta = candidate - baseline at each step both runs logged.
 - The benchmark error band is how far the baseline differs from itself when run again: with repeats,
   band(step) = band_k x the rolling RMS (window ``band_window`` steps) of (repeat - baseline) over all
-  repeats, never below ``band_floor``. Without repeats the band is ``rtol`` x |baseline loss|.
+  repeats, never below the floor. Without repeats the band is ``rtol`` x |baseline loss|.
+- The floor is the larger of ``band_floor`` and ``band_floor_ulps`` float32 ulps of the largest |baseline|
+  value: two frameworks reduce the same cross-entropy in a different order and land a few ulps apart, and a
+  bit-identical repeat gives a band of 0; below the floor a difference is rounding, not training.
 - outside_band_fraction: share of common steps where |delta| > band.
 - mean_delta / spread: mean(delta) divided by std(delta). Near 0 the candidate fluctuates around the
   baseline; near +-1 or beyond it sits consistently on one side (a bias, even inside the band).
@@ -34,7 +37,8 @@ class ScalarOptions:
     rtol: float = 1e-2             # long run band when there are no repeats
     band_k: float = 3.0            # band = band_k x rolling RMS of repeat deltas
     band_window: int = 51          # steps in the rolling window of the band
-    band_floor: float = 1e-6       # absolute floor of the band (a bit-identical repeat gives 0)
+    band_floor: float = 0.0        # absolute floor of the band
+    band_floor_ulps: float = 8.0   # floor in float32 ulps (eps x max |baseline|): rounding is not a departure
     max_outside: float = 0.05      # allowed share of steps outside the band
     max_bias: float = 0.5          # |mean delta| / std(delta) above this: the delta does not centre on 0
     sustain: int = 10              # consecutive out-of-band steps that make a divergence
@@ -79,9 +83,12 @@ def _step_stage(name: str, nth: int, base: pd.Series, cand: pd.Series, opt: Scal
     return st
 
 
-def _rolling_rms(x: np.ndarray, window: int) -> np.ndarray:
-    s = pd.Series(x * x)
-    return np.sqrt(s.rolling(window, center=True, min_periods=1).mean().to_numpy())
+def band_floor(opt: ScalarOptions, baseline: np.ndarray) -> float:
+    """The smallest band: ``band_floor``, or ``band_floor_ulps`` float32 ulps of the largest |baseline|."""
+    fin = np.abs(np.asarray(baseline, dtype=np.float64))
+    fin = fin[np.isfinite(fin)]
+    eps = float(np.finfo(np.float32).eps)
+    return max(opt.band_floor, opt.band_floor_ulps * eps * (float(fin.max()) if len(fin) else 0.0))
 
 
 def _first_sustained(outside: np.ndarray, sustain: int) -> int | None:
@@ -188,15 +195,16 @@ def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[
         table[f"repeat{i + 1}"] = rs.to_numpy()
         rep_deltas.append(d)
     finite = np.isfinite(delta)
+    floor = band_floor(opt, b)
     if rep_deltas:
         stack = np.vstack(rep_deltas)
         sq = np.where(np.isfinite(stack), stack, np.nan) ** 2
         ms = np.nanmean(sq, axis=0)
         rms = np.sqrt(pd.Series(ms).rolling(opt.band_window, center=True, min_periods=1).mean().to_numpy())
-        band = np.maximum(opt.band_k * np.nan_to_num(rms, nan=0.0), opt.band_floor)
+        band = np.maximum(opt.band_k * np.nan_to_num(rms, nan=0.0), floor)
         band_source = f"{len(rep_deltas)} baseline repeat(s): {opt.band_k:g} x rolling RMS"
     else:
-        band = np.maximum(opt.rtol * np.abs(b), opt.band_floor)
+        band = np.maximum(opt.rtol * np.abs(b), floor)
         band_source = f"no repeats: rtol {opt.rtol:g} x |baseline|"
     outside = ~finite | (np.abs(delta) > band)
     table["band"] = band
@@ -213,7 +221,7 @@ def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[
         "steps": int(n), "first_step": int(common[0]), "last_step": int(common[-1]),
         "outside_band_fraction": frac, "mean_delta": mean_delta, "delta_std": spread,
         "mean_delta_over_spread": bias, "divergence_step": div_step, "band": band_source,
-        "max_abs_delta": float(np.nanmax(np.abs(d_f))) if len(d_f) else math.nan,
+        "max_abs_delta": float(np.nanmax(np.abs(d_f))) if len(d_f) else math.nan, "band_floor": floor,
     })
     label = "loss" if key == "loss" else key.replace("_", " ")
     if frac > opt.max_outside:
@@ -230,7 +238,7 @@ def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[
                        f"consecutive steps outside the band); delta there {delta[first]:+.4g}, "
                        f"band {band[first]:.3g}"))
     # A consistent sign below the band floor (a few float32 ulps of the loss) is rounding, not a bias.
-    if math.isfinite(bias) and bias > opt.max_bias and len(d_f) > 10 and abs(mean_delta) > opt.band_floor:
+    if math.isfinite(bias) and bias > opt.max_bias and len(d_f) > 10 and abs(mean_delta) > floor:
         st.add(Finding(name, "warn" if frac <= opt.max_outside else fail_verdict, key,
                        "mean_delta_over_spread", bias, opt.max_bias,
                        f"{label}: the delta does not fluctuate around 0 (mean {mean_delta:+.3g} = "

@@ -1,0 +1,34 @@
+"""Scalar comparator edge cases: the float32 rounding floor of the band."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from align.run import Run, make_series
+from comparators.scalars import ScalarOptions, band_floor, compare_scalars
+
+
+def run(values, name):
+    steps = np.arange(1, len(values) + 1)
+    return Run(name, "runstore", scalars={"loss": make_series(steps, values, "loss")})
+
+
+def test_rounding_between_frameworks_is_not_a_departure():
+    loss = np.linspace(5.0, 1.0, 200).astype(np.float32).astype(np.float64)
+    eps = float(np.finfo(np.float32).eps)
+    repeat = loss.copy()                        # a bit-identical repeat: its band alone would be 0
+    two_ulps = loss - 2 * eps * loss            # steady, one-sided: the cross-entropy summed in another order
+    res = compare_scalars(run(loss, "b"), run(two_ulps, "c"), [run(repeat, "r")])
+    assert res.stages["long_run"].verdict == "pass"
+    assert res.stages["long_run"].details["band_floor"] == band_floor(ScalarOptions(), loss)
+
+
+def test_a_real_shift_still_fails_and_the_floor_can_be_turned_off():
+    loss = np.linspace(5.0, 1.0, 200)
+    shifted = loss + 1e-4                       # ~170 float32 ulps of 5.0
+    assert compare_scalars(run(loss, "b"), run(shifted, "c"), [run(loss, "r")]).stages["long_run"].verdict == "fail"
+    eps = float(np.finfo(np.float32).eps)
+    tiny = loss - 2 * eps * loss
+    strict = ScalarOptions(band_floor_ulps=0.0, band_floor=0.0)
+    assert compare_scalars(run(loss, "b"), run(tiny, "c"), [run(loss, "r")], strict).stages["long_run"].verdict \
+        == "fail"
