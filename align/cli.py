@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -62,13 +63,15 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _print_verdict(data: dict, out: Path) -> None:
-    print(f"verdict: {data['verdict']}")
-    for name, st in data["stages"].items():
-        print(f"  {name:<18} {st['verdict']}")
-    for f in data["findings"]:
-        if f["verdict"] != "pass":
-            print(f"  - [{f['verdict']}] {f['stage']}: {f['message']}")
-    print(f"report: {out / 'report.html'}")
+    lines = [f"verdict: {data['verdict']}"]
+    lines += [f"  {name:<18} {st['verdict']}" for name, st in data["stages"].items()]
+    lines += [f"  - [{f['verdict']}] {f['stage']}: {f['message']}" for f in data["findings"]
+              if f["verdict"] != "pass"]
+    lines.append(f"report: {out / 'report.html'}")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `align report ... | head`: the reader left early; the exit status still counts
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _add_import(sub: argparse._SubParsersAction) -> None:
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("align: interrupted", file=sys.stderr)
         return 130
+
 
 
 if __name__ == "__main__":

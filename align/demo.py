@@ -393,43 +393,6 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _layer_figure(res: StageResult) -> tuple[str, str, bytes] | None:
-    """Per-module error at step 1, in execution order: where the two runs start to part."""
-    rows = res.details.get("rows") or []
-    if not rows:
-        return None
-    import io
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-    fig.suptitle("Layer profile at step 1: relative error per module (log scale), forward then backward",
-                 fontsize=10)
-    for ax, direction in zip(axes, ("forward", "backward"), strict=True):
-        sel = [r for r in rows if r["direction"] == direction]
-        if not sel:
-            ax.set_visible(False)
-            continue
-        vals = [max(float(r["value"]), 1e-12) if math.isfinite(float(r["value"])) else 1e3 for r in sel]
-        colors = ["tab:red" if r["verdict"] == "fail" else "tab:orange" if r["verdict"] == "warn"
-                  else "tab:green" for r in sel]
-        ax.bar(range(len(sel)), vals, color=colors)
-        ax.axhline(float(sel[0]["threshold"]), color="grey", ls="--", lw=0.8, label="tolerance")
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(sel)))
-        ax.set_xticklabels([r["module"].replace("decoder.layers.", "L").replace("self_attention", "attn")
-                            for r in sel], rotation=70, fontsize=7)
-        ax.set_title(f"{direction} ({sel[0]['metric']})", fontsize=9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return "layer_profile.png", "Layer profile at step 1 (red: beyond the dtype's tolerance)", buf.getvalue()
-
-
 def _lr0_figure(res: StageResult) -> tuple[str, str, bytes] | None:
     rows = res.details.get("table") or []
     if not rows:
@@ -528,7 +491,7 @@ def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inje
         "band": band_stage(specs, options),
         "nan_trace": nan_trace_stage(specs),
     }
-    figs = [fig for fig in (_layer_figure(stages["layer_tensors"]), _lr0_figure(stages["lr0_run"])) if fig]
+    figs = [fig for fig in (_lr0_figure(stages["lr0_run"]),) if fig]
     sections = [("Setup of the pair", _section_setup(specs, took, inject)),
                 ("Checklist: Megatron arguments vs MindFormers config", _section_checklist(stages["checklist"])),
                 ("Layer profile (step 1, forward then backward)", _section_layers(stages["layer_tensors"]))]

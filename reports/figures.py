@@ -97,3 +97,66 @@ def delta_band(table: pd.DataFrame, verdict: str, path: Path, divergence_step: i
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     return _save(fig, path)
+
+
+def _bar_colours(values: list[float], pass_tol: float, warn_tol: float | None = None) -> list[str]:
+    warn_tol = warn_tol if warn_tol is not None else pass_tol * 10
+    return [COLOURS["fail"] if not np.isfinite(v) or v > warn_tol else COLOURS["warn"] if v > pass_tol
+            else COLOURS["pass"] for v in values]
+
+
+def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Path) -> bytes | None:
+    """Relative difference of every parameter's step-1 gradient norm, names on the axis, grouped by layer."""
+    if not parameters:
+        return None
+    def order(p: dict) -> tuple:
+        layer = p.get("layer")
+        return (-1 if layer is None and p.get("kind") == "embedding" else 10**6 if layer is None else layer,
+                p["name"])
+    rows = sorted(parameters, key=order)
+    vals = [float(p["rel_diff"]) if p.get("rel_diff") is not None else float("inf") for p in rows]
+    shown = [max(v, 1e-12) if np.isfinite(v) else 1e3 for v in vals]
+    fig, ax = plt.subplots(figsize=(9, max(2.5, 0.22 * len(rows) + 1)))
+    y = np.arange(len(rows))
+    ax.barh(y, shown, color=_bar_colours(vals, rtol))
+    ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
+    ax.set_yticks(y)
+    ax.set_yticklabels([p["name"] for p in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("relative difference of the gradient norm (candidate vs baseline)")
+    layers = [p.get("layer") for p in rows]
+    for i in range(1, len(rows)):
+        if layers[i] != layers[i - 1]:
+            ax.axhline(i - 0.5, color="#bbbbbb", lw=0.6)
+    ax.set_title(f"Step-1 local norms per parameter, grouped by layer  [{verdict.upper()}]",
+                 color=COLOURS.get(verdict, "k"))
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
+    """Per-module error at one step in execution order, forward then backward: where the runs part."""
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    fig.suptitle(f"Layer profile: relative error per module (log scale), forward then backward  "
+                 f"[{verdict.upper()}]", fontsize=10, color=COLOURS.get(verdict, "k"))
+    for ax, direction in zip(axes, ("forward", "backward"), strict=True):
+        sel = [r for r in rows if r.get("direction") == direction]
+        if not sel:
+            ax.set_visible(False)
+            continue
+        vals = [max(float(r["value"]), 1e-12) if np.isfinite(float(r["value"])) else 1e3 for r in sel]
+        colours = [COLOURS.get(r.get("verdict"), "#666666") for r in sel]
+        ax.bar(range(len(sel)), vals, color=colours)
+        ax.axhline(float(sel[0]["threshold"]), color="grey", ls="--", lw=0.8, label="tolerance")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(sel)))
+        ax.set_xticklabels([str(r["module"]).replace("decoder.layers.", "L").replace("self_attention", "attn")
+                            for r in sel], rotation=70, fontsize=7)
+        ax.set_title(f"{direction} ({sel[0].get('metric', '')})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)

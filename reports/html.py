@@ -17,7 +17,9 @@ body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;mar
 .badge{display:inline-block;padding:1px 8px;border-radius:10px;color:#fff;font-size:12px;font-weight:600}
 table{border-collapse:collapse;margin:8px 0 18px 0;font-size:13px}
 th,td{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top;overflow-wrap:anywhere}
-th{background:#f4f4f4;white-space:nowrap} td:first-child,.badge{white-space:nowrap;overflow-wrap:normal} td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
+th{background:#f4f4f4;white-space:nowrap}
+td:first-child,.badge{white-space:nowrap;overflow-wrap:normal}
+td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
 img{max-width:100%;border:1px solid #eee;margin:6px 0}
 h2{margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .muted{color:#666;font-size:12px} code{background:#f4f4f4;padding:0 3px}

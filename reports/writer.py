@@ -113,6 +113,17 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             if png:
                 figs.append(("Grad norm delta against the band", png))
             _write_csv(t, tmp / "deltas.csv")
+        ln = inp.stages.get("step1_local_norm")
+        if ln is not None and ln.details.get("parameters"):
+            png = figures.local_norm_chart(ln.details["parameters"], float(ln.details.get("rtol", 1e-4)),
+                                           ln.verdict, figdir / "local_norms.png")
+            if png:
+                figs.append(("Step-1 local norms per parameter", png))
+        lt = inp.stages.get("layer_tensors")
+        if lt is not None and lt.details.get("rows"):
+            png = figures.layer_profile(lt.details["rows"], lt.verdict, figdir / "layer_profile.png")
+            if png:
+                figs.append(("Layer profile (red: beyond the dtype's tolerance)", png))
         for fname, title, png in inp.extra_figures:
             (figdir / fname).write_bytes(png)
             figs.append((title, png))
