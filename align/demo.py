@@ -32,6 +32,7 @@ from align.errors import BadInput
 from align.paired import FAULTS, Spec, fault, megatron_args, mindformers_config, write_spec
 from align.procedure import report, stderr_progress
 from comparators.findings import Finding, StageResult, skipped, worst
+from comparators.optimizer_check import read_step1_file
 from comparators.scalars import ScalarOptions, band_floor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -474,9 +475,8 @@ def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inje
     work = Path(specs["baseline"].out).parent
 
     m = specs["baseline"].model
-    with np.load(specs["baseline"].step1_file, allow_pickle=False) as z:
-        init = {k[len("init/"):]: z[k] for k in z.files if k.startswith("init/")}
-        after_b = {k[len("weight/"):]: z[k] for k in z.files if k.startswith("weight/")}
+    step1 = read_step1_file(specs["baseline"].step1_file)
+    init, after_b = step1["init"], step1["weight"]
     with np.load(Path(specs["optimizer_check"].out) / "weights_after_step1.npz", allow_pickle=False) as z:
         before_c = {k[len("before/"):]: z[k] for k in z.files if k.startswith("before/")}
         after_c = {k[len("after/"):]: z[k] for k in z.files if k.startswith("after/")}

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from align.paired import NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
+from comparators.optimizer_check import write_step1_file
 from dumpers.megatron import MegatronDumper, strip_module_prefix
 from dumpers.megatron_cpu import MegatronOptimizerCPU, cpu_device_redirect, forward_loss, init_megatron_cpu, wrap_ddp
 from dumpers.seed_torch import seed_everything
@@ -128,9 +128,7 @@ def run(spec: Spec) -> dict[str, Any]:
             grads = {n: p.main_grad.detach().clone().numpy() for n, p in params}
         _, grad_norm, _ = opt.step()
         if step == 1 and spec.step1_file and lead:
-            np.savez(spec.step1_file, **{f"grad/{n}": g for n, g in grads.items()},
-                     **{f"init/{n}": w for n, w in init.items()},
-                     **{f"weight/{n}": p.detach().numpy().copy() for n, p in params})
+            write_step1_file(spec.step1_file, grads, init, {n: p.detach().numpy().copy() for n, p in params})
         losses.append(float(loss.detach()))
         dumper.end_step(loss=losses[-1], lr=lr)
         sched.step(1)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from align.paired import NAN_PARAM, NAN_STEP, Spec, injects, mindformers_config, read_spec
+from comparators.optimizer_check import read_step1_file
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 
@@ -33,6 +34,7 @@ from mindspore import Tensor, nn  # noqa: E402
 from dumpers import mindformers_cpu as mc  # noqa: E402
 from dumpers.mindformers import name_local_norms, optimizer_param_names, optimizer_param_sizes, split_outputs  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
+from dumpers.mindspore_optimizer_check import optimizer_step_with_grads  # noqa: E402
 
 # Layer profile cells, the MindFormers counterparts of dumpers.paired_megatron.LAYER_MODULES.
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
@@ -185,22 +187,17 @@ def optimizer_check(spec: Spec) -> dict[str, Any]:
     net = build_net(spec)
     cell = build_cell(net, spec)
     m = spec.model
-    with np.load(spec.step1_file, allow_pickle=False) as z:
-        grads_mg = {k[len("grad/"):]: z[k] for k in z.files if k.startswith("grad/")}
+    grads_mg = read_step1_file(spec.step1_file)["grad"]
     mapping = Mapping.load(None)
     grads_mf, _ = mapping.convert(grads_mg, "candidate", TransformParams(num_heads=m.num_heads,
                                                                          num_query_groups=m.num_query_groups))
-    opt = cell.optimizer
-    before = {p.name: p.asnumpy().copy() for p in opt.parameters}
-    grads = tuple(Tensor(np.ascontiguousarray(grads_mf[p.name]).astype(np.float32)) for p in opt.parameters)
-    if cell.use_clip_grad:
-        grads, _ = cell.clip_grad_norm(grads)
-    opt(grads)
+    before = {p.name: p.asnumpy().copy() for p in cell.optimizer.parameters}
+    after = optimizer_step_with_grads(cell.optimizer, grads_mf, train_cell=cell)
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / "weights_after_step1.npz", **{f"before/{k}": v for k, v in before.items()},
-             **{f"after/{p.name}": p.asnumpy() for p in opt.parameters})
-    return {"role": spec.role, "file": str(out / "weights_after_step1.npz"), "parameters": len(grads)}
+             **{f"after/{k}": v for k, v in after.items()})
+    return {"role": spec.role, "file": str(out / "weights_after_step1.npz"), "parameters": len(after)}
 
 
 def main(argv: list[str] | None = None) -> int:
