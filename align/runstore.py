@@ -22,6 +22,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,18 +60,25 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` so that ``path`` either holds all of it or does not change."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Any]:
+    """A binary file handle whose content appears at ``path`` only when the block completes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            yield fh
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` so that ``path`` either holds all of it or does not change."""
+    with atomic_file(path) as fh:
+        fh.write(data)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -78,15 +86,8 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as fh:
+        np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
 
 
 class RunWriter:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from align.runstore import atomic_file
 from comparators.findings import Finding, StageResult, skipped
 
 STAGE = "optimizer"
@@ -185,10 +186,8 @@ def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
 def write_step1_file(path: str | Path, grads: MappingABC[str, np.ndarray], before: MappingABC[str, np.ndarray],
                      after: MappingABC[str, np.ndarray]) -> None:
     """Write the step-1 file :func:`read_step1_file` reads (atomically: temporary name, then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.npz")
     arrays = {**{f"grad/{k}": np.asarray(v) for k, v in grads.items()},
               **{f"init/{k}": np.asarray(v) for k, v in before.items()},
               **{f"weight/{k}": np.asarray(v) for k, v in after.items()}}
-    np.savez(tmp, **arrays)
-    tmp.replace(path)
+    with atomic_file(Path(path)) as fh:
+        np.savez(fh, **arrays)
