@@ -6,15 +6,10 @@ tokens[t] predicts labels[t]); MindFormers must train on them unchanged, with th
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-# MindFormers writes ./output/log at import: keep it out of the work tree.
-os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf-align-mf-output"))
 
 mc = pytest.importorskip("dumpers.mindformers_cpu")
 
@@ -23,6 +18,7 @@ from align.runstore import RunReader  # noqa: E402
 from dumpers.mindformers import MindFormersDumperCallback, dump_mindformers_step  # noqa: E402
 from dumpers.mindformers_replay import MegatronReplayDataset  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
+from tests.helpers.numpy_reference import numpy_masked_ce  # noqa: E402
 
 B, S, V = 2, 16, 64
 
@@ -45,16 +41,6 @@ def write_megatron_batches(root: Path, steps: list[int], ranks: tuple[int, ...] 
                 if shapes and name in shapes:
                     arr = np.resize(arr, shapes[name])
                 np.save(folder / f"{name}.npy", arr, allow_pickle=False)
-
-
-def numpy_masked_ce(logits: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float:
-    """sum(ce * mask) / sum(mask), in float64, independent of MindSpore."""
-    x = logits.reshape(-1, logits.shape[-1]).astype(np.float64)
-    m = x.max(axis=1, keepdims=True)
-    lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
-    ce = lse - x[np.arange(x.shape[0]), labels.reshape(-1)]
-    w = mask.reshape(-1).astype(np.float64)
-    return float((ce * w).sum() / w.sum())
 
 
 @pytest.fixture(scope="module")

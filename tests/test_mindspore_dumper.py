@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-# MindFormers writes ./output/log at import: keep it out of the work tree.
-os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf-align-mf-output"))
 
 mc = pytest.importorskip("dumpers.mindformers_cpu")
 

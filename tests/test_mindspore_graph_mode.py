@@ -10,22 +10,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers.numpy_reference import numpy_masked_ce
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def numpy_masked_ce(logits: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float:
-    x = logits.reshape(-1, logits.shape[-1]).astype(np.float64)
-    m = x.max(axis=1, keepdims=True)
-    lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
-    ce = lse - x[np.arange(x.shape[0]), labels.reshape(-1)]
-    w = mask.reshape(-1).astype(np.float64)
-    return float((ce * w).sum() / w.sum())
 
 
 def worker(data: Path, out: Path) -> dict:
@@ -104,8 +96,7 @@ def write_batches(root: Path, steps: int = 3) -> None:
 def test_graph_mode_replay_norms_and_capture_refusal(tmp_path: Path) -> None:
     pytest.importorskip("mindformers")
     write_batches(tmp_path / "batches")
-    env = dict(os.environ, LOCAL_DEFAULT_PATH=os.path.join(tempfile.gettempdir(), "xf-align-mf-output"),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, __file__, str(tmp_path / "batches"), str(tmp_path)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280,
                           check=False)
