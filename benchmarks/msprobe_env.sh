@@ -33,7 +33,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 run() { echo "+ $*" >> "$LOG"; "$@" >> "$LOG" 2>&1; }
 
 run "${PIP[@]}" install -q --upgrade pip || fail "pip upgrade failed"
-# torch 2.13.0 resolves to the local CPU wheel (/opt/wheels); numpy<2 as in the product's environment.
+# torch 2.13.0 resolves to the local CPU wheel (pip finds it through its local find-links); numpy<2 as in the product's environment.
 run "${PIP[@]}" install -q torch==2.13.0 "numpy<2" || fail "torch 2.13.0 could not be installed"
 # megatron-core pins things this machine cannot have: bare, then what it really needs.
 run "${PIP[@]}" install -q --no-deps megatron-core==0.16.1 || fail "megatron-core 0.16.1 could not be installed"
