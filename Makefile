@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(PY) -m align demo --out $(OUT)
 
 test: $(STAMP)
-	$(PY) -m ruff check align dumpers comparators reports tests benchmarks
+	$(PY) -m ruff check align dumpers comparators reports demo tests benchmarks
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

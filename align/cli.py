@@ -8,16 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-from align.errors import BadInput
-
-EXIT = {"pass": 0, "warn": 0, "fail": 1}
+from align.core.errors import BadInput
+from align.core.findings import EXIT
 
 # Subcommands implemented in their own modules: each has add_arguments(parser) and run(args) -> int.
 MODULE_COMMANDS = {
-    "check-config": ("align.check_config", "config checklist: Megatron arguments vs MindFormers YAML"),
-    "check-data": ("align.check_data", "data checks over a run store or the step_N/rank_R layout"),
+    "check-config": ("align.checks.config", "config checklist: Megatron arguments vs MindFormers YAML"),
+    "check-data": ("align.checks.data", "data checks over a run store or the step_N/rank_R layout"),
     "convert-weights": ("align.convert_weights", "Megatron-core <-> MindFormers checkpoint conversion"),
-    "mapping": ("align.mapping", "show or check a name mapping preset"),
+    "mapping": ("align.core.mapping", "show or check a name mapping preset"),
 }
 
 
@@ -81,7 +80,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_import(args: argparse.Namespace) -> int:
-    from align.run import save_run
+    from align.core.run import save_run
     from align.sources import detect, load_run
     kind = detect(args.source)
     if kind == "runstore":
@@ -113,7 +112,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from align.demo import run_demo
+    from demo.pair import run_demo
     return run_demo(args)
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from align.errors import BadInput
-from align.mapping import Mapping, TransformParams
-from comparators.findings import StageResult
+from align.core.errors import BadInput
+from align.core.findings import StageResult
+from align.core.mapping import Mapping, TransformParams
 
 
 def _torch_state(path: str | Path) -> dict[str, Any]:

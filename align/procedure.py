@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from align.errors import BadInput
-from align.run import Run
+from align.core.errors import BadInput
+from align.core.findings import StageResult, skipped
+from align.core.run import Run
 from align.sources import detect, load_run
-from comparators.findings import StageResult, skipped
 from comparators.scalars import ScalarOptions, compare_scalars
 from reports.writer import ReportInput, write_report
 

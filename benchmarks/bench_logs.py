@@ -16,7 +16,7 @@ from pathlib import Path
 
 from align.examples.make_example_logs import megatron_log, mindformers_log
 from align.procedure import report
-from dumpers.megatron_log import parse_megatron_log
+from align.sources.megatron_log import parse_megatron_log
 
 
 def timed(fn, repeats: int) -> list[float]:

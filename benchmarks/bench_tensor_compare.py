@@ -29,7 +29,7 @@ TENSOR = 4 * 1024 * 2048          # elements per tensor (32 MiB of float32): a [
 
 
 def generate(root: Path, gb: float) -> int:
-    from align.runstore import RunWriter
+    from align.core.runstore import RunWriter
 
     n = max(1, int(gb * 1e9 // (TENSOR * 4)) + 1)
     rng = np.random.default_rng(0)
@@ -59,7 +59,7 @@ def measure(root: Path, threads: int) -> dict:
     """Runs in a fresh process: compare, report wall time, bytes and peak RSS."""
     import resource
 
-    from align.mapping import Mapping
+    from align.core.mapping import Mapping
     from comparators.tensors import compare_layer_tensors
 
     nbytes = sum(f.stat().st_size for s in ("base", "cand") for f in (root / s / "steps").rglob("*.h5"))

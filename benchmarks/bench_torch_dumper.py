@@ -54,7 +54,7 @@ def main() -> None:
 
     import torch
 
-    from dumpers import megatron_cpu as mc
+    from demo import megatron_cpu as mc
     from dumpers.megatron import MegatronDumper
     from dumpers.torch_dumper import DumpConfig
 

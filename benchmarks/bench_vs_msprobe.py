@@ -78,7 +78,7 @@ def msprobe_available() -> tuple[bool, str]:
 def _model(args: argparse.Namespace, micro_batch: int | None = None):  # noqa: ANN202
     import torch
 
-    from dumpers import megatron_cpu as mc
+    from demo import megatron_cpu as mc
 
     torch.set_num_threads(args.threads)
     mc.init_megatron_cpu(tp=1, seed=1234)
@@ -192,7 +192,7 @@ def worker_dump(args: argparse.Namespace) -> dict:
 
 
 def worker_compare_ours(args: argparse.Namespace) -> dict:
-    from align.mapping import Mapping
+    from align.core.mapping import Mapping
     from comparators.tensors import compare_layer_tensors
 
     t0 = time.perf_counter()
@@ -370,7 +370,7 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             ms_bytes += sum(f.stat().st_size for f in steps[0].rglob("dump_tensor_data/*") if f.is_file())
     env = _env(args.compare_threads)
     ms_exe = str(Path(sys.executable).parent / "msprobe")
-    startup = {"ours": _measured([sys.executable, "-c", "import align.mapping, comparators.tensors"], env, ROOT)}
+    startup = {"ours": _measured([sys.executable, "-c", "import align.core.mapping, comparators.tensors"], env, ROOT)}
     if have_ms:
         startup["msprobe"] = _measured([ms_exe, "compare", "-h"], env, ROOT)
     # Timed: ours and msprobe on the same thread budget; also ours at the product's default (2 threads),

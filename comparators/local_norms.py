@@ -19,8 +19,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from align.errors import BadInput
-from comparators.findings import Finding, StageResult
+from align.core.errors import BadInput
+from align.core.findings import Finding, StageResult
 
 STAGE = "step1_local_norm"
 # Relative tolerance of a local norm by compute dtype: (pass up to, warn up to); beyond is a fail.
@@ -85,7 +85,7 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
 
     DP replicas hold the same reduced gradient: the first rank seen for a (name, tp_rank) wins.
     """
-    from align.runstore import RunReader
+    from align.core.runstore import RunReader
 
     reader = run if hasattr(run, "array_ranks") else RunReader(run)
     ranks = reader.array_ranks(step)
@@ -144,7 +144,7 @@ def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, s
                         dtype: str = "float32", rtol: tuple[float, float] | None = None,
                         top: int = 20) -> StageResult:
     """Compare two runs' step-``step`` local norms; details name the worst parameters by baseline name."""
-    from align.mapping import Mapping
+    from align.core.mapping import Mapping
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
     pass_tol, warn_tol = rtol or RTOL.get(dtype, RTOL["float32"])

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from align.run import Run
-from comparators.findings import Finding, StageResult, skipped
+from align.core.findings import Finding, StageResult, skipped
+from align.core.run import Run
 
 
 @dataclass

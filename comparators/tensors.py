@@ -23,8 +23,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from align.errors import BadInput
-from comparators.findings import Finding, StageResult
+from align.core.errors import BadInput
+from align.core.findings import Finding, StageResult
 
 STAGE = "layer_tensors"
 CHUNK = 1 << 18     # elements per chunk (1 MiB of float32): stays in L2 across the ~12 passes per chunk
@@ -196,7 +196,7 @@ def _read_stats(path: Path) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _file(run: Any, step: int, rank: int) -> Path:
-    from align.runstore import RunReader
+    from align.core.runstore import RunReader
 
     reader = run if hasattr(run, "array_ranks") else RunReader(run)
     return Path(reader.step_file(step, rank))
@@ -251,7 +251,7 @@ def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *,
     Rows pair by module name through the mapping (same-scheme runs pair by identical names), the row kind
     (``forward.output.0`` ...) and the occurrence count of that (module, kind) in execution order.
     """
-    from align.mapping import Mapping
+    from align.core.mapping import Mapping
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
     pa, pb = _file(baseline, step, rank), _file(candidate, step, rank if candidate_rank is None else candidate_rank)

@@ -30,7 +30,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from align.runstore import RunWriter
+from align.core.runstore import RunWriter
 from dumpers.steps import NonFiniteError, parse_steps
 
 TENSOR_MODES = ("off", "stats", "full")

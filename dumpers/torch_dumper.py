@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from align.runstore import SEED_BATCH_KEYS, RunWriter
+from align.core.runstore import SEED_BATCH_KEYS, RunWriter
 from dumpers.steps import NonFiniteError, parse_steps
 
 TENSOR_MODES = ("off", "stats", "full")

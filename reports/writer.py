@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from comparators.findings import StageResult, worst
+from align.core.findings import StageResult, worst
 from reports import figures, html
 
 CONTRACT_STAGES = ("step1_loss", "step1_local_norm", "step2_loss", "long_run")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dumpers import megatron_cpu as mc  # noqa: E402
+from demo import megatron_cpu as mc  # noqa: E402
 from dumpers.megatron import MegatronDumper  # noqa: E402
 from dumpers.seed_torch import seed_everything  # noqa: E402
 from dumpers.torch_dumper import DumpConfig  # noqa: E402

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from align import check_config as cc
+from align.checks import config as cc
+from align.core.errors import BadInput
+from align.sources.configs import parse_arguments_block
 
 # A subset of a real Llama-2-7B-style Megatron-LM run's arguments (names as in megatron/training/arguments.py).
 MEGATRON_ARGS = {
@@ -82,7 +84,7 @@ def _run(tmp_path: Path, mg_text: str, mf: dict, name: str = "train.log") -> dic
 
 
 def test_block_parser_reads_exact_format() -> None:
-    parsed = cc.parse_arguments_block(megatron_log(MEGATRON_ARGS))
+    parsed = parse_arguments_block(megatron_log(MEGATRON_ARGS))
     assert parsed["adam_beta2"] == 0.95 and parsed["bf16"] is True and parsed["num_experts"] is None
     assert parsed["params_dtype"] == "bfloat16" and parsed["normalization"] == "RMSNorm"
     assert parsed["a_very_long_argument_name_to_exercise_no_dots_at_all"] == 3
@@ -141,5 +143,5 @@ def test_json_arguments_and_bad_input(tmp_path: Path) -> None:
     args, kind = cc.read_megatron(tmp_path / "a.json")
     assert kind == "json" and args["hidden_size"] == 4096
     (tmp_path / "x.txt").write_text("nothing here\n")
-    with pytest.raises(cc.BadInput):
+    with pytest.raises(BadInput):
         cc.read_megatron(tmp_path / "x.txt")

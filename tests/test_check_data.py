@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align import check_data as cd
-from align.runstore import RunWriter
+from align.checks import data as cd
+from align.core.runstore import RunWriter
 
 VOCAB, EOS, SEQ, MBS = 100, 2, 32, 4
 

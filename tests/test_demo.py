@@ -21,8 +21,8 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
-from align.demo import paired_demo  # noqa: E402
-from align.paired import FAULTS  # noqa: E402
+from demo.pair import paired_demo  # noqa: E402
+from demo.spec import FAULTS  # noqa: E402
 
 STEPS = 12
 LR0_STEPS = 3

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from align import mapping as mp
-from align.errors import BadInput
-from align.mapping import Mapping, TransformParams
+from align.core import mapping as mp
+from align.core.errors import BadInput
+from align.core.mapping import Mapping, TransformParams
 
 L = 2
 

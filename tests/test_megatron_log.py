@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.check_config import parse_arguments_block
-from align.errors import BadInput
-from dumpers.megatron_log import parse_megatron_log
+from align.core.errors import BadInput
+from align.sources.configs import parse_arguments_block
+from align.sources.megatron_log import parse_megatron_log
 
 # Verbatim from a Megatron-LM run (DESIGN.md).
 REAL = ("[2024-05-01 10:12:31] iteration      250/    1000 | consumed samples:         4000 | elapsed time per "
@@ -158,7 +158,7 @@ def test_bulk_number_readers_agree_with_the_careful_path(tmp_path, monkeypatch, 
     """pyarrow (when installed) and pandas read the same numbers, NaN included, as the field-by-field path."""
     if use_arrow:
         pytest.importorskip("pyarrow")
-    import dumpers.megatron_log as ml
+    import align.sources.megatron_log as ml
     real = ml._read_numbers
     monkeypatch.setattr(ml, "_read_numbers", lambda t, n, u: real(t, n, u, use_arrow))
     rng = np.random.default_rng(1)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.errors import BadInput
-from dumpers.mindformers_log import parse_mindformers_log
+from align.core.errors import BadInput
+from align.sources.mindformers_log import parse_mindformers_log
 
 DATA = Path(__file__).parent / "data"
 REAL = DATA / "mindformers_train.log"

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-mc = pytest.importorskip("dumpers.mindformers_cpu")
+mc = pytest.importorskip("demo.mindformers_cpu")
 
-from align.errors import BadInput  # noqa: E402
-from align.runstore import RunReader  # noqa: E402
+from align.core.errors import BadInput  # noqa: E402
+from align.core.runstore import RunReader  # noqa: E402
 from dumpers.mindformers import MindFormersDumperCallback, dump_mindformers_step  # noqa: E402
 from dumpers.mindformers_replay import MegatronReplayDataset  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-mc = pytest.importorskip("dumpers.mindformers_cpu")
+mc = pytest.importorskip("demo.mindformers_cpu")
 
 import mindspore as ms  # noqa: E402
 
-from align.runstore import RunReader  # noqa: E402
+from align.core.runstore import RunReader  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper, NonFiniteError  # noqa: E402
 from dumpers.seed_mindspore import record, seed_everything  # noqa: E402
 

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def worker(data: Path, out: Path) -> dict:
     """GRAPH mode: replay 3 steps through the registered dataset; the layer-capture refusal; NormTrainOneStepCell."""
-    from dumpers import mindformers_cpu as mc
+    from demo import mindformers_cpu as mc
 
     mc.set_cpu_context("graph")
     from dumpers.mindformers import dump_mindformers_step
@@ -70,7 +70,7 @@ def worker(data: Path, out: Path) -> dict:
     cb_dumper = MindSporeDumper(net2, out / "model_train")
     ms.train.Model(norm_cell).train(1, MegatronReplayDataset(data_dir=str(data)), dataset_sink_mode=False,
                                     callbacks=[DumperCallback(cb_dumper)])
-    from align.runstore import RunReader
+    from align.core.runstore import RunReader
 
     reader = RunReader(out / "model_train")
     table = reader.step_arrays(2).table("local_norm")

@@ -147,7 +147,7 @@ def test_import_then_report_on_stores(tmp_path):
 
 
 def _store(root, norms, with_norms=True):
-    from align.runstore import RunWriter
+    from align.core.runstore import RunWriter
     names = list(norms)
     with RunWriter(root, meta={"framework": "megatron-core", "name_scheme": "megatron-core-local"}) as w:
         for step in range(1, 6):

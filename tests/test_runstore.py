@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from align.errors import BadInput
-from align.run import open_store, save_run
-from align.runstore import RunReader, RunWriter, load_npy, read_seed_batch
+from align.core.errors import BadInput
+from align.core.run import open_store, save_run
+from align.core.runstore import RunReader, RunWriter, load_npy, read_seed_batch
 from align.sources import load_run
 
 
@@ -62,7 +62,7 @@ def test_imported_log_saves_and_reopens_identically(tmp_path):
 
 KILLER = textwrap.dedent("""
     import sys, time, numpy as np
-    from align.runstore import RunWriter
+    from align.core.runstore import RunWriter
     w = RunWriter(sys.argv[1], rank=0)
     for step in range(1, 1000):
         w.log_scalars(step, {"loss": 1.0 / step})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from align.run import Run, make_series
+from align.core.run import Run, make_series
 from comparators.scalars import ScalarOptions, band_floor, compare_scalars
 
 

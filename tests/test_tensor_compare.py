@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.mapping import Mapping
+from align.core.mapping import Mapping
 from comparators.tensors import compare_arrays, compare_layer_tensors, tolerance
 
 
@@ -48,7 +48,7 @@ def dumps(tmp_path_factory) -> Path:
     layer 1's fused QKV weight. A third repeats the first exactly (to show no false departures)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    from dumpers.megatron_cpu import TinyLlamaConfig, build_tiny_llama, forward_loss, init_megatron_cpu, synthetic_batch
+    from demo.megatron_cpu import TinyLlamaConfig, build_tiny_llama, forward_loss, init_megatron_cpu, synthetic_batch
     from tests.helpers.torch_layer_dump import LayerDump
 
     root = tmp_path_factory.mktemp("layers")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from align.errors import BadInput
+from align.core.errors import BadInput
 from align.sources import detect, load_run
 
 torch_tb = pytest.importorskip("torch.utils.tensorboard")

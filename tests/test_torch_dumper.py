@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from align.runstore import RunReader  # noqa: E402
+from align.core.runstore import RunReader  # noqa: E402
 from dumpers.seed_torch import seed_everything  # noqa: E402
 from dumpers.torch_dumper import DumpConfig, NonFiniteError, TorchDumper, parse_steps, tensor_stats  # noqa: E402
 

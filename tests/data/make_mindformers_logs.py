@@ -46,7 +46,7 @@ def write_batches(root: Path, steps: int, seed: int = 1) -> None:
 CHILD = """
 import sys
 sys.path.insert(0, {repo!r})
-from dumpers import mindformers_cpu as mc
+from demo import mindformers_cpu as mc
 cfg = mc.trainer_config({data!r}, steps={steps}, output_dir={out!r}, learning_rate={lr!r}, warmup_steps=2)
 mc.run_trainer(cfg)
 """

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 from megatron.core import parallel_state
 
-from align.mapping import Mapping, TransformParams
-from align.runstore import RunWriter
-from dumpers.megatron_cpu import (
+from align.core.mapping import Mapping, TransformParams
+from align.core.runstore import RunWriter
+from demo.megatron_cpu import (
     TinyLlamaConfig,
     build_tiny_llama,
     destroy_megatron_cpu,

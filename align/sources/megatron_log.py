@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from align.check_config import parse_arguments_block
-from align.errors import BadInput
-from align.run import Run, make_series
-from dumpers.logtext import clean_text, read_log_bytes, unwrap
+from align.core.errors import BadInput
+from align.core.run import Run, make_series
+from align.sources.configs import parse_arguments_block
+from align.sources.logtext import clean_text, read_log_bytes, unwrap
 
 #: Megatron's field names -> the run store's scalar keys (docs/run-store.md).
 FIELDS = {

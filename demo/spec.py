@@ -1,7 +1,7 @@
 """The paired experiment's shared, framework-free parts: the run spec, the data, the faults, the configs.
 
-Why here: both runners (``dumpers.paired_megatron`` under torch, ``dumpers.paired_mindformers`` under
-MindSpore) and the orchestrator (``align.demo``) must agree on the model, the data and what each injected
+Why here: both runners (``demo.megatron_runner`` under torch, ``demo.mindformers_runner`` under
+MindSpore) and the orchestrator (``demo.pair``) must agree on the model, the data and what each injected
 fault changes, while ``align/`` never imports a framework. Everything in this module is plain Python and
 numpy; the runners read a :class:`Spec` from JSON and write run stores.
 """

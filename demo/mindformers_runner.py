@@ -1,8 +1,8 @@
 """Candidate side of the paired demo: MindFormers' LlamaForCausalLM on CPU replaying the baseline's batches.
 
-``python -m dumpers.paired_mindformers SPEC.json`` (see :class:`align.paired.Spec`). The run converts the
+``python -m demo.mindformers_runner SPEC.json`` (see :class:`demo.spec.Spec`). The run converts the
 baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses),
-builds the model and optimizer from the MindFormers config in :func:`align.paired.mindformers_config`
+builds the model and optimizer from the MindFormers config in :func:`demo.spec.mindformers_config`
 (AdamW with MindFormers' own weight-decay grouping, its lr schedule, CPUTrainOneStepCell with clipping and
 local norms), replays every baseline step through ``ReplaySource`` and dumps what MindFormers computed.
 
@@ -23,20 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from align.paired import NAN_PARAM, NAN_STEP, Spec, injects, mindformers_config, read_spec
 from comparators.optimizer_check import read_step1_file
+from demo.spec import NAN_PARAM, NAN_STEP, Spec, injects, mindformers_config, read_spec
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 
 import mindspore as ms  # noqa: E402
 from mindspore import Tensor, nn  # noqa: E402
 
-from dumpers import mindformers_cpu as mc  # noqa: E402
+from demo import mindformers_cpu as mc  # noqa: E402
 from dumpers.mindformers import name_local_norms, optimizer_param_names, optimizer_param_sizes, split_outputs  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
 from dumpers.mindspore_optimizer_check import optimizer_step_with_grads  # noqa: E402
 
-# Layer profile cells, the MindFormers counterparts of dumpers.paired_megatron.LAYER_MODULES.
+# Layer profile cells, the MindFormers counterparts of demo.megatron_runner.LAYER_MODULES.
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
                "model.layers.*.ffn_norm", "model.layers.*.feed_forward", "model.norm_out", "lm_head")
 
@@ -181,7 +181,7 @@ def run(spec: Spec) -> dict[str, Any]:
 
 def optimizer_check(spec: Spec) -> dict[str, Any]:
     """One candidate optimizer step on the baseline's step-1 gradients; saves the updated weights (npz)."""
-    from align.mapping import Mapping, TransformParams
+    from align.core.mapping import Mapping, TransformParams
 
     mc.set_cpu_context("pynative", seed=spec.seed)
     net = build_net(spec)

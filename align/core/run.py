@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from align.runstore import RunReader, RunWriter
+from align.core.runstore import RunReader, RunWriter
 
 
 @dataclass

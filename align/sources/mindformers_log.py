@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from align.errors import BadInput
-from align.run import Run, make_series
-from dumpers.logtext import clean_text, read_log_bytes, unwrap
+from align.core.errors import BadInput
+from align.core.run import Run, make_series
+from align.sources.logtext import clean_text, read_log_bytes, unwrap
 
 _STEP = re.compile(r"\{ ?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\],(.*)$")
 _FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]]*\]|[^,]*)\s*(?:,|$)")

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from align.errors import BadInput
-from comparators.findings import Finding, StageResult
+from align.core.errors import BadInput
+from align.core.findings import Finding, StageResult
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 DEFAULT_PRESET = "megatron_core_llama__mindformers_llama"
@@ -553,7 +553,7 @@ def _read_names(path: str) -> list[str]:
     """Names from a text file (one a line), a JSON list/dict, or a run store's step-1 local_norm table."""
     p = Path(path)
     if p.is_dir():
-        from align.runstore import RunReader
+        from align.core.runstore import RunReader
 
         reader = RunReader(p)
         steps = reader.array_steps()

@@ -1,6 +1,6 @@
 """Baseline side of the paired demo: a real Megatron-core GPTModel trained on CPU, with the dumper on.
 
-``python -m dumpers.paired_megatron SPEC.json`` (see :class:`align.paired.Spec`). Why a separate process:
+``python -m demo.megatron_runner SPEC.json`` (see :class:`demo.spec.Spec`). Why a separate process:
 torch and MindSpore each bring their own thread pools and allocators; one process per framework keeps the
 runs independent and lets the orchestrator stay framework-free. Megatron's own pieces are used where they
 decide numerics: GPTModel (local spec), its DDP, ``get_megatron_optimizer`` (Adam, grad clipping, weight
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from align.paired import NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
 from comparators.optimizer_check import write_step1_file
+from demo.megatron_cpu import MegatronOptimizerCPU, cpu_device_redirect, forward_loss, init_megatron_cpu, wrap_ddp
+from demo.spec import NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
 from dumpers.megatron import MegatronDumper, strip_module_prefix
-from dumpers.megatron_cpu import MegatronOptimizerCPU, cpu_device_redirect, forward_loss, init_megatron_cpu, wrap_ddp
 from dumpers.seed_torch import seed_everything
 from dumpers.torch_dumper import DumpConfig
 

@@ -3,10 +3,10 @@
 Why one command: the procedure of the MindFormers accuracy guide has a dozen steps (checklist, same weights,
 same data, step-1/2, optimizer, layer profile, lr=0, band, long run, data checks) and the evidence only
 convinces when all of them come from the same pair of runs. The framework code runs in subprocesses
-(``dumpers.paired_megatron``, ``dumpers.paired_mindformers``; the repeat under torchrun with TP=2), each
+(``demo.megatron_runner``, ``demo.mindformers_runner``; the repeat under torchrun with TP=2), each
 writing a run store; this module stays framework-free, compares the stores and writes the report.
 
-``--inject FAULT`` plants one known migration mistake (see :data:`align.paired.FAULTS`); the report must
+``--inject FAULT`` plants one known migration mistake (see :data:`demo.spec.FAULTS`); the report must
 fail at the fault's stage and name its component. ``--example-logs`` keeps the old log-only example.
 """
 
@@ -27,13 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from align.cli import EXIT
-from align.errors import BadInput
-from align.paired import FAULTS, Spec, fault, megatron_args, mindformers_config, write_spec
+from align.core.errors import BadInput
+from align.core.findings import EXIT, Finding, StageResult, skipped, worst
 from align.procedure import report, stderr_progress
-from comparators.findings import Finding, StageResult, skipped, worst
 from comparators.optimizer_check import read_step1_file
 from comparators.scalars import ScalarOptions, band_floor
+from demo.spec import FAULTS, Spec, fault, megatron_args, mindformers_config, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
@@ -91,11 +90,11 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None) -> di
 def _command(specs: list[Spec], paths: list[Path]) -> list[str]:
     py = sys.executable
     if specs[0].role in ("candidate", "optimizer_check"):
-        return [py, "-m", "dumpers.paired_mindformers", *map(str, paths)]
+        return [py, "-m", "demo.mindformers_runner", *map(str, paths)]
     if specs[0].tp > 1:
         return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={specs[0].tp}",
-                "-m", "dumpers.paired_megatron", str(paths[0])]
-    return [py, "-m", "dumpers.paired_megatron", str(paths[0])]
+                "-m", "demo.megatron_runner", str(paths[0])]
+    return [py, "-m", "demo.megatron_runner", str(paths[0])]
 
 
 def run_jobs(jobs: list[tuple[str, list[Spec]]], work: Path, parallel: int = 2) -> dict[str, float]:
@@ -150,7 +149,7 @@ def _renamed(res: StageResult, name: str) -> StageResult:
 
 
 def checklist_stage(specs: dict[str, Spec]) -> StageResult:
-    from align.check_config import compare_configs
+    from align.checks.config import compare_configs
 
     rows, res = compare_configs(megatron_args(specs["baseline"]), mindformers_config(specs["candidate"]))
     if not res.findings:
@@ -162,7 +161,7 @@ def checklist_stage(specs: dict[str, Spec]) -> StageResult:
 
 def data_stage(specs: dict[str, Spec]) -> StageResult:
     """check-data over the baseline's dumped batches and the candidate's replayed ones."""
-    from align.check_data import check_batches, iter_batches
+    from align.checks.data import check_batches, iter_batches
 
     b, c = specs["baseline"], specs["candidate"]
     res = StageResult("data_checks")
@@ -212,7 +211,7 @@ def optimizer_stage_np(init: dict[str, np.ndarray], after_b: dict[str, np.ndarra
     baseline's start (``init + (after_c - before_c)``, in candidate names), so a conversion fault (say q/k
     rows permuted) does not pose as an optimizer one.
     """
-    from align.mapping import Mapping, TransformParams
+    from align.core.mapping import Mapping, TransformParams
     from comparators.optimizer_check import compare_updates, to_candidate_names
 
     m = Mapping.load(None)
@@ -225,7 +224,7 @@ def optimizer_stage_np(init: dict[str, np.ndarray], after_b: dict[str, np.ndarra
 
 def lr0_stage(specs: dict[str, Spec]) -> StageResult:
     """lr = 0: the weights never move, so every step's loss and grad norm must agree to float noise."""
-    from align.runstore import RunReader
+    from align.core.runstore import RunReader
 
     b = RunReader(specs["lr0_baseline"].out).scalars().set_index("step")
     c = RunReader(specs["lr0_candidate"].out).scalars().set_index("step")
@@ -252,8 +251,8 @@ def lr0_stage(specs: dict[str, Spec]) -> StageResult:
 
 def nan_trace_stage(specs: dict[str, Spec]) -> StageResult:
     """The first non-finite gradient of each run: parameter, module and rank, read from nan_trace tables."""
-    from align.mapping import Mapping
-    from align.runstore import RunReader
+    from align.core.mapping import Mapping
+    from align.core.runstore import RunReader
 
     m = Mapping.load(None)
     res = StageResult("nan_trace")
@@ -289,7 +288,7 @@ def nan_trace_stage(specs: dict[str, Spec]) -> StageResult:
 
 def band_stage(specs: dict[str, Spec], options: ScalarOptions) -> StageResult:
     """The benchmark error band's source: how far the TP=2 repeat is from the baseline, and the floor."""
-    from align.runstore import RunReader
+    from align.core.runstore import RunReader
 
     rep = Path(specs["repeat"].out)
     if not (rep / "meta.json").is_file():

@@ -13,25 +13,16 @@ Megatron-LM's defaults (marked as such).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
-import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from align.errors import BadInput
-from comparators.findings import Finding, StageResult
+from align.core.findings import Finding, StageResult
+from align.sources.configs import read_megatron, read_mindformers
 
 STAGE = "config"
-_ARG_LINE = re.compile(r"^\s{1,4}([A-Za-z_][A-Za-z0-9_]*) (?:\.+ )?(.*)$")
-_BLOCK_START = re.compile(r"-{5,} arguments -{5,}")
-_BLOCK_END = re.compile(r"-{5,} end of arguments -{5,}")
-
 # Megatron-LM defaults for the arguments this check reads (megatron/training/arguments.py).
 MEGATRON_DEFAULTS: dict[str, Any] = {
     "hidden_dropout": 0.1, "attention_dropout": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
@@ -46,138 +37,9 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "seed": 1234,
     "apply_wd_to_qk_layernorm": False, "optimizer": "adam", "attention_softmax_in_fp32": False,
 }
-# flags that store False into another destination
-_STORE_FALSE = {"disable_bias_linear": "add_bias_linear", "no_masked_softmax_fusion": "masked_softmax_fusion",
-                "no_bias_dropout_fusion": "bias_dropout_fusion", "no_rope_fusion": "apply_rope_fusion"}
 _MF_LR = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant",
           "PolynomialWithWarmUpLR": "polynomial", "CosineWithRestartsAndWarmUpLR": "cosine-restarts",
           "WarmUpStableDecayLR": "WSD", "CosineAnnealingLR": "cosine", "constant": "constant"}
-
-
-# ------------------------------------------------------------------------------------------------------
-# Reading Megatron arguments
-# ------------------------------------------------------------------------------------------------------
-
-def _literal(text: str) -> Any:
-    t = text.strip()
-    if t in ("True", "False", "None"):
-        return {"True": True, "False": False, "None": None}[t]
-    if t.startswith("torch."):
-        return t[len("torch."):]
-    try:
-        return ast.literal_eval(t)
-    except (ValueError, SyntaxError):
-        return t
-
-
-def parse_arguments_block(text: str) -> dict[str, Any]:
-    """The ``arguments`` block Megatron-LM prints at start-up: ``  name ...... value`` lines between
-    ``--- arguments ---`` and ``--- end of arguments ---``. Log prefixes (timestamps, rank tags) before the
-    two spaces are tolerated; a line wrapped by a terminal is joined to the previous value."""
-    start = _BLOCK_START.search(text)
-    if not start:
-        raise BadInput("no Megatron 'arguments' block found")
-    end = _BLOCK_END.search(text, start.end())
-    body = text[start.end(): end.start() if end else len(text)]
-    out: dict[str, Any] = {}
-    last = None
-    for raw in body.splitlines():
-        line = re.sub(r"^\[[^\]]*\]\s?", "", raw.rstrip("\r"))   # '[rank0]: ' style prefixes
-        if not line.strip():
-            continue
-        m = _ARG_LINE.match(line)
-        if m:
-            last = m.group(1)
-            out[last] = m.group(2)
-        elif last is not None:
-            out[last] += line.strip()
-    return {k: _literal(v) for k, v in out.items()}
-
-
-def parse_launch_script(text: str) -> dict[str, Any]:
-    """``--flag value`` / ``--switch`` tokens of a shell launch script (arrays, strings, continuation lines);
-    simple ``VAR=value`` assignments are substituted."""
-    text = re.sub(r"\\\r?\n", " ", text)
-    env: dict[str, str] = {}
-    for m in re.finditer(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=([^\s(][^\s]*)\s*$", text, re.M):
-        env[m.group(1)] = m.group(2).strip("\"'")
-    tokens: list[str] = []
-    for line in text.splitlines():
-        line = line.split(" #", 1)[0]
-        if line.lstrip().startswith("#"):
-            continue
-        try:
-            toks = shlex.split(line.replace("(", " ").replace(")", " "))
-        except ValueError:
-            toks = line.split()
-        for t in toks:
-            for piece in (shlex.split(t) if " " in t else [t]):
-                tokens.append(re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), piece))
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(tokens):
-        t = tokens[i]
-        if t.startswith("--") and len(t) > 2:
-            name = t[2:].replace("-", "_")
-            if "=" in name:
-                name, val = name.split("=", 1)
-                out[name] = _literal(val)
-            elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-                vals = []
-                while i + 1 < len(tokens) and not tokens[i + 1].startswith("--") and not re.match(
-                        r"^[\w.-]*=|^\$|^(torchrun|python|bash)", tokens[i + 1]):
-                    vals.append(_literal(tokens[i + 1]))
-                    i += 1
-                    if name not in ("adam_betas", "split"):
-                        break
-                out[name] = vals[0] if len(vals) == 1 else (vals or True)
-            else:
-                out[name] = True
-        i += 1
-    for flag, dest in _STORE_FALSE.items():
-        if out.pop(flag, False) is True:
-            out[dest] = False
-    if out.pop("use_rotary_position_embeddings", False) is True:
-        out.setdefault("position_embedding_type", "rope")
-    if "layernorm_epsilon" in out and "norm_epsilon" not in out:
-        out["norm_epsilon"] = out["layernorm_epsilon"]
-    return out
-
-
-def read_megatron(path: str | Path) -> tuple[dict[str, Any], str]:
-    """Megatron arguments from a log, a launch script or JSON. Returns (args, kind)."""
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"{p}: no such file")
-    text = p.read_text(encoding="utf-8", errors="replace")
-    if p.suffix == ".json" or text.lstrip().startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"{p}: not valid JSON ({exc.msg})") from None
-        obj = obj.get("args", obj.get("config", obj)) if isinstance(obj, dict) else obj
-        if not isinstance(obj, dict):
-            raise BadInput(f"{p}: JSON is not an object of arguments")
-        return {k.replace("-", "_").lstrip("_"): v for k, v in obj.items()}, "json"
-    if _BLOCK_START.search(text):
-        return parse_arguments_block(text), "log"
-    args = parse_launch_script(text)
-    if not args:
-        raise BadInput(f"{p}: no Megatron arguments block, JSON object or --flags found")
-    return args, "script"
-
-
-def read_mindformers(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise BadInput(f"{p}: no such file")
-    try:
-        cfg = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise BadInput(f"{p}: not valid YAML ({exc.__class__.__name__})") from None
-    if not isinstance(cfg, dict):
-        raise BadInput(f"{p}: YAML is not a mapping")
-    return cfg
 
 
 # ------------------------------------------------------------------------------------------------------

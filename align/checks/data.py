@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from align.errors import BadInput
-from comparators.findings import Finding, StageResult
+from align.core.errors import BadInput
+from align.core.findings import Finding, StageResult
 
 STAGE = "data"
 
 
 def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
     """(step, rank, {tokens, labels, loss_mask, ...}) from a run store or the seed layout."""
-    from align import runstore
+    from align.core import runstore
 
     p = Path(path)
     if not p.is_dir():

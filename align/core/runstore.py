@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 import pandas as pd
 
-from align.errors import BadInput
+from align.core.errors import BadInput
 
 SCHEMA = "xf-align-run/1"
 META = "meta.json"

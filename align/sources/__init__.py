@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from align.errors import BadInput
-from align.run import Run, open_store
-from align.runstore import META, SCALAR_DIR
+from align.core.errors import BadInput
+from align.core.run import Run, open_store
+from align.core.runstore import META, SCALAR_DIR
 
 KINDS = ("runstore", "megatron_log", "mindformers_log", "tensorboard")
 
@@ -49,12 +49,12 @@ def load_run(path: str | Path, kind: str | None = None) -> Run:
     if kind == "runstore":
         return open_store(path)
     if kind == "megatron_log":
-        from dumpers.megatron_log import parse_megatron_log
+        from align.sources.megatron_log import parse_megatron_log
         return parse_megatron_log(path)
     if kind == "mindformers_log":
-        from dumpers.mindformers_log import parse_mindformers_log
+        from align.sources.mindformers_log import parse_mindformers_log
         return parse_mindformers_log(path)
     if kind == "tensorboard":
-        from dumpers.tensorboard_import import read_tensorboard
+        from align.sources.tensorboard import read_tensorboard
         return read_tensorboard(path)
     raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(KINDS)})")

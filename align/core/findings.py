@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 VERDICTS = ("pass", "warn", "fail")
+# The CLI contract: 0 pass or warn, 1 fail (2 is bad input, raised as align.core.errors.BadInput).
+EXIT = {"pass": 0, "warn": 0, "fail": 1}
 _RANK = {"skipped": -1, "pass": 0, "warn": 1, "fail": 2}
 
 

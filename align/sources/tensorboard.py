@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from align.errors import BadInput
-from align.run import Run, make_series
+from align.core.errors import BadInput
+from align.core.run import Run, make_series
 
 TAGS = {
     "lm loss": "loss",

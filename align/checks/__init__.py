@@ -1,0 +1,1 @@
+"""Config and data checks (procedure stage 0 and the data checks)."""
