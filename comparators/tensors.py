@@ -23,6 +23,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from align.core.dtypes import normalize
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
 
@@ -36,9 +37,7 @@ TOLERANCE = {"float32": (1e-4, 1e-2, 0.99999), "float64": (1e-8, 1e-4, 0.9999999
 def tolerance(dtype: str, table: dict[str, tuple[float, float, float]] | None = None
               ) -> tuple[float, float, float]:
     """(pass, warn, cosine) for ``dtype``; ``table`` overrides TOLERANCE per dtype (e.g. a measured noise)."""
-    d = str(dtype).lower().replace("torch.", "").replace("mindspore.", "")
-    d = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16",
-         "double": "float64"}.get(d, d)
+    d = normalize(dtype)
     table = {**TOLERANCE, **(table or {})}
     return table.get(d, table["float32"])
 

@@ -35,6 +35,10 @@ from align.core.errors import BadInput
 
 SCHEMA = "xf-align-run/1"
 META = "meta.json"
+# Files a stage reads as a whole (not per step): evidence/optimizer_step1.npz, evidence/conversion.json
+EVIDENCE_DIR = "evidence"
+OPTIMIZER_EVIDENCE = "optimizer_step1.npz"
+CONVERSION_EVIDENCE = "conversion.json"
 STEP_DIR = "steps"
 SCALAR_DIR = "scalars"
 RANK_DIR = "ranks"
