@@ -480,3 +480,31 @@ def read_seed_batch(root: Path, step: int, rank: int = 0,
             raise BadInput(f"{path}: missing")
         out[key] = load_npy(path)
     return out
+
+
+def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    """A baseline's step-1 file (npz, no pickle) -> {"grad": {...}, "init": {...}, "weight": {...}}.
+
+    Layout: keys ``grad/<name>`` (step-1 gradients), ``init/<name>`` (weights before the step) and
+    ``weight/<name>`` (weights after it), baseline names, as the paired demo's Megatron side writes.
+    """
+    out: dict[str, dict[str, np.ndarray]] = {"grad": {}, "init": {}, "weight": {}}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            for key in z.files:
+                kind, _, name = key.partition("/")
+                if kind in out and name:
+                    out[kind][name] = z[key]
+    except (OSError, ValueError, EOFError) as exc:
+        raise BadInput(f"{path}: not a readable step-1 npz ({exc})") from None
+    return out
+
+
+def write_step1_file(path: str | Path, grads: Mapping[str, np.ndarray], before: Mapping[str, np.ndarray],
+                     after: Mapping[str, np.ndarray]) -> None:
+    """Write the step-1 file :func:`read_step1_file` reads (atomically: temporary name, then rename)."""
+    arrays = {**{f"grad/{k}": np.asarray(v) for k, v in grads.items()},
+              **{f"init/{k}": np.asarray(v) for k, v in before.items()},
+              **{f"weight/{k}": np.asarray(v) for k, v in after.items()}}
+    with atomic_file(Path(path)) as fh:
+        np.savez(fh, **arrays)
