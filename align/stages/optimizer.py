@@ -69,7 +69,8 @@ STAGE = Stage(
     name="optimizer", order=80, title="Optimizer check (same gradients, both optimizers)",
     needs="the baseline's step-1 gradients and weights (evidence/optimizer_step1.npz) and the candidate's "
           "weights before/after one step on those gradients",
-    capture="baseline: MegatronDumper(..., optimizer_evidence=True) writes evidence/optimizer_step1.npz; "
-            "candidate: dumpers.mindspore_optimizer_check.run_optimizer_check(optimizer, baseline_file, out) "
-            "then --optimizer-check OUT (docs/workflow.md)",
+    capture="baseline: dumpers.optimizer_evidence.OptimizerEvidence(model, RUN) around iteration 1's "
+            "optimizer.step() writes RUN/evidence/optimizer_step1.npz; candidate: "
+            "dumpers.mindspore_optimizer_check.run_optimizer_check(optimizer, RUN, OUT), then "
+            "--optimizer-check OUT (docs/workflow.md)",
     run=run)
