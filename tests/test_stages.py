@@ -123,3 +123,28 @@ def test_checklist_from_config_files(tmp_path: Path) -> None:
     main(["report", "-q", str(b), str(c), "--out", str(tmp_path / "r2")])
     st2 = summary(tmp_path / "r2")["stages"]["checklist"]
     assert st2["verdict"] == "skipped" and "--baseline-config" in st2["capture"]
+
+
+def test_extending_doc_stage_example_runs(tmp_path: Path) -> None:
+    """docs/extending.md's stage file, executed as written, on two stores: it is a valid Stage."""
+    import importlib.util
+    import re
+
+    from align.stages import Evidence, Inputs, Stage
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    code = re.search(r"```python\n(# align/stages/loss_scale.py.*?)```", text, re.S).group(1)
+    (tmp_path / "loss_scale.py").write_text(code)
+    spec = importlib.util.spec_from_file_location("loss_scale_example", tmp_path / "loss_scale.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert isinstance(mod.STAGE, Stage)
+    b, c = make_run(tmp_path / "b"), make_run(tmp_path / "c")
+    ev = Evidence.load(Inputs(str(b), str(c)))
+    assert mod.STAGE.run(ev).verdict == "skipped"            # no loss_scale in these runs
+    for run, scales in ((b, [8.0] * 5), (c, [8.0, 4.0, 2.0, 1.0, 0.5])):
+        with RunWriter(run, rank=0) as w:
+            for s, v in enumerate(scales, 1):
+                w.log_scalars(s, {"loss_scale": v})
+    res = mod.STAGE.run(Evidence.load(Inputs(str(b), str(c))))
+    assert res.verdict == "warn" and res.findings[0].value == 4
