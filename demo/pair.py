@@ -29,6 +29,7 @@ from align.core.errors import BadInput
 from align.core.findings import EXIT
 from align.procedure import report, stderr_progress
 from align.report_args import parse_report_args, report_inputs
+from align.stages import Inputs
 from demo.spec import FAULTS, Spec, fault, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -262,8 +263,8 @@ def run_example_logs(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     paths = write_examples(out / "inputs")
-    data = report(str(paths["baseline"]), str(paths["candidate"]), str(out), [str(paths["repeat"])],
-                  progress=stderr_progress)
+    data = report(Inputs(str(paths["baseline"]), str(paths["candidate"]), repeats=[str(paths["repeat"])]),
+                  str(out), progress=stderr_progress)
     print(f"verdict: {data['verdict']}")
     print(f"inputs: {out / 'inputs'}")
     print(f"report: {(out / 'report.html').resolve()}")
