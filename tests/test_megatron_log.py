@@ -64,10 +64,10 @@ def test_arguments_block_validation_and_noise(tmp_path):
     run = parse_megatron_log(write(tmp_path, text))
     assert run.series("loss").to_dict() == {1: 11.0, 2: 10.0}
     assert run.series("val_loss").to_dict() == {2: 9.876543}
-    assert run.meta["config"]["num_layers"] == 24
-    assert run.meta["config"]["accumulate_allreduce_grads_in_fp32"] is False
-    assert run.meta["config"]["vocab_file"] is None
-    assert run.meta["config"]["data_path"] == ["1.0", "/data/wiki_text_document"]
+    assert run.meta["config"]["values"]["num_layers"] == 24
+    assert run.meta["config"]["values"]["accumulate_allreduce_grads_in_fp32"] is False
+    assert run.meta["config"]["values"]["vocab_file"] is None
+    assert run.meta["config"]["values"]["data_path"] == ["1.0", "/data/wiki_text_document"]
     assert run.meta["parallel"]["tp"] == 2
     assert any("traceback" in n for n in run.notes)
 

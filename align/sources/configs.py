@@ -36,28 +36,68 @@ def _literal(text: str) -> Any:
         return t
 
 
-def parse_arguments_block(text: str) -> dict[str, Any]:
+#: Lines that stand for lines left out (a hand-trimmed or abbreviated block): never part of a value.
+_ELISION = re.compile(r"^\s*(?:\.{3,}|…|\[\.\.\.\]|\(\s*\d*\s*(?:more )?(?:lines|arguments)?[^)]*\))\s*$")
+_WORLD = {"world_size": r"using world size:\s*(\d+)", "data_parallel_size": r"data-parallel size:\s*(\d+)",
+          "context_parallel_size": r"(?<!hierarchical )context-parallel size:\s*(\d+)",
+          "tensor_model_parallel_size": r"(?<!encoder-)tensor-model-parallel size:\s*(\d+)",
+          "pipeline_model_parallel_size": r"(?<!encoder-)pipeline-model-parallel size:\s*(\d+)"}
+
+
+class ArgumentsBlock(dict):
+    """The arguments a block states; ``abbreviated`` when lines were left out (``...``): a setting that is
+    not in such a block is unknown, never Megatron's default."""
+
+    abbreviated: bool = False
+
+
+def parse_arguments_block(text: str) -> ArgumentsBlock:
     """The ``arguments`` block Megatron-LM prints at start-up: ``  name ...... value`` lines between
     ``--- arguments ---`` and ``--- end of arguments ---``. Log prefixes (timestamps, rank tags) before the
-    two spaces are tolerated; a line wrapped by a terminal is joined to the previous value."""
+    two spaces are tolerated; a line wrapped by a terminal is joined to the previous value; a ``...`` line
+    (lines left out) ends the previous value and marks the block abbreviated."""
     start = _BLOCK_START.search(text)
     if not start:
         raise BadInput("no Megatron 'arguments' block found")
     end = _BLOCK_END.search(text, start.end())
     body = text[start.end(): end.start() if end else len(text)]
-    out: dict[str, Any] = {}
+    out: dict[str, str] = {}
     last = None
+    abbreviated = end is None
     for raw in body.splitlines():
         line = re.sub(r"^\[[^\]]*\]\s?", "", raw.rstrip("\r"))   # '[rank0]: ' style prefixes
         if not line.strip():
+            continue
+        if _ELISION.match(line):
+            abbreviated, last = True, None
             continue
         m = _ARG_LINE.match(line)
         if m:
             last = m.group(1)
             out[last] = m.group(2)
         elif last is not None:
-            out[last] += line.strip()
-    return {k: _literal(v) for k, v in out.items()}
+            out[last] += line.strip()   # a terminal wrap continues the value on the next line
+    block = ArgumentsBlock({k: _literal(v) for k, v in out.items()})
+    # Megatron prints every argument (hundreds); a block without the core sizes was trimmed by hand.
+    block.abbreviated = abbreviated or not {"tensor_model_parallel_size", "num_layers"} <= set(block)
+    return block
+
+
+def parse_world_line(text: str) -> dict[str, int]:
+    """The sizes of ``using world size: 8, data-parallel size: 1, ... tensor-model-parallel size: 8, ...``
+    (printed before the arguments block, by every Megatron-LM and Megatron-DeepSpeed version)."""
+    i = text.find("using world size:")
+    if i < 0:
+        return {}
+    line = text[i: text.find("\n", i) if text.find("\n", i) >= 0 else len(text)]
+    out = {}
+    for key, rx in _WORLD.items():
+        m = re.search(rx, line)
+        if m:
+            out[key] = int(m.group(1))
+    return {"tp": out.get("tensor_model_parallel_size"), "pp": out.get("pipeline_model_parallel_size"),
+            "dp": out.get("data_parallel_size"), "world_size": out.get("world_size"),
+            "cp": out.get("context_parallel_size"), **out}
 
 
 def parse_launch_script(text: str) -> dict[str, Any]:
@@ -126,7 +166,13 @@ def read_megatron(path: str | Path) -> tuple[dict[str, Any], str]:
             raise BadInput(f"{p}: JSON is not an object of arguments")
         return {k.replace("-", "_").lstrip("_"): v for k, v in obj.items()}, "json"
     if _BLOCK_START.search(text):
-        return parse_arguments_block(text), "log"
+        block = parse_arguments_block(text)
+        sizes = parse_world_line(text[: _BLOCK_START.search(text).start()])
+        for key in ("world_size", "data_parallel_size", "context_parallel_size", "tensor_model_parallel_size",
+                    "pipeline_model_parallel_size"):
+            if key not in block and sizes.get(key) is not None:
+                block[key] = sizes[key]   # the 'using world size: ...' line states them for this run
+        return block, "log"
     args = parse_launch_script(text)
     if not args:
         raise BadInput(f"{p}: no Megatron arguments block, JSON object or --flags found")

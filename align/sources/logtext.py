@@ -82,3 +82,40 @@ def unwrap(lines: list[str], is_complete: Callable[[str], bool]) -> tuple[list[s
     if buf:
         out.append(buf)
     return out, joins
+
+
+def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_complete: Callable[[str], bool],
+                   continues: Callable[[str], bool]) -> tuple[list[str], int]:
+    """Re-join records that a terminal cut at its width, and nothing else.
+
+    A terminal copy makes every line at most W characters long and cuts a longer one into pieces of exactly
+    W (W - 1 when the copy dropped the space the cut fell on). So a record is continued on the next line
+    only when its line has that full width, the next line does not start a record itself, and the joined
+    text completes the record (or the file ends). Works for one wrapped record among unwrapped ones; two
+    records that each start with a record head are never merged. Returns the lines and the joins made.
+    """
+    width = max((len(x) for x in lines), default=0)
+    if width < 40:
+        return lines, 0
+    out: list[str] = []
+    joins = 0
+    i, n = 0, len(lines)
+    while i < n:
+        line = lines[i]
+        if len(line) >= width - 1 and i + 1 < n and starts_record(line):
+            buf, j = line, i
+            while (j + 1 < n and j - i < 50 and len(lines[j]) >= width - 1 and lines[j + 1].strip()
+                   and not starts_record(lines[j + 1])
+                   and (not is_complete(buf) or continues(lines[j + 1]))):
+                j += 1
+                buf += (" " if len(lines[j - 1]) == width - 1 else "") + lines[j]
+                if is_complete(buf) and len(lines[j]) < width - 1:
+                    break
+            if j > i and (is_complete(buf) or j == n - 1):
+                out.append(buf)
+                joins += j - i
+                i = j + 1
+                continue
+        out.append(line)
+        i += 1
+    return out, joins
