@@ -8,6 +8,7 @@ records, lines wrapped by a terminal copy, a log cut mid-line. Each problem is e
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import re
@@ -59,6 +60,7 @@ _NUM = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]
 _UNIT = re.compile(r"\(([^()]*)\)\s*$")
 _NAME_OF = re.compile(rb"\|\s*([^|:]*?)\s*:")
 _CONTINUES = re.compile(r"^\s*[A-Za-z][^|\[\]]*?:\s*[^|]*\|")
+_CONTINUED = re.compile(rb"\|[ \t]*\n[ \t]*[A-Za-z][^|\[\]\n:]*:[^|\n]*\|")
 _BISECT_MIN = 64   # bulk reads bisect a failing block down to this many records, then read field by field
 
 
@@ -66,6 +68,7 @@ def _label(name: str) -> str:
     return " ".join(name.replace("_", " ").replace("-", " ").lower().split())
 
 
+@functools.lru_cache(maxsize=4096)
 def _key(name: str) -> str:
     label = _label(name)
     if label in FIELDS:
@@ -159,25 +162,39 @@ def _pair_keys(name: str, count: int) -> list[str]:
     return [key] + [f"{key}_{i + 1}" for i in range(1, count)]
 
 
+@functools.lru_cache(maxsize=4096)
+def _seconds_key(name: str, unit: str) -> str | None:
+    """The milliseconds key of a time given in seconds (``elapsed time per iteration (s)`` -> elapsed_ms)."""
+    if unit.strip().lower() not in _SECONDS or "time" not in _label(name):
+        return None
+    base = _UNIT.sub("", name).strip()
+    key = FIELDS.get(_label(base + " (ms)")) or _key(base) + "_ms"
+    return key
+
+
 def _read_field(name: str, text: str, out: dict[str, float], issues: _Issues, it: int, depth: int = 0) -> None:
     """One ``name: value`` field into ``out``; an unreadable value is noted and skipped."""
+    unit = _UNIT.search(name)
     try:
-        out[_key(name)] = float(text)
-        return
+        value = float(text)
     except ValueError:
         pass
+    else:
+        sec = _seconds_key(name, unit.group(1)) if unit else None
+        if sec is None:
+            out[_key(name)] = value
+        else:
+            out[sec] = value * 1000.0
+        return
     got = _split_value(text)
     if got is None:
         issues.add("unreadable", " ".join(name.split()), it, text.strip())
         return
     nums, rest = got
     keys = _pair_keys(name, len(nums)) if len(nums) > 1 else [_key(name)]
-    unit = _UNIT.search(name)
-    unit_text = (unit.group(1) if unit else rest.strip().split(" ")[0]).strip().lower()
-    if unit_text in _SECONDS and "time" in _label(name):
-        keys = [k if k.endswith("_ms") else k + "_ms" for k in (
-            ["elapsed"] if _label(_UNIT.sub("", name)) == "elapsed time per iteration" else keys)]
-        nums = [v * 1000.0 for v in nums]
+    sec = _seconds_key(name, unit.group(1) if unit else (rest.split() or [""])[0])
+    if sec is not None and len(nums) == 1:
+        keys, nums = [sec], [nums[0] * 1000.0]
     for k, v in zip(keys, nums, strict=False):
         out[k] = v
     glued_name, sep, glued_value = rest.partition(":")
@@ -316,7 +333,7 @@ def parse_megatron_log(path: str | Path) -> Run:
     records = _RECORD.findall(raw)
     if not records:
         raise BadInput(f"{path}: no Megatron 'iteration N/ M |' lines found")
-    fast = _fast_columns(records)
+    fast = _fast_columns(records) if _uniform(raw, records) else None
     if fast is not None:  # every record has every field: a NaN there was printed as nan
         iters, values = fast
         columns = {k: (v, np.ones(len(v), dtype=bool)) for k, v in values.items()}
@@ -324,7 +341,7 @@ def parse_megatron_log(path: str | Path) -> Run:
         text = raw.decode("utf-8", "replace")
         lines, joins = rejoin_wrapped(text.split("\n"), lambda x: _RECORD_START.search(x) is not None,
                                       lambda x: x.rstrip().endswith("|"),
-                                      lambda x: _CONTINUES.match(x) is not None and "iteration" not in x)
+                                      lambda x: _CONTINUES.match(x) is not None)
         if joins:
             notes.append(f"re-joined {joins} lines wrapped by a terminal")
             raw = "\n".join(lines).encode()
@@ -363,6 +380,16 @@ def parse_megatron_log(path: str | Path) -> Run:
     if n_tb:
         notes.append(f"{n_tb} traceback(s) in the log")
     return Run(str(path), "megatron_log", meta, series, {}, notes)
+
+
+def _uniform(raw: bytes, records: list[bytes]) -> bool:
+    """Cheap whole-file checks that bulk reading would see every field: each record ends with its '|', and
+    no line right after one continues its fields (a terminal wrap that fell just after a '|')."""
+    ends = sum(r.endswith(b"|") for r in records) if len(records) < 1000 else (
+        b"\n".join(records) + b"\n").count(b"|\n")
+    if ends != len(records):
+        return False
+    return _CONTINUED.search(raw) is None
 
 
 def _train_iters(rec: bytes) -> int | None:
