@@ -18,12 +18,14 @@ Framework-free (numpy only): the candidate side runs in ``dumpers.mindspore_opti
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Mapping as MappingABC
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult, skipped
 from align.core.runstore import atomic_file
 
@@ -175,11 +177,26 @@ def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
     ``weight/<name>`` (weights after it), baseline names, as the paired demo's Megatron side writes.
     """
     out: dict[str, dict[str, np.ndarray]] = {"grad": {}, "init": {}, "weight": {}}
-    with np.load(path, allow_pickle=False) as z:
-        for key in z.files:
-            kind, _, name = key.partition("/")
-            if kind in out and name:
-                out[kind][name] = z[key]
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            for key in z.files:
+                kind, _, name = key.partition("/")
+                if kind in out and name:
+                    arr = z[key]
+                    if arr.dtype.kind not in "fiu" or arr.dtype.names is not None:
+                        raise BadInput(f"{path}: key '{key}': dtype {arr.dtype} is not a number type")
+                    out[kind][name] = arr
+    except BadInput:
+        raise
+    except AttributeError:   # np.load gave a plain array (an .npy file), which has no keys
+        raise BadInput(f"{path}: an .npy array, expected the step-1 .npz archive") from None
+    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+        raise BadInput(f"{path}: not a readable step-1 .npz file ({' '.join(str(exc).split())[:80]})") from None
+    for name, g in out["grad"].items():
+        for kind in ("init", "weight"):
+            if name in out[kind] and out[kind][name].shape != g.shape:
+                raise BadInput(f"{path}: key '{kind}/{name}': shape {out[kind][name].shape} differs from its "
+                               f"gradient's {g.shape}")
     return out
 
 

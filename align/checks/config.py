@@ -115,7 +115,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "adam_eps": g("adam_eps"), "weight_decay": g("weight_decay"),
         "weight_decay_applies_to": "2-D weights (bias and 1-D skipped)" + (
             ", qk-layernorm decayed" if g("apply_wd_to_qk_layernorm") else ""),
-        "clip_grad": (g("clip_grad") or 0.0) if g("clip_grad") is not None else None, "global_batch_size": g("global_batch_size"),
+        "clip_grad": (g("clip_grad") or 0.0) if g("clip_grad") is not None else None,
+        "global_batch_size": g("global_batch_size"),
         "micro_batch_size": g("micro_batch_size"), "compute_dtype": compute,
         "params_dtype": g("params_dtype") or compute, "tp": tp, "pp": g("pipeline_model_parallel_size"),
         "dp": g("data_parallel_size"), "cp": g("context_parallel_size"),

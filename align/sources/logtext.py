@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from align.core.errors import BadInput
+from align.core.schema import read_bytes
 
 _ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
@@ -19,14 +20,7 @@ _ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]")
 def read_log_bytes(path: str | Path) -> bytes:
     """Read a log file, refusing what is not text (one-line BadInput naming the file)."""
     p = Path(path)
-    if not p.exists():
-        raise BadInput(f"{p}: no such file")
-    if p.is_dir():
-        raise BadInput(f"{p}: is a directory, expected a log file")
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise BadInput(f"{p}: cannot read ({exc.strerror})") from None
+    data = read_bytes(p, "log file")
     if not data[:4096].strip() and not data.strip():
         raise BadInput(f"{p}: empty file")
     head = data[:65536]
