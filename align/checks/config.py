@@ -16,10 +16,10 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from align.core.findings import Finding, StageResult
+from align.core.outputs import write_text_output
 from align.sources.configs import read_megatron, read_mindformers
 
 STAGE = "config"
@@ -341,5 +341,5 @@ def run(args: argparse.Namespace) -> int:
         c = res.details["counts"]
         print(f"\n{c['match']} match, {c['mismatch']} mismatch, {c['check']} to check by hand -> {res.verdict}")
         if args.json:
-            Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
+            write_text_output(args.json, json.dumps(payload, indent=2, default=str))
     return 1 if res.verdict == "fail" else 0

@@ -147,11 +147,10 @@ def parse_mindformers_log(path: str | Path) -> Run:
                         values["loss_avg"] = _number(parts[1])
                 else:
                     values[key] = _number(value)
-            except ValueError:
+            except ValueError:   # noted; the step keeps its other fields (issue 14)
                 bad = (name, value)
-                break
-        if bad is not None:
-            notes.append(f"step {gstep}: unreadable {bad[0]!r} value {bad[1][:30]!r}; step skipped")
+                notes.append(f"step {gstep}: unreadable {name!r} value {value[:30]!r}; skipped that field")
+        if bad is not None and not values:
             pending_norm = None
             continue
         if not line.rstrip().endswith("]"):
@@ -187,7 +186,11 @@ def _meta(path: str | Path, text_lines: list[str]) -> dict[str, Any]:
 def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[int], list[float]] | None, int]:
     """Read ``norm_size: (...)`` / ``local_norm:`` / ``[...]`` starting at line ``i``."""
     m = _NORM_SIZE.search(lines[i])
-    sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
+    try:
+        sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
+    except ValueError:   # a garbled size: the norms are still good, their sizes are not (issue 14)
+        notes.append(f"line {i + 1}: unreadable norm_size entries; sizes dropped")
+        sizes = []
     j = i + 1
     while j < len(lines) and "local_norm:" not in lines[j] and j < i + 3:
         j += 1
