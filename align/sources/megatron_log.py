@@ -138,6 +138,8 @@ def _split_value(text: str) -> tuple[list[float], str] | None:
             continue
         break
     rest = t[pos:]
+    if rest[:1].isalpha() and not any(ch.isdigit() for ch in t[:pos]):
+        return None   # 'nanx', 'infinite': a word, not a number with text glued on
     if rest and not rest[0].isspace():
         token = re.split(r"[\s:/]", rest, maxsplit=1)[0]
         if not rest[0].isalpha() or any(ch.isdigit() for ch in token) or (

@@ -26,7 +26,7 @@ from align.core.run import Run, make_series
 from align.sources.logtext import clean_text, read_log_bytes, unwrap
 
 _STEP = re.compile(r"\{ ?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\],(.*)$")
-_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]]*\]|[^,]*)\s*(?:,|$)")
+_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]:]*\]|[^,]*)\s*(?:,|$)")  # '[' never spans a ':
 _NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
 # The line as MFLossMonitor prints it (MindFormers 1.x-2.x); anything else takes the careful path.
 _FAST = re.compile(
@@ -139,6 +139,8 @@ def parse_mindformers_log(path: str | Path) -> Run:
             key = FIELDS.get(name, re.sub(r"\W+", "_", name).strip("_").lower())
             try:
                 if value.startswith("["):
+                    if not value.endswith("]"):
+                        raise ValueError(value)
                     parts = [p for p in value[1:-1].replace("/", " ").replace(",", " ").split() if p]
                     if not parts:
                         continue
