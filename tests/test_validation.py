@@ -39,7 +39,7 @@ def test_mapping_of_the_wrong_shape_names_file_and_key(tmp_path):
     with pytest.raises(BadInput) as err:
         Mapping.load(p)
     _one_line(err, str(p), "not UTF-8", "byte 0xff at offset 22")
-    p.write_text("rules: []\nmodules:\n  - {baseline: 'x{layer', candidate: y}\n")
+    p.write_text("rules: []\nmodules:\n  - {baseline: 're:x(', candidate: y}\n")
     with pytest.raises(BadInput) as err:
         Mapping.load(p)
     _one_line(err, str(p), "modules[0].baseline")
