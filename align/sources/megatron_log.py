@@ -60,7 +60,7 @@ _NUM = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]
 _UNIT = re.compile(r"\(([^()]*)\)\s*$")
 _NAME_OF = re.compile(rb"\|\s*([^|:]*?)\s*:")
 _CONTINUES = re.compile(r"^\s*[A-Za-z][^|\[\]]*?:\s*[^|]*\|")
-_CONTINUED = re.compile(rb"\|[ \t]*\n[ \t]*[A-Za-z][^|\[\]\n:]*:[^|\n]*\|")
+_CONTINUED = re.compile(rb"\n[ \t]*[A-Za-z][^|\[\]\n:]*:[^|\n]*\|")
 _BISECT_MIN = 64   # bulk reads bisect a failing block down to this many records, then read field by field
 
 
@@ -252,7 +252,8 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
         return None
     table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
     ncols, usecols = _layout(names)
-    if table.count(b"|") != n * (ncols - 1):
+    # every record ends with its '|' (text after it would be a field read by no one) and has the layout's count
+    if table.count(b"|") != n * (ncols - 1) or table.count(b"|\n") != n - 1 or not table.endswith(b"|"):
         return None
     values = _read_numbers(table, ncols, usecols)
     if values is None or len(values) != n:
@@ -335,7 +336,9 @@ def parse_megatron_log(path: str | Path) -> Run:
     records = _RECORD.findall(raw)
     if not records:
         raise BadInput(f"{path}: no Megatron 'iteration N/ M |' lines found")
-    fast = _fast_columns(records) if _uniform(raw, records) else None
+    fast = _fast_columns(records)
+    if fast is not None and not _uniform(raw, records, len(fast[1])):
+        fast = None
     if fast is not None:  # every record has every field: a NaN there was printed as nan
         iters, values = fast
         columns = {k: (v, np.ones(len(v), dtype=bool)) for k, v in values.items()}
@@ -384,14 +387,16 @@ def parse_megatron_log(path: str | Path) -> Run:
     return Run(str(path), "megatron_log", meta, series, {}, notes)
 
 
-def _uniform(raw: bytes, records: list[bytes]) -> bool:
-    """Cheap whole-file checks that bulk reading would see every field: each record ends with its '|', and
-    no line right after one continues its fields (a terminal wrap that fell just after a '|')."""
-    ends = sum(r.endswith(b"|") for r in records) if len(records) < 1000 else (
-        b"\n".join(records) + b"\n").count(b"|\n")
-    if ends != len(records):
-        return False
-    return _CONTINUED.search(raw) is None
+def _uniform(raw: bytes, records: list[bytes], nfields: int) -> bool:
+    """Cheap whole-file check that bulk reading would see every field: no line right after a record
+    continues its fields (a terminal wrap that fell just after a '|'). When the file holds no '|' beyond the
+    records' own, no such line can exist and the (slower) search is skipped."""
+    if raw.count(b"|") == len(records) * (nfields + 1):
+        return True
+    for m in _CONTINUED.finditer(raw):
+        if raw[max(0, m.start() - 256): m.start()].rstrip(b" \t").endswith(b"|"):
+            return False
+    return True
 
 
 def _train_iters(rec: bytes) -> int | None:
