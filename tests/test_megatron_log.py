@@ -295,3 +295,14 @@ def test_run_with_no_world_line_keeps_unknown_sizes_unknown(tmp_path):
     text = ARGS.replace("  tensor_model_parallel_size ...................... 2\n", "") + line(1) + "\n"
     run = parse_megatron_log(write(tmp_path, text))
     assert run.meta.get("parallel", {}).get("tp") is None
+
+
+def test_a_few_nul_bytes_are_removed_and_noted(tmp_path):
+    """A crash or a copy can leave NUL bytes in a text log: they are dropped (and said), the steps kept."""
+    text = "\n".join([line(1), line(2), line(3)]) + "\n"
+    data = text.encode().replace(b"lm loss: 6.92", b"lm loss: 6.\x00\x0092", 1)
+    p = tmp_path / "nul.log"
+    p.write_bytes(data)
+    run = parse_megatron_log(p)
+    assert run.series("loss").to_dict() == {1: 6.923337, 2: 6.923337, 3: 6.923337}
+    assert any("2 NUL" in n for n in run.notes)

@@ -17,24 +17,44 @@ from align.core.schema import read_bytes
 _ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
-def read_log_bytes(path: str | Path) -> bytes:
-    """Read a log file, refusing what is not text (one-line BadInput naming the file)."""
-    p = Path(path)
-    data = read_bytes(p, "log file")
-    if not data[:4096].strip() and not data.strip():
-        raise BadInput(f"{p}: empty file")
-    head = data[:65536]
-    if b"\x00" in head:
-        raise BadInput(f"{p}: binary file (NUL bytes), not a training log")
+def looks_binary(head: bytes) -> bool:
+    """Whether the first bytes of a file are binary rather than log text: NUL or non-UTF-8 bytes make up
+    more than a tenth of them. A few NULs (a crash that padded the file, a stray byte) do not."""
+    if not head:
+        return False
+    nul = head.count(b"\x00")
+    if nul > len(head) // 10:
+        return True
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as exc:
         # A multi-byte character cut at the 64 KiB boundary is fine; garbage early on is not.
         if exc.start < len(head) - 4:
-            bad = sum(1 for b in head if b >= 0x80)
-            if bad > len(head) // 10:
-                raise BadInput(f"{p}: not UTF-8 text, not a training log") from None
-    return data
+            bad = sum(1 for b in head if b >= 0x80) + nul
+            return bad > len(head) // 10
+    return False
+
+
+def read_log(path: str | Path) -> tuple[bytes, list[str]]:
+    """Read a log file, refusing what is not text (one-line BadInput naming the file), with notes on what
+    was removed (NUL bytes a crash or a copy left in the text)."""
+    p = Path(path)
+    data = read_bytes(p, "log file")
+    if not data.strip():
+        raise BadInput(f"{p}: empty file")
+    if looks_binary(data[:65536]):
+        raise BadInput(f"{p}: binary file (NUL or non-UTF-8 bytes), not a training log")
+    notes = []
+    if b"\x00" in data:
+        n = data.count(b"\x00")
+        data = data.replace(b"\x00", b"")
+        notes.append(f"removed {n} NUL byte(s) from the text")
+    return data, notes
+
+
+def read_log_bytes(path: str | Path) -> bytes:
+    """Read a log file, refusing what is not text (one-line BadInput naming the file)."""
+    return read_log(path)[0]
 
 
 def clean_text(data: bytes) -> bytes:

@@ -21,7 +21,7 @@ import pandas as pd
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
 from align.sources.configs import parse_arguments_block, parse_world_line
-from align.sources.logtext import clean_text, read_log_bytes, rejoin_wrapped
+from align.sources.logtext import clean_text, read_log, rejoin_wrapped
 
 #: Megatron's field names (every label variant seen in Megatron-LM, Megatron-DeepSpeed and forks, compared
 #: lower-case with '-'/'_' read as spaces) -> the run store's scalar keys (docs/run-store.md).
@@ -331,8 +331,8 @@ def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool 
 
 def parse_megatron_log(path: str | Path) -> Run:
     """Parse one Megatron-LM log file into a Run (BadInput when it holds no iteration lines)."""
-    raw = clean_text(read_log_bytes(path))
-    notes: list[str] = []
+    data, notes = read_log(path)
+    raw = clean_text(data)
     records = _RECORD.findall(raw)
     if not records:
         raise BadInput(f"{path}: no Megatron 'iteration N/ M |' lines found")
