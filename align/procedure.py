@@ -13,6 +13,7 @@ from typing import Any
 
 from align.core.errors import BadInput
 from align.stages import Evidence, Inputs, registry, run_stages
+from comparators.scalars import require_common_steps
 from reports.writer import ReportInput, write_report
 
 
@@ -23,11 +24,7 @@ def check_comparable(ev: Evidence) -> None:
     for r, path in ((b, ev.inputs.baseline), (c, ev.inputs.candidate)):
         if not r.has("loss") and not r.local_norm_steps(limit=1):
             raise BadInput(f"{path}: no loss values and no local norms to compare")
-    if b.has("loss") and c.has("loss"):
-        sb, sc = b.series("loss").index, c.series("loss").index
-        if not len(sb.intersection(sc)):
-            raise BadInput(f"{ev.inputs.candidate}: no step in common with the baseline {ev.inputs.baseline} "
-                           f"(baseline steps {sb.min()}-{sb.max()}, candidate steps {sc.min()}-{sc.max()})")
+    require_common_steps(b, c)
 
 
 def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = None,

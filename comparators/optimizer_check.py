@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult, skipped
 from align.core.runstore import read_step1_file, write_step1_file  # noqa: F401  (the evidence file format)
 
@@ -153,7 +154,6 @@ def to_candidate_names(arrays: MappingABC[str, np.ndarray], mapping: Any = None,
     Raises ``BadInput`` when a baseline name maps to nothing: feeding a partial gradient set to an optimizer
     would update the rest with stale zeros.
     """
-    from align.core.errors import BadInput
     from align.core.mapping import Mapping, TransformParams
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)

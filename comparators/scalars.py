@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult, skipped
 from align.core.run import Run
 
@@ -51,6 +52,24 @@ class ScalarComparison:
     stages: dict[str, StageResult]
     table: pd.DataFrame            # per step: baseline, candidate, delta, band, outside, repeats ...
     details: dict[str, Any] = field(default_factory=dict)
+
+
+def require_common_steps(baseline: Run, candidate: Run) -> None:
+    """BadInput (exit 2) when the runs share no step with a loss and no step with local norms.
+
+    Two runs that never overlap have nothing to compare: a ``pass`` there would be a false all-clear.
+    The procedure calls this after loading, before any stage runs."""
+    if _common(baseline.series("loss"), candidate.series("loss")).size:
+        return
+    if set(baseline.local_norm_steps(limit=50)) & set(candidate.local_norm_steps(limit=50)):
+        return
+
+    def span(run: Run) -> str:
+        steps = run.steps
+        return f"steps {steps.min()}-{steps.max()}" if len(steps) else "no steps"
+
+    raise BadInput(f"{candidate.path}: no step in common with {baseline.path} (baseline {span(baseline)}, "
+                   f"candidate {span(candidate)}): nothing to compare")
 
 
 def _common(a: pd.Series, b: pd.Series) -> pd.Index:

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from align.core.errors import BadInput
 from align.core.findings import StageResult, worst
+from align.core.outputs import check_no_symlinks, check_out_dir
 from reports import figures, html
 
 CONTRACT_STAGES = ("step1_loss", "step1_local_norm", "step2_loss", "long_run")
@@ -76,9 +78,14 @@ def summary(inp: ReportInput) -> dict[str, Any]:
 
 
 def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
-    out = Path(out)
+    """Write the report into ``out``; an ``out`` that is a file or a dangling symlink, or a symlinked folder
+    inside it, is refused (BadInput) before anything is written."""
+    out = check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise BadInput(f"{out}: cannot write there ({exc.strerror or exc.__class__.__name__})") from None
     try:
         data = summary(inp)
         figdir = tmp / "figures"
@@ -137,13 +144,16 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
         page = html.render(data["verdict"], inp.runs, inp.stages, figs, step_rows, inp.extra_sections)
         (tmp / "report.html").write_text(page, encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
+        files = sorted(tmp.rglob("*"))
+        check_no_symlinks(out, [src.relative_to(tmp) / "x" if src.is_dir() else src.relative_to(tmp)
+                                for src in files])
         out.mkdir(exist_ok=True)
-        for src in sorted(tmp.rglob("*")):
+        for src in files:
             dst = out / src.relative_to(tmp)
             if src.is_dir():
                 dst.mkdir(exist_ok=True)
             else:
-                os.replace(src, dst)
+                os.replace(src, dst)   # replaces a symlink named like the file; never writes through it
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return data

@@ -64,10 +64,10 @@ def test_arguments_block_validation_and_noise(tmp_path):
     run = parse_megatron_log(write(tmp_path, text))
     assert run.series("loss").to_dict() == {1: 11.0, 2: 10.0}
     assert run.series("val_loss").to_dict() == {2: 9.876543}
-    assert run.meta["config"]["num_layers"] == 24
-    assert run.meta["config"]["accumulate_allreduce_grads_in_fp32"] is False
-    assert run.meta["config"]["vocab_file"] is None
-    assert run.meta["config"]["data_path"] == ["1.0", "/data/wiki_text_document"]
+    assert run.meta["config"]["values"]["num_layers"] == 24
+    assert run.meta["config"]["values"]["accumulate_allreduce_grads_in_fp32"] is False
+    assert run.meta["config"]["values"]["vocab_file"] is None
+    assert run.meta["config"]["values"]["data_path"] == ["1.0", "/data/wiki_text_document"]
     assert run.meta["parallel"]["tp"] == 2
     assert any("traceback" in n for n in run.notes)
 
@@ -174,3 +174,135 @@ def test_bulk_number_readers_agree_with_the_careful_path(tmp_path, monkeypatch, 
     for key, s in careful.scalars.items():
         np.testing.assert_array_equal(fast.series(key).to_numpy(), s.to_numpy())
     assert math.isnan(fast.series("grad_norm")[8])
+
+
+# --- issue 14: every readable value is kept -------------------------------------------------------------
+
+# Megatron-DeepSpeed's training_log (megatron/training.py): the same head, its own extra fields.
+DEEPSPEED = (" iteration       10/    1000 | consumed samples:          160 | consumed tokens:       327680 | "
+             "elapsed time per iteration (ms): 1523.4 | learning rate: 1.500E-05 | global batch size:    16 | "
+             "lm loss: 1.052345E+01 | loss scale: 4096.0 | grad norm: 5.321 | actual seqlen:  2048 | "
+             "number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 10.503 | "
+             "tokens per gpu per second (tgs): 2688.7 | TFLOPs: 98.76 |")
+# Older Megatron-LM (2020) and forks: short labels, a time in seconds, an a/b pair, text after the last '|'.
+OLDER = (" iteration       20/     500 | elapsed time per iteration (s): 1.25 | lr: 3.000E-04 | "
+         "lm-loss: 7.5 | loss-scale: 1.0 | grad-norm: 2.5 | skipped iterations: 0 | nan iterations: 0 | "
+         "max memory allocated/reserved (MB): 13100.0/13240.9 | GPU utilization: 50.0MODEL_TFLOP/s/GPU: 123.4 | "
+         "mem-alloc-GB: 12.5 GB")
+
+
+def test_deepspeed_and_older_label_variants(tmp_path):
+    run = parse_megatron_log(write(tmp_path, DEEPSPEED + "\n" + OLDER + "\n"))
+    s = {k: v.to_dict() for k, v in run.scalars.items()}
+    assert s["loss"] == {10: 10.52345, 20: 7.5}
+    assert s["lr"] == {10: 1.5e-05, 20: 3e-04}
+    assert s["grad_norm"] == {10: 5.321, 20: 2.5}
+    assert s["loss_scale"] == {10: 4096.0, 20: 1.0}
+    assert s["elapsed_ms"] == {10: 1523.4, 20: 1250.0}          # seconds read as the milliseconds the key says
+    assert s["skipped_iterations"] == {10: 0.0, 20: 0.0} and s["nan_iterations"] == {10: 0.0, 20: 0.0}
+    assert s["tflops_per_gpu"] == {10: 98.76}
+    assert s["tokens_per_gpu_per_second_tgs"] == {10: 2688.7}
+    assert s["max_memory_allocated_mb"] == {20: 13100.0}       # a/b: both kept, named from the label
+    assert s["max_memory_reserved_mb"] == {20: 13240.9}
+    assert s["gpu_utilization"] == {20: 50.0}                  # glued text cut at the number ...
+    assert s["model_tflop_s_gpu"] == {20: 123.4}               # ... and the glued field read too
+    assert s["mem_alloc_gb"] == {20: 12.5}                     # after the last '|' on a finished line
+    assert not [n for n in run.notes if "unreadable" in n]
+
+
+def test_one_unreadable_field_keeps_the_rest_of_the_step(tmp_path):
+    text = "\n".join([line(1), line(2, loss="6.9x3E+00"), line(3, gnorm="1.4#9")]) + "\n"
+    run = parse_megatron_log(write(tmp_path, text))
+    assert list(run.series("loss").index) == [1, 3]          # never a wrong value: 6.9x3E+00 is not 6.9
+    assert list(run.series("grad_norm").index) == [1, 2]
+    assert list(run.series("lr").index) == [1, 2, 3]          # the steps keep every other field
+    assert any("iteration 2" in n and "lm loss" in n for n in run.notes)
+    assert any("iteration 3" in n and "grad norm" in n for n in run.notes)
+
+
+def test_many_records_with_a_few_garbled_are_read_in_bulk_and_named(tmp_path):
+    """Enough records for the bulk reader: the garbled ones are found by bisection, the others all read."""
+    lines = [line(i, f"{10 - i * 1e-3:.6E}") for i in range(1, 501)]
+    lines[99] = line(100, loss="bad")
+    lines[399] = line(400, f"{10 - 0.4:.6E}").replace("| loss scale", "| params norm: 3.5 | loss scale")
+    run = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n"))
+    loss = run.series("loss")
+    assert len(loss) == 499 and 100 not in loss.index
+    assert loss[400] == pytest.approx(10 - 0.4) and run.series("params_norm").to_dict() == {400: 3.5}
+    assert len(run.series("lr")) == 500
+    assert [n for n in run.notes if "iteration 100" in n and "lm loss" in n]
+
+
+def test_hand_trimmed_records_are_never_glued_together(tmp_path):
+    """Each record cut by hand after its loss: four steps, four losses, no terminal-wrap join."""
+    trimmed = [line(i, f"{7 - i * 0.1:.6E}") for i in range(1, 5)]
+    trimmed = [t[: t.index(" | loss scale")] for t in trimmed]
+    run = parse_megatron_log(write(tmp_path, "\n".join(trimmed) + "\n"))
+    assert run.series("loss").to_dict() == pytest.approx({1: 6.9, 2: 6.8, 3: 6.7, 4: 6.6})
+    assert not any("re-joined" in n for n in run.notes)
+
+
+def test_a_single_wrapped_record_among_unwrapped_ones(tmp_path):
+    """A terminal of width W: only the one record longer than W is cut (the others fit)."""
+    short = [line(i).replace(" | number of skipped iterations:   0 | number of nan iterations:   0 |", " |")
+             for i in range(1, 6)]
+    long = line(6, "5.500000E+00")
+    width = max(len(x) for x in short) + 5
+    wrapped = [long[:width], long[width:]]
+    text = "\n".join(short[:3] + wrapped + short[3:5]) + "\n"
+    run = parse_megatron_log(write(tmp_path, text))
+    assert run.series("loss")[6] == 5.5
+    assert run.series("nan_iterations").to_dict() == {6: 0.0}
+    assert len(run.series("loss")) == 6
+    assert any("re-joined 1" in n for n in run.notes)
+
+
+def test_wrap_exactly_after_a_separator(tmp_path):
+    """The cut falls right after a '|': the first piece looks complete, the second continues the fields."""
+    lines = [line(i) for i in range(1, 4)]
+    cut = lines[1].index("| lm loss") + 1
+    width = cut
+    pieces = []
+    for ln in lines:
+        pieces += [ln[j:j + width] for j in range(0, len(ln), width)]
+    run = parse_megatron_log(write(tmp_path, "\n".join(pieces) + "\n"))
+    assert len(run.series("loss")) == 3 and len(run.series("nan_iterations")) == 3
+
+
+def test_arguments_block_with_elided_lines_and_abbreviation(tmp_path):
+    from align.checks.config import megatron_common
+    text = ("using world size: 64, data-parallel size: 8, context-parallel size: 1, hierarchical context-parallel "
+            "sizes: Nonetensor-model-parallel size: 8, pipeline-model-parallel size: 1\n"
+            "------------------------ arguments ------------------------\n"
+            "  adam_beta1 ...................................... 0.9\n"
+            "  adam_beta2 ...................................... 0.95\n"
+            "  ...\n"
+            "  hidden_size ..................................... 4096\n"
+            "-------------------- end of arguments ---------------------\n" + line(1) + "\n")
+    block = parse_arguments_block(text)
+    assert block["adam_beta2"] == 0.95 and block.abbreviated
+    run = parse_megatron_log(write(tmp_path, text))
+    assert run.meta["parallel"] == {"tp": 8, "pp": 1, "dp": 8, "world_size": 64}
+    from align.sources.configs import read_megatron
+    args, kind = read_megatron(write(tmp_path, text, "args.log"))
+    common, _ = megatron_common(args)
+    assert common["tp"] == 8                       # from the 'using world size' line, not the default 1
+    assert common["weight_decay"] is None          # not in the abbreviated block: unknown, not 0.01
+    assert common["hidden_dropout"] is None and common["norm_eps"] is None
+
+
+def test_run_with_no_world_line_keeps_unknown_sizes_unknown(tmp_path):
+    text = ARGS.replace("  tensor_model_parallel_size ...................... 2\n", "") + line(1) + "\n"
+    run = parse_megatron_log(write(tmp_path, text))
+    assert run.meta.get("parallel", {}).get("tp") is None
+
+
+def test_a_few_nul_bytes_are_removed_and_noted(tmp_path):
+    """A crash or a copy can leave NUL bytes in a text log: they are dropped (and said), the steps kept."""
+    text = "\n".join([line(1), line(2), line(3)]) + "\n"
+    data = text.encode().replace(b"lm loss: 6.92", b"lm loss: 6.\x00\x0092", 1)
+    p = tmp_path / "nul.log"
+    p.write_bytes(data)
+    run = parse_megatron_log(p)
+    assert run.series("loss").to_dict() == {1: 6.923337, 2: 6.923337, 3: 6.923337}
+    assert any("2 NUL" in n for n in run.notes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from align.core.run import Run, make_series
 from comparators.scalars import ScalarOptions, band_floor, compare_scalars
@@ -32,3 +33,19 @@ def test_a_real_shift_still_fails_and_the_floor_can_be_turned_off():
     strict = ScalarOptions(band_floor_ulps=0.0, band_floor=0.0)
     assert compare_scalars(run(loss, "b"), run(tiny, "c"), [run(loss, "r")], strict).stages["long_run"].verdict \
         == "fail"
+
+
+def test_runs_with_no_step_in_common_are_bad_input():
+    """Issue 14: a baseline of steps 1-5 and a candidate of steps 101-105 share nothing: exit 2, not pass."""
+    from align.core.errors import BadInput
+    from align.core.run import Run, make_series
+    from comparators.scalars import require_common_steps
+
+    def run(path: str, steps: range) -> Run:
+        return Run(path, "runstore", {}, {"loss": make_series(list(steps), [2.0] * len(steps), "loss")})
+
+    a, b = run("base", range(1, 6)), run("cand", range(101, 106))
+    with pytest.raises(BadInput, match="no step in common") as err:
+        require_common_steps(a, b)
+    assert "steps 1-5" in str(err.value) and "steps 101-105" in str(err.value) and "\n" not in str(err.value)
+    require_common_steps(a, run("cand2", range(5, 9)))  # one shared step is enough

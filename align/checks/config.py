@@ -16,10 +16,10 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from align.core.findings import Finding, StageResult
+from align.core.outputs import write_text_output
 from align.sources.configs import read_megatron, read_mindformers
 
 STAGE = "config"
@@ -62,13 +62,17 @@ def _first(*values: Any) -> Any:
 
 
 def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    """Common keys from Megatron arguments; the second value names keys that came from defaults."""
+    """Common keys from Megatron arguments; the second value names keys that came from defaults.
+
+    An abbreviated arguments block (lines left out) gets no defaults: a setting it does not state is
+    unknown, and Megatron's default could contradict what the run used."""
     defaulted: set[str] = set()
+    defaults = {} if getattr(a, "abbreviated", False) else MEGATRON_DEFAULTS
 
     def g(name: str) -> Any:
         if name in a and a[name] is not None:
             return a[name]
-        return MEGATRON_DEFAULTS.get(name)
+        return defaults.get(name)
 
     def mark(key: str, *names: str) -> None:
         if not any(n in a and a[n] is not None for n in names):
@@ -81,10 +85,15 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         ffn = int(4 * h * 2 / 3 / 64) * 64 if g("swiglu") else 4 * h
     tp = g("tensor_model_parallel_size")
     vocab = g("padded_vocab_size")
-    if vocab is None and g("vocab_size") is not None:
+    if vocab is None and g("vocab_size") is not None and g("make_vocab_size_divisible_by") and tp:
         mult = g("make_vocab_size_divisible_by") * tp
         vocab = int(math.ceil(g("vocab_size") / mult) * mult)
-    compute = "bfloat16" if g("bf16") else "float16" if g("fp16") else "float32"
+    compute = "bfloat16" if g("bf16") else "float16" if g("fp16") else (
+        "float32" if g("bf16") is not None or g("fp16") is not None else None)
+
+    def flag(name: str) -> bool | None:
+        v = g(name)
+        return None if v is None else bool(v)
     decay_iters = _first(g("lr_decay_iters"), g("train_iters"))
     warm = g("lr_warmup_iters")
     if g("lr_warmup_fraction") is not None and decay_iters:
@@ -95,8 +104,9 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "num_query_groups": g("num_query_groups") if g("group_query_attention") else nh,
         "hidden_size": h, "ffn_hidden_size": ffn, "vocab_size": vocab, "vocab_size_unpadded": g("vocab_size"),
         "seq_length": g("seq_length"), "norm_type": g("normalization"),
-        "norm_eps": _first(a.get("norm_epsilon"), a.get("layernorm_epsilon"), MEGATRON_DEFAULTS["norm_epsilon"]),
-        "activation": "swiglu" if g("swiglu") else "squared_relu" if g("squared_relu") else "gelu",
+        "norm_eps": _first(a.get("norm_epsilon"), a.get("layernorm_epsilon"), defaults.get("norm_epsilon")),
+        "activation": "swiglu" if g("swiglu") else "squared_relu" if g("squared_relu") else (
+            "gelu" if g("swiglu") is not None else None),
         "position_embedding": g("position_embedding_type"), "rotary_base": g("rotary_base"),
         "hidden_dropout": g("hidden_dropout"), "attention_dropout": g("attention_dropout"),
         "lr": g("lr"), "min_lr": g("min_lr"), "warmup_steps": warm,
@@ -105,16 +115,17 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "adam_eps": g("adam_eps"), "weight_decay": g("weight_decay"),
         "weight_decay_applies_to": "2-D weights (bias and 1-D skipped)" + (
             ", qk-layernorm decayed" if g("apply_wd_to_qk_layernorm") else ""),
-        "clip_grad": g("clip_grad") or 0.0, "global_batch_size": g("global_batch_size"),
+        "clip_grad": (g("clip_grad") or 0.0) if g("clip_grad") is not None else None,
+        "global_batch_size": g("global_batch_size"),
         "micro_batch_size": g("micro_batch_size"), "compute_dtype": compute,
         "params_dtype": g("params_dtype") or compute, "tp": tp, "pp": g("pipeline_model_parallel_size"),
         "dp": g("data_parallel_size"), "cp": g("context_parallel_size"),
-        "sequence_parallel": bool(g("sequence_parallel")), "ep": g("expert_model_parallel_size"),
+        "sequence_parallel": flag("sequence_parallel"), "ep": g("expert_model_parallel_size"),
         "num_experts": experts, "moe_topk": g("moe_router_topk") if experts else None,
         "moe_aux_loss_coeff": g("moe_aux_loss_coeff") if experts else None,
         "moe_capacity_factor": g("moe_expert_capacity_factor") if experts else None,
-        "untie_embeddings": bool(g("untie_embeddings_and_output_weights")),
-        "bias_linear": bool(g("add_bias_linear")), "optimizer_parallel": bool(g("use_distributed_optimizer")),
+        "untie_embeddings": flag("untie_embeddings_and_output_weights"),
+        "bias_linear": flag("add_bias_linear"), "optimizer_parallel": flag("use_distributed_optimizer"),
         "seed": g("seed"),
     }
     for key, names in {"hidden_dropout": ["hidden_dropout"], "attention_dropout": ["attention_dropout"],
@@ -330,5 +341,5 @@ def run(args: argparse.Namespace) -> int:
         c = res.details["counts"]
         print(f"\n{c['match']} match, {c['mismatch']} mismatch, {c['check']} to check by hand -> {res.verdict}")
         if args.json:
-            Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
+            write_text_output(args.json, json.dumps(payload, indent=2, default=str))
     return 1 if res.verdict == "fail" else 0

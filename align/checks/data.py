@@ -20,8 +20,30 @@ import numpy as np
 
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
+from align.core.outputs import write_text_output
 
 STAGE = "data"
+
+
+def check_batch(where: str | Path, batch: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A batch's declared shape: integer ``tokens`` of at least one dimension; ``labels`` (integer) and
+    ``loss_mask`` / ``attention_mask`` (numbers) with as many elements. One-line BadInput naming the file."""
+    tokens = batch.get("tokens")
+    if tokens is None:
+        raise BadInput(f"{where}: no tokens array")
+    for key, kinds in (("tokens", "iu"), ("labels", "iu"), ("loss_mask", "biuf"), ("attention_mask", "biuf")):
+        arr = batch.get(key)
+        if arr is None:
+            continue
+        arr = np.asarray(arr)
+        if arr.dtype.kind not in kinds or arr.dtype.names is not None:
+            raise BadInput(f"{where}: key '{key}': dtype {arr.dtype} is not "
+                           f"{'an integer type' if kinds == 'iu' else 'a number type'}")
+        if arr.ndim == 0:
+            raise BadInput(f"{where}: key '{key}': a scalar, expected an array of token positions")
+        if key in ("labels", "loss_mask") and arr.size != np.asarray(tokens).size:
+            raise BadInput(f"{where}: key '{key}': {arr.size} elements but tokens has {np.asarray(tokens).size}")
+    return batch
 
 
 def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
@@ -41,7 +63,7 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndar
                 batch = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
                 if batch:
                     found = True
-                    yield step, rank, batch
+                    yield step, rank, check_batch(reader.step_file(step, rank), batch)
         if found or not seed:
             if not found:
                 raise BadInput(f"{p}: run store has no batch/* arrays")
@@ -52,7 +74,7 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndar
         for rank in sorted(seed[step]):
             folder = seed[step][rank]
             keys = [k for k in runstore.SEED_BATCH_KEYS if (folder / f"{k}.npy").is_file()]
-            yield step, rank, runstore.read_seed_batch(p, step, rank, keys)
+            yield step, rank, check_batch(folder, runstore.read_seed_batch(p, step, rank, keys))
 
 
 def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | None = None,
@@ -171,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{f.verdict.upper():4} {f.message}")
         print(f"check-data: {res.verdict} ({res.details['batches']} batches)")
         if args.json:
-            Path(args.json).write_text(json.dumps(payload, indent=2))
+            write_text_output(args.json, json.dumps(payload, indent=2))
     return 1 if res.verdict == "fail" else 0
 
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
+from align.core.schema import load_yaml, parse_json, read_text, validate
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 DEFAULT_PRESET = "megatron_core_llama__mindformers_llama"
@@ -240,6 +240,47 @@ class GroupPair:
                 and len(self.candidate_present) == len(self.match.candidate))
 
 
+_NAMES = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
+_NAMES_OR_NONE = {"anyOf": [{"type": "null"}, {"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+_SIDE = {"type": ["object", "null"], "properties": {
+    "framework": {"type": ["string", "null"]}, "default_scheme": {"type": ["string", "null"]},
+    "strip_prefixes": {"type": ["array", "null"], "items": {"type": "string"}}}}
+#: The mapping file's declared shape (docs/alignment.md, "Mapping files"): checked before any rule is built.
+MAPPING_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["rules"],
+    "properties": {
+        "name": {"type": ["string", "number"]}, "description": {"type": ["string", "null"]},
+        "baseline": _SIDE, "candidate": _SIDE,
+        "activation_layout": {"type": ["object", "null"]},
+        "rules": {"type": "array", "items": {
+            "type": "object", "required": ["baseline", "candidate"],
+            "properties": {
+                "id": {"type": ["string", "integer"]}, "kind": {"type": ["string", "null"]},
+                "baseline": _NAMES, "candidate": _NAMES,
+                "transform": {"type": ["object", "null"], "properties": {
+                    "op": {"enum": ["identity", "transpose", "split_qkv", "chunk"]},
+                    "dim": {"type": "integer"}, "parts": {"type": "integer", "minimum": 1},
+                    "per_tp_shard": {"type": "boolean"}, "inverse": {"type": "boolean"}}},
+                "tp_partition_dim": {"type": "integer", "minimum": -1},
+                "scheme": {"type": ["string", "null"]}}}},
+        "ignore": {"type": ["object", "null"], "properties": {"baseline": _NAMES_OR_NONE,
+                                                              "candidate": _NAMES_OR_NONE}},
+        "modules": {"type": ["array", "null"], "items": {
+            "type": "object", "required": ["baseline", "candidate"],
+            "properties": {"baseline": {"type": "string"}, "candidate": {"type": "string"},
+                           "kind": {"type": ["string", "null"]}}}},
+    },
+}
+
+
+def _compile(text: str, source: str, where: str) -> Pattern:
+    try:
+        return Pattern.compile(text)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise BadInput(f"{source}: {where}: pattern {text[:60]!r} is not a valid template or regex "
+                       f"({exc.__class__.__name__})") from None
+
+
 class Mapping:
     """A loaded mapping (preset name or YAML file)."""
 
@@ -247,6 +288,7 @@ class Mapping:
         self.source = source
         if not isinstance(spec, MappingABC) or "rules" not in spec:
             raise BadInput(f"{source}: a mapping needs a top-level 'rules' list")
+        validate(dict(spec), MAPPING_SCHEMA, source)
         self.name = str(spec.get("name", Path(source).stem))
         self.description = str(spec.get("description", ""))
         self.sides = {s: dict(spec.get(s) or {}) for s in SIDES}
@@ -254,9 +296,10 @@ class Mapping:
         self.rules: list[Rule] = []
         for i, r in enumerate(spec["rules"]):
             try:
-                rule = Rule(id=str(r.get("id", f"rule{i}")), kind=str(r.get("kind", "other")),
-                            baseline=[Pattern.compile(t) for t in _as_list(r["baseline"])],
-                            candidate=[Pattern.compile(t) for t in _as_list(r["candidate"])],
+                rule = Rule(id=str(r.get("id", f"rule{i}")), kind=str(r.get("kind") or "other"),
+                            baseline=[_compile(t, source, f"rules[{i}].baseline") for t in _as_list(r["baseline"])],
+                            candidate=[_compile(t, source, f"rules[{i}].candidate")
+                                       for t in _as_list(r["candidate"])],
                             transform=dict(r.get("transform") or {"op": "identity"}),
                             tp_partition_dim=int(r.get("tp_partition_dim", -1)),
                             scheme=r.get("scheme"))
@@ -269,10 +312,12 @@ class Mapping:
                                "(transpose: one)")
             self.rules.append(rule)
         ign = spec.get("ignore") or {}
-        self.ignore = {s: [Pattern.compile(t) for t in _as_list(ign.get(s, []))] for s in SIDES}
+        self.ignore = {s: [_compile(t, source, f"ignore.{s}") for t in _as_list(ign.get(s) or [])]
+                       for s in SIDES}
         self.spec = spec
-        self.modules = [ModuleRule(Pattern.compile(m["baseline"]), Pattern.compile(m["candidate"]),
-                                   str(m.get("kind", "other"))) for m in spec.get("modules") or []]
+        self.modules = [ModuleRule(_compile(m["baseline"], source, f"modules[{i}].baseline"),
+                                   _compile(m["candidate"], source, f"modules[{i}].candidate"),
+                                   str(m.get("kind") or "other")) for i, m in enumerate(spec.get("modules") or [])]
 
     # -- loading -------------------------------------------------------------------------------------
     @classmethod
@@ -286,10 +331,9 @@ class Mapping:
                 raise BadInput(f"{ref}: neither a mapping file nor a preset "
                                f"(presets: {', '.join(presets())})")
             path = cand
-        try:
-            spec = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise BadInput(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+        spec = load_yaml(path, what="mapping file")
+        if not isinstance(spec, MappingABC):
+            raise BadInput(f"{path}: top level: expected a mapping with a 'rules' list, got {type(spec).__name__}")
         return cls(spec, str(path))
 
     # -- orientation -------------------------------------------------------------------------------
@@ -567,12 +611,12 @@ def _read_names(path: str) -> list[str]:
         if not names:
             raise BadInput(f"{p}: no local_norm table in step {steps[0]}")
         return names
-    if not p.is_file():
-        raise BadInput(f"{p}: no such file")
-    text = p.read_text(encoding="utf-8")
+    text = read_text(p, "name list")
     if p.suffix == ".json":
-        obj = json.loads(text)
-        return list(obj) if isinstance(obj, (list, dict)) else []
+        obj = validate(parse_json(text, p), {"type": ["array", "object"]}, p)
+        names = list(obj)
+        validate(names, {"type": "array", "items": {"type": "string"}}, p)
+        return names
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
 
 

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from align.core.errors import BadInput
+from align.core.schema import load_json, read_bytes, regular_file
 
 SCHEMA = "xf-align-run/1"
 META = "meta.json"
@@ -48,6 +50,7 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _RANK_H5_RE = re.compile(r"^rank_(\d+)\.h5$")
 _RANK_TMP_RE = re.compile(r"^rank_(\d+)\.h5\.tmp")
 _SEED_RANK_RE = re.compile(r"^rank_(\d+)$")
+_SCALAR_RANK_RE = re.compile(r"^rank_(\d{1,9})\.jsonl$")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -302,9 +305,43 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
     return data, attrs
 
 
+_SIZE = {"type": ["integer", "null"], "minimum": 1}
+#: meta.json's declared shape (docs/run-store.md); other keys are free. Checked when a store is opened.
+META_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "schema": {"type": "string"}, "framework": {"type": ["string", "null"]},
+        "name_scheme": {"type": ["string", "null"]}, "train_iters": {"type": ["integer", "null"]},
+        "source": {"type": ["object", "null"]},
+        "config": {"type": ["object", "null"], "properties": {
+            "kind": {"type": ["string", "null"]}, "values": {"type": ["object", "null"]}}},
+        "dtypes": {"type": ["object", "null"], "additionalProperties": {"type": ["string", "null"]}},
+        "parallel": {"type": ["object", "null"], "properties": {
+            "tp": _SIZE, "pp": _SIZE, "dp": _SIZE, "ep": _SIZE, "cp": _SIZE, "world_size": _SIZE}},
+    },
+}
+_RANK_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"rank": {"type": "integer", "minimum": 0}}}
+_SCALAR_TYPES = (int, float, str, bool, type(None), list, dict)
+
+
+def _check_records(path: Path, records: list[Any], first_line: int = 1) -> None:
+    """Every scalar line is an object with an integer ``step`` and plain values (one-line BadInput)."""
+    for i, rec in enumerate(records, first_line):
+        if type(rec) is not dict:
+            raise BadInput(f"{path}:{i}: scalar line is a JSON {type(rec).__name__}, expected an object")
+        step = rec.get("step")
+        if type(step) is not int or step < 0 or step >= 1 << 62:
+            raise BadInput(f"{path}:{i}: key 'step': expected a non-negative integer, got {step!r:.40}")
+        for k, v in rec.items():
+            if type(v) is int and abs(v) >= 1 << 1023:
+                raise BadInput(f"{path}:{i}: key '{k}': {v!r:.40} is beyond the float range")
+            if type(v) not in _SCALAR_TYPES:
+                raise BadInput(f"{path}:{i}: key '{k}': unsupported value {v!r:.40}")
+
+
 def _parse_jsonl(path: Path) -> tuple[list[dict[str, Any]], str | None]:
     """Parse a scalar file; a torn last line (a killed writer) is reported, not fatal."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_bytes(path, "scalar file").decode("utf-8", errors="replace")
     lines = text.split("\n")
     torn = None
     if lines and lines[-1] == "":
@@ -313,18 +350,23 @@ def _parse_jsonl(path: Path) -> tuple[list[dict[str, Any]], str | None]:
         torn = lines.pop()
     try:
         records = json.loads("[" + ",".join(lines) + "]") if lines else []
-    except json.JSONDecodeError:
+        if len(records) != len(lines):   # a line holding two values ("1, 2") joins into the list unseen
+            raise ValueError
+    except (ValueError, RecursionError):
         records = []
         for i, line in enumerate(lines, 1):
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 raise BadInput(f"{path}:{i}: garbled scalar line: {line[:80]!r}") from None
+    _check_records(path, records)
     if torn is not None:
         try:
-            records.append(json.loads(torn))
+            last = json.loads(torn)
+            _check_records(path, [last], len(records) + 1)
+            records.append(last)
             torn = None
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError, BadInput):
             pass
     return records, torn
 
@@ -337,10 +379,8 @@ class RunReader:
         meta_path = self.root / META
         if not meta_path.is_file() and not (self.root / SCALAR_DIR).is_dir():
             raise BadInput(f"{self.root}: not a run store (no {META} or {SCALAR_DIR}/)")
-        try:
-            self.meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadInput(f"{meta_path}: garbled JSON ({exc.__class__.__name__})") from None
+        self.meta: dict[str, Any] = load_json(meta_path, META_SCHEMA, "meta.json") \
+            if meta_path.exists() or meta_path.is_symlink() else {}
         self.incomplete: list[Incomplete] = []
         self._step_files: dict[int, dict[int, Path]] = {}
         self._scan_steps()
@@ -366,14 +406,15 @@ class RunReader:
     def ranks(self) -> list[int]:
         found = set()
         for f in (self.root / SCALAR_DIR).glob("rank_*.jsonl"):
-            found.add(int(f.stem.split("_")[1]))
+            if (m := _SCALAR_RANK_RE.match(f.name)) is not None:
+                found.add(int(m.group(1)))
         for per_rank in self._step_files.values():
             found.update(per_rank)
         return sorted(found)
 
     def rank_info(self, rank: int) -> dict[str, Any]:
         p = self.root / RANK_DIR / f"rank_{rank:05d}.json"
-        return json.loads(p.read_text()) if p.is_file() else {"rank": rank}
+        return load_json(p, _RANK_SCHEMA, "rank file") if p.exists() else {"rank": rank}
 
     def array_steps(self, rank: int | None = None) -> list[int]:
         """Steps whose array file is complete (for ``rank``, or for at least one rank)."""
@@ -441,15 +482,21 @@ class RunReader:
 # ------------------------------------------------------------------------------------------------------
 
 def load_npy(path: Path) -> np.ndarray:
-    """np.load without pickle; a one-line BadInput for anything that is not a plain .npy array."""
+    """np.load without pickle; a one-line BadInput for anything that is not a plain numeric .npy array."""
+    regular_file(path, ".npy file")
     try:
-        return np.load(path, allow_pickle=False)
+        arr = np.load(path, allow_pickle=False)
+        if not isinstance(arr, np.ndarray):
+            raise BadInput(f"{path}: an .npz archive, expected one .npy array")
+        if arr.dtype.kind not in "biuf" or arr.dtype.names is not None:
+            raise BadInput(f"{path}: dtype {arr.dtype} is not a number type (int, uint, float or bool)")
+        return arr
     except ValueError as exc:
         if "pickle" in str(exc).lower():
             raise BadInput(f"{path}: holds pickled objects; refusing to load (no pickle)") from None
         raise BadInput(f"{path}: not a valid .npy array ({exc})") from None
-    except (OSError, EOFError) as exc:
-        raise BadInput(f"{path}: unreadable or truncated .npy ({exc})") from None
+    except (OSError, EOFError, TypeError, SyntaxError, MemoryError) as exc:
+        raise BadInput(f"{path}: unreadable or truncated .npy ({' '.join(str(exc).split())[:80]})") from None
 
 
 def seed_steps(root: Path) -> dict[int, dict[int, Path]]:
@@ -494,9 +541,21 @@ def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
             for key in z.files:
                 kind, _, name = key.partition("/")
                 if kind in out and name:
-                    out[kind][name] = z[key]
-    except (OSError, ValueError, EOFError) as exc:
-        raise BadInput(f"{path}: not a readable step-1 npz ({exc})") from None
+                    arr = z[key]
+                    if arr.dtype.kind not in "fiu" or arr.dtype.names is not None:
+                        raise BadInput(f"{path}: key '{key}': dtype {arr.dtype} is not a number type")
+                    out[kind][name] = arr
+    except BadInput:
+        raise
+    except AttributeError:   # np.load gave a plain array (an .npy file), which has no keys
+        raise BadInput(f"{path}: an .npy array, expected the step-1 .npz archive") from None
+    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+        raise BadInput(f"{path}: not a readable step-1 .npz file ({' '.join(str(exc).split())[:80]})") from None
+    for name, g in out["grad"].items():
+        for kind in ("init", "weight"):
+            if name in out[kind] and out[kind][name].shape != g.shape:
+                raise BadInput(f"{path}: key '{kind}/{name}': shape {out[kind][name].shape} differs from its "
+                               f"gradient's {g.shape}")
     return out
 
 

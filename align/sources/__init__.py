@@ -7,11 +7,14 @@ from pathlib import Path
 from align.core.errors import BadInput
 from align.core.run import Run, open_store
 from align.core.runstore import META, SCALAR_DIR
+from align.core.schema import regular_file
+from align.sources.logtext import looks_binary
 
 KINDS = ("runstore", "megatron_log", "mindformers_log", "tensorboard")
 
 
 def detect(path: str | Path) -> str:
+    """The source kind of ``path`` (one of KINDS); BadInput for anything else, FIFOs and devices included."""
     p = Path(path)
     if not p.exists():
         raise BadInput(f"{p}: no such file or directory")
@@ -22,11 +25,12 @@ def detect(path: str | Path) -> str:
             return "tensorboard"
         raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/) nor a TensorBoard "
                        "log dir (events.out.tfevents.*)")
+    regular_file(p, "training log")   # a FIFO would block here, a device never end
     with open(p, "rb") as fh:
         head = fh.read(4 << 20)
     if not head.strip() and p.stat().st_size < (4 << 20):
         raise BadInput(f"{p}: empty file")
-    if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or b"\x00" in head[:65536]:
+    if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or looks_binary(head[:65536]):
         raise BadInput(f"{p}: binary file, not a training log")
     if b"Epoch:[" in head or b"local_norm:" in head:
         return "mindformers_log"

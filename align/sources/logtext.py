@@ -12,35 +12,49 @@ from collections.abc import Callable
 from pathlib import Path
 
 from align.core.errors import BadInput
+from align.core.schema import read_bytes
 
 _ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
-def read_log_bytes(path: str | Path) -> bytes:
-    """Read a log file, refusing what is not text (one-line BadInput naming the file)."""
-    p = Path(path)
-    if not p.exists():
-        raise BadInput(f"{p}: no such file")
-    if p.is_dir():
-        raise BadInput(f"{p}: is a directory, expected a log file")
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise BadInput(f"{p}: cannot read ({exc.strerror})") from None
-    if not data[:4096].strip() and not data.strip():
-        raise BadInput(f"{p}: empty file")
-    head = data[:65536]
-    if b"\x00" in head:
-        raise BadInput(f"{p}: binary file (NUL bytes), not a training log")
+def looks_binary(head: bytes) -> bool:
+    """Whether the first bytes of a file are binary rather than log text: NUL or non-UTF-8 bytes make up
+    more than a tenth of them. A few NULs (a crash that padded the file, a stray byte) do not."""
+    if not head:
+        return False
+    nul = head.count(b"\x00")
+    if nul > len(head) // 10:
+        return True
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as exc:
         # A multi-byte character cut at the 64 KiB boundary is fine; garbage early on is not.
         if exc.start < len(head) - 4:
-            bad = sum(1 for b in head if b >= 0x80)
-            if bad > len(head) // 10:
-                raise BadInput(f"{p}: not UTF-8 text, not a training log") from None
-    return data
+            bad = sum(1 for b in head if b >= 0x80) + nul
+            return bad > len(head) // 10
+    return False
+
+
+def read_log(path: str | Path) -> tuple[bytes, list[str]]:
+    """Read a log file, refusing what is not text (one-line BadInput naming the file), with notes on what
+    was removed (NUL bytes a crash or a copy left in the text)."""
+    p = Path(path)
+    data = read_bytes(p, "log file")
+    if not data.strip():
+        raise BadInput(f"{p}: empty file")
+    if looks_binary(data[:65536]):
+        raise BadInput(f"{p}: binary file (NUL or non-UTF-8 bytes), not a training log")
+    notes = []
+    if b"\x00" in data:
+        n = data.count(b"\x00")
+        data = data.replace(b"\x00", b"")
+        notes.append(f"removed {n} NUL byte(s) from the text")
+    return data, notes
+
+
+def read_log_bytes(path: str | Path) -> bytes:
+    """Read a log file, refusing what is not text (one-line BadInput naming the file)."""
+    return read_log(path)[0]
 
 
 def clean_text(data: bytes) -> bytes:
@@ -81,4 +95,41 @@ def unwrap(lines: list[str], is_complete: Callable[[str], bool]) -> tuple[list[s
         buf = ""
     if buf:
         out.append(buf)
+    return out, joins
+
+
+def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_complete: Callable[[str], bool],
+                   continues: Callable[[str], bool]) -> tuple[list[str], int]:
+    """Re-join records that a terminal cut at its width, and nothing else.
+
+    A terminal copy makes every line at most W characters long and cuts a longer one into pieces of exactly
+    W (W - 1 when the copy dropped the space the cut fell on). So a record is continued on the next line
+    only when its line has that full width, the next line does not start a record itself, and the joined
+    text completes the record (or the file ends). Works for one wrapped record among unwrapped ones; two
+    records that each start with a record head are never merged. Returns the lines and the joins made.
+    """
+    width = max((len(x) for x in lines), default=0)
+    if width < 40:
+        return lines, 0
+    out: list[str] = []
+    joins = 0
+    i, n = 0, len(lines)
+    while i < n:
+        line = lines[i]
+        if len(line) >= width - 1 and i + 1 < n and starts_record(line):
+            buf, j = line, i
+            while (j + 1 < n and j - i < 50 and len(lines[j]) >= width - 1 and lines[j + 1].strip()
+                   and not starts_record(lines[j + 1])
+                   and (not is_complete(buf) or continues(lines[j + 1]))):
+                j += 1
+                buf += (" " if len(lines[j - 1]) == width - 1 else "") + lines[j]
+                if is_complete(buf) and len(lines[j]) < width - 1:
+                    break
+            if j > i and (is_complete(buf) or j == n - 1):
+                out.append(buf)
+                joins += j - i
+                i = j + 1
+                continue
+        out.append(line)
+        i += 1
     return out, joins

@@ -8,6 +8,7 @@ records, lines wrapped by a terminal copy, a log cut mid-line. Each problem is e
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import re
@@ -19,38 +20,60 @@ import pandas as pd
 
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
-from align.sources.configs import parse_arguments_block
-from align.sources.logtext import clean_text, read_log_bytes, unwrap
+from align.sources.configs import parse_arguments_block, parse_world_line
+from align.sources.logtext import clean_text, read_log, rejoin_wrapped
 
-#: Megatron's field names -> the run store's scalar keys (docs/run-store.md).
+#: Megatron's field names (every label variant seen in Megatron-LM, Megatron-DeepSpeed and forks, compared
+#: lower-case with '-'/'_' read as spaces) -> the run store's scalar keys (docs/run-store.md).
 FIELDS = {
     "consumed samples": "consumed_samples",
     "consumed tokens": "consumed_tokens",
     "elapsed time per iteration (ms)": "elapsed_ms",
-    "throughput per GPU (TFLOP/s/GPU)": "tflops_per_gpu",
+    "elapsed time per iteration": "elapsed_ms",
+    "throughput per gpu (tflop/s/gpu)": "tflops_per_gpu",
+    "tflops": "tflops_per_gpu",
     "learning rate": "lr",
+    "lr": "lr",
     "decoupled learning rate": "decoupled_lr",
     "global batch size": "global_batch_size",
     "lm loss": "loss",
     "loss scale": "loss_scale",
     "grad norm": "grad_norm",
+    "gradient norm": "grad_norm",
     "num zeros": "num_zeros",
+    "number of zeros": "num_zeros",
     "params norm": "params_norm",
     "number of skipped iterations": "skipped_iterations",
+    "skipped iterations": "skipped_iterations",
     "number of nan iterations": "nan_iterations",
+    "nan iterations": "nan_iterations",
 }
+#: Labels whose unit, when it is seconds, is converted to the milliseconds the key promises.
+_SECONDS = {"s", "sec", "secs", "second", "seconds"}
 
-_RECORD = re.compile(rb"iteration(\s+\d+\s*/\s*\d+\s*\|[^\n]*)")
+_RECORD = re.compile(rb"iteration:?(\s*\d+\s*/\s*\d+\s*\|[^\n]*)")
+_RECORD_START = re.compile(r"iteration:?\s*\d+\s*/\s*\d+\s*\|")
 _VALID = re.compile(rb"validation loss at ([^|\n]*?)\|([^\n]*)")
 _ARGS_START = b"------------------------ arguments ------------------------"
 _ARGS_END = b"-------------------- end of arguments ---------------------"
+_NUM = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)", re.I)
+_UNIT = re.compile(r"\(([^()]*)\)\s*$")
+_NAME_OF = re.compile(rb"\|\s*([^|:]*?)\s*:")
+_CONTINUES = re.compile(r"^\s*[A-Za-z][^|\[\]]*?:\s*[^|]*\|")
+_CONTINUED = re.compile(rb"\n[ \t]*[A-Za-z][^|\[\]\n:]*:[^|\n]*\|")
+_BISECT_MIN = 64   # bulk reads bisect a failing block down to this many records, then read field by field
 
 
+def _label(name: str) -> str:
+    return " ".join(name.replace("_", " ").replace("-", " ").lower().split())
+
+
+@functools.lru_cache(maxsize=4096)
 def _key(name: str) -> str:
-    name = " ".join(name.split())
-    if name in FIELDS:
-        return FIELDS[name]
-    return re.sub(r"[^0-9a-zA-Z]+", "_", name).strip("_").lower()
+    label = _label(name)
+    if label in FIELDS:
+        return FIELDS[label]
+    return re.sub(r"[^0-9a-zA-Z]+", "_", label).strip("_")
 
 
 def _is_complete(line: str) -> bool:
@@ -70,31 +93,208 @@ def _fields(rest: bytes) -> tuple[list[tuple[str, str]], bool]:
     return out, cut
 
 
+class _Issues:
+    """Problems met while reading, counted per kind and label so a 1M-line log gives a few notes, not 1M."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str], list[Any]] = {}
+
+    def add(self, kind: str, label: str, it: int, example: str = "") -> None:
+        entry = self.seen.setdefault((kind, label), [0, it, example])
+        entry[0] += 1
+
+    def notes(self) -> list[str]:
+        out = []
+        for (kind, label), (count, it, example) in self.seen.items():
+            where = f"iteration {it}" if count == 1 else f"{count} iterations (first: {it})"
+            if kind == "unreadable":
+                out.append(f"{where}: unreadable {label!r} value {example[:30]!r}; skipped that field, "
+                           "the step keeps its other fields")
+            elif kind == "cut_eof":
+                out.append(f"{where}: log ends mid-line; kept the complete fields, not {example[:30]!r}")
+            elif kind == "cut":
+                out.append(f"{where}: line cut short; kept the complete fields, not {example[:30]!r}")
+            elif kind == "trailing":
+                out.append(f"{where}: text after the last '|' is not a field: {example[:30]!r}")
+        return out
+
+
+def _split_value(text: str) -> tuple[list[float], str] | None:
+    """Numbers at the start of ``text`` (``x`` or ``a/b/...``) and the text glued after them.
+
+    None when no number starts it, or when what follows continues the number (``6.9x3E+00``, ``1.2.3``):
+    cutting there would give a wrong value, which is worse than none."""
+    t = text.strip()
+    nums: list[float] = []
+    pos = 0
+    while True:
+        m = _NUM.match(t, pos)
+        if not m:
+            return None if not nums else (nums, t[pos - 1:])
+        nums.append(float(m.group(0)))
+        pos = m.end()
+        if pos < len(t) and t[pos] == "/" and _NUM.match(t, pos + 1):
+            pos += 1
+            continue
+        break
+    rest = t[pos:]
+    if rest[:1].isalpha() and not any(ch.isdigit() for ch in t[:pos]):
+        return None   # 'nanx', 'infinite': a word, not a number with text glued on
+    if rest and not rest[0].isspace():
+        token = re.split(r"[\s:/]", rest, maxsplit=1)[0]
+        if not rest[0].isalpha() or any(ch.isdigit() for ch in token) or (
+                token[:1] in "eE" and len(token) == 1):
+            return None
+    return nums, rest
+
+
+def _pair_keys(name: str, count: int) -> list[str]:
+    """Keys for an ``a/b`` value: from the label's own ``x/y`` words when it has them
+    (``allocated/reserved (MB)`` -> ``allocated_mb``, ``reserved_mb``), else ``key``, ``key_2``, ..."""
+    unit = _UNIT.search(name)
+    base = name[: unit.start()] if unit else name
+    suffix = f" ({unit.group(1)})" if unit else ""
+    parts = base.split("/")
+    if len(parts) == count and all(p.strip() for p in parts):
+        head = parts[0].split()
+        prefix = " ".join(head[:-1])
+        names = [parts[0].strip()] + [f"{prefix} {p.strip()}".strip() for p in parts[1:]]
+        return [_key(n + suffix) for n in names]
+    key = _key(name)
+    return [key] + [f"{key}_{i + 1}" for i in range(1, count)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _seconds_key(name: str, unit: str) -> str | None:
+    """The milliseconds key of a time given in seconds (``elapsed time per iteration (s)`` -> elapsed_ms)."""
+    if unit.strip().lower() not in _SECONDS or "time" not in _label(name):
+        return None
+    base = _UNIT.sub("", name).strip()
+    key = FIELDS.get(_label(base + " (ms)")) or _key(base) + "_ms"
+    return key
+
+
+def _read_field(name: str, text: str, out: dict[str, float], issues: _Issues, it: int, depth: int = 0) -> None:
+    """One ``name: value`` field into ``out``; an unreadable value is noted and skipped."""
+    unit = _UNIT.search(name)
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        sec = _seconds_key(name, unit.group(1)) if unit else None
+        if sec is None:
+            out[_key(name)] = value
+        else:
+            out[sec] = value * 1000.0
+        return
+    got = _split_value(text)
+    if got is None:
+        issues.add("unreadable", " ".join(name.split()), it, text.strip())
+        return
+    nums, rest = got
+    keys = _pair_keys(name, len(nums)) if len(nums) > 1 else [_key(name)]
+    sec = _seconds_key(name, unit.group(1) if unit else (rest.split() or [""])[0])
+    if sec is not None and len(nums) == 1:
+        keys, nums = [sec], [nums[0] * 1000.0]
+    for k, v in zip(keys, nums, strict=False):
+        out[k] = v
+    glued_name, sep, glued_value = rest.partition(":")
+    if sep and glued_name.strip() and depth < 4:  # ``50.0MODEL_TFLOP/s/GPU: 123.4``: the next field, glued on
+        _read_field(glued_name.strip(), glued_value.strip(), out, issues, it, depth + 1)
+
+
+def _parse_record(rec: bytes, issues: _Issues, at_eof: bool) -> tuple[int, dict[str, float]]:
+    """Field by field: every readable value of the record, whatever the others hold."""
+    head, _, rest = rec.partition(b"|")
+    it = int(head.split(b"/")[0].strip().lstrip(b":"))
+    parts = rest.decode("utf-8", "replace").split("|")
+    values: dict[str, float] = {}
+    for p in parts[:-1]:
+        name, sep, value = p.partition(":")
+        if sep and name.strip():
+            _read_field(name.strip(), value.strip(), values, issues, it)
+    tail = parts[-1].strip()
+    if tail:
+        if at_eof:
+            issues.add("cut_eof", "", it, tail)
+        elif ":" in tail:
+            # printed after the last '|' (memory or throughput figures of some forks) on a finished line
+            name, _, value = tail.partition(":")
+            if not name.strip():
+                issues.add("trailing", "", it, tail)
+            else:
+                got = _split_value(value)
+                if got is None or not got[1][:1].isspace() and got[1]:
+                    issues.add("cut", "", it, tail)
+                else:
+                    _read_field(name.strip(), value.strip(), values, issues, it)
+    return it, values
+
+
+def _layout(names: list[str]) -> tuple[int, list[int]]:
+    """Columns of a record once '|', ':' and '/' all separate: (count, [iteration, value of each field]).
+
+    A name's own '/' (``throughput per GPU (TFLOP/s/GPU)``) adds columns before its value."""
+    cols, pos = [0], 2          # 'N', 'M', then per field: name (split at its '/'), value
+    for name in names:
+        pos += 1 + name.count("/")
+        cols.append(pos)
+        pos += 1
+    return pos + 1, cols        # + the empty column after the record's last '|'
+
+
+def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+    """Vectorised read of records that all carry ``names`` in that order; None when a value is garbled
+    (or a record has more separators than the layout: an ``a/b`` value), so the caller looks closer."""
+    n = len(records)
+    if not n:
+        return None
+    table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
+    ncols, usecols = _layout(names)
+    # every record ends with its '|' (text after it would be a field read by no one) and has the layout's count
+    if table.count(b"|") != n * (ncols - 1) or table.count(b"|\n") != n - 1 or not table.endswith(b"|"):
+        return None
+    values = _read_numbers(table, ncols, usecols)
+    if values is None or len(values) != n:
+        return None
+    return values[:, 0].astype(np.int64), {_key(name): values[:, j + 1] for j, name in enumerate(names)}
+
+
+def _template(records: list[bytes]) -> list[str] | None:
+    """The field names of the first clean record among the first few: the layout bulk reads expect."""
+    for rec in records[:100]:
+        fields, cut = _fields(rec.split(b"|", 1)[1])
+        # bulk reads split at ':' and '/' too, so the names' own '/' must be the only extra ones
+        if fields and not cut and all(_is_float(v) for _, v in fields) and rec.count(b"/") == 1 + sum(
+                n.count("/") for n, _ in fields) and rec.count(b":") == len(fields):
+            return [name for name, _ in fields]
+    return None
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _fast_columns(records: list[bytes]) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
     """Vectorised parse when every record carries the same fields in the same order (the usual case).
 
     Checked by counting separators over all records and comparing field names on an even sample; then
-    the numbers are read in bulk. ``None`` sends the caller to the careful, field-by-field path.
+    the numbers are read in bulk. ``None`` sends the caller to the mixed path.
     """
     n = len(records)
-    first, cut = _fields(records[0].split(b"|", 1)[1])
-    if not first or cut:
+    names = _template(records[:1])
+    if names is None:
         return None
-    names = [name for name, _ in first]
-    nsep = len(first) + 1  # the '|' after "N/ M" plus one per field
     for i in range(0, n, max(1, n // 2000)):
         got, _ = _fields(records[i].split(b"|", 1)[1])
         if [name for name, _ in got] != names:
             return None
-    # '|', ':' and '/' all become column separators: every record must then have the same count.
-    table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
-    if table.count(b"|") != n * (nsep + len(first) + 1):
-        return None
-    usecols = [0] + list(range(3, 2 * len(first) + 2, 2))
-    values = _read_numbers(table, 2 * len(first) + 3, usecols)
-    if values is None or len(values) != n:
-        return None  # a garbled value somewhere: the careful path names it
-    return values[:, 0].astype(np.int64), {_key(name): values[:, j + 1] for j, name in enumerate(names)}
+    return _bulk(records, names)
 
 
 def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool | None = None) -> np.ndarray | None:
@@ -131,26 +331,34 @@ def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool 
 
 def parse_megatron_log(path: str | Path) -> Run:
     """Parse one Megatron-LM log file into a Run (BadInput when it holds no iteration lines)."""
-    raw = clean_text(read_log_bytes(path))
-    notes: list[str] = []
+    data, notes = read_log(path)
+    raw = clean_text(data)
     records = _RECORD.findall(raw)
     if not records:
         raise BadInput(f"{path}: no Megatron 'iteration N/ M |' lines found")
     fast = _fast_columns(records)
+    if fast is not None and not _uniform(raw, records, len(fast[1])):
+        fast = None
     if fast is not None:  # every record has every field: a NaN there was printed as nan
         iters, values = fast
         columns = {k: (v, np.ones(len(v), dtype=bool)) for k, v in values.items()}
     else:
-        if any(not r.rstrip().endswith(b"|") for r in records[:-1]):
-            lines, joins = unwrap(raw.decode("utf-8", "replace").split("\n"), _is_complete)
-            if joins:
-                notes.append(f"re-joined {joins} lines wrapped by a terminal")
-                raw = "\n".join(lines).encode()
-                records = _RECORD.findall(raw)
-        columns, iters = _careful_table(records, notes, path)
+        text = raw.decode("utf-8", "replace")
+        lines, joins = rejoin_wrapped(text.split("\n"), lambda x: _RECORD_START.search(x) is not None,
+                                      lambda x: x.rstrip().endswith("|"),
+                                      lambda x: _CONTINUES.match(x) is not None)
+        if joins:
+            notes.append(f"re-joined {joins} lines wrapped by a terminal")
+            raw = "\n".join(lines).encode()
+            records = _RECORD.findall(raw)
+        columns, iters = _mixed_table(records, notes, path, not raw.endswith(b"\n"))
     series = {k: make_series(iters[present], values[present], k) for k, (values, present) in columns.items()}
     if len(np.unique(iters)) != len(iters):
         notes.append("some iterations appear more than once (restart?); the last occurrence is used")
+    n_loss = raw.count(b"lm loss:")
+    if n_loss > len(records):  # a head garbled beyond recognition: its values have no step to go to
+        notes.append(f"{n_loss - len(records)} line(s) hold 'lm loss:' without a readable "
+                     "'iteration N/ M |' head; not read")
 
     _validation(raw, series)
     config: dict[str, Any] = {}
@@ -160,68 +368,100 @@ def parse_megatron_log(path: str | Path) -> Run:
         if end < 0:
             notes.append("arguments block not closed; read what was there")
         config = parse_arguments_block(raw[start: end if end >= 0 else None].decode("utf-8", "replace"))
+    layout = parse_world_line(raw[: start if start >= 0 else 1 << 16].decode("utf-8", "replace"))
     meta: dict[str, Any] = {
         "framework": "megatron-lm",
         "source": {"kind": "megatron_log", "path": str(path)},
-        "config": config,
-        "train_iters": int(records[-1].split(b"/", 1)[1].split(b"|", 1)[0]),
+        "config": {"kind": "megatron_args", "values": config} if config else {},
+        "train_iters": _train_iters(records[-1]),
         "name_scheme": "megatron-core-local",
     }
-    if config:
-        meta["parallel"] = {
-            "tp": config.get("tensor_model_parallel_size", 1),
-            "pp": config.get("pipeline_model_parallel_size", 1),
-            "dp": config.get("data_parallel_size", 1),
-            "world_size": config.get("world_size", 1),
-        }
+    parallel = {k: config.get(name, layout.get(k)) for k, name in (
+        ("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+        ("dp", "data_parallel_size"), ("world_size", "world_size"))}
+    if any(v is not None for v in parallel.values()):
+        meta["parallel"] = parallel  # a size the log does not state stays None (unknown), never a default
     n_tb = raw.count(b"Traceback (most recent call last)")
     if n_tb:
         notes.append(f"{n_tb} traceback(s) in the log")
     return Run(str(path), "megatron_log", meta, series, {}, notes)
 
 
-def _careful_table(records: list[bytes], notes: list[str],
-                   path: str | Path) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], np.ndarray]:
-    """Field-by-field parse that tolerates differing fields, cut lines and garbled values."""
-    cols: dict[str, list[float]] = {}
-    present: dict[str, list[bool]] = {}
-    keep_iters: list[int] = []
-    for i, rec in enumerate(records):
-        head, _, rest = rec.partition(b"|")
-        it = int(head.split(b"/")[0])
-        fields, cut = _fields(rest)
-        values: dict[str, float] = {}
-        bad = None
-        for name, text in fields:
-            try:
-                values[_key(name)] = float(text)
-            except ValueError:
-                bad = (name, text)
-                break
-        if bad is not None:
-            notes.append(f"iteration {it}: unreadable {bad[0]!r} value {bad[1][:30]!r}; step skipped")
-            continue
-        if cut:
-            if i == len(records) - 1:
-                notes.append(f"iteration {it}: log ends mid-line; kept the {len(values)} complete fields")
-            else:
-                notes.append(f"iteration {it}: line cut short; kept the {len(values)} complete fields")
-        row = len(keep_iters)
-        keep_iters.append(it)
+def _uniform(raw: bytes, records: list[bytes], nfields: int) -> bool:
+    """Cheap whole-file check that bulk reading would see every field: no line right after a record
+    continues its fields (a terminal wrap that fell just after a '|'). When the file holds no '|' beyond the
+    records' own, no such line can exist and the (slower) search is skipped."""
+    if raw.count(b"|") == len(records) * (nfields + 1):
+        return True
+    for m in _CONTINUED.finditer(raw):
+        if raw[max(0, m.start() - 256): m.start()].rstrip(b" \t").endswith(b"|"):
+            return False
+    return True
+
+
+def _train_iters(rec: bytes) -> int | None:
+    try:
+        return int(rec.split(b"/", 1)[1].split(b"|", 1)[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
+                 eof_cut: bool) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """Records of the usual layout are read in bulk (a block with a garbled value is bisected), the rest
+    field by field; every readable value is kept, every unreadable one noted."""
+    n = len(records)
+    issues = _Issues()
+    template = _template(records)
+    bulk_rows: list[int] = []
+    if template is not None and n > _BISECT_MIN:
+        want = [t.encode() for t in template]
+        ntrail = len(records) - 1
+        for i, rec in enumerate(records):
+            if i != ntrail and rec.rstrip().endswith(b"|") and _NAME_OF.findall(rec) == want:
+                bulk_rows.append(i)
+    in_bulk = np.zeros(n, dtype=bool)
+    cols: dict[str, np.ndarray] = {}
+    present: dict[str, np.ndarray] = {}
+    iters = np.zeros(n, dtype=np.int64)
+
+    def put(rows: np.ndarray, key: str, vals: np.ndarray) -> None:
+        if key not in cols:
+            cols[key] = np.full(n, np.nan)
+            present[key] = np.zeros(n, dtype=bool)
+        cols[key][rows] = vals
+        present[key][rows] = True
+
+    def read_block(rows: list[int]) -> None:
+        got = _bulk([records[i] for i in rows], template or [])
+        if got is None:
+            if len(rows) <= _BISECT_MIN:
+                return
+            half = len(rows) // 2
+            read_block(rows[:half])
+            read_block(rows[half:])
+            return
+        idx = np.asarray(rows)
+        iters[idx] = got[0]
+        in_bulk[idx] = True
+        for k, v in got[1].items():
+            put(idx, k, v)
+
+    if bulk_rows:
+        read_block(bulk_rows)
+    for i in np.flatnonzero(~in_bulk):
+        try:
+            it, values = _parse_record(records[i], issues, eof_cut and i == n - 1)
+        except ValueError:
+            continue  # the head matched the record pattern, so it holds digits; kept for safety
+        iters[i] = it
         for k, v in values.items():
-            if k not in cols:
-                cols[k] = [np.nan] * row
-                present[k] = [False] * row
-            cols[k].append(v)
-            present[k].append(True)
-        for k in cols:
-            if len(cols[k]) < row + 1:
-                cols[k].append(np.nan)
-                present[k].append(False)
-    if not keep_iters:
-        raise BadInput(f"{path}: iteration lines found but none readable")
-    out = {k: (np.array(v, dtype=np.float64), np.array(present[k], dtype=bool)) for k, v in cols.items()}
-    return out, np.array(keep_iters, dtype=np.int64)
+            put(np.array([i]), k, np.array([v]))
+    notes.extend(issues.notes())
+    out = {k: (cols[k], present[k]) for k in cols}
+    if not any(p.any() for p in present.values()):
+        raise BadInput(f"{path}: iteration lines found but no field in them is readable")
+    return out, iters
 
 
 def _validation(raw: bytes, series: dict[str, pd.Series]) -> None:

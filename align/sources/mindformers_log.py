@@ -26,7 +26,7 @@ from align.core.run import Run, make_series
 from align.sources.logtext import clean_text, read_log_bytes, unwrap
 
 _STEP = re.compile(r"\{ ?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\],(.*)$")
-_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]]*\]|[^,]*)\s*(?:,|$)")
+_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]:]*\]|[^,]*)\s*(?:,|$)")  # '[' never spans a ':
 _NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
 # The line as MFLossMonitor prints it (MindFormers 1.x-2.x); anything else takes the careful path.
 _FAST = re.compile(
@@ -139,6 +139,8 @@ def parse_mindformers_log(path: str | Path) -> Run:
             key = FIELDS.get(name, re.sub(r"\W+", "_", name).strip("_").lower())
             try:
                 if value.startswith("["):
+                    if not value.endswith("]"):
+                        raise ValueError(value)
                     parts = [p for p in value[1:-1].replace("/", " ").replace(",", " ").split() if p]
                     if not parts:
                         continue
@@ -147,11 +149,10 @@ def parse_mindformers_log(path: str | Path) -> Run:
                         values["loss_avg"] = _number(parts[1])
                 else:
                     values[key] = _number(value)
-            except ValueError:
+            except ValueError:   # noted; the step keeps its other fields (issue 14)
                 bad = (name, value)
-                break
-        if bad is not None:
-            notes.append(f"step {gstep}: unreadable {bad[0]!r} value {bad[1][:30]!r}; step skipped")
+                notes.append(f"step {gstep}: unreadable {name!r} value {value[:30]!r}; skipped that field")
+        if bad is not None and not values:
             pending_norm = None
             continue
         if not line.rstrip().endswith("]"):
@@ -187,7 +188,11 @@ def _meta(path: str | Path, text_lines: list[str]) -> dict[str, Any]:
 def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[int], list[float]] | None, int]:
     """Read ``norm_size: (...)`` / ``local_norm:`` / ``[...]`` starting at line ``i``."""
     m = _NORM_SIZE.search(lines[i])
-    sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
+    try:
+        sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
+    except ValueError:   # a garbled size: the norms are still good, their sizes are not (issue 14)
+        notes.append(f"line {i + 1}: unreadable norm_size entries; sizes dropped")
+        sizes = []
     j = i + 1
     while j < len(lines) and "local_norm:" not in lines[j] and j < i + 3:
         j += 1
