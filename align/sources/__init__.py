@@ -1,4 +1,5 @@
-"""Detect what a run argument is (run store, Megatron log, MindFormers log, TensorBoard dir) and load it."""
+"""Detect what a run argument is (run store, Megatron log, MindFormers log, TensorBoard dir, Megatron
+golden-values JSON, msprobe dump directory) and load it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from align.core.errors import BadInput
 from align.core.run import Run, open_store
 from align.core.runstore import META, SCALAR_DIR
 
-KINDS = ("runstore", "megatron_log", "mindformers_log", "tensorboard")
+KINDS = ("runstore", "megatron_log", "mindformers_log", "tensorboard", "golden_values", "msprobe")
 
 
 def detect(path: str | Path) -> str:
@@ -26,6 +27,10 @@ def detect(path: str | Path) -> str:
         head = fh.read(4 << 20)
     if not head.strip() and p.stat().st_size < (4 << 20):
         raise BadInput(f"{p}: empty file")
+    from align.sources.golden_values import looks_like_golden_values
+
+    if looks_like_golden_values(head):
+        return "golden_values"
     if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or b"\x00" in head[:65536]:
         raise BadInput(f"{p}: binary file, not a training log")
     if b"Epoch:[" in head or b"local_norm:" in head:
@@ -57,4 +62,7 @@ def load_run(path: str | Path, kind: str | None = None) -> Run:
     if kind == "tensorboard":
         from align.sources.tensorboard import read_tensorboard
         return read_tensorboard(path)
+    if kind == "golden_values":
+        from align.sources.golden_values import read_golden_values
+        return read_golden_values(path)
     raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(KINDS)})")
