@@ -19,10 +19,14 @@ def detect(path: str | Path) -> str:
     if p.is_dir():
         if (p / META).is_file() or (p / SCALAR_DIR).is_dir():
             return "runstore"
+        from align.sources.msprobe import is_msprobe_dump
+
+        if is_msprobe_dump(p):
+            return "msprobe"
         if any(p.rglob("events.out.tfevents.*")):
             return "tensorboard"
-        raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/) nor a TensorBoard "
-                       "log dir (events.out.tfevents.*)")
+        raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/), an msprobe dump "
+                       "(step*/rank*/dump.json) nor a TensorBoard log dir (events.out.tfevents.*)")
     with open(p, "rb") as fh:
         head = fh.read(4 << 20)
     if not head.strip() and p.stat().st_size < (4 << 20):
@@ -65,4 +69,7 @@ def load_run(path: str | Path, kind: str | None = None) -> Run:
     if kind == "golden_values":
         from align.sources.golden_values import read_golden_values
         return read_golden_values(path)
+    if kind == "msprobe":
+        from align.sources.msprobe import read_msprobe
+        return read_msprobe(path)
     raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(KINDS)})")
