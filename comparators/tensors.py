@@ -27,6 +27,7 @@ from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
 
 STAGE = "layer_tensors"
+DASK_CONNECT_TIMEOUT = "20s"   # how long to wait for a --scheduler address before saying it is unreachable
 CHUNK = 1 << 18     # elements per chunk (1 MiB of float32): stays in L2 across the ~12 passes per chunk
 # dtype -> (rel L2 error passes up to, warns up to, cosine passes from)
 TOLERANCE = {"float32": (1e-4, 1e-2, 0.99999), "float64": (1e-8, 1e-4, 0.9999999),
@@ -491,7 +492,7 @@ def _run_dask(tasks: list[dict[str, Any]], scheduler: Any) -> list[dict[str, Any
         raise BadInput("--scheduler needs dask.distributed (pip install 'xf-align[dask]')") from None
     own = not hasattr(scheduler, "map")
     try:
-        client = Client(scheduler, timeout="30s") if own else scheduler
+        client = Client(scheduler, timeout=DASK_CONNECT_TIMEOUT) if own else scheduler
     except OSError as exc:
         raise BadInput(f"{scheduler}: cannot reach the Dask scheduler ({exc})") from None
     try:
