@@ -4,10 +4,13 @@ golden-values JSON, msprobe dump directory) and load it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from align.core.errors import BadInput
-from align.core.run import Run, open_store
 from align.core.runstore import META, SCALAR_DIR
+
+if TYPE_CHECKING:   # align.core.run needs pandas; the tensor compare imports this package without it
+    from align.core.run import Run
 
 KINDS = ("runstore", "megatron_log", "mindformers_log", "tensorboard", "golden_values", "msprobe")
 
@@ -56,6 +59,7 @@ def load_run(path: str | Path, kind: str | None = None) -> Run:
     """Load any supported source as a Run; ``kind`` overrides detection."""
     kind = kind or detect(path)
     if kind == "runstore":
+        from align.core.run import open_store
         return open_store(path)
     if kind == "megatron_log":
         from align.sources.megatron_log import parse_megatron_log

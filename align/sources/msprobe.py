@@ -29,10 +29,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from align.core.errors import BadInput
-from align.core.run import Run
+
+if TYPE_CHECKING:
+    from align.core.run import Run
 
 DUMP_JSON = "dump.json"
 TENSOR_DIR = "dump_tensor_data"
@@ -213,6 +215,8 @@ def open_msprobe(path: str | Path) -> MsprobeDump:
 
 def read_msprobe(path: str | Path) -> Run:
     """An msprobe dump as a Run: no scalars; the layer-tensor stage reads it through ``open_msprobe``."""
+    from align.core.run import Run  # pandas: only when a Run is built, not for the tensor compare
+
     d = open_msprobe(path)
     fw = {"pytorch": "torch", "mindspore": "mindspore"}.get(d.framework, d.framework)
     meta = {"framework": fw, "source": {"kind": "msprobe", "path": str(path), "task": d.task, "level": d.level},
