@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, int]] = [
     ("reports", 3),                # findings -> html, figures, summary.json
     ("align.checks", 4),           # config checklist, data checks
     ("align.convert_weights", 4),  # checkpoint conversion through the mapping
+    ("align.checkpoints", 4),      # framework tensor / checkpoint files (frameworks imported lazily)
     ("align.examples", 4),
     ("align.stages", 5),           # the stage registry: one file per stage
     ("align.procedure", 6),        # runs the registry, writes the report

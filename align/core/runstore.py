@@ -26,11 +26,13 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:   # pandas is imported where tables are built: readers of arrays alone skip its ~0.8 s import
+    import pandas as pd
 
 from align.core.errors import BadInput
 from align.core.schema import load_json, read_bytes, regular_file
@@ -137,6 +139,8 @@ class RunWriter:
 
     def log_scalar_series(self, series: Mapping[str, pd.Series]) -> None:
         """Append many steps at once (importers): one record per step, only the keys reported there."""
+        import pandas as pd
+
         frame = pd.DataFrame(dict(series))
         frame.index.name = "step"
         present = np.zeros(frame.shape, dtype=bool)
@@ -276,6 +280,8 @@ class StepArrays:
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def table(self, group: str) -> pd.DataFrame | None:
+        import pandas as pd
+
         cols = {k.split("/", 1)[1]: v for k, v in self.data.items()
                 if k.startswith(group + "/") and "/" not in k[len(group) + 1:]}
         return pd.DataFrame(cols) if cols else None
@@ -438,6 +444,8 @@ class RunReader:
 
     def scalars(self, rank: int | None = None) -> pd.DataFrame:
         """Scalars as one table (every rank's rows, with a ``rank`` column); absent keys are NaN."""
+        import pandas as pd
+
         frames = []
         for r in ([rank] if rank is not None else self.ranks):
             records = self.scalar_records(r)
