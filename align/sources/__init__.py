@@ -18,10 +18,12 @@ def detect(path: str | Path) -> str:
     if p.is_dir():
         if (p / META).is_file() or (p / SCALAR_DIR).is_dir():
             return "runstore"
+        if any(p.glob("worker_*.log")) or any((p / "msrun_log").glob("worker_*.log")):
+            return "mindformers_log"
         if any(p.rglob("events.out.tfevents.*")):
             return "tensorboard"
-        raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/) nor a TensorBoard "
-                       "log dir (events.out.tfevents.*)")
+        raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/), msrun worker logs "
+                       "(worker_N.log) nor a TensorBoard log dir (events.out.tfevents.*)")
     with open(p, "rb") as fh:
         head = fh.read(4 << 20)
     if not head.strip() and p.stat().st_size < (4 << 20):
@@ -52,8 +54,8 @@ def load_run(path: str | Path, kind: str | None = None) -> Run:
         from align.sources.megatron_log import parse_megatron_log
         return parse_megatron_log(path)
     if kind == "mindformers_log":
-        from align.sources.mindformers_log import parse_mindformers_log
-        return parse_mindformers_log(path)
+        from align.sources.mindformers_log import parse_mindformers_dir, parse_mindformers_log
+        return parse_mindformers_dir(path) if Path(path).is_dir() else parse_mindformers_log(path)
     if kind == "tensorboard":
         from align.sources.tensorboard import read_tensorboard
         return read_tensorboard(path)
