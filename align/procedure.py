@@ -50,15 +50,24 @@ def local_norm_stage(baseline: Run, candidate: Run, mapping: str | None) -> Stag
     missing = [r.label for r in (baseline, candidate) if not r.local_norm_steps(limit=1)]
     if missing:
         return skipped("step1_local_norm", f"no local norms in {', '.join(missing)}")
-    unnamed = [r.label for r in (baseline, candidate) if r.store is None]
+    unnamed = [r.label for r in (baseline, candidate) if r.store is None and _unnamed_norms(r)]
     if unnamed:
         return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (log import, "
-                       "optimizer order); dump them with the MindSpore/Megatron dumper to compare by name")
+                       "optimizer order); dump them with the MindSpore/Megatron dumper, or log them named "
+                       "with MindFormers' monitor_config (local_norm_format: log), to compare by name")
     from comparators.local_norms import compare_local_norms
     steps = sorted(set(baseline.local_norm_steps(limit=20)) & set(candidate.local_norm_steps(limit=20)))
     if not steps:
         return skipped("step1_local_norm", "the runs recorded local norms at different steps")
-    return compare_local_norms(baseline.store, candidate.store, mapping, step=steps[0])
+    return compare_local_norms(baseline.store if baseline.store is not None else baseline,
+                               candidate.store if candidate.store is not None else candidate, mapping, step=steps[0])
+
+
+def _unnamed_norms(run: Run) -> bool:
+    """A log's local norms are unnamed when they came from MFLossMonitor's index-only blocks (``#i``)."""
+    steps = run.local_norm_steps(limit=1)
+    table = run.local_norm_table(steps[0]) if steps else None
+    return table is None or any(str(n).startswith("#") for n in table["name"])
 
 
 STAGE_ORDER = ["checklist", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",

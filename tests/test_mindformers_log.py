@@ -187,3 +187,27 @@ def test_empty_worker_dir(tmp_path):
     (tmp_path / "worker_0.log").write_text("nothing\n")
     with pytest.raises(BadInput, match="none of 1 worker logs"):
         parse_mindformers_dir(tmp_path)
+
+
+def test_step1_local_norms_compare_by_name_from_a_mindformers_log(tmp_path):
+    """Megatron-core names on both sides (MindFormers 2.x mcore keeps them): one perturbed norm is named."""
+    from align.core.run import open_store
+    from align.core.runstore import RunWriter
+    from align.procedure import local_norm_stage
+
+    names, norms = EXPECTED["names"], np.array(EXPECTED["dense"]["norms"][0], dtype=np.float64)
+    norms[2] *= 1.05                                        # linear_qkv departs by 5%
+    with RunWriter(tmp_path / "megatron", rank=0, meta={"framework": "megatron"}) as w:
+        w.put_table(1, "local_norm", {"name": np.array(["module." + n for n in names], dtype=object),
+                                      "norm": norms, "numel": np.full(len(names), 10, np.int64)})
+        w.finish_step()
+    mapping = tmp_path / "mcore_identity.yaml"
+    mapping.write_text("name: mcore_identity\nbaseline: {framework: megatron-core, strip_prefixes: ['module.']}\n"
+                       "candidate: {framework: mindformers, strip_prefixes: []}\n"
+                       "rules:\n  - id: same_name\n    kind: other\n    baseline: ['{n:.+}']\n"
+                       "    candidate: ['{n:.+}']\n")
+    res = local_norm_stage(open_store(tmp_path / "megatron"), parse_mindformers_log(MF2 / "dense.log"),
+                           str(mapping))
+    assert res.verdict == "fail"
+    bad = [f.component for f in res.findings if f.verdict == "fail"]
+    assert bad and all("linear_qkv" in c for c in bad)
