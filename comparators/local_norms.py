@@ -87,6 +87,8 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
     """
     from align.core.runstore import RunReader
 
+    if getattr(run, "store", False) is None and hasattr(run, "local_norm_table"):
+        return _norms_from_table(run, step)
     reader = run if hasattr(run, "array_ranks") else RunReader(run)
     ranks = reader.array_ranks(step)
     if not ranks:
@@ -126,6 +128,24 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
         raise BadInput(f"{reader.root}: step {step} has no local_norm table on any rank")
     info["tp"] = max((e.tp_size for e in out.values()), default=1)
     return out, info
+
+
+def _norms_from_table(run: Any, step: int) -> tuple[dict[str, ShardNorm], dict[str, Any]]:
+    """Named norms a log carried (MindFormers' TrainingStateMonitor lines), one table per step in memory.
+
+    A table with a ``rank`` column (msrun worker logs) keeps the lowest rank's row per name: a log gives no
+    TP layout, so ranks are read as data-parallel replicas.
+    """
+    table = run.local_norm_table(step)
+    if table is None or not len(table):
+        raise BadInput(f"{run.path}: step {step} has no local norms")
+    if "rank" in table.columns:
+        table = table.sort_values("rank", kind="stable").drop_duplicates("name", keep="first")
+    out: dict[str, ShardNorm] = {}
+    for name, norm, numel in zip(table["name"], table["norm"], table.get("numel", [-1] * len(table)),
+                                 strict=False):
+        out[str(name)] = ShardNorm(-1, 1, {0: float(norm)}, {0: max(int(numel), 0)}, {0})  # 0 = size unknown
+    return out, {"ranks": [0], "global_norm": None, "tables": 1, "tp": 1, "source": "log"}
 
 
 def _kind_of(rule_kind: str) -> str:
@@ -201,7 +221,7 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
                             "its norm was not compared"))
     failing = 0
     for r in rows:
-        if r["numel_baseline"] and r["numel_candidate"] and r["numel_baseline"] != r["numel_candidate"]:
+        if r["numel_baseline"] > 0 and r["numel_candidate"] > 0 and r["numel_baseline"] != r["numel_candidate"]:
             res.add(Finding(STAGE, "fail", r["name"], "numel", r["numel_candidate"], r["numel_baseline"],
                             f"{r['name']}: {r['numel_baseline']} elements in the baseline, "
                             f"{r['numel_candidate']} in the candidate ({r['candidate']})"))

@@ -9,13 +9,18 @@ Two sources are read, both without pickle:
 * a run store (``RUN/steps/step_N/rank_R.h5`` with ``batch/tokens``, ``batch/labels``, ...);
 * the seed layout ``ROOT/step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy``.
 
-Use from a MindFormers YAML (after ``import dumpers.mindformers_replay`` registered the class)::
+Use from a MindFormers YAML, launched as users do (``run_mindformer.py --config X.yaml --register_path
+/path/to/xf-align/dumpers``, under msrun or not): ``auto_register`` loads and registers the class, no Python
+glue (docs/mindformers-launch.md)::
 
     train_dataset_task:
       type: MegatronReplayDataset
+      auto_register: mindformers_replay.MegatronReplayDataset
       dataset_config:
         data_dir: /path/to/run_or_seed_root
         construct_args_key: [input_ids, labels, loss_mask]
+
+The rank is MindSpore's ``get_rank()`` when communication is up (msrun), else ``RANK_ID`` / ``RANK``.
 
 or from Python: ``MegatronReplayDataset(data_dir=..., rank=0)`` returns a ``mindspore.dataset`` whose
 rows are whole step batches (the batch dimension is the Megatron micro-batch).
@@ -49,7 +54,13 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 def current_rank() -> int:
-    """This process's rank as MindFormers launchers set it (RANK_ID), else torchrun's RANK, else 0."""
+    """This process's rank: MindSpore's get_rank() once communication is initialised (msrun, use_parallel),
+    else the RANK_ID msrun / MindFormers launchers set, else torchrun's RANK, else 0."""
+    from dumpers.mindspore_dumper import mindspore_rank
+
+    rank = mindspore_rank()
+    if rank is not None:
+        return rank
     for var in ("RANK_ID", "RANK"):
         value = os.environ.get(var)
         if value not in (None, ""):

@@ -71,3 +71,25 @@ def test_mindformers_loss_alone_is_the_lm_loss(tmp_path):
     run = load_run(tmp_path / "tb")
     assert run.series("loss")[2] == pytest.approx(5.0) and "total_loss" not in run.scalars
     assert any("lm loss" in n for n in run.notes)
+
+
+def test_mindformers_tags_lm_loss_and_named_local_norms(tmp_path):
+    """The tags MindFormers 2.x writes (MFLossMonitor / TrainingStateMonitor, through tensorboardX)."""
+    tbx = pytest.importorskip("tensorboardX")
+    w = tbx.SummaryWriter(logdir=str(tmp_path / "tb"))
+    names = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight"]
+    for step in range(1, 4):
+        w.add_scalar("loss", 5.0 - step * 0.1 + 0.3, global_step=step)      # lm + aux + mtp
+        w.add_scalar("lm-loss", 5.0 - step * 0.1, global_step=step)
+        w.add_scalar("mtp-loss", 0.25, global_step=step)
+        w.add_scalar("grad-norm", 1.5, global_step=step)
+        for i, name in enumerate(names):
+            w.add_scalar(f"local_norm/{name}", 0.1 * (i + 1) * step, global_step=step)
+    w.close()
+    run = load_run(tmp_path / "tb")
+    assert run.series("loss").to_dict() == pytest.approx({s: 5.0 - s * 0.1 for s in range(1, 4)})
+    assert run.series("total_loss").to_dict() == pytest.approx({s: 5.3 - s * 0.1 for s in range(1, 4)})
+    assert run.meta["loss_key"] == "lm_loss" and any("total_loss" in n for n in run.notes)
+    table = run.local_norm_table(2)
+    assert sorted(table.name) == sorted(names)
+    assert dict(zip(table.name, table.norm, strict=True)) == pytest.approx({names[0]: 0.2, names[1]: 0.4})

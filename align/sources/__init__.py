@@ -29,10 +29,13 @@ def detect(path: str | Path) -> str:
 
         if is_msprobe_dump(p):
             return "msprobe"
+        if any(p.glob("worker_*.log")) or any((p / "msrun_log").glob("worker_*.log")):
+            return "mindformers_log"
         if any(p.rglob("events.out.tfevents.*")):
             return "tensorboard"
         raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/), an msprobe dump "
-                       "(step*/rank*/dump.json) nor a TensorBoard log dir (events.out.tfevents.*)")
+                       "(step*/rank*/dump.json), msrun worker logs (worker_N.log) nor a TensorBoard log dir "
+                       "(events.out.tfevents.*)")
     regular_file(p, "training log")   # a FIFO would block here, a device never end
     with open(p, "rb") as fh:
         head = fh.read(4 << 20)
@@ -69,8 +72,8 @@ def load_run(path: str | Path, kind: str | None = None) -> Run:
         from align.sources.megatron_log import parse_megatron_log
         return parse_megatron_log(path)
     if kind == "mindformers_log":
-        from align.sources.mindformers_log import parse_mindformers_log
-        return parse_mindformers_log(path)
+        from align.sources.mindformers_log import parse_mindformers_dir, parse_mindformers_log
+        return parse_mindformers_dir(path) if Path(path).is_dir() else parse_mindformers_log(path)
     if kind == "tensorboard":
         from align.sources.tensorboard import read_tensorboard
         return read_tensorboard(path)

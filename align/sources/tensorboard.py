@@ -101,4 +101,8 @@ def read_tensorboard(path: str | Path) -> Run:
     if len(files) > 1:
         notes.append(f"{len(files)} event files merged (a later file wins on repeated steps)")
     meta = {"framework": "tensorboard", "source": {"kind": "tensorboard", "path": str(path)}}
+    if "total_loss" in series:
+        meta["loss_key"] = "lm_loss"
+        notes.append("loss = MindFormers' lm-loss tag (comparable with Megatron's 'lm loss'); its 'loss' tag "
+                     "(lm + aux + MTP) is total_loss")
     return Run(str(path), "tensorboard", meta, series, local_norms, notes)

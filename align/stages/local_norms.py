@@ -6,7 +6,7 @@ from align.core.findings import StageResult, skipped
 from align.core.run import Run
 from align.stages import Stage
 from align.stages.evidence import Evidence
-from comparators.local_norms import combine_tables, compare_local_norms, compare_norm_entries
+from comparators.local_norms import compare_local_norms
 
 SEARCH = 20   # steps looked at for the first one both runs recorded local norms at
 
@@ -29,19 +29,8 @@ def run(ev: Evidence) -> StageResult:
     if unnamed:
         return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (optimizer order)")
     dtype, source = ev.dtype
-    if b.store is not None and c.store is not None and step not in b.local_norms and step not in c.local_norms:
-        res = compare_local_norms(b.store, c.store, ev.inputs.mapping, step=step, dtype=dtype)
-    else:
-        from align.core.mapping import Mapping
-        from comparators.local_norms import RTOL
-
-        entries = []
-        for r in (b, c):
-            t = r.local_norm_table(step)
-            entries.append(combine_tables([({}, {k: t[k].to_numpy() for k in t.columns if k != "rank"})]))
-        pass_tol, warn_tol = RTOL.get(dtype, RTOL["float32"])
-        res = compare_norm_entries(entries[0], entries[1], Mapping.load(ev.inputs.mapping), pass_tol=pass_tol,
-                                   warn_tol=warn_tol, info={"step": step, "dtype": dtype})
+    res = compare_local_norms(b.store if b.store is not None else b, c.store if c.store is not None else c,
+                              ev.inputs.mapping, step=step, dtype=dtype)
     res.details["dtype_source"] = source
     return res
 
