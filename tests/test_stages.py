@@ -148,3 +148,23 @@ def test_extending_doc_stage_example_runs(tmp_path: Path) -> None:
                 w.log_scalars(s, {"loss_scale": v})
     res = mod.STAGE.run(Evidence.load(Inputs(str(b), str(c))))
     assert res.verdict == "warn" and res.findings[0].value == 4
+
+
+def test_extending_doc_source_example_is_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/extending.md's source file, imported as written and added to the dispatch table, opens a CSV."""
+    import importlib.util
+    import re
+
+    import align.sources as sources
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    code = re.search(r"```python\n(# align/sources/csv_losses.py.*?)```", text, re.S).group(1)
+    (tmp_path / "csv_losses.py").write_text(code)
+    spec = importlib.util.spec_from_file_location("csv_losses_example", tmp_path / "csv_losses.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sources, "_TABLE", sorted([*sources.sources(), mod.SOURCE], key=lambda s: s.order))
+    (tmp_path / "a.csv").write_text("step,loss\n1,10.5\n2,10.25\n")
+    assert sources.detect(tmp_path / "a.csv") == "csv_losses"
+    assert sources.load_run(tmp_path / "a.csv").series("loss")[2] == 10.25
+    assert [s.kind for s in sources.sources()][:2] == ["runstore", "golden_values"]

@@ -17,6 +17,7 @@ from typing import Any
 
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
+from align.sources import Source
 from align.sources.tensorboard import scalar_key
 
 FIELDS = ("start_step", "end_step", "step_interval", "values")
@@ -100,3 +101,11 @@ def read_golden_values(path: str | Path) -> Run:
             "golden_values": {k: {f: data[k].get(f) for f in FIELDS[:3]} for k in data
                               if isinstance(data[k], dict) and "values" in data[k]}}
     return Run(str(path), "golden_values", meta, series, {}, notes)
+
+
+def _is_golden_values(path: Path, head: bytes | None) -> bool:
+    return head is not None and looks_like_golden_values(head)
+
+
+SOURCE = Source("golden_values", 10, _is_golden_values, read_golden_values,
+                "a Megatron-LM golden-values JSON ({metric: {start_step, end_step, step_interval, values}})")

@@ -37,6 +37,7 @@ import pandas as pd
 
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
+from align.sources import Source
 from align.sources.logtext import clean_text, read_log_bytes, unwrap
 
 # "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
@@ -389,3 +390,18 @@ def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[
                      "sizes dropped")
         sizes = []
     return (sizes, values), k
+
+
+def _is_mindformers_log(path: Path, head: bytes | None) -> bool:
+    if head is None:
+        return any(path.glob("worker_*.log")) or any((path / "msrun_log").glob("worker_*.log"))
+    return b"Epoch:[" in head or b"local_norm:" in head
+
+
+def _load(path: Path) -> Run:
+    return parse_mindformers_dir(path) if path.is_dir() else parse_mindformers_log(path)
+
+
+SOURCE = Source("mindformers_log", 30, _is_mindformers_log, _load,
+                "a MindFormers log ('Epoch:[..], step:[..]' lines) or a folder of msrun worker_N.log files",
+                markers=(b"Epoch:[",))

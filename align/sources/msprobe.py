@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from align.core.errors import BadInput
+from align.sources import Source
 
 if TYPE_CHECKING:
     from align.core.run import Run
@@ -224,3 +225,10 @@ def read_msprobe(path: str | Path) -> Run:
                                                   "ranks": sorted({r for v in d.folders.values() for r in v})}}
     notes = [f"msprobe {d.framework} dump ({d.task}, {d.level}): layer tensors only, no loss curve"]
     return Run(str(path), "msprobe", meta, {}, {}, notes)
+
+
+def _is_msprobe(path: Path, head: bytes | None) -> bool:
+    return head is None and is_msprobe_dump(path)
+
+
+SOURCE = Source("msprobe", 20, _is_msprobe, read_msprobe, "an msprobe dump (step*/rank*/dump.json)")

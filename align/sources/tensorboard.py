@@ -20,6 +20,7 @@ import pandas as pd
 
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
+from align.sources import Source
 
 LM_LOSS_TAGS = ("lm loss", "lm-loss")
 TAGS = {
@@ -106,3 +107,11 @@ def read_tensorboard(path: str | Path) -> Run:
         notes.append("loss = MindFormers' lm-loss tag (comparable with Megatron's 'lm loss'); its 'loss' tag "
                      "(lm + aux + MTP) is total_loss")
     return Run(str(path), "tensorboard", meta, series, local_norms, notes)
+
+
+def _is_tensorboard(path: Path, head: bytes | None) -> bool:
+    return head is None and any(path.rglob("events.out.tfevents.*"))
+
+
+SOURCE = Source("tensorboard", 50, _is_tensorboard, read_tensorboard,
+                "a TensorBoard log dir (events.out.tfevents.*)")
