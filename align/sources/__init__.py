@@ -8,14 +8,13 @@ built on first use, so importing one source module stays cheap.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from align.core.errors import BadInput
+from align.core.registry import collect
 from align.core.schema import regular_file
 from align.sources.logtext import looks_binary
 
@@ -46,10 +45,7 @@ _TABLE: list[Source] | None = None
 def sources() -> list[Source]:
     global _TABLE
     if _TABLE is None:
-        found: list[Source] = []
-        for info in pkgutil.iter_modules(__path__):
-            mod = importlib.import_module(f"{__name__}.{info.name}")
-            found += list(getattr(mod, "SOURCES", [])) + ([mod.SOURCE] if hasattr(mod, "SOURCE") else [])
+        found: list[Source] = collect(__name__, __path__, "SOURCE", "SOURCES")
         _TABLE = sorted(found, key=lambda s: s.order)
     return _TABLE
 

@@ -8,12 +8,11 @@ defines ``STAGE`` (or ``STAGES``); see docs/extending.md.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from align.core.findings import StageResult
+from align.core.registry import collect
 from align.stages.evidence import Evidence, Inputs, Options
 
 __all__ = ["Evidence", "Inputs", "Options", "Stage", "registry", "run_stages"]
@@ -44,12 +43,7 @@ def registry() -> list[Stage]:
     """Every stage module in this package, sorted by ``order`` (each module defines STAGE or STAGES)."""
     global _REGISTRY
     if _REGISTRY is None:
-        found: list[Stage] = []
-        for info in pkgutil.iter_modules(__path__):
-            if info.name in ("evidence", "common"):
-                continue
-            mod = importlib.import_module(f"{__name__}.{info.name}")
-            found += list(getattr(mod, "STAGES", [])) + ([mod.STAGE] if hasattr(mod, "STAGE") else [])
+        found: list[Stage] = collect(__name__, __path__, "STAGE", "STAGES", skip=("evidence",))
         names = [s.name for s in found]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
