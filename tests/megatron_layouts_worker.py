@@ -1,0 +1,116 @@
+"""Megatron-core layouts users train with, on CPU (gloo): the dumper's view of each, written as run stores.
+
+Why one script with several layouts: every torchrun launch costs ~10 s of imports on a 2-core machine, so a
+launch runs its layouts one after the other, re-initialising Megatron's parallel state in between
+(``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
+batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
+
+one process (``--scenarios ref,fp16,ref_moe``)
+  ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
+  fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
+  ref_moe   MoE (4 experts, top-2, allgather dispatcher, shared expert with gate), EP=1.
+two processes (``--scenarios distopt,pp2,ep2``)
+  distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
+  pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
+  ep2       the MoE model at EP=2 (DP=2 for dense parameters), a ChainedOptimizer (dense + expert).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from demo import megatron_cpu as mc  # noqa: E402
+from dumpers.megatron import MegatronDumper  # noqa: E402
+from dumpers.torch_dumper import DumpConfig  # noqa: E402
+
+STEPS = 2
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
+       "moe_aux_loss_coeff": 0.0, "moe_ffn_hidden_size": 64, "moe_shared_expert_intermediate_size": 64,
+       "moe_shared_expert_gate": True, "moe_router_load_balancing_type": "none"}
+
+
+def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distopt: bool = False,
+                 loss_scale: float | None = None, grad_fp32: bool = True) -> dict:
+    """Train STEPS steps of the current layout with the dumper; micro = DP ranks whose batches this rank runs."""
+    from megatron.core.distributed import finalize_model_grads
+
+    chunks = mc.build_model_chunks(cfg, seed=1234)
+    # small buckets under the distributed optimizer: each bucket is split across DP ranks, so parameters
+    # straddle the shard boundary (one bucket happens to split between two whole parameters here)
+    ddp = [mc.wrap_ddp(c, use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_fp32,
+                       bucket_size=10000 if distopt else None) for c in chunks]
+    opt = mc.make_megatron_optimizer(ddp, lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distopt,
+                                     loss_scale=loss_scale)
+    config = ddp[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = opt.scale_loss
+    dumper = MegatronDumper(ddp, opt, DumpConfig(out=out, seed_layout=True),
+                            meta={"config": {"kind": "megatron_args", "values": cfg.as_dict()}})
+    losses, norms = [], []
+    for step in range(1, STEPS + 1):
+        dumper.begin_step(step)
+        for c in ddp:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        batches = [mc.synthetic_batch(step, cfg, dp_rank=d) for d in micro]
+        reduced = mc.pipeline_forward_backward(ddp, batches, cfg, on_batch=dumper.record_batch)
+        ok, gnorm, _ = opt.step()
+        loss = mc.reduce_lm_loss(reduced)
+        losses.append(loss)
+        norms.append(gnorm)
+        dumper.end_step(loss=loss)
+    dumper.close()
+    return {"losses": losses, "grad_norms": norms, "errors": dumper.errors, "error_log": dumper.error_log,
+            "optimizer": type(opt.inner).__name__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scenarios", required=True)
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    info = mc.init_megatron_cpu(tp=1, seed=1234)
+    out = Path(args.out)
+    dense = mc.TinyLlamaConfig(micro_batch_size=2)
+    moe = mc.TinyLlamaConfig(micro_batch_size=2, extra=dict(MOE))
+    result: dict = {"rank": info.rank}
+    for scenario in args.scenarios.split(","):
+        if scenario == "ref":
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+        elif scenario == "fp16":
+            cfg16 = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="float16")
+            result[scenario] = train_layout(out / scenario, cfg16, micro=[0, 1], loss_scale=1024.0,
+                                            grad_fp32=False)
+        elif scenario == "ref_moe":
+            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
+        elif scenario == "distopt":
+            info = mc.set_parallel()
+            result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True)
+        elif scenario == "pp2":
+            info = mc.set_parallel(pp=2)
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+        elif scenario == "ep2":
+            info = mc.set_parallel(ep=2)
+            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank])
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        result[scenario]["info"] = mc.parallel_info().as_dict()
+    (out / f"result_{args.scenarios.replace(',', '_')}_rank{info.rank}.json").write_text(json.dumps(result))
+    mc.destroy_megatron_cpu()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,168 @@
+"""The Megatron dumper at the layouts users train with, on real megatron-core (CPU, gloo).
+
+Every layout trains the same model (weights drawn by global name) on the same global batch, so the named
+local norms of each must equal the plain one-process run's: distributed optimizer (DP=2, gradients
+reduce-scattered), pipeline (PP=2, Megatron's 1F1B schedule), MoE with expert parallelism (EP=2, chained
+dense + expert optimizer), and fp16 with a loss scale. Two launches of tests/megatron_layouts_worker.py
+(one process, two processes) write the stores.
+
+Tolerances: layouts that run the same float32 arithmetic in another order agree to ~1e-7 relative
+(measured: DP/PP 0, EP 1e-7); the test allows 1e-6. fp16 against float32: measured 2.4e-4 worst per
+parameter; allowed 1e-2, while a loss-scaled norm (x1024) or a DP shard read as the whole would be off by
+orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from align.core.runstore import RunReader
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from comparators.local_norms import combine_tables, read_local_norms  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "megatron_layouts_worker.py"
+
+
+def _run(out: Path, scenarios: str, nproc: int) -> dict[int, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    args = [str(WORKER), "--out", str(out), "--scenarios", scenarios]
+    cmd = [sys.executable, *args] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tag = scenarios.replace(",", "_")
+    return {r: json.loads((out / f"result_{tag}_rank{r}.json").read_text()) for r in range(nproc)}
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, dict]]]:
+    out = tmp_path_factory.mktemp("layouts")
+    one = _run(out, "ref,fp16,ref_moe", 1)
+    two = _run(out, "distopt,pp2,ep2", 2)
+    results = {k: {0: one[0][k]} for k in ("ref", "fp16", "ref_moe")}
+    results.update({k: {r: two[r][k] for r in (0, 1)} for k in ("distopt", "pp2", "ep2")})
+    for name, per_rank in results.items():
+        for r in per_rank.values():
+            assert r["errors"] == 0, (name, r["error_log"])
+    return out, results
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), 1e-30)
+
+
+def _assert_same_norms(ref: dict, got: dict, rtol: float) -> float:
+    assert sorted(ref) == sorted(got)
+    worst = 0.0
+    for name, e in ref.items():
+        assert got[name].full_numel() == e.full_numel(), name
+        worst = max(worst, _rel(e.full_norm(), got[name].full_norm()))
+    assert worst <= rtol, worst
+    return worst
+
+
+def test_distributed_optimizer_named_norms_equal_one_process(stores) -> None:
+    out, results = stores
+    ref, _ = read_local_norms(out / "ref", 1)
+    for step in (1, 2):
+        got, info = read_local_norms(out / "distopt", step)
+        ref_step, _ = read_local_norms(out / "ref", step)
+        _assert_same_norms(ref_step, got, 1e-6)
+        # root-sum-square of the combined named norms = the optimizer's own grad norm on every rank
+        rss = math.sqrt(sum(e.full_norm() ** 2 for e in got.values()))
+        for r in (0, 1):
+            assert rss == pytest.approx(results["distopt"][r]["grad_norms"][step - 1], rel=1e-6)
+        assert info["global_norm"] == results["distopt"][0]["grad_norms"][step - 1]
+    assert results["distopt"][0]["losses"] == pytest.approx(results["ref"][0]["losses"], rel=1e-6)
+    r = RunReader(out / "distopt")
+    tables = [r.step_arrays(1, k).table("local_norm") for k in (0, 1)]
+    assert all((t["dp_shard"] == 1).all() and (t["dp_size"] == 2).all() for t in tables)
+    assert [sorted(set(t["dp_rank"])) for t in tables] == [[0], [1]]
+    # parameters straddle the shard boundary: both ranks hold a non-empty part of them
+    split = set(tables[0][tables[0]["numel"] > 0]["name"]) & set(tables[1][tables[1]["numel"] > 0]["name"])
+    assert len(split) >= 2
+    # one rank's rows alone are not the parameter's norm (what "first rank wins" used to keep)
+    one_rank = tables[0].set_index("name")
+    name = sorted(split)[0]
+    assert _rel(ref[name].full_norm(), float(one_rank.loc[name, "norm"])) > 1e-2
+    # the in-memory combiner agrees with the file reader
+    mem = combine_tables([(r.rank_info(k), {c: t[c].to_numpy() for c in t.columns}) for k, t in enumerate(tables)])
+    assert {n: e.full_norm() for n, e in mem.items()} == {n: e.full_norm() for n, e in
+                                                           read_local_norms(out / "distopt", 1)[0].items()}
+
+
+def test_fp16_norms_unscaled_and_dtypes_recorded(stores) -> None:
+    out, results = stores
+    meta = RunReader(out / "fp16").meta
+    assert meta["dtypes"] == {"params": "float16", "grads": "float16", "compute": "float16"}
+    assert RunReader(out / "ref").meta["dtypes"] == {"params": "float32", "grads": "float32",
+                                                      "compute": "float32"}
+    for step in (1, 2):
+        ref, _ = read_local_norms(out / "ref", step)
+        got, info = read_local_norms(out / "fp16", step)
+        worst = _assert_same_norms(ref, got, 1e-2)
+        assert worst > 0  # fp16 really ran in fp16
+        assert info["global_norm"] == pytest.approx(results["ref"][0]["grad_norms"][step - 1], rel=1e-2)
+
+
+def test_pipeline_global_names_norms_and_batch_parts(stores) -> None:
+    out, results = stores
+    for step in (1, 2):
+        ref, _ = read_local_norms(out / "ref", step)
+        got, info = read_local_norms(out / "pp2", step)
+        _assert_same_norms(ref, got, 1e-6)
+        assert all(len(e.pp_ranks) == 1 for e in got.values())
+        assert info["global_norm"] == pytest.approx(results["ref"][0]["grad_norms"][step - 1], rel=1e-6)
+    r = RunReader(out / "pp2")
+    last = r.step_arrays(1, 1).table("local_norm")
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in set(last["name"])  # stage-local layer 0 -> global 1
+    assert not any(n.startswith("decoder.layers.0.") for n in last["name"])
+    first, second = r.step_arrays(1, 0).data, r.step_arrays(1, 1).data
+    assert {"batch/tokens", "batch/position_ids"} <= set(first) and "batch/labels" not in first
+    assert {"batch/labels", "batch/loss_mask"} <= set(second) and "batch/tokens" not in second
+    assert results["pp2"][1]["losses"] == pytest.approx(results["ref"][0]["losses"], rel=1e-6)
+
+
+def test_pipeline_batches_replay(stores) -> None:
+    pytest.importorskip("mindspore")
+    from dumpers.mindformers_replay import ReplaySource
+
+    out, _ = stores
+    pp, ref = ReplaySource(out / "pp2", rank=0), ReplaySource(out / "ref", rank=0)
+    pp.check_all()
+    for step in (1, 2):
+        a, b = pp.batch(step), ref.batch(step)
+        assert sorted(a) == ["input_ids", "labels", "loss_mask"]
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
+    out, results = stores
+    for step in (1, 2):
+        ref, _ = read_local_norms(out / "ref_moe", step)
+        got, info = read_local_norms(out / "ep2", step)
+        _assert_same_norms(ref, got, 1e-6)
+        assert info["global_norm"] == pytest.approx(results["ref_moe"][0]["grad_norms"][step - 1], rel=1e-6)
+    r = RunReader(out / "ep2")
+    names = [set(r.step_arrays(1, k).table("local_norm")["name"]) for k in (0, 1)]
+    experts = [{n.split("local_experts.")[1].split(".")[0] for n in s if "local_experts." in n} for s in names]
+    assert experts == [{"0", "1"}, {"2", "3"}]  # EP rank 1 holds global experts 2 and 3
+    for part in ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.gate_weight"):
+        assert f"decoder.layers.0.{part}" in names[0]
+    assert {r.rank_info(k)["ep_rank"] for k in (0, 1)} == {0, 1}
+    assert results["ep2"][0]["optimizer"] == "ChainedOptimizer"
+    assert results["ep2"][0]["losses"] == pytest.approx(results["ref_moe"][0]["losses"], rel=1e-6)
