@@ -5,10 +5,12 @@ launch runs its layouts one after the other, re-initialising Megatron's parallel
 (``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
 batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
 
-one process (``--scenarios ref,fp16,ref_moe``)
+one process (``--scenarios ref,fp16,ref_moe,lm_loop``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
   ref_moe   MoE (4 experts, top-2, allgather dispatcher, shared expert with gate), EP=1.
+  lm_loop   the integration (dumpers.megatron_lm.install) on a loop shaped like Megatron-LM's train()
+            (tests/megatron_lm_shape.py): 3 iterations, evaluation after iteration 2.
 two processes (``--scenarios distopt,pp2,ep2``)
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
   pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
@@ -73,6 +75,30 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
             "optimizer": type(opt.inner).__name__}
 
 
+def lm_loop(out: Path, cfg: mc.TinyLlamaConfig) -> dict:
+    """The documented integration: install() first, then Megatron-LM's train() runs untouched."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import megatron_lm_shape as shape
+
+    from dumpers.megatron_lm import install
+
+    integration = install(out=out, seed_layout=True, module=shape)
+    chunks = mc.build_model_chunks(cfg, seed=1234)
+    ddp = [mc.wrap_ddp(c) for c in chunks]
+    opt = mc.make_megatron_optimizer(ddp, lr=1e-3, clip_grad=1.0)
+    train_batches = [mc.synthetic_batch(s, cfg, dp_rank=d) for s in (1, 2, 3) for d in (0, 1)]
+    valid_batches = [mc.synthetic_batch(100 + s, cfg) for s in range(4)]
+    log = shape.train(shape.forward_step, ddp, opt, None, iter(train_batches), iter(valid_batches),
+                      SimpleNamespace(seq_len=cfg.seq_length, mbs=cfg.micro_batch_size))
+    integration.close()
+    dumper = integration.dumper
+    return {"log": log, "errors": dumper.errors, "error_log": dumper.error_log,
+            "train_tokens": [b["tokens"].tolist() for b in train_batches],
+            "valid_tokens": [b["tokens"].tolist() for b in valid_batches]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -93,6 +119,8 @@ def main() -> None:
             cfg16 = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="float16")
             result[scenario] = train_layout(out / scenario, cfg16, micro=[0, 1], loss_scale=1024.0,
                                             grad_fp32=False)
+        elif scenario == "lm_loop":
+            result[scenario] = lm_loop(out / scenario, dense)
         elif scenario == "ref_moe":
             result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
         elif scenario == "distopt":

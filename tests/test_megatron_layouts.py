@@ -4,7 +4,8 @@ Every layout trains the same model (weights drawn by global name) on the same gl
 local norms of each must equal the plain one-process run's: distributed optimizer (DP=2, gradients
 reduce-scattered), pipeline (PP=2, Megatron's 1F1B schedule), MoE with expert parallelism (EP=2, chained
 dense + expert optimizer), and fp16 with a loss scale. Two launches of tests/megatron_layouts_worker.py
-(one process, two processes) write the stores.
+(one process, two processes) write the stores. The same one-process launch runs the Megatron-LM
+integration (dumpers.megatron_lm) on a loop shaped like Megatron-LM's train() with evaluation in between.
 
 Tolerances: layouts that run the same float32 arithmetic in another order agree to ~1e-7 relative
 (measured: DP/PP 0, EP 1e-7); the test allows 1e-6. fp16 against float32: measured 2.4e-4 worst per
@@ -50,9 +51,9 @@ def _run(out: Path, scenarios: str, nproc: int) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, dict]]]:
     out = tmp_path_factory.mktemp("layouts")
-    one = _run(out, "ref,fp16,ref_moe", 1)
+    one = _run(out, "ref,fp16,ref_moe,lm_loop", 1)
     two = _run(out, "distopt,pp2,ep2", 2)
-    results = {k: {0: one[0][k]} for k in ("ref", "fp16", "ref_moe")}
+    results = {k: {0: one[0][k]} for k in ("ref", "fp16", "ref_moe", "lm_loop")}
     results.update({k: {r: two[r][k] for r in (0, 1)} for k in ("distopt", "pp2", "ep2")})
     for name, per_rank in results.items():
         for r in per_rank.values():
@@ -166,3 +167,30 @@ def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
     assert {r.rank_info(k)["ep_rank"] for k in (0, 1)} == {0, 1}
     assert results["ep2"][0]["optimizer"] == "ChainedOptimizer"
     assert results["ep2"][0]["losses"] == pytest.approx(results["ref_moe"][0]["losses"], rel=1e-6)
+
+
+def test_megatron_lm_loop_integration_records_training_iterations_only(stores) -> None:
+    out, results = stores
+    res = results["lm_loop"][0]
+    log = res["log"]
+    assert "val" in log[1]  # an evaluation pass ran after iteration 2, through the same forward_step
+    r = RunReader(out / "lm_loop")
+    assert r.array_steps() == [1, 2, 3] and not r.incomplete
+    sc = r.scalars().set_index("step")
+    train = np.array(res["train_tokens"])  # [step*2 + dp] micro-batches, in the order the loader gave them
+    for step in (1, 2, 3):
+        a = r.step_arrays(step)
+        tokens = a.data["batch/tokens"]
+        assert a.attrs["batch/tokens"]["micro_batches"] == 2  # eval micro-batches not appended
+        np.testing.assert_array_equal(tokens, np.concatenate(train[2 * (step - 1):2 * step]))
+        for v in res["valid_tokens"]:
+            assert not any(np.array_equal(np.array(v)[0], row) for row in tokens)
+        # loss as Megatron reduces it for its log; norms from inside optimizer.step, before zeroing
+        assert sc.loc[step, "loss"] == log[step - 1]["lm loss"]
+        ln = a.table("local_norm")
+        assert (ln["norm"] > 0).all() and len(ln) == 15
+        assert a.attrs["local_norm"]["global_norm"] == log[step - 1]["grad_norm"]
+        assert math.sqrt(float((ln["norm"] ** 2).sum())) == pytest.approx(log[step - 1]["grad_norm"], rel=1e-6)
+    # the same model and batches as the hand-driven reference run: same losses
+    assert [e["lm loss"] for e in log[:2]] == pytest.approx(results["ref"][0]["losses"], rel=1e-7)
+    assert r.meta["framework"] == "megatron-core" and r.meta["dtypes"]["params"] == "float32"
