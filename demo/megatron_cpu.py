@@ -297,7 +297,8 @@ def init_weights_by_name(chunks: list[torch.nn.Module], seed: int = 1234, std: f
     """Give every parameter a value drawn from its global name, so TP/PP/EP layouts hold the same model.
 
     The full tensor is drawn from a generator seeded by (seed, crc32(global name)); a TP-partitioned
-    parameter keeps its rank's slice of it. Norm weights stay 1 (their initial value in Megatron).
+    parameter keeps its rank's slice of it (a gated fc1 its slices of gate and up). Norm weights stay 1 (their
+    initial value in Megatron).
     """
     import zlib
 
@@ -306,6 +307,7 @@ def init_weights_by_name(chunks: list[torch.nn.Module], seed: int = 1234, std: f
     from dumpers.megatron import global_namer
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    gated = bool(getattr(getattr(chunks[0], "config", None), "gated_linear_unit", False)) if chunks else False
     with torch.no_grad():
         for chunk in chunks:
             name_of = global_namer(chunk)
@@ -318,7 +320,10 @@ def init_weights_by_name(chunks: list[torch.nn.Module], seed: int = 1234, std: f
                     shape[dim] *= tp
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name_of(name).encode()))
                 full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
-                if dim >= 0:
+                if dim >= 0 and gated and name.endswith("linear_fc1.weight"):
+                    # gated fc1 is [gate; up] of the whole; each TP rank holds [gate_r; up_r]
+                    full = torch.cat([h.chunk(tp, dim=0)[tp_rank] for h in full.chunk(2, dim=0)], dim=0)
+                elif dim >= 0:
                     full = full.chunk(tp, dim=dim)[tp_rank]
                 p.copy_(full.to(p.dtype))
 

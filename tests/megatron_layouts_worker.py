@@ -5,16 +5,20 @@ launch runs its layouts one after the other, re-initialising Megatron's parallel
 (``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
 batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
 
-one process (``--scenarios ref,fp16,ref_moe,lm_loop``)
+one process (``--scenarios ref,fp16,ref_moe,lm_loop,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
   ref_moe   MoE (4 experts, top-2, allgather dispatcher, shared expert with gate), EP=1.
   lm_loop   the integration (dumpers.megatron_lm.install) on a loop shaped like Megatron-LM's train()
             (tests/megatron_lm_shape.py): 3 iterations, evaluation after iteration 2.
-two processes (``--scenarios distopt,pp2,ep2``)
+  ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
+two processes (``--scenarios distopt,pp2,ep2,ckpt_tp2,ckpt_pp2``)
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
   pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
   ep2       the MoE model at EP=2 (DP=2 for dense parameters), a ChainedOptimizer (dense + expert).
+  ckpt_tp2  the untrained model at TP=2 saved by megatron-core's dist_checkpointing (torch_dist) and in the
+            legacy layout (mp_rank_0T/model_optim_rng.pt with a pickled argparse Namespace), + step-1 loss.
+  ckpt_pp2  the same at PP=2, legacy layout (mp_rank_00_00P).
 """
 
 from __future__ import annotations
@@ -99,6 +103,35 @@ def lm_loop(out: Path, cfg: mc.TinyLlamaConfig) -> dict:
             "valid_tokens": [b["tokens"].tolist() for b in valid_batches]}
 
 
+def save_legacy(root: Path, model: torch.nn.Module, info: mc.ParallelInfo, pp: int) -> None:
+    """Megatron-LM's legacy ``torch`` format: the model state_dict next to a pickled argparse Namespace."""
+    import argparse
+
+    name = f"mp_rank_{info.tp_rank:02d}" + (f"_{info.pp_rank:03d}" if pp > 1 else "")
+    (root / name).mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(swiglu=True, tensor_model_parallel_size=info.tp, pipeline_model_parallel_size=pp,
+                              num_layers=2, params_dtype=torch.float32)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": model.state_dict()},
+               root / name / "model_optim_rng.pt")
+
+
+def checkpoint(out: Path, cfg: mc.TinyLlamaConfig, info: mc.ParallelInfo, *, dist: bool) -> dict:
+    from megatron.core import dist_checkpointing
+
+    model = mc.build_model_chunks(cfg, seed=1234)[0]
+    res: dict = {}
+    if info.pp == 1:
+        with torch.no_grad():
+            res["loss"] = float(mc.forward_loss(model, mc.synthetic_batch(1, cfg)))
+    if dist:
+        (out / "torch_dist").mkdir(parents=True, exist_ok=True)
+        with mc.cpu_device_redirect():
+            dist_checkpointing.save(model.sharded_state_dict(), str(out / "torch_dist"))
+    save_legacy(out / "legacy", model, info, info.pp)
+    torch.distributed.barrier()
+    return {**res, "errors": 0, "error_log": []}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -121,6 +154,19 @@ def main() -> None:
                                             grad_fp32=False)
         elif scenario == "lm_loop":
             result[scenario] = lm_loop(out / scenario, dense)
+        elif scenario == "ckpt_ref":
+            model = mc.build_model_chunks(dense, seed=1234)[0]
+            (out / scenario).mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), out / scenario / "megatron.pt")
+            with torch.no_grad():
+                loss = float(mc.forward_loss(model, mc.synthetic_batch(1, dense)))
+            result[scenario] = {"loss": loss, "errors": 0, "error_log": []}
+        elif scenario == "ckpt_tp2":
+            info = mc.set_parallel(tp=2)
+            result[scenario] = checkpoint(out / scenario, dense, info, dist=True)
+        elif scenario == "ckpt_pp2":
+            info = mc.set_parallel(pp=2)
+            result[scenario] = checkpoint(out / scenario, dense, info, dist=False)
         elif scenario == "ref_moe":
             result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
         elif scenario == "distopt":

@@ -5,7 +5,9 @@ local norms of each must equal the plain one-process run's: distributed optimize
 reduce-scattered), pipeline (PP=2, Megatron's 1F1B schedule), MoE with expert parallelism (EP=2, chained
 dense + expert optimizer), and fp16 with a loss scale. Two launches of tests/megatron_layouts_worker.py
 (one process, two processes) write the stores. The same one-process launch runs the Megatron-LM
-integration (dumpers.megatron_lm) on a loop shaped like Megatron-LM's train() with evaluation in between.
+integration (dumpers.megatron_lm) on a loop shaped like Megatron-LM's train() with evaluation in between,
+and the checkpoint readers get what megatron-core's dist_checkpointing (torch_dist) and the legacy
+mp_rank_* layout wrote at TP=2 / PP=2.
 
 Tolerances: layouts that run the same float32 arithmetic in another order agree to ~1e-7 relative
 (measured: DP/PP 0, EP 1e-7); the test allows 1e-6. fp16 against float32: measured 2.4e-4 worst per
@@ -51,10 +53,11 @@ def _run(out: Path, scenarios: str, nproc: int) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, dict]]]:
     out = tmp_path_factory.mktemp("layouts")
-    one = _run(out, "ref,fp16,ref_moe,lm_loop", 1)
-    two = _run(out, "distopt,pp2,ep2", 2)
-    results = {k: {0: one[0][k]} for k in ("ref", "fp16", "ref_moe", "lm_loop")}
-    results.update({k: {r: two[r][k] for r in (0, 1)} for k in ("distopt", "pp2", "ep2")})
+    one = _run(out, "ref,fp16,ref_moe,lm_loop,ckpt_ref", 1)
+    two = _run(out, "distopt,pp2,ep2,ckpt_tp2,ckpt_pp2", 2)
+    results = {k: {0: one[0][k]} for k in ("ref", "fp16", "ref_moe", "lm_loop", "ckpt_ref")}
+    results.update({k: {r: two[r][k] for r in (0, 1)} for k in ("distopt", "pp2", "ep2", "ckpt_tp2",
+                                                                 "ckpt_pp2")})
     for name, per_rank in results.items():
         for r in per_rank.values():
             assert r["errors"] == 0, (name, r["error_log"])
@@ -194,3 +197,99 @@ def test_megatron_lm_loop_integration_records_training_iterations_only(stores) -
     # the same model and batches as the hand-driven reference run: same losses
     assert [e["lm loss"] for e in log[:2]] == pytest.approx(results["ref"][0]["losses"], rel=1e-7)
     assert r.meta["framework"] == "megatron-core" and r.meta["dtypes"]["params"] == "float32"
+
+
+# -- Megatron checkpoints (align.checkpoints.megatron, align convert-weights) ------------------------------
+
+TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def _ref_state(out: Path) -> dict[str, np.ndarray]:
+    import torch
+
+    sd = torch.load(out / "ckpt_ref" / "megatron.pt", weights_only=True)
+    return {k: v.numpy() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _local_names(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in state.items():
+        for te, local in TE_NORMS.items():
+            k = k.replace(te, local)
+        out[k] = v
+    return out
+
+
+def test_checkpoint_readers_merge_tp_and_pp_bit_identical(stores) -> None:
+    from align.checkpoints.megatron import read_megatron_checkpoint
+
+    out, results = stores
+    ref = _ref_state(out)
+    assert results["ckpt_tp2"][0]["loss"] == results["ckpt_ref"][0]["loss"]  # same model at TP=2
+    for src in ("ckpt_tp2/torch_dist", "ckpt_tp2/legacy", "ckpt_pp2/legacy"):
+        got, dtypes = read_megatron_checkpoint(out / src)
+        got = _local_names(got)  # dist_checkpointing stores the local spec's norms under TE names
+        assert sorted(got) == sorted(ref), src
+        for k, v in ref.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=f"{src}: {k}")
+        assert set(dtypes.values()) == {"float32"}
+
+
+def test_convert_weights_from_torch_dist_tp2_step1_loss_equals_megatron(stores, tmp_path) -> None:
+    import argparse
+
+    ms = pytest.importorskip("mindspore")
+    mf = pytest.importorskip("demo.mindformers_cpu")
+    from align import convert_weights as cw
+    from demo.megatron_cpu import TinyLlamaConfig, synthetic_batch
+
+    out, results = stores
+    cfg = TinyLlamaConfig(micro_batch_size=2)
+    parser = argparse.ArgumentParser()
+    cw.add_arguments(parser)
+    ckpt = tmp_path / "mf.ckpt"
+    assert cw.run(parser.parse_args([str(out / "ckpt_tp2" / "torch_dist"), "--to", "mindformers", "--out",
+                                     str(ckpt), "--num-heads", str(cfg.num_attention_heads),
+                                     "--num-query-groups", str(cfg.num_query_groups)])) == 0
+    mf.set_cpu_context("pynative", seed=0)
+    net = mf.build_tiny_llama(seed=0, **mf.overrides_like_megatron(cfg))
+    not_loaded, unused = ms.load_param_into_net(net, ms.load_checkpoint(str(ckpt)), strict_load=True)
+    assert not not_loaded and not unused, (not_loaded, unused)
+    batch = synthetic_batch(1, cfg)
+    loss = float(mf.LlamaReplayLoss(net)(ms.Tensor(batch["tokens"].numpy().astype(np.int32)),
+                                         ms.Tensor(batch["labels"].numpy().astype(np.int32)),
+                                         ms.Tensor(batch["loss_mask"].numpy())).asnumpy().reshape(-1)[0])
+    megatron_loss = results["ckpt_tp2"][0]["loss"]
+    assert loss == pytest.approx(megatron_loss, rel=4e-6), (megatron_loss, loss)  # float32 noise, see
+    assert abs(megatron_loss - np.log(cfg.vocab_size)) < 1.0                     # test_convert_weights.py
+
+
+class _NotData:
+    """A class no allow-list admits (stands for arbitrary objects pickled into a checkpoint)."""
+
+
+def test_checkpoint_readers_refuse_unsafe_pickles_with_one_line(stores, tmp_path) -> None:
+    import datetime
+    import pickle
+
+    import torch
+
+    from align.checkpoints.megatron import read_megatron_checkpoint
+    from align.core.errors import BadInput
+
+    bad = tmp_path / "legacy" / "mp_rank_00"
+    bad.mkdir(parents=True)
+    torch.save({"model": {"w": torch.zeros(2)}, "args": _NotData()}, bad / "model_optim_rng.pt")
+    with pytest.raises(BadInput) as err:
+        read_megatron_checkpoint(tmp_path / "legacy")
+    assert "_NotData" in str(err.value) and "model_optim_rng.pt" in str(err.value)
+    assert "\n" not in str(err.value)
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    (dist / ".metadata").write_bytes(pickle.dumps(datetime.timedelta(1)))
+    with pytest.raises(BadInput) as err:
+        read_megatron_checkpoint(dist)
+    assert "datetime.timedelta" in str(err.value) and ".metadata" in str(err.value)
+    with pytest.raises(BadInput):
+        read_megatron_checkpoint(tmp_path / "nothing_here")

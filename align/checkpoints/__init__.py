@@ -1,0 +1,1 @@
+"""Framework checkpoint readers/writers (frameworks imported lazily inside the functions)."""
