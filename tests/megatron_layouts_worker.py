@@ -5,16 +5,19 @@ launch runs its layouts one after the other, re-initialising Megatron's parallel
 (``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
 batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
 
-one process (``--scenarios ref,fp16,ref_moe,lm_loop,ckpt_ref``)
+one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
+  bf16      the same in bf16 (fp32 grad accumulation, Megatron's default).
+  ref4      like ref with 4 layers (the reference of vpp).
   ref_moe   MoE (4 experts, top-2, allgather dispatcher, shared expert with gate), EP=1.
   lm_loop   the integration (dumpers.megatron_lm.install) on a loop shaped like Megatron-LM's train()
             (tests/megatron_lm_shape.py): 3 iterations, evaluation after iteration 2.
   ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
-two processes (``--scenarios distopt,pp2,ep2,ckpt_tp2,ckpt_pp2``)
+two processes (``--scenarios distopt,pp2,vpp,ep2,ckpt_tp2,ckpt_pp2``)
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
   pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
+  vpp       4 layers at PP=2 with 2 virtual stages (Megatron's interleaved schedule).
   ep2       the MoE model at EP=2 (DP=2 for dense parameters), a ChainedOptimizer (dense + expert).
   ckpt_tp2  the untrained model at TP=2 saved by megatron-core's dist_checkpointing (torch_dist) and in the
             legacy layout (mp_rank_0T/model_optim_rng.pt with a pickled argparse Namespace), + step-1 loss.
@@ -144,6 +147,7 @@ def main() -> None:
     out = Path(args.out)
     dense = mc.TinyLlamaConfig(micro_batch_size=2)
     moe = mc.TinyLlamaConfig(micro_batch_size=2, extra=dict(MOE))
+    deep = mc.TinyLlamaConfig(micro_batch_size=2, num_layers=4)
     result: dict = {"rank": info.rank}
     for scenario in args.scenarios.split(","):
         if scenario == "ref":
@@ -172,6 +176,14 @@ def main() -> None:
         elif scenario == "distopt":
             info = mc.set_parallel()
             result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True)
+        elif scenario == "ref4":
+            result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
+        elif scenario == "bf16":
+            cfgb = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="bfloat16")
+            result[scenario] = train_layout(out / scenario, cfgb, micro=[0, 1])
+        elif scenario == "vpp":
+            info = mc.set_parallel(pp=2, vpp=2)
+            result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
         elif scenario == "pp2":
             info = mc.set_parallel(pp=2)
             result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
