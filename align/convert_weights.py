@@ -52,7 +52,15 @@ def merge_tp_shards(shards: Sequence[MappingABC[str, np.ndarray]], mapping: Mapp
 
 
 def megatron_to_numpy(paths: Sequence[str | Path]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Load Megatron state_dict files (one, or one per TP rank in rank order) as float32/int numpy."""
+    """Load Megatron state_dict files (one, or one per TP rank in rank order) as float32/int numpy.
+
+    One folder instead: a Megatron checkpoint as saved (torch_dist, or legacy mp_rank_* files), merged over
+    TP / PP / EP into one TP=1 state_dict by align.checkpoints.megatron.
+    """
+    if len(paths) == 1 and Path(paths[0]).is_dir():
+        from align.checkpoints.megatron import read_megatron_checkpoint
+
+        return read_megatron_checkpoint(paths[0])
     import torch
 
     shards, dtypes = [], {}
@@ -139,8 +147,8 @@ def _optimizer_key(name: str) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`align convert-weights --to mindformers IN.pt [IN_tp1.pt ...] --out OUT.ckpt --num-heads N ...`."""
-    parser.add_argument("inputs", nargs="+", help="Megatron state_dict .pt (one per TP rank, in rank order) "
-                        "or one MindSpore .ckpt")
+    parser.add_argument("inputs", nargs="+", help="Megatron state_dict .pt (one per TP rank, in rank order), "
+                        "a Megatron checkpoint folder (torch_dist or mp_rank_* files), or one MindSpore .ckpt")
     parser.add_argument("--to", choices=["mindformers", "megatron"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--num-heads", type=int, required=True)
@@ -153,7 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for p in args.inputs:
-        if not Path(p).is_file():
+        folder = args.to == "mindformers" and len(args.inputs) == 1 and Path(p).is_dir()
+        if not (Path(p).is_file() or folder):
             raise BadInput(f"{p}: no such file")
     if args.to == "mindformers":
         res = convert_megatron_to_mindformers(args.inputs, args.out, num_heads=args.num_heads,
