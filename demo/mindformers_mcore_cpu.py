@@ -55,6 +55,18 @@ class McoreSpec:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     qk_layernorm: bool = True
+    # MoE (kind moe / mla): routed experts, top-k, expert width; shared expert width (0 = none)
+    num_experts: int = 4
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int = 16
+    shared_expert_size: int = 0
+    # MLA (kind mla, DeepSeek-V3): low-rank q / kv, rope and value head dims; dense first layers
+    q_lora_rank: int = 24
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 8
+    qk_pos_emb_head_dim: int = 4
+    v_head_dim: int = 8
+    first_k_dense: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -80,8 +92,31 @@ def spec_from_megatron(cfg: Any, kind: str = "dense") -> McoreSpec:
 
 def megatron_extra(spec: McoreSpec) -> dict[str, Any]:
     """TransformerConfig extras that make demo.megatron_cpu.build_tiny_llama the same model as ``spec``."""
-    return {"layernorm_epsilon": spec.rms_norm_eps, "rotary_base": spec.rope_theta,
-            "qk_layernorm": spec.qk_layernorm}
+    if spec.rope_theta != 10000.0:   # GPTModel's own argument (rotary_base), fixed at 10000 by build_tiny_llama
+        raise ValueError("the Megatron tiny model uses RoPE base 10000")
+    extra: dict[str, Any] = {"layernorm_epsilon": spec.rms_norm_eps, "qk_layernorm": spec.qk_layernorm}
+    if spec.kind in ("moe", "mla"):
+        extra.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+                     moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather")
+        if spec.shared_expert_size:
+            extra["moe_shared_expert_intermediate_size"] = spec.shared_expert_size
+    if spec.kind == "mla":
+        extra.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                     qk_head_dim=spec.qk_head_dim, qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
+                     v_head_dim=spec.v_head_dim, moe_router_enable_expert_bias=True,
+                     moe_router_score_function="sigmoid")
+        if spec.first_k_dense:   # build_tiny_llama uses one layer spec for every layer: all MoE
+            raise ValueError("the Megatron tiny model has no dense first layers: set first_k_dense=0")
+    return extra
+
+
+def megatron_config_kwargs(spec: McoreSpec) -> dict[str, Any]:
+    """Keyword arguments of demo.megatron_cpu.TinyLlamaConfig for the same model as ``spec``."""
+    return {"vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_query_groups": spec.num_attention_heads if spec.kind == "mla" else spec.num_query_groups,
+            "ffn_hidden_size": spec.ffn_hidden_size, "seq_length": spec.seq_length,
+            "micro_batch_size": spec.micro_batch_size, "extra": megatron_extra(spec)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,13 +323,20 @@ def install_cpu_standins(net: nn.Cell, mode: str = "graph") -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------
 
 def set_mcore_context(mode: str = "graph", *, seed: int | None = None) -> None:
-    """CPU, the mode, and MindFormers' ``use_legacy: False`` (mcore models, the mcore training step)."""
+    """CPU, the mode, and MindFormers' ``use_legacy: False`` (mcore models, the mcore training step).
+
+    MindFormers' context is a process-wide singleton that cannot be built twice (CPU affinity is set once):
+    the first call builds it, later calls only switch ``use_legacy`` on the existing one.
+    """
     from mindformers.core.context import build_context
+    from mindformers.core.context.build_context import Context, MFContextOperator
 
     ms_mode = {"pynative": 1, "graph": 0}[mode.lower()]
-    reset_mindformers_context()   # its context is a singleton: an earlier (legacy) one would stay in force
-    build_context({"use_legacy": False, "run_mode": "train", "parallel": {},
-                   "context": {"mode": ms_mode, "device_target": "CPU", "max_call_depth": 10000}})
+    if Context.is_exists() and MFContextOperator.get_mf_ctx_instance() is not None:
+        MFContextOperator.get_mf_ctx_instance().use_legacy = False
+    else:
+        build_context({"use_legacy": False, "run_mode": "train", "parallel": {},
+                       "context": {"mode": ms_mode, "device_target": "CPU", "max_call_depth": 10000}})
     ms.set_context(mode=ms_mode, device_target="CPU")
     if ms_mode == ms.PYNATIVE_MODE:
         ms.runtime.launch_blocking()
@@ -304,15 +346,13 @@ def set_mcore_context(mode: str = "graph", *, seed: int | None = None) -> None:
 
 
 def reset_mindformers_context() -> None:
-    """Forget MindFormers' singleton context, so ``use_legacy`` reads its default (True) again.
+    """Give ``use_legacy`` its default (True) back, so legacy Llama cells built later in this process take
+    MFTrainOneStepCell's legacy step (it reads the flag when a cell is built)."""
+    from mindformers.core.context.build_context import MFContextOperator
 
-    Why: MFTrainOneStepCell picks the legacy or the mcore step from that context when it is built; tests
-    that build legacy Llama cells after mcore ones in the same process need the default back.
-    """
-    from mindformers.core.context.build_context import Context, MFContextOperator
-
-    Context.reset_instance()
-    MFContextOperator.reset_instance()
+    inst = MFContextOperator.get_mf_ctx_instance()
+    if inst is not None:
+        inst.use_legacy = True
 
 
 def qwen3_config(spec: McoreSpec, **overrides: Any) -> Any:
@@ -334,21 +374,80 @@ def qwen3_config(spec: McoreSpec, **overrides: Any) -> Any:
     return Qwen3Config(**values)
 
 
-def build_mcore_model(spec: McoreSpec, mode: str = "graph", *, seed: int = 0, **config_overrides: Any) -> nn.Cell:
+def _moe_values(spec: McoreSpec) -> dict[str, Any]:
+    return {"moe_intermediate_size": spec.moe_ffn_hidden_size, "num_experts_per_tok": spec.moe_topk,
+            "norm_topk_prob": True, "moe_router_topk_scaling_factor": 1.0, "moe_grouped_gemm": True}
+
+
+def qwen3_moe_config(spec: McoreSpec, **overrides: Any) -> Any:
+    """A MindFormers Qwen3MoeConfig for ``spec`` (every layer MoE; grouped GEMM is its only expert path)."""
+    from mindformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    base = qwen3_config(spec).to_dict()
+    values = {k: base[k] for k in _SHARED_CONFIG_KEYS if k in base}
+    values.update(_moe_values(spec), num_experts=spec.num_experts, decoder_sparse_step=1,
+                  num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim,
+                  intermediate_size=spec.ffn_hidden_size)
+    values.update(overrides)
+    return Qwen3MoeConfig(**values)
+
+
+def deepseek3_config(spec: McoreSpec, **overrides: Any) -> Any:
+    """A MindFormers DeepseekV3Config for ``spec``: MLA (mla_qkv_concat False, q/kv layernorm), MoE after
+    ``first_k_dense`` dense layers, ``shared_expert_size`` / moe width shared experts, no MTP."""
+    from mindformers.models.deepseek3.configuration_deepseek_v3 import DeepseekV3Config
+
+    base = qwen3_config(spec).to_dict()
+    values = {k: base[k] for k in _SHARED_CONFIG_KEYS if k in base}
+    values.update(_moe_values(spec), n_routed_experts=spec.num_experts,
+                  n_shared_experts=(spec.shared_expert_size // spec.moe_ffn_hidden_size) or None,
+                  first_k_dense_replace=spec.first_k_dense, num_key_value_heads=spec.num_attention_heads,
+                  intermediate_size=spec.ffn_hidden_size, kv_lora_rank=spec.kv_lora_rank,
+                  q_lora_rank=spec.q_lora_rank, qk_rope_head_dim=spec.qk_pos_emb_head_dim,
+                  qk_nope_head_dim=spec.qk_head_dim, v_head_dim=spec.v_head_dim, n_group=1, topk_group=1,
+                  num_nextn_predict_layers=0, routed_scaling_factor=1.0, mla_qkv_concat=False,
+                  qk_layernorm=True)
+    values.update(overrides)
+    return DeepseekV3Config(**values)
+
+
+_SHARED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "max_position_embeddings", "seq_length", "batch_size", "rms_norm_eps", "rope_theta",
+                       "tie_word_embeddings", "hidden_dropout", "attention_dropout", "pad_token_id",
+                       "compute_dtype", "params_dtype", "layernorm_compute_dtype", "softmax_compute_dtype",
+                       "rotary_dtype")
+
+
+def build_mcore_model(spec: McoreSpec, mode: str = "graph", *, seed: int = 0, standins: bool = True,
+                      **config_overrides: Any) -> nn.Cell:
     """A real MindFormers mcore ``Training*ForCausalLM`` for ``spec`` with the CPU stand-ins installed.
 
-    Call :func:`set_mcore_context` first. Parameter names (``net.trainable_params()``) are Megatron's own
-    (``decoder.layers.0.self_attention.linear_qkv.weight``, ...); linear_fc1 is row-interleaved gate/up.
+    Call :func:`set_mcore_context` first. Parameter names (``net.get_parameters()``) are Megatron's own
+    (``decoder.layers.0.self_attention.linear_qkv.weight``, ...); linear_fc1 is row-interleaved gate/up,
+    routed experts are stacked (``mlp.experts.weight1`` / ``weight2``).
+    kinds: dense (TrainingQwen3ForCausalLM, trains here), moe (TrainingQwen3MoeForCausalLM) and mla
+    (TrainingDeepseekV3ForCausalLM): the MoE kinds build (names, shapes, conversion) but their expert
+    kernels (TopkExt, GroupedMatmul, ...) have no CPU stand-in yet, so they do not run here.
     """
-    if spec.kind != "dense":
-        raise ValueError(f"model kind {spec.kind!r} is not built here yet (dense only)")
-    from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
-
     ms.set_seed(seed)
-    net = TrainingQwen3ForCausalLM(qwen3_config(spec, **config_overrides))
-    if not spec.qk_layernorm:
-        raise ValueError("TrainingQwen3ForCausalLM always has q/k layernorm; set qk_layernorm=True")
-    install_cpu_standins(net, mode)
+    if spec.kind == "dense":
+        if not spec.qk_layernorm:
+            raise ValueError("TrainingQwen3ForCausalLM always has q/k layernorm; set qk_layernorm=True")
+        from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
+
+        net = TrainingQwen3ForCausalLM(qwen3_config(spec, **config_overrides))
+    elif spec.kind == "moe":
+        from mindformers.models.qwen3_moe.modeling_qwen3_moe_train import TrainingQwen3MoeForCausalLM
+
+        net = TrainingQwen3MoeForCausalLM(qwen3_moe_config(spec, **config_overrides))
+    elif spec.kind == "mla":
+        from mindformers.models.deepseek3.modeling_deepseek_v3_train import TrainingDeepseekV3ForCausalLM
+
+        net = TrainingDeepseekV3ForCausalLM(deepseek3_config(spec, **config_overrides))
+    else:
+        raise ValueError(f"model kind {spec.kind!r}: expected one of {', '.join(MODEL_KINDS)}")
+    if standins:
+        install_cpu_standins(net, mode)
     net.set_train(True)
     return net
 
