@@ -20,7 +20,8 @@ LAYERS: list[tuple[str, int]] = [
     ("comparators", 2),            # numpy/pandas comparisons -> findings
     ("reports", 3),                # findings -> html, figures, summary.json
     ("align.checks", 4),           # config checklist, data checks
-    ("align.convert_weights", 4),  # checkpoint conversion through the mapping
+    ("align.convert_weights", 5),  # checkpoint conversion through the mapping (reads/writes via align.checkpoints)
+    ("align.checkpoints", 4),          # framework checkpoint readers/writers (lazy framework imports)
     ("align.examples", 4),
     ("align.stages", 5),           # the stage registry: one file per stage
     ("align.procedure", 6),        # runs the registry, writes the report
