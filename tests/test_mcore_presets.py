@@ -148,3 +148,53 @@ def test_local_norms_of_stacked_experts_compare_through_the_mapping(megatron_sta
     failing = [f for f in res.findings if f.metric == "local_norm_rel_diff"]
     assert len(failing) == 1 and failing[0].component.startswith("decoder.layers.1.mlp.experts.local_experts.")
     assert "experts.weight2" in failing[0].message and math.isfinite(failing[0].value)
+
+
+def _cli(*argv: str) -> int:
+    import argparse
+
+    from align import convert_weights as cw
+
+    p = argparse.ArgumentParser()
+    cw.add_arguments(p)
+    return cw.run(p.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_weights_round_trip_through_safetensors(dtype, megatron_states, tmp_path) -> None:
+    """Megatron MoE state_dict -> MindFormers safetensors (stacked experts) -> Megatron: bit-identical,
+    bfloat16 included (stored as BF16, read back exactly)."""
+    from align.checkpoints.mindformers import read_safetensors
+
+    spec = SPECS["moe"]
+    sd = {k: torch.from_numpy(v) for k, v in megatron_states["moe"].items()}
+    if dtype == "bfloat16":
+        sd = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+    torch.save(sd, tmp_path / "moe.pt")
+    args = ["--mapping", PRESET["moe"], "--num-heads", str(spec.num_attention_heads),
+            "--num-query-groups", str(spec.num_query_groups), "--num-experts", str(spec.num_experts)]
+    out = tmp_path / "moe.safetensors"
+    assert _cli(str(tmp_path / "moe.pt"), "--to", "mindformers", "--out", str(out), *args) == 0
+    arrays, dtypes = read_safetensors(out)
+    assert arrays["decoder.layers.1.mlp.experts.weight1"].shape == (spec.num_experts * spec.hidden_size,
+                                                                      2 * spec.moe_ffn_hidden_size)
+    assert set(dtypes.values()) == {dtype}
+    assert _cli(str(out), "--to", "megatron", "--out", str(tmp_path / "back.pt"), *args) == 0
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sorted(back) == sorted(sd)
+    for k, v in back.items():
+        assert v.dtype == sd[k].dtype and torch.equal(v, sd[k]), k
+
+
+def test_truncated_safetensors_is_bad_input(megatron_states, tmp_path) -> None:
+    from align.core.errors import BadInput
+
+    spec = SPECS["dense"]
+    torch.save({k: torch.from_numpy(v) for k, v in megatron_states["dense"].items()}, tmp_path / "d.pt")
+    heads = ["--num-heads", str(spec.num_attention_heads), "--num-query-groups", str(spec.num_query_groups)]
+    out = tmp_path / "d.safetensors"
+    assert _cli(str(tmp_path / "d.pt"), "--to", "mindformers", "--out", str(out), *heads) == 0
+    out.write_bytes(out.read_bytes()[:-100])
+    with pytest.raises(BadInput, match="d.safetensors: tensor .* outside the file"):
+        _cli(str(out), "--to", "megatron", "--out", str(tmp_path / "x.pt"), *heads)
+    assert not (tmp_path / "x.pt").exists()
