@@ -33,6 +33,8 @@ from mindspore import Tensor, nn, ops
 from demo.mindformers_cpu import CPUTrainOneStepCell
 
 MODEL_KINDS = ("dense", "moe", "mla")
+# The mapping preset (align/core/presets) of each kind against a megatron-core baseline.
+MCORE_PRESETS = {k: f"megatron_core__mindformers_mcore_{k}" for k in MODEL_KINDS}
 
 
 # ---------------------------------------------------------------------------------------------------------

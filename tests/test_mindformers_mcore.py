@@ -138,13 +138,18 @@ def test_dense_model_has_megatron_names_and_mindformers_layouts(dense_graph) -> 
     assert not any(n.startswith("model.") for n in names)
 
 
-def test_dense_model_trains_with_mindformers_step_in_graph(dense_graph) -> None:
+@pytest.fixture(scope="module")
+def train_cell(dense_graph):
+    return mc.build_mcore_train_cell(dense_graph, learning_rate=1e-2)
+
+
+def test_dense_model_trains_with_mindformers_step_in_graph(dense_graph, train_cell) -> None:
     """Loss of a fresh model ~ log(vocab); MindFormers' step returns local norms and lowers the loss."""
     batch = _batch()
     loss0 = mc.forward_loss(dense_graph, batch)
     assert abs(loss0 - np.log(SPEC.vocab_size)) < 0.3
     before = mc.parameter_arrays(dense_graph)
-    cell = mc.build_mcore_train_cell(dense_graph, learning_rate=1e-2)
+    cell = train_cell
     out = cell(*mc.mcore_inputs(batch))
     assert float(out[0].asnumpy().reshape(-1)[0]) == pytest.approx(loss0, rel=1e-6)
     local = out[5].asnumpy()
@@ -182,8 +187,18 @@ def _load_with_mindformers(net, path) -> dict[str, np.ndarray]:
     return mc.parameter_arrays(net)
 
 
-def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, tmp_path) -> None:
-    """Tolerance: float32 on both sides, reductions ordered differently; measured ~4e-7 relative."""
+def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, train_cell, tmp_path) -> None:
+    """Same loss (rel <= 1e-5; float32 on both sides, reductions ordered differently: measured 2.3e-7) and
+    the same step-1 local norm for every parameter, compared by name through the dense preset (fc1
+    interleaved on one side).
+
+    Norm tolerance 1e-3, not float32's 1e-4: MindFormers' flash-attention path casts q, k and v to float16
+    before the kernel even when compute_dtype is float32 (parallel_core/training_graph/transformer/
+    attention.py), as the NPU kernel needs. Measured here: attention inputs differ from Megatron's by 3.7e-4
+    of their scale (float16 rounding), logits by ~5e-5, step-1 local norms by up to 1.9e-4 (layer 0
+    q_layernorm); the loss still agrees to 2.3e-7."""
+    from align.core.mapping import Mapping
+    from comparators.local_norms import ShardNorm, compare_norm_entries
     torch = pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     from demo import megatron_cpu as mg
@@ -213,6 +228,23 @@ def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, tmp_pa
         got = mc.forward_loss(dense_graph, batch)
         print(f"step-1 loss: megatron {want:.7f} mindformers {got:.7f} rel {abs(got - want) / abs(want):.2e}")
         assert abs(got - want) / abs(want) <= 1e-5, (got, want)
+
+        loss = mg.forward_loss(model, tb)                          # step-1 gradients, both sides
+        loss.backward()
+        b_norms = {n: float(p.grad.norm()) for n, p in model.named_parameters()}
+        out_cell = train_cell(*mc.mcore_inputs(batch))
+        names = [p.name for p in train_cell.optimizer.parameters]
+        c_norms = dict(zip(names, np.sqrt(out_cell[5].asnumpy()).tolist(), strict=True))
+
+        def entries(norms):
+            return {k: ShardNorm(-1, 1, {0: v}, {0: 1}, {0}) for k, v in norms.items()}
+
+        res = compare_norm_entries(entries(b_norms), entries(c_norms), Mapping.load(mc.MCORE_PRESETS["dense"]),
+                                   pass_tol=1e-3)
+        assert res.verdict == "pass", [f.message for f in res.findings][:3]
+        assert len(b_norms) == len(c_norms) == 19
+        worst = max(abs(b_norms[n] - c_norms[n]) / b_norms[n] for n in b_norms)
+        print(f"step-1 local norms: worst relative difference {worst:.2e} over {len(b_norms)} parameters")
     finally:
         mc.load_parameter_arrays(dense_graph, original)
 
