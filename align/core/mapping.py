@@ -248,7 +248,7 @@ class Rule:
             if forward:
                 return [stack_experts(arrays)]
             if not params.num_experts:
-                raise BadInput(f"rule {self.id}: unstacking experts needs num_experts")
+                raise BadInput(f"rule {self.id}: unstacking experts needs the number of experts (--num-experts)")
             return unstack_experts(arrays[0], int(params.num_experts))
         raise BadInput(f"rule {self.id}: unknown transform {op!r}")
 
