@@ -254,11 +254,32 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
     torch.manual_seed(seed)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     cfg = cfg or TinyLlamaConfig()
     dtype = getattr(torch, cfg.params_dtype)
-    tcfg = TransformerConfig(
+    # Layer-spec switches ride in ``extra`` too: qk_layernorm (Qwen3), num_moe_experts (MoE, sequential
+    # local experts unless moe_grouped_gemm), multi_latent_attention (DeepSeek-V3 MLA: MLATransformerConfig).
+    extra = dict(cfg.extra)
+    mla = bool(extra.pop("multi_latent_attention", False))
+    grouped = bool(extra.pop("moe_grouped_gemm", False))
+    spec = get_gpt_layer_local_spec(num_experts=extra.get("num_moe_experts"), moe_grouped_gemm=grouped,
+                                    qk_layernorm=bool(extra.get("qk_layernorm", False)),
+                                    multi_latent_attention=mla, normalization="RMSNorm")
+    if mla:
+        # megatron-core 0.16.1's local MLA spec hands DotProductAttention k_channels / v_channels, which its
+        # __init__ does not take; its math reads the head dims from the tensors (the output width is
+        # kv_channels * heads, so kv_channels must be v_head_dim).
+        spec.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention_cls()
+        # ... and without Transformer Engine it asks isinstance(linear_proj, TELinear) where TELinear is None
+        # or megatron's MagicMock placeholder: a class nothing is an instance of answers as TE's absence means.
+        from megatron.core.transformer import multi_latent_attention as mla_mod
+        for absent in ("TELinear", "TEColumnParallelLinear", "Linear"):
+            if not isinstance(getattr(mla_mod, absent, None), type):
+                setattr(mla_mod, absent, type(f"{absent}Absent", (), {}))
+        extra.setdefault("kv_channels", extra.get("v_head_dim"))
+    config_cls = MLATransformerConfig if mla else TransformerConfig
+    tcfg = config_cls(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
@@ -270,8 +291,7 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
         gradient_accumulation_fusion=False,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
-        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), **cfg.extra)
-    spec = get_gpt_layer_local_spec(num_experts=cfg.extra.get("num_moe_experts"), normalization="RMSNorm")
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), **extra)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec,
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
@@ -326,6 +346,19 @@ def init_weights_by_name(chunks: list[torch.nn.Module], seed: int = 1234, std: f
                 elif dim >= 0:
                     full = full.chunk(tp, dim=dim)[tp_rank]
                 p.copy_(full.to(p.dtype))
+
+
+def _mla_dot_product_attention_cls() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        """Megatron's local DotProductAttention, accepting (and not needing) MLA's k/v channel arguments."""
+
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
 
 
 def _tp_size() -> int:
