@@ -435,7 +435,8 @@ def legacy_common(cfg: dict[str, Any]) -> dict[str, Any]:
 def _legacy_extra(cfg: dict[str, Any], mc: dict[str, Any], h: Any, nh: Any) -> dict[str, Any]:
     """The newer checklist keys where a legacy YAML sets them; the rest stay NOT_READ."""
     out: dict[str, Any] = {"kv_channels": h // nh if h and nh else NOT_READ,
-                           "qkv_bias": bool(mc.get("qkv_has_bias", False))}
+                           "qkv_bias": bool(mc.get("qkv_has_bias", False)),
+                           "qk_layernorm": False}          # the legacy Llama has no q/k norm
     if "softmax_compute_type" in mc:
         out["softmax_in_fp32"] = _dtype(mc["softmax_compute_type"]) == "float32"
     for key, src in (("layernorm_compute_dtype", "layernorm_compute_type"), ("rotary_dtype", "rotary_dtype")):
