@@ -10,12 +10,13 @@ before clipping.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dumpers.mindspore_dumper import DumpConfig, DumperCallback, MindSporeDumper, to_numpy
+from dumpers.mindspore_dumper import DumpConfig, DumperCallback, LayerCaptureError, MindSporeDumper, to_numpy
 
 
 def optimizer_param_names(optimizer: Any) -> list[str]:
@@ -98,10 +99,19 @@ class MindFormersDumperCallback(DumperCallback):
         out_dir, config = self._pending
         self._pending = None
         cb = run_context.original_args()
-        net = getattr(cb, "train_network", None) or getattr(cb, "network", None)
-        net = getattr(net, "network", net)
-        self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
-                                      name_scheme="mindformers")
+        net = _model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None))
+        try:
+            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
+                                          name_scheme="mindformers")
+        except LayerCaptureError as exc:
+            # GRAPH mode compiles hooks away: keep scalars, batches and named norms, never stop the run.
+            warnings.warn(f"MindFormersDumperCallback: {exc}; dumping without layer tensors", RuntimeWarning,
+                          stacklevel=2)
+            config.tensors, config.nan_trace = "off", "grads"
+            config.meta = {**config.meta, "layer_capture": "refused in GRAPH mode: re-run steps 1-2 in "
+                                                           "PYNATIVE (context.mode: 1) to capture layers"}
+            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
+                                          name_scheme="mindformers")
 
     def on_train_step_begin(self, run_context: Any) -> None:
         if self.dumper is not None:
@@ -155,6 +165,18 @@ def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, opti
                     loss_scale=vals["loss_scale"], **({"grad_norm": gnorm} if gnorm is not None else {}),
                     **({"lr": vals["lr"]} if "lr" in vals else {}))
     return named
+
+
+def _model_cell(net: Any) -> Any:
+    """The model inside the training wrappers (TrainOneStepCell, _VirtualDatasetCell, ... with use_parallel),
+    so layer patterns and parameter owners use the model's own names (``model.layers.0...``)."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(net, "network", None) or getattr(net, "_backbone", None)
+        if inner is None or inner is net:
+            return net
+        net, seen = inner, seen + 1
+    return net
 
 
 def _register() -> None:

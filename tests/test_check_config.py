@@ -206,3 +206,15 @@ def test_qwen3_moe_real_differences_are_reported(tmp_path: Path) -> None:
     assert ("advice.moe_router_dtype", "check") in {(f["component"], f["metric"]) for f in rep["findings"]}
     rows = _rows(rep)
     assert rows["kv_channels"]["megatron"] == 64 and rows["moe_router_dtype"]["megatron"] == "bfloat16"
+
+
+def test_fused_kernels_on_one_side_are_a_check(tmp_path: Path) -> None:
+    (tmp_path / "mg.sh").write_text((CONFIGS / "megatron_qwen3_32b.sh").read_text().replace(
+        "--attention-softmax-in-fp32", "--attention-softmax-in-fp32 --no-rope-fusion"))
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text())
+    mf["model"]["model_config"]["apply_rope_fusion"] = True
+    (tmp_path / "mf.yaml").write_text(yaml.safe_dump(mf))
+    rep = _check(str(tmp_path / "mg.sh"), str(tmp_path / "mf.yaml"), tmp_path)
+    rows = _rows(rep)
+    assert rows["rope_fusion"]["status"] == "check" and rows["rope_fusion"]["megatron"] is False
+    assert rep["counts"]["mismatch"] == 0

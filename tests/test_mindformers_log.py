@@ -212,3 +212,19 @@ def test_step1_local_norms_compare_by_name_from_a_mindformers_log(tmp_path):
     assert res.verdict == "fail"
     bad = [f.component for f in res.findings if f.verdict == "fail"]
     assert bad and all("linear_qkv" in c for c in bad)
+
+
+@pytest.mark.parametrize("name", ["moe_mtp", "sink"])
+def test_2x_bulk_and_line_by_line_paths_agree(tmp_path, name):
+    import align.sources.mindformers_log as mfl
+
+    text = (MF2 / f"{name}.log").read_text()
+    assert mfl._fast(text.encode(), [], {}) is not None        # these files take the bulk path
+    fast = parse_mindformers_log(MF2 / f"{name}.log")
+    q = tmp_path / "odd.log"      # one odd line sends the whole file down the careful path
+    q.write_text(text + "x - INFO - { Epoch:[  1/  1], step:[    9/    4], loss:[oops/1.0]\n")
+    careful = parse_mindformers_log(q)
+    assert sorted(careful.scalars) == sorted(fast.scalars)
+    for key in fast.scalars:
+        assert np.array_equal(fast.series(key).to_numpy(), careful.series(key).to_numpy()), key
+    assert fast.meta.get("loss_key") == careful.meta.get("loss_key")

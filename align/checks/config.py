@@ -46,6 +46,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "moe_pad_expert_input_to_capacity": False, "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1,
     "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
     "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "deterministic_mode": False, "use_flash_attn": False,
+    "apply_rope_fusion": True, "bias_swiglu_fusion": True,
 }
 _MF_LR = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant",
           "PolynomialWithWarmUpLR": "polynomial", "CosineWithRestartsAndWarmUpLR": "cosine-restarts",
@@ -145,6 +146,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "layernorm_compute_dtype": "float32", "rotary_dtype": "float32",
         "optimizer": {"adam": "adamw"}.get(str(g("optimizer")).lower(), g("optimizer")),
         "deterministic": bool(g("deterministic_mode")) if "deterministic_mode" in a else None,
+        "rope_fusion": bool(g("apply_rope_fusion")) and not a.get("no_rope_fusion"),
+        "swiglu_fusion": bool(g("bias_swiglu_fusion")) and not a.get("no_bias_swiglu_fusion"),
     }
     if experts:
         c.update({
@@ -262,6 +265,8 @@ MCORE_ALIASES: dict[str, tuple[str, ...]] = {
     "qk_head_dim": ("qk_head_dim", "qk_nope_head_dim"),
     "qk_pos_emb_head_dim": ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
     "v_head_dim": ("v_head_dim",),
+    "rope_fusion": ("apply_rope_fusion", "use_fused_rope"),
+    "swiglu_fusion": ("bias_swiglu_fusion", "use_fused_swiglu"),
 }
 # MindFormers names for Megatron's values of the same setting
 _MF_BALANCE = {"gbs_aux_loss": "global_aux_loss"}
@@ -446,7 +451,8 @@ def legacy_common(cfg: dict[str, Any]) -> dict[str, Any]:
 def _legacy_extra(cfg: dict[str, Any], mc: dict[str, Any], h: Any, nh: Any) -> dict[str, Any]:
     """The newer checklist keys where a legacy YAML sets them; the rest stay NOT_READ."""
     out: dict[str, Any] = {"kv_channels": h // nh if h and nh else NOT_READ,
-                           "qkv_bias": bool(mc.get("qkv_has_bias", False))}
+                           "qkv_bias": bool(mc.get("qkv_has_bias", False)),
+                           "qk_layernorm": False}          # the legacy Llama has no q/k norm
     if "softmax_compute_type" in mc:
         out["softmax_in_fp32"] = _dtype(mc["softmax_compute_type"]) == "float32"
     for key, src in (("layernorm_compute_dtype", "layernorm_compute_type"), ("rotary_dtype", "rotary_dtype")):
@@ -471,6 +477,10 @@ _KERNEL_DEPENDENT = {
     "layernorm_compute_dtype": "megatron-core computes norm statistics in fp32; MindFormers computes them in "
                                "this dtype",
     "rotary_dtype": "megatron-core computes RoPE frequencies in fp32; MindFormers computes them in this dtype",
+    "rope_fusion": "fused and unfused RoPE kernels round differently; switch fusion the same way on both "
+                   "sides (or off) while aligning",
+    "swiglu_fusion": "fused and unfused SwiGLU kernels round differently; switch fusion the same way on both "
+                     "sides (or off) while aligning",
 }
 # parallel layout: a difference is allowed (the toolkit compares across layouts) but worth a look
 _LAYOUT = {"tp", "pp", "cp", "ep", "sequence_parallel", "micro_batch_size"}

@@ -47,12 +47,20 @@ _MONITOR = re.compile(r"^\s*([A-Za-z_][\w\-]*(?:/\S*)?):\s*(.*?)\s*$")
 _FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]]*\]?|[^,]*)\s*(?:,|$)")
 _NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
 _END = re.compile(r"(\]|\d+(?:\.\d+)?T|loss_scale: ?\S+|global_norm: ?[-+\w.]+)\s*$")
-# The line as MFLossMonitor prints it (MindFormers 1.x-2.x); anything else takes the careful path.
+# The line as MFLossMonitor prints it (MindFormers 1.x-2.x, with the optional 2.x fields); a file whose step
+# lines all match is parsed in bulk, anything else takes the careful line-by-line path.
 _FAST = re.compile(
-    rb"\{ ?Epoch:\[\s*(\d+)/\s*\d+\],\s*step:\[\s*(\d+)/\s*(\d+)\],\s*loss:\[\s*([^/\],]+)/\s*([^\],]+)\],"
-    rb"\s*per_step_time:\s*([0-9.]+)ms,\s*lr:\s*([^,\s]+),\s*overflow cond:\s*(True|False),"
-    rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*\[\s*([^\]\s]+)\s*\][ \t]*$", re.M)
-_FAST_KEYS = ("loss", "loss_avg", "per_step_time_ms", "lr", "overflow", "loss_scale", "grad_norm")
+    rb"\{ ?Epoch:\[\s*(\d+)/\s*\d+\],\s*step:\[\s*(\d+)/\s*(\d+)\],"
+    rb"\s*loss:(?:\[\s*([^/\],]+)/\s*([^\],]+)\]|\s*([^,\s\[]+)),"
+    rb"(?:\s*lm_loss:\s*([^,\s]+),)?(?:\s*load_balancing_loss:\s*([^,\s]+),)?"
+    rb"(?:\s*mtp_loss:\s*([^,\s]+),)?(?:\s*indexer_loss:\s*([^,\s]+),)?"
+    rb"\s*per_step_time:\s*([0-9.]+)ms,(?:\s*lr:\s*([^,\s]+),)?\s*overflow cond:\s*(True|False),"
+    rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*(?:\[\s*([^\]\s,]+)\s*\]|([^,\s\[]+))"
+    rb"(?:,\s*train_throughput_per_npu:\s*([0-9.]+)T)?[ \t]*$", re.M)
+# group index (after epoch, step, steps-per-epoch) -> key; loss and global_norm come bracketed or not
+_FAST_KEYS = {3: "loss", 4: "loss_avg", 5: "loss", 6: "lm_loss", 7: "load_balancing_loss", 8: "mtp_loss",
+              9: "indexer_loss", 10: "per_step_time_ms", 11: "lr", 12: "overflow", 13: "loss_scale",
+              14: "grad_norm", 15: "grad_norm", 16: "throughput_tflops_per_npu"}
 
 FIELDS = {
     "loss": "loss",
@@ -83,13 +91,20 @@ def _number(text: str) -> float:
     return float(t)
 
 
+def _ends_complete(line: str) -> bool:
+    """The step line ends with its last field's whole value (only the tail is looked at)."""
+    tail = line.rstrip()
+    return tail.endswith("]") or bool(_END.search(tail[-80:]))
+
+
 def _is_complete(line: str) -> bool:
-    if "Epoch:[" not in line:
+    at = line.find("Epoch:[")
+    if at < 0:
         return "local_norm" not in line and "norm_size" not in line or line.rstrip().endswith(")")
-    m = _STEP.search(line)
+    m = _STEP.search(line, max(0, at - 2))
     if m and not m.group(6):   # TrainingStateMonitor "tag: value"
         return bool(re.search(r"[\d\]]\s*$", line))
-    return bool(_END.search(line))
+    return _ends_complete(line)
 
 
 def _config_block(lines: list[str]) -> dict[str, Any]:
@@ -111,9 +126,9 @@ def _config_block(lines: list[str]) -> dict[str, Any]:
     return {}
 
 
-def _fast(raw: bytes) -> dict[str, pd.Series] | None:
-    """All step lines in the standard format and no local_norm blocks: parse them in bulk."""
-    if b"local_norm" in raw:
+def _fast(raw: bytes, notes: list[str], meta: dict[str, Any]) -> dict[str, pd.Series] | None:
+    """All step lines in MFLossMonitor's format and no local_norm output: parse them in bulk."""
+    if b"local_norm:" in raw or b"local_norm/" in raw or b"norm_size:" in raw:
         return None
     rows = _FAST.findall(raw)
     if not rows or len(rows) != raw.count(b"Epoch:["):
@@ -123,13 +138,24 @@ def _fast(raw: bytes) -> dict[str, pd.Series] | None:
         epoch = np.array(cols[0]).astype(np.int64)
         step = np.array(cols[1]).astype(np.int64)
         per_epoch = np.array(cols[2]).astype(np.int64)
-        values = [np.array(c).astype(np.float64) for c in cols[3:7]]
-        overflow = (np.array(cols[7]) == b"True").astype(np.float64)
-        values += [overflow] + [np.array(c).astype(np.float64) for c in cols[8:]]
     except ValueError:
-        return None  # a garbled number: the careful path names the step
+        return None
     gstep = (epoch - 1) * per_epoch + step
-    return {k: make_series(gstep, v, k) for k, v in zip(_FAST_KEYS, values, strict=True)}
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for idx, key in _FAST_KEYS.items():
+        col = np.array(cols[idx])
+        have = col != b""
+        if not have.any():
+            continue
+        try:
+            values = (col[have] == b"True").astype(np.float64) if key == "overflow" else \
+                col[have].astype(np.float64)
+        except ValueError:
+            return None  # an unreadable value: the careful path skips just that value and notes it
+        steps, vals = out.setdefault(key, ([], []))
+        steps.extend(gstep[have].tolist())
+        vals.extend(values.tolist())
+    return _series(out, notes, meta)
 
 
 class _Skips:
@@ -154,13 +180,33 @@ class _Skips:
         return out
 
 
+def _split_fields(rest: str) -> list[tuple[str, str]]:
+    """``name: value, name:[a/b], ...`` -> pairs; plain string splits (fast), the regex when a bracket holds
+    a comma."""
+    parts = rest.split(",")
+    if any(p.count("[") != p.count("]") for p in parts):
+        return [(fm.group(1).strip(), fm.group(2).strip()) for fm in _FIELD.finditer(rest)]
+    out = []
+    for part in parts:
+        name, sep, value = part.partition(":")
+        if sep:
+            out.append((name.strip(), value.strip()))
+    return out
+
+
+def _key(name: str) -> str:
+    key = FIELDS.get(name)
+    if key is None:
+        key = FIELDS[name] = re.sub(r"\W+", "_", name).strip("_").lower()
+    return key
+
+
 def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
     values: dict[str, float] = {}
-    for fm in _FIELD.finditer(rest):
-        name, value = fm.group(1).strip(), fm.group(2).strip()
+    for name, value in _split_fields(rest):
         if not name:
             continue
-        key = FIELDS.get(name, re.sub(r"\W+", "_", name).strip("_").lower())
+        key = _key(name)
         try:
             if value.startswith("["):
                 parts = [p for p in value[1:].rstrip("]").replace("/", " ").replace(",", " ").split() if p]
@@ -181,11 +227,11 @@ def parse_mindformers_log(path: str | Path) -> Run:
     """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
     raw = clean_text(read_log_bytes(path))
     notes: list[str] = []
-    fast = _fast(raw)
+    meta = _meta(path, raw.decode("utf-8", "replace").split("\n") if raw.startswith(b"{'") or b"\n{'" in raw
+                 else [])
+    fast = _fast(raw, notes, meta)
     if fast is not None:
-        return Run(str(path), "mindformers_log", _meta(path, raw.decode("utf-8", "replace").split("\n")
-                                                       if raw.startswith(b"{'") or b"\n{'" in raw else []),
-                   fast, {}, notes)
+        return Run(str(path), "mindformers_log", meta, fast, {}, notes)
     text_lines = raw.decode("utf-8", "replace").split("\n")
     if any(not _is_complete(x) for x in text_lines[:-1]):
         text_lines, joins = unwrap(text_lines, _is_complete)
@@ -207,8 +253,9 @@ def parse_mindformers_log(path: str | Path) -> Run:
         if "norm_size:" in line:
             pending_norm, i = _norm_block(text_lines, i, notes)
             continue
-        m = _STEP.search(line)
+        at = line.find("Epoch:[")
         i += 1
+        m = _STEP.search(line, max(0, at - 2)) if at >= 0 else None
         if not m:
             continue
         epoch, per_epoch, step = int(m.group(2)), int(m.group(5)), int(m.group(4))
@@ -222,7 +269,7 @@ def parse_mindformers_log(path: str | Path) -> Run:
             skips.add("step line", gstep, rest.strip())
             pending_norm = None
             continue
-        if not _END.search(line):
+        if not _ends_complete(line):
             cut.append(gstep)
         steps_seen += 1
         for k, v in values.items():
