@@ -241,7 +241,7 @@ def megatron_args(spec: Spec) -> dict[str, Any]:
         "global_batch_size": m.micro_batch_size, "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1, "data_parallel_size": 1, "bf16": False, "fp16": False,
         "params_dtype": "float32", "seed": spec.seed, "optimizer": "adam", "eod_mask_loss": spec.eod_mask_loss,
-        "use_distributed_optimizer": False,
+        "use_distributed_optimizer": False, "attention_softmax_in_fp32": True,
     }
 
 

@@ -317,7 +317,8 @@ MAPPING_SCHEMA: dict[str, Any] = {
                 "id": {"type": ["string", "integer"]}, "kind": {"type": ["string", "null"]},
                 "baseline": _NAMES, "candidate": _NAMES,
                 "transform": {"type": ["object", "null"], "properties": {
-                    "op": {"enum": ["identity", "transpose", "split_qkv", "chunk"]},
+                    "op": {"enum": ["identity", "transpose", "split_qkv", "chunk", "interleave", "qkv_contiguous",
+                                   "concat", "stack_experts"]},
                     "dim": {"type": "integer"}, "parts": {"type": "integer", "minimum": 1},
                     "per_tp_shard": {"type": "boolean"}, "inverse": {"type": "boolean"}}},
                 "tp_partition_dim": {"type": "integer", "minimum": -1},

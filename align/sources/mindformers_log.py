@@ -44,7 +44,7 @@ from align.sources.logtext import clean_text, read_log_bytes, unwrap
 # "Epoch:[..], step:[..] tag: value" (no comma after the step bracket).
 _STEP = re.compile(r"(\{ ?)?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\](,?)(.*)$")
 _MONITOR = re.compile(r"^\s*([A-Za-z_][\w\-]*(?:/\S*)?):\s*(.*?)\s*$")
-_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]]*\]?|[^,]*)\s*(?:,|$)")
+_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]:]*\]?|[^,]*)\s*(?:,|$)")  # '[' never spans a ':'
 _NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
 _END = re.compile(r"(\]|\d+(?:\.\d+)?T|loss_scale: ?\S+|global_norm: ?[-+\w.]+)\s*$")
 # The line as MFLossMonitor prints it (MindFormers 1.x-2.x, with the optional 2.x fields); a file whose step
