@@ -318,3 +318,28 @@ def test_checkpoint_readers_refuse_unsafe_pickles_with_one_line(stores, tmp_path
     assert "datetime.timedelta" in str(err.value) and ".metadata" in str(err.value)
     with pytest.raises(BadInput):
         read_megatron_checkpoint(tmp_path / "nothing_here")
+
+
+def test_megatron_lm_wrapper_launch_leaves_the_script_alone(stores, tmp_path) -> None:
+    """The second documented way in: ``python -m dumpers.megatron_lm --align-out DIR script.py ARGS``."""
+    out, results = stores
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    script = ROOT / "tests" / "megatron_lm_script.py"
+    cmd = [sys.executable, "-m", "dumpers.megatron_lm", "--align-out", str(tmp_path / "run"), "--align-module",
+           "megatron_lm_shape", str(script), "--log", str(tmp_path / "log.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = json.loads((tmp_path / "log.json").read_text())
+    r = RunReader(tmp_path / "run")
+    assert r.array_steps() == [1, 2, 3]
+    assert list(r.scalars()["loss"]) == [e["lm loss"] for e in log]
+    same = RunReader(out / "lm_loop")  # install() at the top of the script gave the same store
+    for step in (1, 2, 3):
+        np.testing.assert_array_equal(r.step_arrays(step).data["batch/tokens"],
+                                      same.step_arrays(step).data["batch/tokens"])
+    # without Megatron-LM on the path: one line, exit status 2
+    bad = subprocess.run([sys.executable, "-m", "dumpers.megatron_lm", "--align-out", str(tmp_path / "x"),
+                          str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "megatron.training.training" in bad.stderr
