@@ -193,6 +193,7 @@ def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
     for part in ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.gate_weight"):
         assert f"decoder.layers.0.{part}" in names[0]
     assert {r.rank_info(k)["ep_rank"] for k in (0, 1)} == {0, 1}
+    assert r.meta["parallel"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 2, "world_size": 2}
     assert results["ep2"][0]["optimizer"] == "ChainedOptimizer"
     assert results["ep2"][0]["losses"] == pytest.approx(results["ref_moe"][0]["losses"], rel=1e-6)
 
