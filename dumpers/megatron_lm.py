@@ -35,6 +35,7 @@ import importlib
 import runpy
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -233,7 +234,7 @@ def install(config: DumpConfig | None = None, *, module: ModuleType | str = TARG
     return MegatronLMIntegration(cfg, meta=meta, module=module).install()
 
 
-_VALUED = ("--align-out", "--align-steps", "--align-tensors")
+_VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -248,11 +249,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--align-steps", default=None, help="steps with array files, e.g. 1-3,100 (default all)")
     ap.add_argument("--align-tensors", default="off", choices=("off", "stats", "full"))
     ap.add_argument("--align-seed-layout", action="store_true")
+    ap.add_argument("--align-module", default=TARGET,
+                    help=f"module whose train_step is wrapped (default {TARGET})")
     ns = ap.parse_args(argv[:i])
     if i >= len(argv):
         ap.error("the training script to run is missing")
+    sys.path.insert(0, str(Path(argv[i]).resolve().parent))  # as `python script.py` would
+    try:
+        module = importlib.import_module(ns.align_module)
+    except ImportError as exc:
+        print(f"dumpers.megatron_lm: cannot import {ns.align_module} ({exc}); run from a Megatron-LM checkout "
+              "or put it on PYTHONPATH", file=sys.stderr)
+        raise SystemExit(2) from None
     install(DumpConfig(out=ns.align_out, steps=ns.align_steps, tensors=ns.align_tensors,
-                       seed_layout=ns.align_seed_layout))
+                       seed_layout=ns.align_seed_layout), module=module)
     sys.argv = list(argv[i:])
     runpy.run_path(argv[i], run_name="__main__")
 

@@ -247,7 +247,8 @@ class TorchDumper:
         m = {"framework": self.framework, "name_scheme": self.name_scheme,
              "versions": self._versions(), "source": {"kind": "dumper", "path": str(self.config.out)},
              "parallel": {"tp": self.rank_info.get("tp", 1), "pp": self.rank_info.get("pp", 1),
-                          "dp": self.rank_info.get("dp", self.world_size), "world_size": self.world_size},
+                          "dp": self.rank_info.get("dp", self.world_size), "ep": self.rank_info.get("ep", 1),
+                          "world_size": self.world_size},
              "dumper": {"tensors": self.config.tensors, "modules": list(self.config.modules),
                         "nan_trace": self.config.nan_trace, "local_norms": self.config.local_norms},
              "dtypes": self._dtypes()}

@@ -27,6 +27,7 @@ two processes (``--scenarios distopt,pp2,vpp,ep2,ckpt_tp2,ckpt_pp2``)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -48,8 +49,9 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": 
 
 
 def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distopt: bool = False,
-                 loss_scale: float | None = None, grad_fp32: bool = True) -> dict:
-    """Train STEPS steps of the current layout with the dumper; micro = DP ranks whose batches this rank runs."""
+                 loss_scale: float | None = None, grad_fp32: bool = True, dump: bool = True) -> dict:
+    """Train STEPS steps of the current layout with the dumper (or without: ``dump=False``, for the
+    bit-identical check); micro = DP ranks whose batches this rank runs."""
     from megatron.core.distributed import finalize_model_grads
 
     chunks = mc.build_model_chunks(cfg, seed=1234)
@@ -63,23 +65,33 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     dumper = MegatronDumper(ddp, opt, DumpConfig(out=out, seed_layout=True),
-                            meta={"config": {"kind": "megatron_args", "values": cfg.as_dict()}})
+                            meta={"config": {"kind": "megatron_args", "values": cfg.as_dict()}}) if dump else None
     losses, norms = [], []
     for step in range(1, STEPS + 1):
-        dumper.begin_step(step)
+        if dumper is not None:
+            dumper.begin_step(step)
         for c in ddp:
             c.zero_grad_buffer()
         opt.zero_grad()
         batches = [mc.synthetic_batch(step, cfg, dp_rank=d) for d in micro]
-        reduced = mc.pipeline_forward_backward(ddp, batches, cfg, on_batch=dumper.record_batch)
+        reduced = mc.pipeline_forward_backward(ddp, batches, cfg,
+                                               on_batch=dumper.record_batch if dumper is not None else None)
         ok, gnorm, _ = opt.step()
         loss = mc.reduce_lm_loss(reduced)
         losses.append(loss)
         norms.append(gnorm)
-        dumper.end_step(loss=loss)
-    dumper.close()
-    return {"losses": losses, "grad_norms": norms, "errors": dumper.errors, "error_log": dumper.error_log,
-            "optimizer": type(opt.inner).__name__}
+        if dumper is not None:
+            dumper.end_step(loss=loss)
+    digest = hashlib.sha256()
+    for c in ddp:
+        for _, prm in c.named_parameters():
+            digest.update(prm.detach().float().contiguous().numpy().tobytes())
+    out_ = {"losses": losses, "grad_norms": norms, "digest": digest.hexdigest(),
+            "optimizer": type(opt.inner).__name__, "errors": 0, "error_log": []}
+    if dumper is not None:
+        dumper.close()
+        out_.update(errors=dumper.errors, error_log=dumper.error_log)
+    return out_
 
 
 def lm_loop(out: Path, cfg: mc.TinyLlamaConfig) -> dict:
@@ -156,6 +168,8 @@ def main() -> None:
             cfg16 = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="float16")
             result[scenario] = train_layout(out / scenario, cfg16, micro=[0, 1], loss_scale=1024.0,
                                             grad_fp32=False)
+            result[scenario]["undumped"] = train_layout(out / "none", cfg16, micro=[0, 1], loss_scale=1024.0,
+                                                        grad_fp32=False, dump=False)
         elif scenario == "lm_loop":
             result[scenario] = lm_loop(out / scenario, dense)
         elif scenario == "ckpt_ref":
@@ -176,6 +190,8 @@ def main() -> None:
         elif scenario == "distopt":
             info = mc.set_parallel()
             result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True)
+            result[scenario]["undumped"] = train_layout(out / "none", dense, micro=[info.dp_rank], distopt=True,
+                                                        dump=False)
         elif scenario == "ref4":
             result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
         elif scenario == "bf16":
@@ -190,6 +206,7 @@ def main() -> None:
         elif scenario == "ep2":
             info = mc.set_parallel(ep=2)
             result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank])
+            result[scenario]["undumped"] = train_layout(out / "none", moe, micro=[info.dp_rank], dump=False)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
         result[scenario]["info"] = mc.parallel_info().as_dict()

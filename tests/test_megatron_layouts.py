@@ -193,6 +193,7 @@ def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
     for part in ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.gate_weight"):
         assert f"decoder.layers.0.{part}" in names[0]
     assert {r.rank_info(k)["ep_rank"] for k in (0, 1)} == {0, 1}
+    assert r.meta["parallel"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 2, "world_size": 2}
     assert results["ep2"][0]["optimizer"] == "ChainedOptimizer"
     assert results["ep2"][0]["losses"] == pytest.approx(results["ref_moe"][0]["losses"], rel=1e-6)
 
@@ -318,3 +319,39 @@ def test_checkpoint_readers_refuse_unsafe_pickles_with_one_line(stores, tmp_path
     assert "datetime.timedelta" in str(err.value) and ".metadata" in str(err.value)
     with pytest.raises(BadInput):
         read_megatron_checkpoint(tmp_path / "nothing_here")
+
+
+def test_megatron_lm_wrapper_launch_leaves_the_script_alone(stores, tmp_path) -> None:
+    """The second documented way in: ``python -m dumpers.megatron_lm --align-out DIR script.py ARGS``."""
+    out, results = stores
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    script = ROOT / "tests" / "megatron_lm_script.py"
+    cmd = [sys.executable, "-m", "dumpers.megatron_lm", "--align-out", str(tmp_path / "run"), "--align-module",
+           "megatron_lm_shape", str(script), "--log", str(tmp_path / "log.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = json.loads((tmp_path / "log.json").read_text())
+    r = RunReader(tmp_path / "run")
+    assert r.array_steps() == [1, 2, 3]
+    assert list(r.scalars()["loss"]) == [e["lm loss"] for e in log]
+    same = RunReader(out / "lm_loop")  # install() at the top of the script gave the same store
+    for step in (1, 2, 3):
+        np.testing.assert_array_equal(r.step_arrays(step).data["batch/tokens"],
+                                      same.step_arrays(step).data["batch/tokens"])
+    # without Megatron-LM on the path: one line, exit status 2
+    bad = subprocess.run([sys.executable, "-m", "dumpers.megatron_lm", "--align-out", str(tmp_path / "x"),
+                          str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "megatron.training.training" in bad.stderr
+
+
+def test_dumper_leaves_every_layout_bit_identical(stores) -> None:
+    """Distributed optimizer, fp16 with a loss scale, EP=2 with a chained optimizer: the same losses, grad
+    norms and final parameters (sha256 of their bytes) with the dumper as without it."""
+    _, results = stores
+    for name in ("distopt", "fp16", "ep2"):
+        for rank, r in results[name].items():
+            base = r["undumped"]
+            assert (r["losses"], r["grad_norms"], r["digest"]) == (base["losses"], base["grad_norms"],
+                                                                  base["digest"]), (name, rank)
