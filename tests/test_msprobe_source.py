@@ -119,3 +119,18 @@ def test_bad_dumps_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(BadInput) as err:
         compare_layer_tensors(PT, gone, Mapping.load(), readers=_readers())
     assert victim.name in str(err.value) and "missing" in str(err.value)
+
+
+def test_ranks_and_steps_of_a_distributed_dump(tmp_path: Path) -> None:
+    """msprobe's distributed layout step<N>/rank<R>/: here the real rank-0 folders copied as step0/rank1 and
+    step1/rank0..1 (a proc<PID> folder is rank 0 when it is the only one)."""
+    for side, src in (("pt", next(PT.glob("step0/*"))), ("ms", next(MS.glob("step0/*")))):
+        for step, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            shutil.copytree(src, tmp_path / side / f"step{step}" / f"rank{rank}")
+    d = open_msprobe(tmp_path / "pt")
+    assert d.array_steps() == [1, 2] and d.array_ranks(2) == [0, 1]
+    from comparators.tensors import compare_layer_tensors_all
+
+    res = compare_layer_tensors_all(tmp_path / "pt", tmp_path / "ms", Mapping.load(), readers=None, jobs=2)
+    assert sorted(res) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert {r.details["first_departing_forward"]["module"] for r in res.values()} == {PERTURBED}
