@@ -134,3 +134,16 @@ def test_ranks_and_steps_of_a_distributed_dump(tmp_path: Path) -> None:
     res = compare_layer_tensors_all(tmp_path / "pt", tmp_path / "ms", Mapping.load(), readers=None, jobs=2)
     assert sorted(res) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert {r.details["first_departing_forward"]["module"] for r in res.values()} == {PERTURBED}
+
+
+def test_statistics_task_dumps_compare_by_statistics() -> None:
+    """msprobe task "statistics": dump.json only (Max/Min/Mean/Norm per tensor), written by the real tool."""
+    pt, ms = DATA / "statistics" / "pt", DATA / "statistics" / "ms"
+    assert detect(pt) == detect(ms) == "msprobe"
+    rows, has_files = open_msprobe(pt).layer_rows(1)
+    assert not has_files and rows and all(r["ref"] is None for r in rows)
+    res = compare_layer_tensors(pt, ms, Mapping.load())
+    assert res.details["mode"] == "stats"
+    assert res.details["first_departing_forward"]["module"] == PERTURBED
+    assert not any(f.metric == "tensor_files_unread" for f in res.findings)
+    assert not [r for r in res.details["rows"] if r["verdict"] == "fail"]
