@@ -55,44 +55,58 @@ def generate(root: Path, gb: float) -> int:
     return n
 
 
-def measure(root: Path, threads: int) -> dict:
-    """Runs in a fresh process: compare, report wall time, bytes and peak RSS."""
+def measure(root: Path, threads: int, executor: str = "thread") -> dict:
+    """Runs in a fresh process: compare, report wall time, bytes and peak RSS (above the imports' RSS, and
+    of the largest reader process when readers are processes)."""
     import resource
 
     from align.core.mapping import Mapping
     from comparators.tensors import compare_layer_tensors
 
     nbytes = sum(f.stat().st_size for s in ("base", "cand") for f in (root / s / "steps").rglob("*.h5"))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    res = compare_layer_tensors(root / "base", root / "cand", Mapping.load(), threads=threads)
+    res = compare_layer_tensors(root / "base", root / "cand", Mapping.load(), jobs=threads, executor=executor)
     dt = time.perf_counter() - t0
+    self_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    child_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return {"bytes_both_sides": nbytes, "seconds": dt, "gb_per_s": nbytes / dt / 1e9, "threads": threads,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "executor": executor, "peak_rss_mb": max(self_mb, child_mb), "rss_over_imports_mb": self_mb - rss0,
+            "worker_peak_rss_mb": child_mb if executor == "process" else None,
             "rows": res.details["compared"], "first_departing": res.details["first_departing_forward"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=2.1, help="size of EACH dump in GB (default 2.1)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="parallel readers (threads, then processes)")
+    ap.add_argument("--executor", default="thread", help=argparse.SUPPRESS)
     ap.add_argument("--keep", help="generate into this directory and keep it")
     ap.add_argument("--_measure", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._measure:
-        print(json.dumps(measure(Path(args._measure), args.threads)))
+        print(json.dumps(measure(Path(args._measure), args.threads, args.executor)))
         return
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_tensors_"))
     try:
         t0 = time.perf_counter()
         n = generate(root, args.gb)
         print(f"generated 2 dumps x {n} tensors of {TENSOR * 4 / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s")
-        for threads in sorted({1, args.threads}):
-            out = subprocess.run([sys.executable, __file__, "--_measure", str(root), "--threads", str(threads)],
+        tensor_mb = TENSOR * 4 / 2**20
+        variants = [(1, "thread")] + ([(args.threads, "thread"), (args.threads, "process")] if args.threads > 1
+                                      else [])
+        for threads, executor in variants:
+            out = subprocess.run([sys.executable, __file__, "--_measure", str(root), "--threads", str(threads),
+                                  "--executor", executor],
                                  capture_output=True, text=True, check=True, env=dict(os.environ))
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"threads={threads}: {r['bytes_both_sides'] / 1e9:.2f} GB (both sides) in {r['seconds']:.2f} s"
-                  f" -> {r['gb_per_s']:.2f} GB/s; peak RSS {r['peak_rss_mb']:.0f} MB; {r['rows']} tensor pairs;"
-                  f" first departing: {r['first_departing']['module'] if r['first_departing'] else None}")
+            extra = (f" (reader processes: largest {r['worker_peak_rss_mb']:.0f} MB)"
+                     if r["worker_peak_rss_mb"] is not None else "")
+            print(f"jobs={threads} {executor:7s}: {r['bytes_both_sides'] / 1e9:.2f} GB (both sides) in "
+                  f"{r['seconds']:.2f} s -> {r['gb_per_s']:.2f} GB/s; peak RSS {r['peak_rss_mb']:.0f} MB, "
+                  f"{r['rss_over_imports_mb']:.0f} MB above the imports = "
+                  f"{r['rss_over_imports_mb'] / tensor_mb:.2f}x the largest tensor{extra}; {r['rows']} tensor "
+                  f"pairs; first departing: {r['first_departing']['module'] if r['first_departing'] else None}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

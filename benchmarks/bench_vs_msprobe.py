@@ -21,7 +21,10 @@ a candidate whose ``decoder.layers.1.mlp.linear_fc1.weight`` is multiplied by (1
 pair is compared by ``msprobe compare`` and by our ``comparators.tensors.compare_layer_tensors``, each in a
 fresh process (wall time includes interpreter start and imports; peak RSS is the compare process's
 ru_maxrss). Throughput = tensor bytes on disk of both dumps / wall seconds. Also recorded: whether each
-tool names the perturbed layer.
+tool names the perturbed layer. Variants of ours: threads=1 (the ratio line), ``ours_jobsN`` (``--jobs N``
+parallel reader processes), and ``ours_on_msprobe_dump``: our comparator reading msprobe's own .pt dump pair
+(the same files msprobe compares; torch reader, N jobs). Peak RSS is also given above the start-up process's
+(imports only), against the largest tensor of the dump.
 
 Run in benchmarks/.venv-msprobe (built by benchmarks/msprobe_env.sh); without msprobe it times our side
 only. Usage: benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py [--repeats 5] [--steps 4]

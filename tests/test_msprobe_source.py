@@ -119,3 +119,31 @@ def test_bad_dumps_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(BadInput) as err:
         compare_layer_tensors(PT, gone, Mapping.load(), readers=_readers())
     assert victim.name in str(err.value) and "missing" in str(err.value)
+
+
+def test_ranks_and_steps_of_a_distributed_dump(tmp_path: Path) -> None:
+    """msprobe's distributed layout step<N>/rank<R>/: here the real rank-0 folders copied as step0/rank1 and
+    step1/rank0..1 (a proc<PID> folder is rank 0 when it is the only one)."""
+    for side, src in (("pt", next(PT.glob("step0/*"))), ("ms", next(MS.glob("step0/*")))):
+        for step, rank in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            shutil.copytree(src, tmp_path / side / f"step{step}" / f"rank{rank}")
+    d = open_msprobe(tmp_path / "pt")
+    assert d.array_steps() == [1, 2] and d.array_ranks(2) == [0, 1]
+    from comparators.tensors import compare_layer_tensors_all
+
+    res = compare_layer_tensors_all(tmp_path / "pt", tmp_path / "ms", Mapping.load(), readers=None, jobs=2)
+    assert sorted(res) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert {r.details["first_departing_forward"]["module"] for r in res.values()} == {PERTURBED}
+
+
+def test_statistics_task_dumps_compare_by_statistics() -> None:
+    """msprobe task "statistics": dump.json only (Max/Min/Mean/Norm per tensor), written by the real tool."""
+    pt, ms = DATA / "statistics" / "pt", DATA / "statistics" / "ms"
+    assert detect(pt) == detect(ms) == "msprobe"
+    rows, has_files = open_msprobe(pt).layer_rows(1)
+    assert not has_files and rows and all(r["ref"] is None for r in rows)
+    res = compare_layer_tensors(pt, ms, Mapping.load())
+    assert res.details["mode"] == "stats"
+    assert res.details["first_departing_forward"]["module"] == PERTURBED
+    assert not any(f.metric == "tensor_files_unread" for f in res.findings)
+    assert not [r for r in res.details["rows"] if r["verdict"] == "fail"]

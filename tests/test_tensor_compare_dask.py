@@ -69,12 +69,11 @@ def test_steps_x_ranks_on_the_cluster_equal_the_local_run(tmp_path: Path, client
 
 
 def test_msprobe_pair_on_the_cluster(client) -> None:
-    pytest.importorskip("torch")
-    from align.checkpoints.torch_tensors import READERS
-
+    # No torch reader here: importing torch in both workers costs 3-30 s on this shared machine; the .pt rows
+    # compare by msprobe's statistics on every worker alike (full tensors on a cluster: the test above).
     args = (MSPROBE / "pt", MSPROBE / "ms", Mapping.load())
-    local = compare_layer_tensors(*args, readers=READERS, jobs=1)
-    remote = compare_layer_tensors(*args, readers=READERS, scheduler=client)
+    local = compare_layer_tensors(*args, jobs=1)
+    remote = compare_layer_tensors(*args, scheduler=client)
     _same(local, remote)
     assert remote.details["first_departing_forward"]["module"] == "decoder.layers.1.mlp.linear_fc2"
 

@@ -4,6 +4,9 @@ Run in benchmarks/.venv-msprobe (benchmarks/msprobe_env.sh, plus `pip install mi
 
     benchmarks/.venv-msprobe/bin/python tests/data/msprobe/make_msprobe_dumps.py OUT_DIR [pt|ms|both]
 
+The committed fixtures: OUT_DIR = tests/data/msprobe (task tensor) and, with MSPROBE_TASK=statistics,
+OUT_DIR = tests/data/msprobe/statistics (dump.json only).
+
 pt: a real Megatron-core GPTModel (tiny Llama, CPU) runs one forward + backward under msprobe's
 PrecisionDebugger (task tensor, level L0, every module) -> OUT_DIR/pt/step0/rank/{dump.json,
 dump_tensor_data/*.pt}. ms: the same weights converted to MindFormers (align.convert_weights), a real
@@ -29,7 +32,11 @@ CFG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, n
            ffn_hidden_size=64, seq_length=8, micro_batch_size=2)
 
 
-def _config(out: Path, task: str = "tensor") -> Path:
+TASK = os.environ.get("MSPROBE_TASK", "tensor")    # "statistics": dump.json only (Max/Min/Mean/Norm)
+
+
+def _config(out: Path, task: str | None = None) -> Path:
+    task = task or TASK
     cfg = {"task": task, "dump_path": str(out), "rank": [], "step": [], "level": "L0", "async_dump": False,
            task: {"scope": [], "list": [], "data_mode": ["all"]}}
     p = out.with_suffix(".config.json")
@@ -128,9 +135,10 @@ def prune(out: Path) -> None:
     for dump_json in out.rglob("dump.json"):
         folder = dump_json.parent
         doc = json.loads(dump_json.read_text())
-        doc["dump_data_dir"] = "dump_tensor_data"
+        if doc.get("dump_data_dir"):
+            doc["dump_data_dir"] = "dump_tensor_data"
         dump_json.write_text(json.dumps(doc, indent=1))
-        for f in (folder / "dump_tensor_data").iterdir():
+        for f in (folder / "dump_tensor_data").glob("*"):
             if ".parameters_grad." in f.name or ".parameters." in f.name or ".forward.0.parameters" in f.name:
                 f.unlink()
         (folder / "stack.json").unlink(missing_ok=True)
