@@ -18,9 +18,15 @@ from reports.writer import ReportInput, write_report
 
 
 def check_comparable(ev: Evidence) -> None:
-    """Refuse runs that cannot be compared at all, with one line: no loss and no local norms, or two loss
-    series with no step in common (a pass there would be a lie)."""
+    """Refuse runs that cannot be compared at all, with one line: no loss, no local norms and no layer
+    tensors, or two runs with no step in common (a pass there would be a lie)."""
     b, c = ev.baseline, ev.candidate
+    tensors_only = [r.kind == "msprobe" for r in (b, c)]
+    if all(tensors_only):
+        return
+    if any(tensors_only):
+        raise BadInput(f"{ev.inputs.baseline if tensors_only[0] else ev.inputs.candidate}: an msprobe dump "
+                       "holds layer tensors only; compare it with another msprobe dump or a run store")
     for r, path in ((b, ev.inputs.baseline), (c, ev.inputs.candidate)):
         if not r.has("loss") and not r.local_norm_steps(limit=1):
             raise BadInput(f"{path}: no loss values and no local norms to compare")

@@ -48,6 +48,11 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layer-tolerance", action="append", default=[], metavar="DTYPE=PASS,WARN[,COS]",
                    help="layer tensors: relative error passing / warning up to, cosine passing from, per dtype "
                         "(e.g. float32=1e-5,1e-4,0.999999 for two runs on the same hardware)")
+    x = p.add_argument_group("speed (layer tensors)")
+    x.add_argument("--jobs", type=int, default=None, metavar="N", help="parallel tensor readers")
+    x.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="a Dask scheduler (tcp://HOST:8786): the layer-tensor compare fans out to its workers "
+                        "(needs the 'dask' extra)")
     p.add_argument("--strict", action="store_true", help="exit 1 on warn too (for CI gates)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -74,7 +79,8 @@ def report_inputs(args: argparse.Namespace) -> Inputs:
                         max_outside=args.max_outside, max_bias=args.max_bias, sustain=args.sustain,
                         tail=args.tail)
     options = Options(scalar=opt, layer_tolerance=_layer_tolerance(args.layer_tolerance), dtype=args.dtype,
-                      vocab_size=args.vocab_size, eos_id=args.eos_id, pad_id=args.pad_id)
+                      vocab_size=args.vocab_size, eos_id=args.eos_id, pad_id=args.pad_id, jobs=args.jobs,
+                      scheduler=args.scheduler)
     return Inputs(args.baseline, args.candidate, repeats=args.repeat, lr0=tuple(args.lr0) if args.lr0 else None,
                   baseline_config=args.baseline_config, candidate_config=args.candidate_config,
                   optimizer_check=args.optimizer_check, conversion=args.conversion, mapping=args.mapping,

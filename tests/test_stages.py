@@ -168,3 +168,18 @@ def test_extending_doc_source_example_is_detected(tmp_path: Path, monkeypatch: p
     assert sources.detect(tmp_path / "a.csv") == "csv_losses"
     assert sources.load_run(tmp_path / "a.csv").series("loss")[2] == 10.25
     assert [s.kind for s in sources.sources()][:2] == ["runstore", "golden_values"]
+
+
+def test_report_on_two_msprobe_dumps_names_the_perturbed_layer(tmp_path: Path) -> None:
+    """`align report PT_DUMP MS_DUMP` (real msprobe 26.2.0 dumps, tests/data/msprobe): the layer stage runs
+    through the mapping and names the layer whose weight the MindSpore side perturbed; other stages skip."""
+    data = Path(__file__).resolve().parent / "data" / "msprobe"
+    assert main(["report", "-q", str(data / "pt"), str(data / "ms"), "--out", str(tmp_path / "r")]) == 0
+    s = summary(tmp_path / "r")
+    st = s["stages"]["layer_tensors"]
+    assert st["verdict"] == "warn" and s["stages"]["step1_loss"]["verdict"] == "skipped"
+    first = [f for f in s["findings"] if f["stage"] == "layer_tensors" and "first departing forward" in f["message"]]
+    assert first and first[0]["component"] == "decoder.layers.1.mlp.linear_fc2"
+    # an msprobe dump against a log has nothing in common to compare: bad input, one line
+    b = make_run(tmp_path / "b")
+    assert main(["report", "-q", str(b), str(data / "ms"), "--out", str(tmp_path / "r2")]) == 2

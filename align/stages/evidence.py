@@ -33,6 +33,8 @@ class Options:
     vocab_size: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
+    jobs: int | None = None            # parallel tensor readers (layer tensors)
+    scheduler: str | None = None       # a Dask scheduler address: the layer compare fans out there
 
 
 @dataclass

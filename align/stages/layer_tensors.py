@@ -3,10 +3,13 @@ backward, from whatever both stores captured (statistics or full tensors), throu
 
 from __future__ import annotations
 
+from typing import Any
+
 from align.core.findings import StageResult, skipped, worst
+from align.core.run import Run
 from align.stages import Stage
 from align.stages.evidence import Evidence
-from comparators.tensors import compare_layer_tensors
+from comparators.tensors import compare_layer_tensors, layer_source
 from reports.html import table
 
 SEARCH = 20
@@ -15,24 +18,29 @@ SEARCH = 20
 ONE_SIDED_KINDS = ("forward.input", "backward.grad_input")
 
 
-def _tensor_steps(ev: Evidence) -> list[int]:
-    out = []
-    for r in (ev.baseline, ev.candidate):
-        steps = [s for s in r.store.array_steps()[:SEARCH] if r.store.has_group(s, "tensor_stats")]
-        out.append(set(steps))
-    return sorted(out[0] & out[1])
+def _has_layers(run: Run) -> bool:
+    return run.store is not None or run.kind == "msprobe"
+
+
+def _tensor_steps(src: Any) -> set[int]:
+    return {s for s in src.array_steps()[:SEARCH] if src.layer_rows(s, src.array_ranks(s)[0])[0]}
 
 
 def run(ev: Evidence) -> StageResult:
     b, c = ev.baseline, ev.candidate
-    if b.store is None or c.store is None:
-        return skipped("layer_tensors", "layer tensors come from run stores; "
-                       f"{', '.join(r.label for r in (b, c) if r.store is None)} is a log")
-    steps = _tensor_steps(ev)
+    if not _has_layers(b) or not _has_layers(c):
+        return skipped("layer_tensors", "layer tensors come from run stores or msprobe dumps; "
+                       f"{', '.join(r.label for r in (b, c) if not _has_layers(r))} is a log")
+    srcs = [layer_source(r) for r in (b, c)]
+    steps = sorted(_tensor_steps(srcs[0]) & _tensor_steps(srcs[1]))
     if not steps:
-        return skipped("layer_tensors", "no step where both stores hold layer tensors (tensor_stats)")
-    res = compare_layer_tensors(b.store, c.store, ev.inputs.mapping, step=steps[0],
-                                tolerances=ev.options.layer_tolerance or None)
+        return skipped("layer_tensors", "no step where both runs hold layer tensors (tensor_stats / dump.json)")
+    opt = ev.options
+    res = compare_layer_tensors(srcs[0], srcs[1], ev.inputs.mapping, step=steps[0],
+                                candidate_rank=srcs[1].array_ranks(steps[0])[0],
+                                rank=srcs[0].array_ranks(steps[0])[0],
+                                tolerances=opt.layer_tolerance or None, jobs=opt.jobs, scheduler=opt.scheduler,
+                                readers=_readers(b, c))
     unmatched = res.details.get("unmatched_baseline") or []
     if unmatched and all(u.split(" ")[-1].startswith(ONE_SIDED_KINDS) for u in unmatched):
         res.findings = [f for f in res.findings if f.metric != "unmatched_rows"]
@@ -41,6 +49,18 @@ def run(ev: Evidence) -> StageResult:
                                "counterpart kind in the candidate's dump; outputs and output gradients are compared")
     res.details["step"] = steps[0]
     return res
+
+
+def _readers(*runs: Run) -> Any:
+    """msprobe's PyTorch dumps keep full tensors as .pt files: read them with torch (weights_only), when
+    torch is installed; without it the comparator falls back to msprobe's own statistics and says so."""
+    import importlib.util
+
+    if not any(r.kind == "msprobe" for r in runs) or importlib.util.find_spec("torch") is None:
+        return None
+    from align.checkpoints.torch_tensors import READERS
+
+    return READERS
 
 
 def section(res: StageResult) -> str:
