@@ -402,7 +402,7 @@ def deepseek3_config(spec: McoreSpec, **overrides: Any) -> Any:
     base = qwen3_config(spec).to_dict()
     values = {k: base[k] for k in _SHARED_CONFIG_KEYS if k in base}
     values.update(_moe_values(spec), n_routed_experts=spec.num_experts,
-                  n_shared_experts=(spec.shared_expert_size // spec.moe_ffn_hidden_size) or None,
+                  n_shared_experts=spec.shared_expert_size // spec.moe_ffn_hidden_size,
                   first_k_dense_replace=spec.first_k_dense, num_key_value_heads=spec.num_attention_heads,
                   intermediate_size=spec.ffn_hidden_size, kv_lora_rank=spec.kv_lora_rank,
                   q_lora_rank=spec.q_lora_rank, qk_rope_head_dim=spec.qk_pos_emb_head_dim,
