@@ -408,7 +408,11 @@ def deepseek3_config(spec: McoreSpec, **overrides: Any) -> Any:
                   q_lora_rank=spec.q_lora_rank, qk_rope_head_dim=spec.qk_pos_emb_head_dim,
                   qk_nope_head_dim=spec.qk_head_dim, v_head_dim=spec.v_head_dim, n_group=1, topk_group=1,
                   num_nextn_predict_layers=0, routed_scaling_factor=1.0, mla_qkv_concat=False,
-                  qk_layernorm=True)
+                  qk_layernorm=True,
+                  # MindFormers' MLA defaults to YaRN RoPE with factor 40, whose mscale also scales the
+                  # softmax (0.459 instead of 1/sqrt(12) here); Megatron's tiny model uses plain RoPE.
+                  # Factor 1 makes YaRN plain RoPE and mscale 1 on both counts.
+                  rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": spec.seq_length})
     values.update(overrides)
     return DeepseekV3Config(**values)
 
