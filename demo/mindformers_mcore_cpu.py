@@ -57,7 +57,7 @@ class McoreSpec:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     qk_layernorm: bool = True
-    # MoE (kind moe / mla): routed experts, top-k, expert width; shared expert width (0 = none)
+    # MoE (kind moe / mla): routed experts (mla with 0: no MoE), top-k, expert width; shared expert width
     num_experts: int = 4
     moe_topk: int = 2
     moe_ffn_hidden_size: int = 16
@@ -97,7 +97,7 @@ def megatron_extra(spec: McoreSpec) -> dict[str, Any]:
     if spec.rope_theta != 10000.0:   # GPTModel's own argument (rotary_base), fixed at 10000 by build_tiny_llama
         raise ValueError("the Megatron tiny model uses RoPE base 10000")
     extra: dict[str, Any] = {"layernorm_epsilon": spec.rms_norm_eps, "qk_layernorm": spec.qk_layernorm}
-    if spec.kind in ("moe", "mla"):
+    if spec.kind in ("moe", "mla") and spec.num_experts:
         extra.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
                      moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather")
         if spec.shared_expert_size:
@@ -106,6 +106,8 @@ def megatron_extra(spec: McoreSpec) -> dict[str, Any]:
         extra.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
                      qk_head_dim=spec.qk_head_dim, qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
                      v_head_dim=spec.v_head_dim, moe_router_enable_expert_bias=True,
+                     # MLATransformerConfig defaults to YaRN x40 RoPE; both sides use plain RoPE here
+                     rope_type="rope",
                      moe_router_score_function="sigmoid")
         if spec.first_k_dense:   # build_tiny_llama uses one layer spec for every layer: all MoE
             raise ValueError("the Megatron tiny model has no dense first layers: set first_k_dense=0")
@@ -396,19 +398,26 @@ def qwen3_moe_config(spec: McoreSpec, **overrides: Any) -> Any:
 
 def deepseek3_config(spec: McoreSpec, **overrides: Any) -> Any:
     """A MindFormers DeepseekV3Config for ``spec``: MLA (mla_qkv_concat False, q/kv layernorm), MoE after
-    ``first_k_dense`` dense layers, ``shared_expert_size`` / moe width shared experts, no MTP."""
+    ``first_k_dense`` dense layers (none with num_experts 0), ``shared_expert_size`` / moe width shared
+    experts, no MTP, plain RoPE."""
     from mindformers.models.deepseek3.configuration_deepseek_v3 import DeepseekV3Config
 
     base = qwen3_config(spec).to_dict()
     values = {k: base[k] for k in _SHARED_CONFIG_KEYS if k in base}
-    values.update(_moe_values(spec), n_routed_experts=spec.num_experts,
-                  n_shared_experts=(spec.shared_expert_size // spec.moe_ffn_hidden_size) or None,
-                  first_k_dense_replace=spec.first_k_dense, num_key_value_heads=spec.num_attention_heads,
+    values.update(_moe_values(spec), n_routed_experts=spec.num_experts or 4,
+                  n_shared_experts=spec.shared_expert_size // spec.moe_ffn_hidden_size,
+                  # num_experts 0: every layer dense (MLA without MoE: runs on CPU in both modes)
+                  first_k_dense_replace=spec.first_k_dense if spec.num_experts else spec.num_layers,
+                  num_key_value_heads=spec.num_attention_heads,
                   intermediate_size=spec.ffn_hidden_size, kv_lora_rank=spec.kv_lora_rank,
                   q_lora_rank=spec.q_lora_rank, qk_rope_head_dim=spec.qk_pos_emb_head_dim,
                   qk_nope_head_dim=spec.qk_head_dim, v_head_dim=spec.v_head_dim, n_group=1, topk_group=1,
                   num_nextn_predict_layers=0, routed_scaling_factor=1.0, mla_qkv_concat=False,
-                  qk_layernorm=True)
+                  qk_layernorm=True,
+                  # MindFormers' MLA defaults to YaRN RoPE with factor 40, whose mscale also scales the
+                  # softmax (0.459 instead of 1/sqrt(12) here); Megatron's tiny model uses plain RoPE.
+                  # Factor 1 makes YaRN plain RoPE and mscale 1 on both counts.
+                  rope_scaling={"type": "yarn", "factor": 1.0, "original_max_position_embeddings": spec.seq_length})
     values.update(overrides)
     return DeepseekV3Config(**values)
 
@@ -429,7 +438,8 @@ def build_mcore_model(spec: McoreSpec, mode: str = "graph", *, seed: int = 0, st
     routed experts are stacked (``mlp.experts.weight1`` / ``weight2``).
     kinds: dense (TrainingQwen3ForCausalLM, trains here), moe (TrainingQwen3MoeForCausalLM) and mla
     (TrainingDeepseekV3ForCausalLM): the MoE kinds build (names, shapes, conversion) but their expert
-    kernels (TopkExt, GroupedMatmul, ...) have no CPU stand-in yet, so they do not run here.
+    kernels (TopkExt, GroupedMatmul, ...) have no CPU stand-in yet, so they do not run here; MLA without
+    MoE (``McoreSpec(kind="mla", num_experts=0)``) runs in both modes.
     """
     ms.set_seed(seed)
     if spec.kind == "dense":

@@ -198,3 +198,35 @@ def test_truncated_safetensors_is_bad_input(megatron_states, tmp_path) -> None:
     with pytest.raises(BadInput, match="d.safetensors: tensor .* outside the file"):
         _cli(str(out), "--to", "megatron", "--out", str(tmp_path / "x.pt"), *heads)
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_layout_transforms_round_trip_and_match_their_definitions() -> None:
+    """qkv_contiguous = [q; k; v] of Megatron's per-group layout (MindFormers'
+    use_contiguous_weight_layout_attention); concat splits back by named sizes (MLA's fused q/kv down
+    projections); interleave with TP=2 interleaves each shard's [gate; up] halves as a whole."""
+    from align.core.mapping import Rule, merge_qkv, split_qkv
+
+    rng = np.random.default_rng(0)
+    p = TransformParams(num_heads=4, num_query_groups=2, tp=2, sizes={"q": 3, "kv": 5})
+    qkv = rng.standard_normal(((4 + 2 * 2) * 8, 6)).astype(np.float32)
+    rule = Rule("qkv", "attention", [], [], {"op": "qkv_contiguous"})
+    (contig,) = rule.apply([qkv], "candidate", p)
+    q, k, v = split_qkv(qkv, p)
+    np.testing.assert_array_equal(contig, np.concatenate([q, k, v]))
+    np.testing.assert_array_equal(rule.apply([contig], "baseline", p)[0], qkv)
+    np.testing.assert_array_equal(merge_qkv([q, k, v], p), qkv)
+
+    cat = Rule("cat", "attention", [], [], {"op": "concat", "dim": 0, "sizes": ["q", "kv"]})
+    a, b = rng.standard_normal((3, 4)), rng.standard_normal((5, 4))
+    (joined,) = cat.apply([a, b], "candidate", p)
+    back = cat.apply([joined], "baseline", p)
+    assert np.array_equal(back[0], a) and np.array_equal(back[1], b)
+
+    fc1 = np.arange(8 * 2, dtype=np.float32).reshape(8, 2)      # 2 TP shards, each [gate(2); up(2)]
+    il = Rule("fc1", "mlp", [], [], {"op": "interleave", "per_tp_shard": True})
+    (mixed,) = il.apply([fc1], "candidate", p)
+    gate = np.concatenate([fc1[0:2], fc1[4:6]])
+    up = np.concatenate([fc1[2:4], fc1[6:8]])
+    np.testing.assert_array_equal(mixed[0::2], gate)
+    np.testing.assert_array_equal(mixed[1::2], up)
+    np.testing.assert_array_equal(il.apply([mixed], "baseline", p)[0], fc1)

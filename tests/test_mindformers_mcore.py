@@ -6,6 +6,8 @@ The model is built once per module (a GRAPH compile costs 8-14 s here).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -143,23 +145,28 @@ def train_cell(dense_graph):
     return mc.build_mcore_train_cell(dense_graph, learning_rate=1e-2)
 
 
-def test_dense_model_trains_with_mindformers_step_in_graph(dense_graph, train_cell) -> None:
-    """Loss of a fresh model ~ log(vocab); MindFormers' step returns local norms and lowers the loss."""
-    batch = _batch()
-    loss0 = mc.forward_loss(dense_graph, batch)
-    assert abs(loss0 - np.log(SPEC.vocab_size)) < 0.3
-    before = mc.parameter_arrays(dense_graph)
-    cell = train_cell
+def _step(cell, batch) -> tuple[float, Any]:
+    """One MindFormers training step; its loss is the loss at the weights before the update."""
     out = cell(*mc.mcore_inputs(batch))
-    assert float(out[0].asnumpy().reshape(-1)[0]) == pytest.approx(loss0, rel=1e-6)
+    return float(out[0].asnumpy().reshape(-1)[0]), out
+
+
+def test_dense_model_trains_with_mindformers_step_in_graph(dense_graph, train_cell) -> None:
+    """Loss of a fresh model ~ log(vocab); MindFormers' step returns local norms and lowers the loss.
+    (Only the training cell is compiled: a GRAPH compile costs 10-20 s here.)"""
+    batch = _batch()
+    before = mc.parameter_arrays(dense_graph)
+    loss0, out = _step(train_cell, batch)
+    assert abs(loss0 - np.log(SPEC.vocab_size)) < 0.3
     local = out[5].asnumpy()
     assert local.shape == (len(before),) and np.all(local > 0)
     np.testing.assert_allclose(np.sqrt(local.sum()), float(out[4].asnumpy().reshape(-1)[0]), rtol=1e-5)
     for _ in range(3):
-        out = cell(*mc.mcore_inputs(batch))
-    assert mc.forward_loss(dense_graph, batch) < loss0 - 0.05
+        loss, _ = _step(train_cell, batch)
+    assert loss < loss0 - 0.05
     mc.load_parameter_arrays(dense_graph, before)           # leave the shared model as it was
-    assert mc.forward_loss(dense_graph, batch) == pytest.approx(loss0, rel=1e-6)
+    assert _step(train_cell, batch)[0] == pytest.approx(loss0, rel=1e-6)
+    mc.load_parameter_arrays(dense_graph, before)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -223,16 +230,14 @@ def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, train_
             assert np.array_equal(loaded[name], arr), name
         tb = mg.synthetic_batch(1, cfg)
         batch = {k: tb[k].numpy() for k in ("tokens", "labels", "loss_mask")}
-        with torch.no_grad():
-            want = float(mg.forward_loss(model, tb))
-        got = mc.forward_loss(dense_graph, batch)
+        loss = mg.forward_loss(model, tb)                          # step 1 on both sides
+        loss.backward()
+        want = float(loss.detach())
+        got, out_cell = _step(train_cell, batch)
         print(f"step-1 loss: megatron {want:.7f} mindformers {got:.7f} rel {abs(got - want) / abs(want):.2e}")
         assert abs(got - want) / abs(want) <= 1e-5, (got, want)
 
-        loss = mg.forward_loss(model, tb)                          # step-1 gradients, both sides
-        loss.backward()
         b_norms = {n: float(p.grad.norm()) for n, p in model.named_parameters()}
-        out_cell = train_cell(*mc.mcore_inputs(batch))
         names = [p.name for p in train_cell.optimizer.parameters]
         c_norms = dict(zip(names, np.sqrt(out_cell[5].asnumpy()).tolist(), strict=True))
 
@@ -255,3 +260,21 @@ def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, train_
     assert sorted(sd) == sorted(orig)
     for k, v in sd.items():
         assert v.dtype == orig[k].dtype and torch.equal(v, orig[k]), k
+
+
+def test_pynative_standins_train_the_same_model_as_graph(dense_graph, train_cell) -> None:
+    """The PYNATIVE stand-ins (Morph, OneHotExt, ZerosLikeExt on top of the others) run the real model:
+    same weights and batch give GRAPH's step-1 loss and local norms."""
+    batch = _batch(3)
+    weights = mc.parameter_arrays(dense_graph)
+    try:
+        loss_g, out_g = _step(train_cell, batch)
+        mc.set_mcore_context("pynative", seed=0)
+        net = mc.build_mcore_model(SPEC, "pynative")
+        mc.load_parameter_arrays(net, weights)
+        loss_p, out_p = _step(mc.build_mcore_train_cell(net, learning_rate=1e-2), batch)
+        assert loss_p == pytest.approx(loss_g, rel=1e-6)
+        np.testing.assert_allclose(np.sqrt(out_p[5].asnumpy()), np.sqrt(out_g[5].asnumpy()), rtol=1e-4)
+    finally:
+        mc.set_mcore_context("graph")
+        mc.load_parameter_arrays(dense_graph, weights)
