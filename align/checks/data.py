@@ -218,28 +218,32 @@ def compare_batches(baseline: str | Path, candidate: str | Path, *, limit: int |
     Megatron batches are already shifted, so the candidate replaying them must record the same arrays; the
     first step whose arrays differ is named (a second shift, a different sampler, a mutated mask)."""
     res = StageResult(STAGE)
-    cand = {}
-    for step, rank, b in iter_batches(candidate):
-        if limit is not None and len(cand) >= limit:
-            break
-        cand[(step, rank)] = {k: np.asarray(v) for k, v in b.items() if k in BATCH_KEYS}
+    cand_iter = iter_batches(candidate)
+    cur = next(cand_iter, None)
     compared = 0
     first_diff = None
-    for step, rank, b in iter_batches(baseline):
-        c = cand.get((step, rank))
-        if c is None:
+    for step, rank, b in iter_batches(baseline):      # both come in (step, rank) order: a merge join
+        while cur is not None and (cur[0], cur[1]) < (step, rank):
+            cur = next(cand_iter, None)
+        if cur is None:
+            break
+        if (cur[0], cur[1]) != (step, rank):
             continue
+        c = cur[2]
         compared += 1
         for key in BATCH_KEYS:
             if key not in b or key not in c:
                 continue
-            x, y = np.asarray(b[key]), c[key]
-            same = x.shape == y.shape and np.array_equal(x.astype(np.float64), y.astype(np.float64))
-            if not same and first_diff is None:
-                what = (f"shape {x.shape} vs {y.shape}" if x.shape != y.shape else
-                        f"{int(np.count_nonzero(x.astype(np.float64) != y.astype(np.float64)))} of {x.size} "
-                        "values differ")
-                first_diff = (step, rank, key, what)
+            x, y = np.asarray(b[key]), np.asarray(c[key])
+            if x.shape == y.shape and np.array_equal(x.astype(np.float64), y.astype(np.float64)):
+                continue
+            what = (f"shape {x.shape} vs {y.shape}" if x.shape != y.shape else
+                    f"{int(np.count_nonzero(x.astype(np.float64) != y.astype(np.float64)))} of {x.size} "
+                    "values differ")
+            first_diff = (step, rank, key, what)
+            break
+        if first_diff is not None or (limit is not None and compared >= limit):
+            break
     res.details = {"steps_compared": compared}
     if compared == 0:
         res.add(Finding(STAGE, "warn", "batch", "no_common_batches", 0, None,
