@@ -24,12 +24,13 @@ pytest.importorskip("mindformers")
 
 
 def launch_yaml(root: Path, batches: Path, steps: int, mode: str = "graph",
-                dumper: dict | None = None, weights: Path | None = None, dp: int = 1) -> Path:
+                dumper: dict | None = None, weights: Path | None = None, dp: int = 1,
+                use_parallel: bool = True) -> Path:
     """The YAML a user writes (docs/mindformers-launch.md): the tiny CPU Llama, replay, dumper."""
     from demo.mindformers_cpu import trainer_config
 
     cfg = trainer_config(str(batches), steps=steps, output_dir=str(root / "output"), mode=mode)
-    cfg["use_parallel"] = True
+    cfg["use_parallel"] = use_parallel
     cfg["parallel_config"]["data_parallel"] = dp
     cfg["parallel"]["gradients_mean"] = True
     cfg["train_dataset_task"]["dataset_config"]["steps"] = list(range(1, steps + 1))   # replay steps 1..N
@@ -53,7 +54,8 @@ def _free_port() -> int:
 
 
 def msrun_launch(root: Path, config: Path, workers: int = 1) -> Path:
-    """``msrun ... run_mindformer.py --config X.yaml --register_path DIR``; returns msrun's log dir."""
+    """``msrun ... run_mindformer.py --config X.yaml --register_path DIR`` (``workers=0``: without msrun);
+    returns msrun's log dir."""
     msrun = shutil.which("msrun", path=str(Path(sys.executable).parent))
     if msrun is None:
         pytest.skip("msrun (MindSpore's launcher) not installed")
@@ -68,6 +70,13 @@ def msrun_launch(root: Path, config: Path, workers: int = 1) -> Path:
                # a CPU list; give it the CPUs this process may use.
                MSRUN_CPU_LIST=str(sorted(os.sched_getaffinity(0))))
     log_dir = root / "output" / "msrun_log"
+    if workers == 0:    # no msrun: run_mindformer.py in this machine's plain python (use_parallel: False)
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "run_mindformer.py"), "--config",
+                               str(config), "--register_path", str(register)], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280,
+                              check=False)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        return log_dir
     proc = subprocess.run(
         [msrun, f"--worker_num={workers}", f"--local_worker_num={workers}", f"--master_port={_free_port()}",
          f"--log_dir={log_dir}", "--join=True", str(REPO / "tests" / "helpers" / "run_mindformer.py"),
@@ -156,8 +165,8 @@ def test_pynative_rerun_of_steps_1_2_captures_layers_and_matches_graph(graph_run
 
     config = launch_yaml(tmp_path, batches, steps=2, mode="pynative",
                          dumper={"tensors": "stats", "cells": ["model.layers.*"], "backward": False},
-                         weights=weights)
-    msrun_launch(tmp_path, config)
+                         weights=weights, use_parallel=False)
+    msrun_launch(tmp_path, config, workers=0)      # a plain single-process debug run, no msrun
     graph = RunReader(graph_run / "run").scalars(0).set_index("step")
     rerun = RunReader(tmp_path / "run")
     scalars = rerun.scalars(0).set_index("step")
