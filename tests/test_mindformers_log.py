@@ -227,3 +227,23 @@ def test_2x_bulk_and_line_by_line_paths_agree(tmp_path, name):
     for key in fast.scalars:
         assert np.array_equal(fast.series(key).to_numpy(), careful.series(key).to_numpy()), key
     assert fast.meta.get("loss_key") == careful.meta.get("loss_key")
+
+
+def test_report_compares_megatron_lm_loss_with_mindformers_lm_loss(tmp_path):
+    """`align report` on a Megatron log and a MindFormers MoE+MTP log: the compared candidate loss is
+    lm_loss (not the printed total), and the report's run notes say so."""
+    from align.cli import main
+
+    lm = EXPECTED["moe_mtp"]["lm"]
+    lines = [f"[2026-11-24 05:00:0{i}] iteration {i:8d}/       4 | consumed samples: {8 * i:12d} | elapsed "
+             f"time per iteration (ms): 850.0 | learning rate: {1e-4 * i:.6E} | global batch size:     8 | "
+             f"lm loss: {lm[i - 1]:.6E} | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 "
+             "| number of nan iterations:   0 |" for i in range(1, 5)]
+    (tmp_path / "megatron.log").write_text("\n".join(lines) + "\n")
+    rc = main(["report", str(tmp_path / "megatron.log"), str(MF2 / "moe_mtp.log"), "--out", str(tmp_path / "r")])
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    step1 = summary["stages"]["step1_loss"]
+    assert step1["candidate"] == pytest.approx(lm[0], abs=5e-7)      # lm_loss, not lm + aux + mtp
+    assert step1["verdict"] == "pass" and rc == 0
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert "total_loss" in html and "lm_loss" in html
