@@ -306,7 +306,11 @@ def mcore_common(cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(c["moe_router_score_function"], bool):
         c["moe_router_score_function"] = "sigmoid" if c["moe_router_score_function"] else "softmax"
     experts = c["num_experts"]
-    if experts is NOT_READ or not experts or experts <= 1:
+    moe_keys_set = any(v is not NOT_READ for k, v in c.items() if k.startswith("moe_") and k != "moe_topk") \
+        or any(k.startswith(("moe_", "n_group", "topk_group")) for k in mc)
+    if experts is NOT_READ and moe_keys_set:
+        pass          # an MoE model whose expert count comes from the model class: not read, never 0
+    elif experts is NOT_READ or not experts or experts <= 1:
         c["num_experts"] = 0
         for k in [k for k in c if k.startswith("moe_")]:
             c[k] = None
