@@ -247,3 +247,21 @@ def test_report_compares_megatron_lm_loss_with_mindformers_lm_loss(tmp_path):
     assert step1["verdict"] == "pass" and rc == 0
     html = (tmp_path / "r" / "report.html").read_text()
     assert "total_loss" in html and "lm_loss" in html
+
+
+@pytest.mark.parametrize("name", ["dense.log", "moe_mtp.log"])
+def test_wrapped_copy_of_2x_logs(tmp_path, name):
+    """A terminal copy cut at 120 columns reads back the same values and named norms."""
+    width = 120
+    out = []
+    for ln in (MF2 / name).read_text().splitlines():
+        out += [ln[i:i + width] for i in range(0, max(len(ln), 1), width)]
+    p = tmp_path / "wrapped.log"
+    p.write_text("\n".join(out) + "\n")
+    run, ref = parse_mindformers_log(p), parse_mindformers_log(MF2 / name)
+    assert sorted(run.scalars) == sorted(ref.scalars)
+    for key in ref.scalars:
+        assert np.array_equal(run.series(key).to_numpy(), ref.series(key).to_numpy()), key
+    for step, table in ref.local_norms.items():
+        assert list(run.local_norms[step].name) == list(table.name)
+    assert any("wrapped" in n for n in run.notes)
