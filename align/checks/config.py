@@ -130,7 +130,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "kv_channels": g("kv_channels") or (h // nh if h and nh else None),
         "qk_layernorm": bool(g("qk_layernorm")), "qkv_bias": bool(g("add_qkv_bias") or g("add_bias_linear")),
         "init_method_std": g("init_method_std"), "fp32_residual_connection": bool(g("fp32_residual_connection")),
-        "softmax_in_fp32": bool(g("attention_softmax_in_fp32")),
+        # in an fp32 run every softmax is fp32; the flag only matters under --bf16 / --fp16
+        "softmax_in_fp32": bool(g("attention_softmax_in_fp32")) or compute == "float32",
         # megatron-core computes RMSNorm/LayerNorm statistics and RoPE frequencies in fp32 (no flag)
         "layernorm_compute_dtype": "float32", "rotary_dtype": "float32",
         "optimizer": {"adam": "adamw"}.get(str(g("optimizer")).lower(), g("optimizer")),
