@@ -265,3 +265,18 @@ def test_wrapped_copy_of_2x_logs(tmp_path, name):
     for step, table in ref.local_norms.items():
         assert list(run.local_norms[step].name) == list(table.name)
     assert any("wrapped" in n for n in run.notes)
+
+
+def test_line_cut_mid_value_never_keeps_a_truncated_number(tmp_path):
+    lines = (MF2 / "moe_mtp.log").read_text().splitlines()
+    i = next(i for i, ln in enumerate(lines) if "step:[    3/    4], loss:[" in ln)
+    j = next(i for i, ln in enumerate(lines) if "step:[    4/    4], loss:[" in ln)
+    lines[i] = lines[i][: lines[i].index("global_norm: [") + len("global_norm: [1.")]   # cut inside [..]
+    lines[j] = lines[j][: lines[j].index("loss_scale: ") + len("loss_scale: 1")]        # cut in a number
+    p = tmp_path / "cut.log"
+    p.write_text("\n".join(lines) + "\n")
+    run = parse_mindformers_log(p)
+    assert list(run.series("grad_norm").index) == [1, 2]
+    assert 4 not in run.series("loss_scale").index
+    assert list(run.series("loss").index) == [1, 2, 3, 4] and list(run.series("lr").index) == [1, 2, 3, 4]
+    assert any("cut short" in n for n in run.notes)

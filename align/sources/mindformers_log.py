@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,28 @@ def _ends_complete(line: str) -> bool:
     """The step line ends with its last field's whole value (only the tail is looked at)."""
     tail = line.rstrip()
     return tail.endswith("]") or bool(_END.search(tail[-80:]))
+
+
+def _last_field(lines: list[str]) -> str | None:
+    """The field that ends this run's step lines (all lines of a run share MFLossMonitor's format)."""
+    counts: Counter[str] = Counter()
+    for ln in lines:
+        if "Epoch:[" in ln and "], step:[" in ln and "loss" in ln:
+            counts[ln.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()] += 1
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _cut_short(line: str, last_field: str | None) -> bool:
+    """A step line that stops before its run's last field, or inside that field's value."""
+    if not _ends_complete(line):
+        return True
+    if last_field is None:
+        return False
+    name, _, value = line.rstrip().rsplit(",", 1)[-1].partition(":")
+    value = value.strip()
+    if name.strip() != last_field or not value:
+        return True
+    return last_field == "train_throughput_per_npu" and not value.endswith("T")
 
 
 def _is_complete(line: str) -> bool:
@@ -209,7 +232,7 @@ def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
         try:
             if value.startswith("["):
                 parts = [p for p in value[1:].rstrip("]").replace("/", " ").replace(",", " ").split() if p]
-                if not parts:
+                if not parts or not value.endswith("]"):      # empty, or cut before its closing bracket
                     skips.add(name, gstep, value)
                     continue
                 values[key] = _number(parts[0])
@@ -237,6 +260,7 @@ def parse_mindformers_log(path: str | Path) -> Run:
         if joins:
             notes.append(f"re-joined {joins} lines wrapped by a terminal")
 
+    last_field = _last_field(text_lines)
     cols: dict[str, tuple[list[int], list[float]]] = {}
     local_norms: dict[int, pd.DataFrame] = {}
     named: dict[int, tuple[list[str], list[float]]] = {}
@@ -268,8 +292,11 @@ def parse_mindformers_log(path: str | Path) -> Run:
             skips.add("step line", gstep, rest.strip())
             pending_norm = None
             continue
-        if not _ends_complete(line):
+        if _cut_short(line, last_field):
             cut.append(gstep)
+            last = next(reversed(values))          # the value the cut ran through may be truncated
+            if not rest.rstrip().endswith("]"):
+                values.pop(last)
         steps_seen += 1
         for k, v in values.items():
             entry = cols.setdefault(k, ([], []))
@@ -287,7 +314,7 @@ def parse_mindformers_log(path: str | Path) -> Run:
         raise BadInput(f"{path}: no MindFormers '{{ Epoch:[..], step:[..], loss:[..] ...' lines found")
     if cut:
         notes.append(f"{len(cut)} step line(s) cut short (steps {', '.join(map(str, cut[:5]))}"
-                     f"{', ...' if len(cut) > 5 else ''}); their complete fields kept")
+                     f"{', ...' if len(cut) > 5 else ''}); the field at the cut dropped, the others kept")
     notes.extend(skips.notes())
     for step, (names, norms) in named.items():
         if step in local_norms:
