@@ -57,6 +57,7 @@ _FAST = re.compile(
     rb"\s*per_step_time:\s*([0-9.]+)ms,(?:\s*lr:\s*([^,\s]+),)?\s*overflow cond:\s*(True|False),"
     rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*(?:\[\s*([^\]\s,]+)\s*\]|([^,\s\[]+))"
     rb"(?:,\s*train_throughput_per_npu:\s*([0-9.]+)T)?[ \t]*$", re.M)
+_FAST_LINE = re.compile(_FAST.pattern.decode())      # the same line, one at a time (careful path)
 # group index (after epoch, step, steps-per-epoch) -> key; loss and global_norm come bracketed or not
 _FAST_KEYS = {3: "loss", 4: "loss_avg", 5: "loss", 6: "lm_loss", 7: "load_balancing_loss", 8: "mtp_loss",
               9: "indexer_loss", 10: "per_step_time_ms", 11: "lr", 12: "overflow", 13: "loss_scale",
@@ -223,6 +224,23 @@ def _key(name: str) -> str:
     return key
 
 
+def _read_standard(line: str, start: int) -> dict[str, float] | None:
+    """A line in MFLossMonitor's exact format, read with one regex; None sends it to the field reader."""
+    m = _FAST_LINE.search(line, start)
+    if m is None:
+        return None
+    groups = m.groups()
+    values: dict[str, float] = {}
+    try:
+        for idx, key in _FAST_KEYS.items():
+            g = groups[idx]
+            if g:
+                values[key] = float(g == "True") if key == "overflow" else float(g)
+    except ValueError:
+        return None
+    return values
+
+
 def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
     values: dict[str, float] = {}
     for name, value in _split_fields(rest):
@@ -287,12 +305,13 @@ def parse_mindformers_log(path: str | Path) -> Run:
         if not m.group(6):
             _monitor_line(rest, gstep, named, other_tags, skips)
             continue
-        values = _read_fields(rest, gstep, skips)
+        standard = _read_standard(line, max(0, at - 2))     # matched through the end of the line: whole
+        values = standard or _read_fields(rest, gstep, skips)
         if not values:
             skips.add("step line", gstep, rest.strip())
             pending_norm = None
             continue
-        if _cut_short(line, last_field):
+        if standard is None and _cut_short(line, last_field):
             cut.append(gstep)
             last = next(reversed(values))          # the value the cut ran through may be truncated
             if not rest.rstrip().endswith("]"):
