@@ -218,3 +218,26 @@ def test_fused_kernels_on_one_side_are_a_check(tmp_path: Path) -> None:
     rows = _rows(rep)
     assert rows["rope_fusion"]["status"] == "check" and rows["rope_fusion"]["megatron"] is False
     assert rep["counts"]["mismatch"] == 0
+
+
+def test_shipped_deepseek3_yaml_mla_mtp_moe_keys() -> None:
+    """DeepSeek-V3 (MLA + MoE + MTP): what the YAML sets is read; what it leaves to the model class is
+    'not read' - the expert count included, never 0 for an MoE model."""
+    cfg = yaml.safe_load((CONFIGS / "pretrain_deepseek3_671b.yaml").read_text())
+    c = cc.mindformers_common(cfg)
+    assert c["multi_latent_attention"] is True and c["q_lora_rank"] is cc.NOT_READ
+    assert c["mtp_num_layers"] == 1 and c["mtp_loss_scaling_factor"] == 0.3
+    assert c["num_experts"] is cc.NOT_READ and c["moe_ffn_hidden_size"] == 2048
+    assert c["moe_token_drop_policy"] == "probs"                  # enable_sdrop-style False
+    assert c["moe_router_load_balancing_type"] == "seq_aux_loss" and c["moe_router_enable_expert_bias"] is True
+    assert c["rope_fusion"] is False and c["swiglu_fusion"] is False and c["init_method_std"] == 0.01
+    mg = {"num_layers": 61, "hidden_size": 7168, "num_attention_heads": 128, "num_experts": 256,
+          "moe_router_topk": 8, "moe_ffn_hidden_size": 2048, "multi_latent_attention": True, "q_lora_rank": 1536,
+          "kv_lora_rank": 512, "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3, "vocab_size": 129280,
+          "make_vocab_size_divisible_by": 1, "seq_length": 4096, "init_method_std": 0.01}
+    rows, _ = cc.compare_configs(mg, cfg)
+    by_key = {r.key: r for r in rows}
+    assert by_key["num_experts"].status == "not read" and by_key["q_lora_rank"].status == "not read"
+    for key in ("mtp_num_layers", "mtp_loss_scaling_factor", "moe_ffn_hidden_size", "num_layers", "init_method_std"):
+        assert by_key[key].status == "match", key
+    assert any(r.key == "advice.mla_softmax_scale" for r in rows)

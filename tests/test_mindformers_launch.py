@@ -2,8 +2,8 @@
 
 The YAML names every class (MegatronReplayDataset, MindFormersDumperCallback, the CPU training cell) with
 ``auto_register``; nothing else runs in the training process (tests/helpers/run_mindformer.py does only
-what MindFormers' run_mindformer.py does). GRAPH mode, the NPU mode; ``use_parallel: True`` so msrun's
-communication is initialised and the ranks come from MindSpore's get_rank().
+what MindFormers' run_mindformer.py does). GRAPH mode, the NPU mode, data parallel over two msrun workers;
+``use_parallel: True`` so msrun's communication is initialised and each rank replays its own batches.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ pytest.importorskip("mindformers")
 
 
 def launch_yaml(root: Path, batches: Path, steps: int, mode: str = "graph",
-                dumper: dict | None = None, weights: Path | None = None) -> Path:
+                dumper: dict | None = None, weights: Path | None = None, dp: int = 1,
+                use_parallel: bool = True) -> Path:
     """The YAML a user writes (docs/mindformers-launch.md): the tiny CPU Llama, replay, dumper."""
     from demo.mindformers_cpu import trainer_config
 
     cfg = trainer_config(str(batches), steps=steps, output_dir=str(root / "output"), mode=mode)
-    cfg["use_parallel"] = True
+    cfg["use_parallel"] = use_parallel
+    cfg["parallel_config"]["data_parallel"] = dp
+    cfg["parallel"]["gradients_mean"] = True
     cfg["train_dataset_task"]["dataset_config"]["steps"] = list(range(1, steps + 1))   # replay steps 1..N
     if weights is not None:       # the same start on every launch (a converted Megatron checkpoint in practice)
         cfg.update(load_checkpoint=str(weights), load_ckpt_format="ckpt")
@@ -50,8 +53,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def msrun_launch(root: Path, config: Path) -> Path:
-    """``msrun ... run_mindformer.py --config X.yaml --register_path DIR``; returns msrun's log dir."""
+def msrun_launch(root: Path, config: Path, workers: int = 1) -> Path:
+    """``msrun ... run_mindformer.py --config X.yaml --register_path DIR`` (``workers=0``: without msrun);
+    returns msrun's log dir."""
     msrun = shutil.which("msrun", path=str(Path(sys.executable).parent))
     if msrun is None:
         pytest.skip("msrun (MindSpore's launcher) not installed")
@@ -66,14 +70,21 @@ def msrun_launch(root: Path, config: Path) -> Path:
                # a CPU list; give it the CPUs this process may use.
                MSRUN_CPU_LIST=str(sorted(os.sched_getaffinity(0))))
     log_dir = root / "output" / "msrun_log"
+    if workers == 0:    # no msrun: run_mindformer.py in this machine's plain python (use_parallel: False)
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "run_mindformer.py"), "--config",
+                               str(config), "--register_path", str(register)], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280,
+                              check=False)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        return log_dir
     proc = subprocess.run(
-        [msrun, "--worker_num=1", "--local_worker_num=1", f"--master_port={_free_port()}",
+        [msrun, f"--worker_num={workers}", f"--local_worker_num={workers}", f"--master_port={_free_port()}",
          f"--log_dir={log_dir}", "--join=True", str(REPO / "tests" / "helpers" / "run_mindformer.py"),
          "--config", str(config), "--register_path", str(register)],
         env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280,
         check=False)
-    worker = log_dir / "worker_0.log"
-    assert proc.returncode == 0, (worker.read_text()[-4000:] if worker.exists() else proc.stdout[-4000:])
+    logs = sorted(log_dir.glob("worker_*.log"))
+    assert proc.returncode == 0, "\n".join(w.read_text()[-3000:] for w in logs) or proc.stdout[-4000:]
     return log_dir
 
 
@@ -82,7 +93,7 @@ def batches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.test_mindformers_replay import write_megatron_batches
 
     root = tmp_path_factory.mktemp("batches")
-    write_megatron_batches(root, [1, 2, 3])
+    write_megatron_batches(root, [1, 2, 3], ranks=(0, 1))
     return root
 
 
@@ -100,9 +111,11 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def graph_run(tmp_path_factory: pytest.TempPathFactory, batches: Path, weights: Path) -> Path:
-    """GRAPH mode (the NPU mode), 3 steps; the dumper also asks for layer statistics, which GRAPH refuses."""
+    """GRAPH mode (the NPU mode), data parallel over 2 msrun workers, 3 steps; the dumper also asks for layer
+    statistics, which GRAPH refuses."""
     root = tmp_path_factory.mktemp("graph")
-    msrun_launch(root, launch_yaml(root, batches, steps=3, dumper={"tensors": "stats"}, weights=weights))
+    msrun_launch(root, launch_yaml(root, batches, steps=3, dumper={"tensors": "stats"}, weights=weights, dp=2),
+                 workers=2)
     return root
 
 
@@ -112,44 +125,57 @@ def test_msrun_run_mindformer_yaml_replays_batches_and_dumps_named_norms(graph_r
     from align.sources import load_run
 
     reader = RunReader(graph_run / "run")
-    assert reader.ranks == [0] and reader.array_steps() == [1, 2, 3]
+    assert reader.ranks == [0, 1] and reader.array_steps() == [1, 2, 3]
     assert "PYNATIVE" in reader.meta["layer_capture"]         # refused, said so, and the run went on
-    scalars = reader.scalars(0).set_index("step")
-    assert list(scalars.index) == [1, 2, 3]           # one record per step: msrun's scheduler did not train
-    log = load_run(graph_run / "output" / "msrun_log")   # the msrun worker log, as MindFormers printed it
-    for step in (1, 2, 3):
-        arrays = reader.step_arrays(step)
-        for col, name in (("input_ids", "tokens"), ("labels", "labels"), ("loss_mask", "loss_mask")):
-            np.testing.assert_array_equal(arrays.data[f"batch/{col}"],
-                                          np.load(batches / f"step_{step}" / "rank_0" / f"{name}.npy"))
-        norms = arrays.table("local_norm")
-        assert len(norms) == 21 and "model.tok_embeddings.embedding_weight" in set(norms.name)
-        assert "model.layers.1.feed_forward.w2.weight" in set(norms.name)
-        total = float(np.sqrt(np.sum(norms.norm.to_numpy() ** 2)))
-        assert total == pytest.approx(scalars.loc[step, "grad_norm"], rel=1e-5)
-        # the dumper's loss is what MFLossMonitor printed (%5.6f) in the worker log
-        assert scalars.loc[step, "loss"] == pytest.approx(log.series("loss")[step], abs=5e-7)
-        assert scalars.loc[step, "grad_norm"] == pytest.approx(log.series("grad_norm")[step], rel=1e-6)
+    log = load_run(graph_run / "output" / "msrun_log")   # msrun's worker_0.log and worker_1.log, one run
+    assert sorted(log.rank_scalars) == [0, 1]
+    for rank in (0, 1):
+        scalars = reader.scalars(rank).set_index("step")
+        assert list(scalars.index) == [1, 2, 3]       # one record per step: msrun's scheduler did not train
+        printed = log.rank_scalars[rank]
+        for step in (1, 2, 3):
+            arrays = reader.step_arrays(step, rank)
+            # each rank replayed its own Megatron batch (rank from msrun's communication)
+            for col, name in (("input_ids", "tokens"), ("labels", "labels"), ("loss_mask", "loss_mask")):
+                np.testing.assert_array_equal(arrays.data[f"batch/{col}"],
+                                              np.load(batches / f"step_{step}" / f"rank_{rank}" / f"{name}.npy"))
+            norms = arrays.table("local_norm")
+            assert len(norms) == 21 and "model.tok_embeddings.embedding_weight" in set(norms.name)
+            assert "model.layers.1.feed_forward.w2.weight" in set(norms.name)
+            # the dumper's loss is what MFLossMonitor printed (%5.6f) in that rank's worker log
+            assert scalars.loc[step, "loss"] == pytest.approx(printed["loss"][step], abs=5e-7)
+            assert scalars.loc[step, "grad_norm"] == pytest.approx(printed["grad_norm"][step], rel=1e-6)
+    r0, r1 = (reader.scalars(r).set_index("step") for r in (0, 1))
+    assert r0.loss[1] != r1.loss[1]                             # different batches per rank ...
+    assert r0.grad_norm[1] == pytest.approx(r1.grad_norm[1], rel=1e-6)   # ... one all-reduced gradient
+    # MindFormers' local_norm under data parallel is each rank's own gradient, before the all-reduce: the
+    # ranks differ and neither recombines into the global norm (Megatron's named norms are reduced ones).
+    n0, n1 = (reader.step_arrays(1, r).table("local_norm").norm.to_numpy() for r in (0, 1))
+    assert not np.allclose(n0, n1, rtol=1e-3)
+    assert float(np.sqrt(np.sum(n0 ** 2))) != pytest.approx(r0.grad_norm[1], rel=1e-3)
 
 
 @pytest.mark.timeout(300)
 def test_pynative_rerun_of_steps_1_2_captures_layers_and_matches_graph(graph_run: Path, batches: Path,
                                                                        weights: Path, tmp_path: Path) -> None:
-    """The documented debug path: the same YAML with context.mode 1 and stop_step 2 captures layer
-    statistics; its losses and norms are the GRAPH run's."""
+    """The documented debug path: the same YAML with context.mode 1 captures layer statistics of steps 1-2.
+    Launched on one worker here (rank 0's batches), so step 1 (forward and its loss) is the GRAPH run's rank 0;
+    re-run with the GRAPH run's parallel layout to compare step 2 as well."""
     from align.core.runstore import RunReader
 
     config = launch_yaml(tmp_path, batches, steps=2, mode="pynative",
                          dumper={"tensors": "stats", "cells": ["model.layers.*"], "backward": False},
-                         weights=weights)
-    msrun_launch(tmp_path, config)
+                         weights=weights, use_parallel=False)
+    msrun_launch(tmp_path, config, workers=0)      # a plain single-process debug run, no msrun
     graph = RunReader(graph_run / "run").scalars(0).set_index("step")
     rerun = RunReader(tmp_path / "run")
     scalars = rerun.scalars(0).set_index("step")
     assert list(scalars.index) == [1, 2]
+    assert scalars.loc[1, "loss"] == pytest.approx(graph.loc[1, "loss"], rel=1e-5)
     for step in (1, 2):
-        assert scalars.loc[step, "loss"] == pytest.approx(graph.loc[step, "loss"], rel=1e-5)
-        assert scalars.loc[step, "grad_norm"] == pytest.approx(graph.loc[step, "grad_norm"], rel=1e-4)
+        norms = rerun.step_arrays(step).table("local_norm")    # one worker: local = global gradient
+        total = float(np.sqrt(np.sum(norms.norm.to_numpy() ** 2)))
+        assert len(norms) == 21 and total == pytest.approx(scalars.loc[step, "grad_norm"], rel=1e-5)
         stats = rerun.step_arrays(step).table("tensor_stats")
         modules = set(stats.module)
         assert "model.layers.0.attention" in modules and "model.layers.1.feed_forward" in modules

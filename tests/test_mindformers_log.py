@@ -228,3 +228,56 @@ def test_2x_bulk_and_line_by_line_paths_agree(tmp_path, name):
     for key in fast.scalars:
         assert np.array_equal(fast.series(key).to_numpy(), careful.series(key).to_numpy()), key
     assert fast.meta.get("loss_key") == careful.meta.get("loss_key")
+
+
+def test_report_compares_megatron_lm_loss_with_mindformers_lm_loss(tmp_path):
+    """`align report` on a Megatron log and a MindFormers MoE+MTP log: the compared candidate loss is
+    lm_loss (not the printed total), and the report's run notes say so."""
+    from align.cli import main
+
+    lm = EXPECTED["moe_mtp"]["lm"]
+    lines = [f"[2026-11-24 05:00:0{i}] iteration {i:8d}/       4 | consumed samples: {8 * i:12d} | elapsed "
+             f"time per iteration (ms): 850.0 | learning rate: {1e-4 * i:.6E} | global batch size:     8 | "
+             f"lm loss: {lm[i - 1]:.6E} | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 "
+             "| number of nan iterations:   0 |" for i in range(1, 5)]
+    (tmp_path / "megatron.log").write_text("\n".join(lines) + "\n")
+    rc = main(["report", str(tmp_path / "megatron.log"), str(MF2 / "moe_mtp.log"), "--out", str(tmp_path / "r")])
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    step1 = summary["stages"]["step1_loss"]
+    assert step1["candidate"] == pytest.approx(lm[0], abs=5e-7)      # lm_loss, not lm + aux + mtp
+    assert step1["verdict"] == "pass" and rc == 0
+    html = (tmp_path / "r" / "report.html").read_text()
+    assert "total_loss" in html and "lm_loss" in html
+
+
+@pytest.mark.parametrize("name", ["dense.log", "moe_mtp.log"])
+def test_wrapped_copy_of_2x_logs(tmp_path, name):
+    """A terminal copy cut at 120 columns reads back the same values and named norms."""
+    width = 120
+    out = []
+    for ln in (MF2 / name).read_text().splitlines():
+        out += [ln[i:i + width] for i in range(0, max(len(ln), 1), width)]
+    p = tmp_path / "wrapped.log"
+    p.write_text("\n".join(out) + "\n")
+    run, ref = parse_mindformers_log(p), parse_mindformers_log(MF2 / name)
+    assert sorted(run.scalars) == sorted(ref.scalars)
+    for key in ref.scalars:
+        assert np.array_equal(run.series(key).to_numpy(), ref.series(key).to_numpy()), key
+    for step, table in ref.local_norms.items():
+        assert list(run.local_norms[step].name) == list(table.name)
+    assert any("wrapped" in n for n in run.notes)
+
+
+def test_line_cut_mid_value_never_keeps_a_truncated_number(tmp_path):
+    lines = (MF2 / "moe_mtp.log").read_text().splitlines()
+    i = next(i for i, ln in enumerate(lines) if "step:[    3/    4], loss:[" in ln)
+    j = next(i for i, ln in enumerate(lines) if "step:[    4/    4], loss:[" in ln)
+    lines[i] = lines[i][: lines[i].index("global_norm: [") + len("global_norm: [1.")]   # cut inside [..]
+    lines[j] = lines[j][: lines[j].index("loss_scale: ") + len("loss_scale: 1")]        # cut in a number
+    p = tmp_path / "cut.log"
+    p.write_text("\n".join(lines) + "\n")
+    run = parse_mindformers_log(p)
+    assert list(run.series("grad_norm").index) == [1, 2]
+    assert 4 not in run.series("loss_scale").index
+    assert list(run.series("loss").index) == [1, 2, 3, 4] and list(run.series("lr").index) == [1, 2, 3, 4]
+    assert any("cut short" in n for n in run.notes)

@@ -141,7 +141,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "kv_channels": g("kv_channels") or (h // nh if h and nh else None),
         "qk_layernorm": bool(g("qk_layernorm")), "qkv_bias": bool(g("add_qkv_bias") or g("add_bias_linear")),
         "init_method_std": g("init_method_std"), "fp32_residual_connection": bool(g("fp32_residual_connection")),
-        "softmax_in_fp32": bool(g("attention_softmax_in_fp32")),
+        # in an fp32 run every softmax is fp32; the flag only matters under --bf16 / --fp16
+        "softmax_in_fp32": bool(g("attention_softmax_in_fp32")) or compute == "float32",
         # megatron-core computes RMSNorm/LayerNorm statistics and RoPE frequencies in fp32 (no flag)
         "layernorm_compute_dtype": "float32", "rotary_dtype": "float32",
         "optimizer": {"adam": "adamw"}.get(str(g("optimizer")).lower(), g("optimizer")),
@@ -317,7 +318,11 @@ def mcore_common(cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(c["moe_router_score_function"], bool):
         c["moe_router_score_function"] = "sigmoid" if c["moe_router_score_function"] else "softmax"
     experts = c["num_experts"]
-    if experts is NOT_READ or not experts or experts <= 1:
+    moe_keys_set = any(v is not NOT_READ for k, v in c.items() if k.startswith("moe_") and k != "moe_topk") \
+        or any(k.startswith(("moe_", "n_group", "topk_group")) for k in mc)
+    if experts is NOT_READ and moe_keys_set:
+        pass          # an MoE model whose expert count comes from the model class: not read, never 0
+    elif experts is NOT_READ or not experts or experts <= 1:
         c["num_experts"] = 0
         for k in [k for k in c if k.startswith("moe_")]:
             c[k] = None

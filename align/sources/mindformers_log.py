@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ _FAST = re.compile(
     rb"\s*per_step_time:\s*([0-9.]+)ms,(?:\s*lr:\s*([^,\s]+),)?\s*overflow cond:\s*(True|False),"
     rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*(?:\[\s*([^\]\s,]+)\s*\]|([^,\s\[]+))"
     rb"(?:,\s*train_throughput_per_npu:\s*([0-9.]+)T)?[ \t]*$", re.M)
+_FAST_LINE = re.compile(_FAST.pattern.decode())      # the same line, one at a time (careful path)
 # group index (after epoch, step, steps-per-epoch) -> key; loss and global_norm come bracketed or not
 _FAST_KEYS = {3: "loss", 4: "loss_avg", 5: "loss", 6: "lm_loss", 7: "load_balancing_loss", 8: "mtp_loss",
               9: "indexer_loss", 10: "per_step_time_ms", 11: "lr", 12: "overflow", 13: "loss_scale",
@@ -95,6 +97,28 @@ def _ends_complete(line: str) -> bool:
     """The step line ends with its last field's whole value (only the tail is looked at)."""
     tail = line.rstrip()
     return tail.endswith("]") or bool(_END.search(tail[-80:]))
+
+
+def _last_field(lines: list[str]) -> str | None:
+    """The field that ends this run's step lines (all lines of a run share MFLossMonitor's format)."""
+    counts: Counter[str] = Counter()
+    for ln in lines:
+        if "Epoch:[" in ln and "], step:[" in ln and "loss" in ln:
+            counts[ln.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()] += 1
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _cut_short(line: str, last_field: str | None) -> bool:
+    """A step line that stops before its run's last field, or inside that field's value."""
+    if not _ends_complete(line):
+        return True
+    if last_field is None:
+        return False
+    name, _, value = line.rstrip().rsplit(",", 1)[-1].partition(":")
+    value = value.strip()
+    if name.strip() != last_field or not value:
+        return True
+    return last_field == "train_throughput_per_npu" and not value.endswith("T")
 
 
 def _is_complete(line: str) -> bool:
@@ -201,6 +225,23 @@ def _key(name: str) -> str:
     return key
 
 
+def _read_standard(line: str, start: int) -> dict[str, float] | None:
+    """A line in MFLossMonitor's exact format, read with one regex; None sends it to the field reader."""
+    m = _FAST_LINE.search(line, start)
+    if m is None:
+        return None
+    groups = m.groups()
+    values: dict[str, float] = {}
+    try:
+        for idx, key in _FAST_KEYS.items():
+            g = groups[idx]
+            if g:
+                values[key] = float(g == "True") if key == "overflow" else float(g)
+    except ValueError:
+        return None
+    return values
+
+
 def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
     values: dict[str, float] = {}
     for name, value in _split_fields(rest):
@@ -210,7 +251,7 @@ def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
         try:
             if value.startswith("["):
                 parts = [p for p in value[1:].rstrip("]").replace("/", " ").replace(",", " ").split() if p]
-                if not parts:
+                if not parts or not value.endswith("]"):      # empty, or cut before its closing bracket
                     skips.add(name, gstep, value)
                     continue
                 values[key] = _number(parts[0])
@@ -238,6 +279,7 @@ def parse_mindformers_log(path: str | Path) -> Run:
         if joins:
             notes.append(f"re-joined {joins} lines wrapped by a terminal")
 
+    last_field = _last_field(text_lines)
     cols: dict[str, tuple[list[int], list[float]]] = {}
     local_norms: dict[int, pd.DataFrame] = {}
     named: dict[int, tuple[list[str], list[float]]] = {}
@@ -264,13 +306,17 @@ def parse_mindformers_log(path: str | Path) -> Run:
         if not m.group(6):
             _monitor_line(rest, gstep, named, other_tags, skips)
             continue
-        values = _read_fields(rest, gstep, skips)
+        standard = _read_standard(line, max(0, at - 2))     # matched through the end of the line: whole
+        values = standard or _read_fields(rest, gstep, skips)
         if not values:
             skips.add("step line", gstep, rest.strip())
             pending_norm = None
             continue
-        if not _ends_complete(line):
+        if standard is None and _cut_short(line, last_field):
             cut.append(gstep)
+            last = next(reversed(values))          # the value the cut ran through may be truncated
+            if not rest.rstrip().endswith("]"):
+                values.pop(last)
         steps_seen += 1
         for k, v in values.items():
             entry = cols.setdefault(k, ([], []))
@@ -288,7 +334,7 @@ def parse_mindformers_log(path: str | Path) -> Run:
         raise BadInput(f"{path}: no MindFormers '{{ Epoch:[..], step:[..], loss:[..] ...' lines found")
     if cut:
         notes.append(f"{len(cut)} step line(s) cut short (steps {', '.join(map(str, cut[:5]))}"
-                     f"{', ...' if len(cut) > 5 else ''}); their complete fields kept")
+                     f"{', ...' if len(cut) > 5 else ''}); the field at the cut dropped, the others kept")
     notes.extend(skips.notes())
     for step, (names, norms) in named.items():
         if step in local_norms:
