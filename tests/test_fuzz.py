@@ -378,7 +378,27 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
         tally.cli(f"convert-weights {what}", ["convert-weights", "--to", "mindformers", str(p), "--out",
                                               str(p.parent / "out.ckpt"), "--num-heads", "2"], [str(p)])
 
-    # 9. what is not a regular file, and outputs that cannot be written
+    # 9. TensorBoard event files (torch's SummaryWriter, Megatron's tag names)
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        SummaryWriter = None
+    if SummaryWriter is not None:
+        tb = tmp_path / "tb_seed"
+        w = SummaryWriter(log_dir=str(tb))
+        for s in range(1, 21):
+            w.add_scalar("lm loss", 10 - s * 0.05, s)
+            w.add_scalar("grad-norm", 1.0, s)
+        w.close()
+        ev = next(tb.glob("events.out.tfevents.*"))
+        for what, data in corrupt_bytes(ev.read_bytes(), rng):
+            k += 1
+            d = tmp_path / f"case{k:04d}" / "tb"
+            d.mkdir(parents=True)
+            (d / ev.name).write_bytes(data)
+            tally.cli(f"import tensorboard {what}", ["import", str(d), "--out", str(d.parent / "rs")], [str(d)])
+
+    # 10. what is not a regular file, and outputs that cannot be written
     import os
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)

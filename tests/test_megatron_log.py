@@ -306,3 +306,14 @@ def test_a_few_nul_bytes_are_removed_and_noted(tmp_path):
     run = parse_megatron_log(p)
     assert run.series("loss").to_dict() == {1: 6.923337, 2: 6.923337, 3: 6.923337}
     assert any("2 NUL" in n for n in run.notes)
+
+
+def test_seconds_read_the_same_in_bulk_and_field_by_field(tmp_path):
+    lines = [f" iteration {i:>8}/     500 | elapsed time per iteration (s): 1.25 | lm loss: 7.5 |"
+             for i in range(1, 101)]
+    bulk = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n", "a.log"))
+    lines[50] = lines[50].replace("lm loss: 7.5", "lm loss: 7.5x1")
+    mixed = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n", "b.log"))
+    assert set(bulk.series("elapsed_ms")) == {1250.0} and len(bulk.series("elapsed_ms")) == 100
+    assert set(mixed.series("elapsed_ms")) == {1250.0} and len(mixed.series("elapsed_ms")) == 100
+    assert len(mixed.series("loss")) == 99

@@ -76,10 +76,6 @@ def _key(name: str) -> str:
     return re.sub(r"[^0-9a-zA-Z]+", "_", label).strip("_")
 
 
-def _is_complete(line: str) -> bool:
-    return line.rstrip().endswith("|") or "iteration" not in line
-
-
 def _fields(rest: bytes) -> tuple[list[tuple[str, str]], bool]:
     """Split the part after ``iteration N/ M |`` into (name, value) fields; the last may be cut off."""
     parts = rest.decode("utf-8", "replace").split("|")
@@ -258,7 +254,12 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
     values = _read_numbers(table, ncols, usecols)
     if values is None or len(values) != n:
         return None
-    return values[:, 0].astype(np.int64), {_key(name): values[:, j + 1] for j, name in enumerate(names)}
+    cols: dict[str, np.ndarray] = {}
+    for j, name in enumerate(names):
+        unit = _UNIT.search(name)
+        sec = _seconds_key(name, unit.group(1)) if unit else None
+        cols[sec or _key(name)] = values[:, j + 1] * 1000.0 if sec else values[:, j + 1]
+    return values[:, 0].astype(np.int64), cols
 
 
 def _template(records: list[bytes]) -> list[str] | None:
