@@ -344,6 +344,27 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                   [target])
         tally.cli(f"check-data store {rel} {what}", ["check-data", target], [target])
 
+    # step files whose local_norm table has columns of the wrong type, shape or length
+    import h5py
+    text = h5py.string_dtype()
+    tables = {"norm_text": {"name": np.array(["a", "b"], dtype=text), "norm": np.array(["x", "y"], dtype=text)},
+              "name_int": {"name": np.array([1, 2]), "norm": np.array([1.0, 2.0])},
+              "lengths": {"name": np.array(["a"], dtype=text), "norm": np.array([1.0, 2.0])},
+              "norm_2d": {"name": np.array(["a", "b"], dtype=text), "norm": np.ones((2, 3))},
+              "no_norm": {"name": np.array(["a", "b"], dtype=text)},
+              "complex": {"name": np.array(["a", "b"], dtype=text), "norm": np.ones(2, np.complex64)}}
+    for what, cols in tables.items():
+        k += 1
+        root = tmp_path / f"case{k:04d}" / "store"
+        with RunWriter(root, meta={"framework": "megatron-core"}) as w:
+            for s in range(1, 6):
+                w.log_scalars(s, {"loss": 2.0 - s * 0.1})
+            for col, arr in cols.items():
+                w.put_array(1, f"local_norm/{col}", arr)
+            w.finish_step()
+        tally.cli(f"report table {what}", ["report", str(root), str(root), "--out", str(root.parent / "rep"),
+                                           "-q"], [str(root)])
+
     # 6. check-data on the step_N/rank_R/*.npy layout
     tok = (batches / "step_1" / "rank_0" / "tokens.npy").read_bytes()
     odd = [("strings", np.array(["a", "b"])), ("complex", np.zeros((2, 16), np.complex64)), ("scalar", np.int64(3)),
