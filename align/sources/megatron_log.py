@@ -262,6 +262,58 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
     return values[:, 0].astype(np.int64), cols
 
 
+_NUMBER_RE2 = r"^[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|(?i:nan|inf|infinity))$"
+
+
+def _bulk_masked(records: list[bytes], names: list[str]
+                 ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray] | None:
+    """Bulk read that survives garbled values: columns read as text, a value that is not a number marks its
+    record for the field-by-field path (the returned mask is False there). pyarrow only; None without it
+    or when the records do not split into the layout's columns."""
+    if importlib.util.find_spec("pyarrow") is None or not records:
+        return None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pcsv
+
+    ncols, usecols = _layout(names)
+    table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
+    colnames = [str(i) for i in range(ncols)]
+    name_cols: list[tuple[str, str]] = []     # (column, the text a record of this layout has there)
+    pos = 2
+    for name in names:
+        for piece in name.split("/"):
+            name_cols.append((colnames[pos], piece.strip()))
+            pos += 1
+        pos += 1
+    keep = [colnames[i] for i in usecols] + [c for c, _ in name_cols]
+    try:
+        got = pcsv.read_csv(
+            pa.BufferReader(table), read_options=pcsv.ReadOptions(column_names=colnames),
+            parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False),
+            convert_options=pcsv.ConvertOptions(include_columns=keep, column_types=dict.fromkeys(keep, pa.string()),
+                                                null_values=[], strings_can_be_null=False))
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+    if got.num_rows != len(records):
+        return None
+    texts = [pc.utf8_trim_whitespace(got.column(colnames[i])) for i in usecols]
+    ok = np.ones(len(records), dtype=bool)
+    for t in texts:
+        ok &= pc.match_substring_regex(t, _NUMBER_RE2).to_numpy(zero_copy_only=False)
+    for c, want in name_cols:   # same names in the same places, else the record is read field by field
+        ok &= pc.equal(pc.utf8_trim_whitespace(got.column(c)), want).to_numpy(zero_copy_only=False)
+    idx = np.flatnonzero(ok)
+    picked = pa.array(idx)
+    values = [pc.cast(pc.take(t, picked), pa.float64()).to_numpy() for t in texts]
+    cols: dict[str, np.ndarray] = {}
+    for j, name in enumerate(names):
+        unit = _UNIT.search(name)
+        sec = _seconds_key(name, unit.group(1)) if unit else None
+        cols[sec or _key(name)] = values[j + 1] * 1000.0 if sec else values[j + 1]
+    return values[0].astype(np.int64), cols, ok
+
+
 def _template(records: list[bytes]) -> list[str] | None:
     """The field names of the first clean record among the first few: the layout bulk reads expect."""
     for rec in records[:100]:
@@ -343,7 +395,7 @@ def parse_megatron_log(path: str | Path) -> Run:
     if fast is not None:  # every record has every field: a NaN there was printed as nan
         iters, values = fast
         columns = {k: (v, np.ones(len(v), dtype=bool)) for k, v in values.items()}
-    else:
+    elif not all(r.endswith(b"|") for r in records[:-1]) or not _uniform(raw, records, 0, exact=False):
         text = raw.decode("utf-8", "replace")
         lines, joins = rejoin_wrapped(text.split("\n"), lambda x: _RECORD_START.search(x) is not None,
                                       lambda x: x.rstrip().endswith("|"),
@@ -352,6 +404,8 @@ def parse_megatron_log(path: str | Path) -> Run:
             notes.append(f"re-joined {joins} lines wrapped by a terminal")
             raw = "\n".join(lines).encode()
             records = _RECORD.findall(raw)
+        columns, iters = _mixed_table(records, notes, path, not raw.endswith(b"\n"))
+    else:   # every record ends with its '|' and nothing continues one: no wrap to repair
         columns, iters = _mixed_table(records, notes, path, not raw.endswith(b"\n"))
     series = {k: make_series(iters[present], values[present], k) for k, (values, present) in columns.items()}
     if len(np.unique(iters)) != len(iters):
@@ -388,11 +442,11 @@ def parse_megatron_log(path: str | Path) -> Run:
     return Run(str(path), "megatron_log", meta, series, {}, notes)
 
 
-def _uniform(raw: bytes, records: list[bytes], nfields: int) -> bool:
+def _uniform(raw: bytes, records: list[bytes], nfields: int, exact: bool = True) -> bool:
     """Cheap whole-file check that bulk reading would see every field: no line right after a record
     continues its fields (a terminal wrap that fell just after a '|'). When the file holds no '|' beyond the
     records' own, no such line can exist and the (slower) search is skipped."""
-    if raw.count(b"|") == len(records) * (nfields + 1):
+    if raw.count(b"|") == (len(records) * (nfields + 1) if exact else b"".join(records).count(b"|")):
         return True
     for m in _CONTINUED.finditer(raw):
         if raw[max(0, m.start() - 256): m.start()].rstrip(b" \t").endswith(b"|"):
@@ -407,6 +461,20 @@ def _train_iters(rec: bytes) -> int | None:
         return None
 
 
+def _layout_rows(records: list[bytes], names: list[str]) -> list[int]:
+    """Indices of the records (the last excepted: it may be cut) that end with '|' and split into exactly
+    the columns of ``names``' layout, counted with numpy over the whole table at once."""
+    table = b"\n".join(records[:-1]).translate(bytes.maketrans(b":/", b"||"))
+    if not table:
+        return []
+    arr = np.frombuffer(table, dtype=np.uint8)
+    ends = np.flatnonzero(arr == 10)
+    seps = np.bincount(np.searchsorted(ends, np.flatnonzero(arr == 124)), minlength=len(ends) + 1)
+    last = np.append(ends - 1, len(arr) - 1)
+    ok = (seps == _layout(names)[0] - 1) & (arr[last] == 124)
+    return np.flatnonzero(ok).tolist()
+
+
 def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
                  eof_cut: bool) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], np.ndarray]:
     """Records of the usual layout are read in bulk (a block with a garbled value is bisected), the rest
@@ -416,11 +484,7 @@ def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
     template = _template(records)
     bulk_rows: list[int] = []
     if template is not None and n > _BISECT_MIN:
-        want = [t.encode() for t in template]
-        ntrail = len(records) - 1
-        for i, rec in enumerate(records):
-            if i != ntrail and rec.rstrip().endswith(b"|") and _NAME_OF.findall(rec) == want:
-                bulk_rows.append(i)
+        bulk_rows = _layout_rows(records, template)
     in_bulk = np.zeros(n, dtype=bool)
     cols: dict[str, np.ndarray] = {}
     present: dict[str, np.ndarray] = {}
@@ -448,8 +512,16 @@ def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
         for k, v in got[1].items():
             put(idx, k, v)
 
-    if bulk_rows:
-        read_block(bulk_rows)
+    masked = _bulk_masked([records[i] for i in bulk_rows], template or []) if bulk_rows else None
+    if masked is not None:
+        idx = np.asarray(bulk_rows)[masked[2]]
+        iters[idx] = masked[0]
+        in_bulk[idx] = True
+        for k, v in masked[1].items():
+            put(idx, k, v)
+    elif bulk_rows:   # without pyarrow: names checked record by record, garbled blocks bisected
+        want = [t.encode() for t in template or []]
+        read_block([i for i in bulk_rows if _NAME_OF.findall(records[i]) == want])
     for i in np.flatnonzero(~in_bulk):
         try:
             it, values = _parse_record(records[i], issues, eof_cut and i == n - 1)
