@@ -317,3 +317,28 @@ def test_seconds_read_the_same_in_bulk_and_field_by_field(tmp_path):
     assert set(bulk.series("elapsed_ms")) == {1250.0} and len(bulk.series("elapsed_ms")) == 100
     assert set(mixed.series("elapsed_ms")) == {1250.0} and len(mixed.series("elapsed_ms")) == 100
     assert len(mixed.series("loss")) == 99
+
+
+def test_check_config_on_an_abbreviated_block_reports_unknown_not_default(tmp_path, capsys):
+    """The log says TP 8 and weight decay is not in the trimmed block: no 'tp 1' and no default 0.01."""
+    import json
+
+    import yaml
+
+    from align.cli import main
+    text = ("using world size: 8, data-parallel size: 1, context-parallel size: 1, tensor-model-parallel size: 8, "
+            "pipeline-model-parallel size: 1\n------------------------ arguments ------------------------\n"
+            "  adam_beta2 ...................................... 0.95\n  ...\n"
+            "  hidden_size ..................................... 64\n"
+            "-------------------- end of arguments ---------------------\n")
+    log = write(tmp_path, text)
+    mf = tmp_path / "mf.yaml"
+    mf.write_text(yaml.safe_dump({"optimizer": {"betas": [0.9, 0.95], "weight_decay": 0.1},
+                                  "parallel_config": {"model_parallel": 8},
+                                  "model": {"model_config": {"hidden_size": 64}}}))
+    out = tmp_path / "cc.json"
+    main(["check-config", str(log), str(mf), "--json", str(out)])
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["tp"]["status"] == "match" and rows["tp"]["megatron"] == 8
+    assert rows["weight_decay"]["megatron"] is None and rows["weight_decay"]["status"] == "check"
+    assert rows["adam_beta2"]["status"] == "match" and rows["hidden_size"]["status"] == "match"
