@@ -342,3 +342,10 @@ def test_check_config_on_an_abbreviated_block_reports_unknown_not_default(tmp_pa
     assert rows["tp"]["status"] == "match" and rows["tp"]["megatron"] == 8
     assert rows["weight_decay"]["megatron"] is None and rows["weight_decay"]["status"] == "check"
     assert rows["adam_beta2"]["status"] == "match" and rows["hidden_size"]["status"] == "match"
+
+
+def test_text_after_the_last_separator_on_every_line_is_read(tmp_path):
+    """A fork that prints a memory figure after the record's last '|': the bulk reader must not drop it."""
+    lines = [line(i, f"{9 - i * 1e-3:.6E}") + f" mem-alloc-GB: {10 + i * 0.5:.1f} GB" for i in range(1, 201)]
+    run = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n"))
+    assert len(run.series("loss")) == 200 and run.series("mem_alloc_gb")[200] == 110.0

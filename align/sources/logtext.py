@@ -40,7 +40,7 @@ def read_log(path: str | Path) -> tuple[bytes, list[str]]:
     was removed (NUL bytes a crash or a copy left in the text)."""
     p = Path(path)
     data = read_bytes(p, "log file")
-    if not data.strip():
+    if not data[:4096].strip() and data.isspace() or not data:   # (strip() would copy a large file)
         raise BadInput(f"{p}: empty file")
     if looks_binary(data[:65536]):
         raise BadInput(f"{p}: binary file (NUL or non-UTF-8 bytes), not a training log")

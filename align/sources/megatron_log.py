@@ -249,7 +249,7 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
     table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
     ncols, usecols = _layout(names)
     # every record ends with its '|' (text after it would be a field read by no one) and has the layout's count
-    if table.count(b"|") != n * (ncols - 1) or table.count(b"|\n") != n - 1 or not table.endswith(b"|"):
+    if table.count(b"|") != n * (ncols - 1) or not table.endswith(b"|"):
         return None
     values = _read_numbers(table, ncols, usecols)
     if values is None or len(values) != n:
@@ -351,7 +351,8 @@ def _fast_columns(records: list[bytes]) -> tuple[np.ndarray, dict[str, np.ndarra
 
 
 def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool | None = None) -> np.ndarray | None:
-    """Read the '|'-separated value columns as float64; ``None`` when any value is not a number.
+    """Read the '|'-separated value columns as float64; ``None`` when any value is not a number, or when a
+    record has text after its last '|' (the last column must be empty: that text is a field no one reads).
 
     pyarrow's multi-threaded CSV reader is 2-4x faster than pandas' C parser here; it is optional (the
     log path needs only numpy/pandas), so pandas reads when pyarrow is absent."""
@@ -359,20 +360,26 @@ def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool 
         use_arrow = importlib.util.find_spec("pyarrow") is not None
     if use_arrow:
         import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.csv as pcsv
 
         names = [str(i) for i in range(ncols)]
         keep = [names[i] for i in usecols]
+        types = {**dict.fromkeys(keep, pa.float64()), names[-1]: pa.string()}
         try:
             got = pcsv.read_csv(
                 pa.BufferReader(table),
                 read_options=pcsv.ReadOptions(column_names=names),
                 parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False),
-                convert_options=pcsv.ConvertOptions(include_columns=keep, column_types=dict.fromkeys(
-                    keep, pa.float64()), null_values=[], strings_can_be_null=False))
+                convert_options=pcsv.ConvertOptions(include_columns=[*keep, names[-1]], column_types=types,
+                                                    null_values=[], strings_can_be_null=False))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             return None
+        if pc.max(pc.utf8_length(pc.utf8_trim_whitespace(got.column(names[-1])))).as_py():
+            return None
         return np.column_stack([got.column(c).to_numpy() for c in keep])
+    if table.count(b"|\n") + table.count(b"| \n") != table.count(b"\n") or not table.rstrip().endswith(b"|"):
+        return None
     try:
         df = pd.read_csv(io.BytesIO(table), sep="|", header=None, names=list(range(ncols)), usecols=usecols,
                          skipinitialspace=True, engine="c", dtype=np.float64, keep_default_na=False,
