@@ -88,9 +88,10 @@ def corrupt_bytes(data: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     bad_utf8 = bytearray(data)
     bad_utf8[pos:pos] = b"\xff\xfe\xc3"
     huge = b"\n".join(lines[:cut] + [b"9" * 300_000 + b" | lm loss: " + b"x" * 300_000] + lines[cut:])
+    digits = re.sub(rb"\d+", lambda m: b"9" * 40 if rng.random() < 0.02 else m.group(0), data)
     return [("flip", bytes(flipped)), ("truncate_line", b"\n".join(lines[:cut]) + b"\n"),
             ("truncate_byte", data[:pos]), ("garbage", rng.randbytes(rng.randint(1, 4096))), ("empty", b""),
-            ("nul", bytes(nul)), ("non_utf8", bytes(bad_utf8)), ("huge_line", huge)]
+            ("nul", bytes(nul)), ("non_utf8", bytes(bad_utf8)), ("huge_line", huge), ("huge_numbers", digits)]
 
 
 WRONG = [None, "garbage", -1, 0, 2.5, [1, "x"], {"k": [1]}, True, "1e999", 10 ** 400]

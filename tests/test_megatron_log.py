@@ -349,3 +349,11 @@ def test_text_after_the_last_separator_on_every_line_is_read(tmp_path):
     lines = [line(i, f"{9 - i * 1e-3:.6E}") + f" mem-alloc-GB: {10 + i * 0.5:.1f} GB" for i in range(1, 201)]
     run = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n"))
     assert len(run.series("loss")) == 200 and run.series("mem_alloc_gb")[200] == 110.0
+
+
+@pytest.mark.parametrize("n", [3, 100])   # field by field, and the bulk reader
+def test_an_iteration_number_beyond_any_step_index_is_noted_not_wrapped(tmp_path, n):
+    lines = [line(i) for i in range(1, n)] + [line(10 ** 30)]
+    run = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n"))
+    assert list(run.series("loss").index) == list(range(1, n))   # no garbage step (a wrapped int64)
+    assert any("beyond any step index" in note for note in run.notes)

@@ -110,6 +110,8 @@ class _Issues:
                 out.append(f"{where}: log ends mid-line; kept the complete fields, not {example[:30]!r}")
             elif kind == "cut":
                 out.append(f"{where}: line cut short; kept the complete fields, not {example[:30]!r}")
+            elif kind == "head":
+                out.append(f"{count} record(s) not read: {example}")
             elif kind == "trailing":
                 out.append(f"{where}: text after the last '|' is not a field: {example[:30]!r}")
         return out
@@ -204,6 +206,8 @@ def _parse_record(rec: bytes, issues: _Issues, at_eof: bool) -> tuple[int, dict[
     """Field by field: every readable value of the record, whatever the others hold."""
     head, _, rest = rec.partition(b"|")
     it = int(head.split(b"/")[0].strip().lstrip(b":"))
+    if it >= 1 << 53:
+        raise ValueError(f"iteration {head.split(b'/')[0].strip()[:30].decode()!r} is beyond any step index")
     parts = rest.decode("utf-8", "replace").split("|")
     values: dict[str, float] = {}
     for p in parts[:-1]:
@@ -259,7 +263,23 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
         unit = _UNIT.search(name)
         sec = _seconds_key(name, unit.group(1)) if unit else None
         cols[sec or _key(name)] = values[:, j + 1] * 1000.0 if sec else values[:, j + 1]
-    return values[:, 0].astype(np.int64), cols
+    steps = _steps(values[:, 0])
+    if steps is None:
+        return None   # an iteration number no step index holds: the per-record path says which
+    return steps, cols
+
+
+_MAX_STEP = float(1 << 53)
+
+
+def _good_steps(col: np.ndarray) -> np.ndarray:
+    """Iteration numbers a step index holds exactly: whole, >= 0, below 2**53."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(col) & (col >= 0) & (col < _MAX_STEP) & (np.floor(col) == col)
+
+
+def _steps(col: np.ndarray) -> np.ndarray | None:
+    return col.astype(np.int64) if _good_steps(col).all() else None
 
 
 _NUMBER_RE2 = r"^[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|(?i:nan|inf|infinity))$"
@@ -306,6 +326,10 @@ def _bulk_masked(records: list[bytes], names: list[str]
     idx = np.flatnonzero(ok)
     picked = pa.array(idx)
     values = [pc.cast(pc.take(t, picked), pa.float64()).to_numpy() for t in texts]
+    good = _good_steps(values[0])
+    if not good.all():   # unusable iteration numbers go to the per-record path, which notes them
+        ok[idx[~good]] = False
+        values = [v[good] for v in values]
     cols: dict[str, np.ndarray] = {}
     for j, name in enumerate(names):
         unit = _UNIT.search(name)
@@ -463,9 +487,10 @@ def _uniform(raw: bytes, records: list[bytes], nfields: int, exact: bool = True)
 
 def _train_iters(rec: bytes) -> int | None:
     try:
-        return int(rec.split(b"/", 1)[1].split(b"|", 1)[0])
+        total = int(rec.split(b"/", 1)[1].split(b"|", 1)[0])
     except (ValueError, IndexError):
         return None
+    return total if total < 1 << 53 else None
 
 
 def _layout_rows(records: list[bytes], names: list[str]) -> list[int]:
@@ -532,16 +557,18 @@ def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
     for i in np.flatnonzero(~in_bulk):
         try:
             it, values = _parse_record(records[i], issues, eof_cut and i == n - 1)
-        except ValueError:
-            continue  # the head matched the record pattern, so it holds digits; kept for safety
+        except ValueError as exc:
+            issues.add("head", "", -1, str(exc))
+            continue
         iters[i] = it
+        in_bulk[i] = True   # read (field by field)
         for k, v in values.items():
             put(np.array([i]), k, np.array([v]))
     notes.extend(issues.notes())
-    out = {k: (cols[k], present[k]) for k in cols}
+    out = {k: (cols[k][in_bulk], present[k][in_bulk]) for k in cols}
     if not any(p.any() for p in present.values()):
         raise BadInput(f"{path}: iteration lines found but no field in them is readable")
-    return out, iters
+    return out, iters[in_bulk]
 
 
 def _validation(raw: bytes, series: dict[str, pd.Series]) -> None:

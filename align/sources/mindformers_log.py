@@ -94,7 +94,7 @@ def _fast(raw: bytes) -> dict[str, pd.Series] | None:
         values = [np.array(c).astype(np.float64) for c in cols[3:7]]
         overflow = (np.array(cols[7]) == b"True").astype(np.float64)
         values += [overflow] + [np.array(c).astype(np.float64) for c in cols[8:]]
-    except ValueError:
+    except (ValueError, OverflowError):
         return None  # a garbled number: the careful path names the step
     gstep = (epoch - 1) * per_epoch + step
     return {k: make_series(gstep, v, k) for k, v in zip(_FAST_KEYS, values, strict=True)}
@@ -132,6 +132,10 @@ def parse_mindformers_log(path: str | Path) -> Run:
             continue
         epoch, _, step, per_epoch, rest = (m.group(1), m.group(2), m.group(3), m.group(4), m.group(5))
         gstep = (int(epoch) - 1) * int(per_epoch) + int(step)
+        if gstep >= 1 << 53:   # beyond any step index (a garbled number): said, not a crash (issue 14)
+            notes.append(f"line {i}: step number {gstep} is beyond any step index; line not read")
+            pending_norm = None
+            continue
         values: dict[str, float] = {}
         bad = None
         for fm in _FIELD.finditer(rest):
@@ -190,6 +194,8 @@ def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[
     m = _NORM_SIZE.search(lines[i])
     try:
         sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
+        if any(not 0 <= x < 1 << 62 for x in sizes):
+            raise ValueError("size out of range")
     except ValueError:   # a garbled size: the norms are still good, their sizes are not (issue 14)
         notes.append(f"line {i + 1}: unreadable norm_size entries; sizes dropped")
         sizes = []
