@@ -21,49 +21,30 @@ MODULE_COMMANDS = {
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
+    from align.report_args import add_report_arguments
     p = sub.add_parser("report", help="compare a candidate run with a baseline and write the report",
                        description="Each RUN is a run-store directory, a Megatron-LM log, a MindFormers log "
-                                   "or a TensorBoard directory (detected).")
-    p.add_argument("baseline", metavar="BASELINE")
-    p.add_argument("candidate", metavar="CANDIDATE")
-    p.add_argument("--repeat", action="append", default=[], metavar="RUN",
-                   help="a repeat of the baseline (same settings, run again): builds the error band")
-    p.add_argument("--mapping", default=None, metavar="PRESET_OR_FILE",
-                   help="name mapping for local norms (default: Megatron-core <-> MindFormers Llama)")
-    p.add_argument("--out", required=True, metavar="DIR")
-    g = p.add_argument_group("thresholds (README: 'How the verdict is reached')")
-    g.add_argument("--step-rtol", type=float, default=5e-3, help="step-1/2 loss relative tolerance")
-    g.add_argument("--rtol", type=float, default=1e-2, help="band as a share of |loss| with no repeats")
-    g.add_argument("--band-k", type=float, default=3.0, help="band = K x rolling RMS of repeat deltas")
-    g.add_argument("--band-window", type=int, default=51, help="rolling window of the band, in steps")
-    g.add_argument("--band-floor", type=float, default=0.0, help="smallest band (absolute)")
-    g.add_argument("--band-floor-ulps", type=float, default=8.0,
-                   help="smallest band in float32 ulps of the largest baseline value (rounding, not training)")
-    g.add_argument("--max-outside", type=float, default=0.05, help="allowed share of steps outside band")
-    g.add_argument("--max-bias", type=float, default=0.5, help="allowed |mean delta| / std(delta)")
-    g.add_argument("--sustain", type=int, default=10,
-                   help="consecutive out-of-band steps that make a divergence")
-    g.add_argument("--tail", type=float, default=0.2, help="share of final steps checked for a late gap")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+                                   "or a TensorBoard directory (detected). Every stage of the procedure runs "
+                                   "when its evidence is there; a skipped stage says what to capture.")
+    add_report_arguments(p)
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from align.procedure import report, stderr_progress
-    from comparators.scalars import ScalarOptions
-    opt = ScalarOptions(step_rtol=args.step_rtol, rtol=args.rtol, band_k=args.band_k,
-                        band_window=args.band_window, band_floor=args.band_floor,
-                        band_floor_ulps=args.band_floor_ulps,
-                        max_outside=args.max_outside, max_bias=args.max_bias, sustain=args.sustain,
-                        tail=args.tail)
-    data = report(args.baseline, args.candidate, args.out, args.repeat, opt, args.mapping,
-                  None if args.quiet else stderr_progress)
+    from align.report_args import report_inputs
+    data = report(report_inputs(args), args.out, None if args.quiet else stderr_progress)
     _print_verdict(data, Path(args.out))
+    if args.strict and data["verdict"] == "warn":
+        return 1
     return EXIT[data["verdict"]]
 
 
 def _print_verdict(data: dict, out: Path) -> None:
     lines = [f"verdict: {data['verdict']}"]
-    lines += [f"  {name:<18} {st['verdict']}" for name, st in data["stages"].items()]
+    for name, st in data["stages"].items():
+        lines.append(f"  {name:<18} {st['verdict']}")
+        if st["verdict"] == "skipped" and st.get("capture"):
+            lines.append(f"  {'':<18} to run it: {st['capture']}")
     lines += [f"  - [{f['verdict']}] {f['stage']}: {f['message']}" for f in data["findings"]
               if f["verdict"] != "pass"]
     lines.append(f"report: {out / 'report.html'}")

@@ -1,4 +1,5 @@
-"""`align convert-weights`: Megatron-core state_dict <-> MindSpore checkpoint for MindFormers' Llama.
+"""`align convert-weights`: Megatron-core state_dict <-> MindFormers weights: safetensors with mcore names
+(MindFormers 2.x, .safetensors out/in) or a MindSpore checkpoint for the legacy Llama (.ckpt).
 
 Why through the mapping: the same YAML rules that pair names for comparison also move the tensors (fused
 QKV split by query group, gated fc1 chunked per TP shard), so conversion and comparison can never disagree.
@@ -52,7 +53,15 @@ def merge_tp_shards(shards: Sequence[MappingABC[str, np.ndarray]], mapping: Mapp
 
 
 def megatron_to_numpy(paths: Sequence[str | Path]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Load Megatron state_dict files (one, or one per TP rank in rank order) as float32/int numpy."""
+    """Load Megatron state_dict files (one, or one per TP rank in rank order) as float32/int numpy.
+
+    One folder instead: a Megatron checkpoint as saved (torch_dist, or legacy mp_rank_* files), merged over
+    TP / PP / EP into one TP=1 state_dict by align.checkpoints.megatron.
+    """
+    if len(paths) == 1 and Path(paths[0]).is_dir():
+        from align.checkpoints.megatron import read_megatron_checkpoint
+
+        return read_megatron_checkpoint(paths[0])
     import torch
 
     shards, dtypes = [], {}
@@ -68,21 +77,45 @@ def megatron_to_numpy(paths: Sequence[str | Path]) -> tuple[dict[str, np.ndarray
     return shards[0] if len(shards) == 1 else shards, dtypes   # type: ignore[return-value]
 
 
+MCORE_DENSE_PRESET = "megatron_core__mindformers_mcore_dense"
+
+
+def _default_mapping(mapping: str | None, mindformers_file: str | Path) -> str | None:
+    """A .safetensors file on the MindFormers side means MindFormers 2.x mcore (its only safetensors models);
+    a .ckpt the legacy Llama preset."""
+    if mapping is None and str(mindformers_file).endswith(".safetensors"):
+        return MCORE_DENSE_PRESET
+    return mapping
+
+
 def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path, *, num_heads: int,
                                     num_query_groups: int | None = None, mapping: str | None = None,
-                                    dtype: str | None = None) -> StageResult:
-    """Megatron-core state_dict(s) -> MindSpore checkpoint with MindFormers Llama names."""
-    import mindspore as ms
-
-    m = Mapping.load(mapping)
+                                    dtype: str | None = None, num_experts: int | None = None) -> StageResult:
+    """Megatron-core state_dict(s) -> MindFormers weights: ``out`` ending in .safetensors gets mcore names and
+    layouts (loadable with ``load_ckpt_format: safetensors``), else a MindSpore .ckpt (legacy Llama)."""
+    m = Mapping.load(_default_mapping(mapping, out))
     loaded, dtypes = megatron_to_numpy(paths)
     tp = len(paths)
     state = merge_tp_shards(loaded if tp > 1 else [loaded], m)   # type: ignore[list-item]
     # fc1 halves are [gate; up] per TP shard; after concatenation the chunk transform needs tp
-    params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads, tp=tp)
+    params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads, tp=tp,
+                             num_experts=num_experts)
     converted, res = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate",
                                params)
     src_dtype = dtype or (next(iter(dtypes.values())) if dtypes else "float32")
+    if str(out).endswith(".safetensors"):
+        if res.verdict == "fail":   # nothing half-way: an incomplete conversion writes no file
+            res.details.update({"out": str(out), "tensors": 0, "tp_shards_merged": tp, "dtype": src_dtype})
+            return res
+        from align.checkpoints.mindformers import write_safetensors
+
+        write_safetensors(converted, out, dtype="bfloat16" if src_dtype == "bfloat16" else None,
+                          metadata={"mapping": m.name})
+        res.details.update({"out": str(out), "tensors": len(converted), "tp_shards_merged": tp,
+                            "dtype": src_dtype, "format": "safetensors"})
+        return res
+    import mindspore as ms
+
     items = []
     for name, arr in converted.items():
         t = ms.Tensor(arr)
@@ -113,16 +146,28 @@ def mindformers_to_numpy(path: str | Path) -> tuple[dict[str, np.ndarray], str]:
 
 def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_heads: int,
                                     num_query_groups: int | None = None, mapping: str | None = None,
-                                    scheme: str = "local") -> StageResult:
-    """MindSpore checkpoint (MindFormers Llama names) -> Megatron-core state_dict (TP=1) saved by torch."""
+                                    scheme: str = "local", num_experts: int | None = None) -> StageResult:
+    """MindFormers weights (.safetensors with mcore names, or a legacy Llama .ckpt) -> Megatron-core
+    state_dict (TP=1) saved by torch."""
     import torch
 
-    m = Mapping.load(mapping)
-    state, dtype = mindformers_to_numpy(path)
-    params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads)
+    m = Mapping.load(_default_mapping(mapping, path))
+    if str(path).endswith(".safetensors"):
+        from align.checkpoints.mindformers import read_safetensors
+
+        state, dtypes = read_safetensors(path)
+        dtype = "bfloat16" if "bfloat16" in dtypes.values() else "float32"
+    else:
+        state, dtype = mindformers_to_numpy(path)
+    params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads,
+                             num_experts=num_experts)
     # optimizer state (adam moments, step counters) lives in the same file: not weights, not converted
-    weights = {k: v for k, v in state.items() if m.match(k, "candidate") is not None or not _optimizer_key(k)}
+    weights = {k: v for k, v in state.items()
+               if (m.match(k, "candidate") is not None or not _optimizer_key(k)) and not m.ignored(k, "candidate")}
     converted, res = m.convert(weights, "baseline", params, scheme=scheme)
+    if res.verdict == "fail":   # nothing half-way
+        res.details.update({"out": str(out), "tensors": 0, "dtype": dtype})
+        return res
     tdt = torch.bfloat16 if dtype == "bfloat16" else None
     sd = {k: (torch.from_numpy(np.ascontiguousarray(v)).to(tdt) if tdt else torch.from_numpy(
         np.ascontiguousarray(v))) for k, v in converted.items()}
@@ -139,31 +184,36 @@ def _optimizer_key(name: str) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`align convert-weights --to mindformers IN.pt [IN_tp1.pt ...] --out OUT.ckpt --num-heads N ...`."""
-    parser.add_argument("inputs", nargs="+", help="Megatron state_dict .pt (one per TP rank, in rank order) "
-                        "or one MindSpore .ckpt")
+    parser.add_argument("inputs", nargs="+", help="Megatron state_dict .pt (one per TP rank, in rank order), "
+                        "a Megatron checkpoint folder (torch_dist or mp_rank_* files), or one MindFormers "
+                        ".safetensors (mcore) / .ckpt (legacy Llama)")
     parser.add_argument("--to", choices=["mindformers", "megatron"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--num-heads", type=int, required=True)
     parser.add_argument("--num-query-groups", type=int, help="GQA groups (default: MHA, = heads)")
     parser.add_argument("--mapping", help="preset name or YAML mapping file")
-    parser.add_argument("--scheme", choices=["local", "te"], default="local",
-                        help="Megatron norm names to write (to megatron)")
+    parser.add_argument("--num-experts", type=int, help="routed experts per MoE layer (to megatron, MoE presets)")
+    parser.add_argument("--scheme", choices=["local", "te", "local+grouped", "te+grouped"], default="local",
+                        help="Megatron names to write (to megatron): local/te norms, +grouped for TE grouped "
+                        "GEMM experts")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     for p in args.inputs:
-        if not Path(p).is_file():
+        folder = args.to == "mindformers" and len(args.inputs) == 1 and Path(p).is_dir()
+        if not (Path(p).is_file() or folder):
             raise BadInput(f"{p}: no such file")
     if args.to == "mindformers":
         res = convert_megatron_to_mindformers(args.inputs, args.out, num_heads=args.num_heads,
-                                              num_query_groups=args.num_query_groups, mapping=args.mapping)
+                                              num_query_groups=args.num_query_groups, mapping=args.mapping,
+                                              num_experts=args.num_experts)
     else:
         if len(args.inputs) != 1:
             raise BadInput("converting to Megatron takes exactly one MindSpore checkpoint")
         res = convert_mindformers_to_megatron(args.inputs[0], args.out, num_heads=args.num_heads,
                                               num_query_groups=args.num_query_groups, mapping=args.mapping,
-                                              scheme=args.scheme)
+                                              scheme=args.scheme, num_experts=args.num_experts)
     if args.json:
         print(json.dumps({"verdict": res.verdict, **res.details, "findings": [f.to_json() for f in res.findings]},
                          indent=2))

@@ -17,6 +17,7 @@ from pathlib import Path
 from align.examples.make_example_logs import megatron_log, mindformers_log
 from align.procedure import report
 from align.sources.megatron_log import parse_megatron_log
+from align.stages import Inputs
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -52,7 +53,7 @@ def main() -> None:
         megatron_log(base, a.steps, seed=1)
         megatron_log(rep, a.steps, seed=2)
         mindformers_log(cand, a.steps, seed=3)
-        ms = timed(lambda: report(str(base), str(cand), str(d / "out"), [str(rep)]), a.repeats)
+        ms = timed(lambda: report(Inputs(str(base), str(cand), repeats=[str(rep)]), str(d / "out")), a.repeats)
         line(ms, 5.0, f"report {a.steps:,}-step pair + 1 repeat")
 
 

@@ -195,8 +195,12 @@ def worker_compare_ours(args: argparse.Namespace) -> dict:
     from align.core.mapping import Mapping
     from comparators.tensors import compare_layer_tensors
 
+    readers = None
+    if args.torch_readers:     # our comparator on msprobe's own .pt dump (same files msprobe compares)
+        from align.checkpoints.torch_tensors import READERS as readers
     t0 = time.perf_counter()
-    res = compare_layer_tensors(args.golden, args.target, Mapping.load(), step=1, threads=args.compare_threads)
+    res = compare_layer_tensors(args.golden, args.target, Mapping.load(), step=1, threads=args.compare_threads,
+                                jobs=args.compare_jobs or None, executor=args.compare_executor, readers=readers)
     d = res.details
     first = d.get("first_departing_forward") or d.get("first_departing_backward")
     return {"compute_s": time.perf_counter() - t0, "rows": d.get("compared"), "departing": d.get("departing"),
@@ -349,6 +353,18 @@ def _msprobe_rows(out: Path) -> dict:
     return {"rows": len(rows), "results": results, "non_pass": non_pass}
 
 
+def _largest_tensor_bytes(run_dir: Path) -> int:
+    import h5py
+
+    largest = 0
+    for f in (run_dir / "steps").rglob("*.h5"):
+        with h5py.File(f, "r") as h5:
+            if "tensors" in h5:
+                for ds in h5["tensors"].values():
+                    largest = max(largest, ds.size * 4)
+    return largest
+
+
 def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     tools = ["ours", "msprobe"] if have_ms else ["ours"]
     dumps: dict[str, dict[str, Path]] = {}
@@ -378,18 +394,29 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     variants = list(tools)
     if args.compare_threads != 2:
         variants.insert(1, "ours_2threads")
+    jobs_variant = f"ours_jobs{args.jobs}"
+    if args.jobs > 1:       # --jobs N parallel readers (processes): the product's answer to msprobe's one core
+        variants.insert(1, jobs_variant)
+    if have_ms:             # our comparator reading msprobe's own dump (torch reader for .pt, jobs N)
+        variants.insert(len(variants) - 1, "ours_on_msprobe_dump")
     runs: dict[str, list[dict]] = {t: [] for t in variants}
     ours_detail = None
     ms_detail = None
+    details_by_tool: dict[str, dict] = {}
     for rep in range(args.compare_repeats):
         for tool in (variants if rep % 2 == 0 else variants[::-1]):
             if tool.startswith("ours"):
                 threads = 2 if tool == "ours_2threads" else args.compare_threads
+                jobs = args.jobs if tool in (jobs_variant, "ours_on_msprobe_dump") else 0
                 with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
                     res_path = Path(tf.name)
+                src = ms_dirs if tool == "ours_on_msprobe_dump" else dumps["ours"]
                 cmd = [sys.executable, str(Path(__file__).resolve()), *_common(args), "--_result", str(res_path),
-                       "--_worker", "compare", "--golden", str(dumps["ours"]["golden"]),
-                       "--target", str(dumps["ours"]["target"]), "--compare-threads", str(threads)]
+                       "--_worker", "compare", "--golden", str(src["golden"]),
+                       "--target", str(src["target"]), "--compare-threads", str(threads),
+                       "--compare-jobs", str(jobs), "--compare-executor", "process"]
+                if tool == "ours_on_msprobe_dump":
+                    cmd.append("--torch-readers")
                 m = _measured(cmd, _env(threads), ROOT)
                 if m["rc"] != 0:
                     raise RuntimeError(f"our compare failed: {m['stderr_tail']}")
@@ -398,6 +425,7 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
                 m["compute_s"] = detail["compute_s"]
                 if tool == "ours":
                     ours_detail = detail
+                details_by_tool[tool] = detail
             else:
                 out = tmp / f"msprobe_compare_{rep}"
                 m = _measured([ms_exe, "compare", "-tp", str(ms_dirs["target"]), "-gp", str(ms_dirs["golden"]),
@@ -417,8 +445,12 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             da = nodes
         if da is None:
             da = [f"(no diff_analyze file; rc {m['rc']})"]
-    nbytes = {"ours": ours_bytes, "ours_2threads": ours_bytes, "msprobe": ms_bytes}
-    startup["ours_2threads"] = startup["ours"]
+    nbytes = {"ours": ours_bytes, "ours_2threads": ours_bytes, jobs_variant: ours_bytes, "msprobe": ms_bytes,
+              "ours_on_msprobe_dump": ms_bytes}
+    startup["ours_2threads"] = startup[jobs_variant] = startup["ours"]
+    if have_ms:
+        startup["ours_on_msprobe_dump"] = _measured(
+            [sys.executable, "-c", "import align.core.mapping, comparators.tensors, torch"], env, ROOT)
     print(f"\n  dumps: one training step, micro-batch {args.compare_batch}, full tensors; candidate = "
           f"{PERTURBED_PARAM} x (1 + 1e-3 N(0,1))")
     print(f"  tensor bytes on disk, both sides: ours {ours_bytes / 1e6:.0f} MB (HDF5)"
@@ -448,6 +480,15 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
                          "mb_per_s_excl_startup": mbs_ex, "startup_s": st}
         print(f"  {tool:13s} {min(w):6.2f} {statistics.median(w):7.2f} {cpu:6.2f} {rss:9.0f} {best:6.0f} {mbs:7.0f} "
               f"{per_cpu:6.0f} {st:10.2f} {mbs_ex:20.0f}")
+    largest = _largest_tensor_bytes(dumps["ours"]["golden"])
+    print(f"  peak RSS above the start-up process (imports only): largest tensor {largest / 2**20:.0f} MiB; "
+          + ", ".join(f"{t} {summary[t]['peak_rss_mb'] - startup[t]['peak_rss_mb']:.0f} MB "
+                      f"({(summary[t]['peak_rss_mb'] - startup[t]['peak_rss_mb']) * 2**20 / largest:.2f}x)"
+                      for t in variants if t.startswith("ours")))
+    summary["largest_tensor_bytes"] = largest
+    for t in variants:
+        if t.startswith("ours"):
+            summary[t]["rss_over_startup_mb"] = summary[t]["peak_rss_mb"] - startup[t]["peak_rss_mb"]
     if ours_detail:
         cs = statistics.median(r["compute_s"] for r in runs["ours"])
         print(f"  ours in-process compare time (no start-up, median): {cs:.2f} s -> {ours_bytes / 1e6 / cs:.0f} MB/s")
@@ -460,6 +501,17 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
               f"{o['mb_per_s_excl_startup'] / s['mb_per_s_excl_startup']:.1f}x (excluding start-up); "
               f"peak RSS {o['peak_rss_mb'] / s['peak_rss_mb']:.2f}x; "
               f"wall time {o['wall_median_s'] / s['wall_median_s']:.2f}x")
+        for t in (jobs_variant, "ours_on_msprobe_dump"):
+            if t in summary:
+                o = summary[t]
+                print(f"  {t} / msprobe: throughput {o['mb_per_s_best'] / s['mb_per_s_best']:.1f}x (best wall), "
+                      f"{o['mb_per_s'] / s['mb_per_s']:.1f}x (median wall), "
+                      f"{o['mb_per_s_excl_startup'] / s['mb_per_s_excl_startup']:.1f}x (excluding start-up)")
+        od = details_by_tool.get("ours_on_msprobe_dump")
+        if od:
+            first = od["first_departing"] or {}
+            print(f"  ours on msprobe's dump names: {first.get('module')} {first.get('kind')} "
+                  f"({od['rows']} rows) -> {'YES' if first.get('module') == PERTURBED_MODULE else 'NO'}")
     print("\n  does the tool name the perturbed layer (" + PERTURBED_MODULE + ")?")
     named = {}
     if ours_detail:
@@ -496,6 +548,10 @@ def main() -> None:
     ap.add_argument("--compare-batch", type=int, default=16, help="micro-batch of the two compared dumps")
     ap.add_argument("--compare-threads", type=int, default=1)
     ap.add_argument("--compare-repeats", type=int, default=4)
+    ap.add_argument("--jobs", type=int, default=2, help="parallel readers (processes) of the ours_jobsN variant")
+    ap.add_argument("--compare-jobs", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--compare-executor", default="thread", help=argparse.SUPPRESS)
+    ap.add_argument("--torch-readers", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     ap.add_argument("--keep", help="work in this directory and keep it (default: a temporary one, removed)")

@@ -3,8 +3,12 @@
 Why this works across frameworks and parallel layouts: every mapping transform only moves elements, so the
 norm of a fused parameter equals sqrt(sum of squares) of its parts' norms; and a TP-sharded parameter's
 full norm is sqrt(sum over its TP group of the shard norms^2), while a duplicated parameter (norm weights,
-``tp_partition_dim == -1``) is counted once. Reading is streaming: only the ``local_norm`` group of each
-rank file is read, one file at a time, so memory grows with the number of parameters, not with the dump.
+``tp_partition_dim == -1``) is counted once. With the distributed optimizer each DP rank records only its
+reduce-scattered part of a parameter (``dp_shard == 1``, ``dp_rank``, ``dp_size``): the parts' squares add
+up to the full gradient's. Names are global (pipeline stages and EP ranks renamed by the dumper), so the
+ranks of a pipeline or of an expert-parallel group just contribute different names. Reading is streaming:
+only the ``local_norm`` group of each rank file is read, one file at a time, so memory grows with the
+number of parameters, not with the dump.
 """
 
 from __future__ import annotations
@@ -39,6 +43,30 @@ class ShardNorm:
     numel: dict[int, int]           # tp_rank -> numel of the shard
     pp_ranks: set[int]
     disagree: float = 0.0           # duplicated parameter: largest relative spread between TP ranks
+    dp_size: int = 1                # > 1: gradient reduce-scattered over DP ranks (distributed optimizer)
+    dp_parts: dict[int, dict[int, tuple[float, int]]] | None = None  # tp_rank -> dp_rank -> (norm, numel)
+
+    def add(self, tp_rank: int, norm: float, numel: int, dp_shard: int = 0, dp_rank: int = 0,
+            dp_size: int = 1) -> None:
+        """One rank's row: a whole (TP shard of the) gradient, or a DP rank's part of it."""
+        if dp_shard and dp_size > 1:
+            self.dp_size = max(self.dp_size, int(dp_size))
+            if self.dp_parts is None:
+                self.dp_parts = {}
+            parts = self.dp_parts.setdefault(tp_rank, {})
+            if dp_rank in parts:
+                return
+            parts[dp_rank] = (norm, numel)
+            self.shards[tp_rank] = math.sqrt(sum(v * v for v, _ in parts.values()))
+            self.numel[tp_rank] = sum(n for _, n in parts.values())
+            return
+        if tp_rank in self.shards:
+            return
+        if self.partition_dim < 0 and self.shards:
+            ref = next(iter(self.shards.values()))
+            self.disagree = max(self.disagree, abs(norm - ref) / max(abs(ref), 1e-30))
+        self.shards[tp_rank] = norm
+        self.numel[tp_rank] = int(numel)
 
     def full_norm(self) -> float:
         if self.partition_dim < 0:
@@ -55,6 +83,13 @@ class ShardNorm:
         if self.partition_dim < 0:
             return []
         return [r for r in range(self.tp_size) if r not in self.shards]
+
+    @property
+    def missing_dp_parts(self) -> list[int]:
+        """DP ranks whose part of a reduce-scattered gradient was not read (any TP rank)."""
+        if not self.dp_parts:
+            return []
+        return sorted({d for parts in self.dp_parts.values() for d in range(self.dp_size) if d not in parts})
 
 
 def _rank_file(reader: Any, step: int, rank: int) -> Path:
@@ -85,10 +120,13 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
                      ) -> tuple[dict[str, ShardNorm], dict[str, Any]]:
     """Combine one run's per-rank ``local_norm`` tables of ``step`` into one entry per parameter.
 
-    DP replicas hold the same reduced gradient: the first rank seen for a (name, tp_rank) wins.
+    DP replicas hold the same reduced gradient: the first rank seen for a (name, tp_rank) wins; rows with
+    ``dp_shard == 1`` are parts of a reduce-scattered gradient and are combined over ``dp_rank``.
     """
     from align.core.runstore import RunReader
 
+    if getattr(run, "store", False) is None and hasattr(run, "local_norm_table"):
+        return _norms_from_table(run, step)
     reader = run if hasattr(run, "array_ranks") else RunReader(run)
     ranks = reader.array_ranks(step)
     if not ranks:
@@ -110,24 +148,39 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
         tp_size = cols.get("tp_size", np.ones(n, dtype=np.int64))
         pdim = cols.get("tp_partition_dim", np.full(n, -1))
         numel = cols.get("numel", np.zeros(n, dtype=np.int64))
+        dp_shard = cols.get("dp_shard", np.zeros(n, dtype=np.int64))
+        dp_rank = cols.get("dp_rank", np.zeros(n, dtype=np.int64))
+        dp_size = cols.get("dp_size", np.ones(n, dtype=np.int64))
         for i in range(n):
-            name, tr = str(cols["name"][i]), int(tp_rank[i])
-            norm = float(cols["norm"][i])
+            name = str(cols["name"][i])
             e = out.get(name)
             if e is None:
                 e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
             e.pp_ranks.add(pp_rank)
-            if tr in e.shards:
-                continue
-            if e.partition_dim < 0 and e.shards:
-                ref = next(iter(e.shards.values()))
-                e.disagree = max(e.disagree, abs(norm - ref) / max(abs(ref), 1e-30))
-            e.shards[tr] = norm
-            e.numel[tr] = int(numel[i])
+            e.add(int(tp_rank[i]), float(cols["norm"][i]), int(numel[i]), int(dp_shard[i]), int(dp_rank[i]),
+                  int(dp_size[i]))
     if info["tables"] == 0:
         raise BadInput(f"{reader.root}: step {step} has no local_norm table on any rank")
     info["tp"] = max((e.tp_size for e in out.values()), default=1)
     return out, info
+
+
+def _norms_from_table(run: Any, step: int) -> tuple[dict[str, ShardNorm], dict[str, Any]]:
+    """Named norms a log carried (MindFormers' TrainingStateMonitor lines), one table per step in memory.
+
+    A table with a ``rank`` column (msrun worker logs) keeps the lowest rank's row per name: a log gives no
+    TP layout, so ranks are read as data-parallel replicas.
+    """
+    table = run.local_norm_table(step)
+    if table is None or not len(table):
+        raise BadInput(f"{run.path}: step {step} has no local norms")
+    if "rank" in table.columns:
+        table = table.sort_values("rank", kind="stable").drop_duplicates("name", keep="first")
+    out: dict[str, ShardNorm] = {}
+    for name, norm, numel in zip(table["name"], table["norm"], table.get("numel", [-1] * len(table)),
+                                 strict=False):
+        out[str(name)] = ShardNorm(-1, 1, {0: float(norm)}, {0: max(int(numel), 0)}, {0})  # 0 = size unknown
+    return out, {"ranks": [0], "global_norm": None, "tables": 1, "tp": 1, "source": "log"}
 
 
 def _kind_of(rule_kind: str) -> str:
@@ -164,6 +217,10 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
     info = info or {}
     for side, norms in (("baseline", b_norms), ("candidate", c_norms)):
         for name, e in norms.items():
+            if e.missing_dp_parts:
+                res.add(Finding(STAGE, "warn", name, "missing_dp_parts", len(e.missing_dp_parts), 0,
+                                f"{side} {name}: distributed-optimizer parts of DP ranks "
+                                f"{e.missing_dp_parts} of {e.dp_size} missing; its norm is partial"))
             if e.missing_shards:
                 res.add(Finding(STAGE, "warn", name, "missing_tp_shards", len(e.missing_shards), 0,
                                 f"{side} {name}: TP shards {e.missing_shards} of {e.tp_size} missing; "
@@ -203,7 +260,7 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
                             "its norm was not compared"))
     failing = 0
     for r in rows:
-        if r["numel_baseline"] and r["numel_candidate"] and r["numel_baseline"] != r["numel_candidate"]:
+        if r["numel_baseline"] > 0 and r["numel_candidate"] > 0 and r["numel_baseline"] != r["numel_candidate"]:
             res.add(Finding(STAGE, "fail", r["name"], "numel", r["numel_candidate"], r["numel_baseline"],
                             f"{r['name']}: {r['numel_baseline']} elements in the baseline, "
                             f"{r['numel_candidate']} in the candidate ({r['candidate']})"))
@@ -258,7 +315,8 @@ def combine_tables(tables: Iterable[tuple[dict[str, Any], dict[str, np.ndarray]]
             e = out.setdefault(name, ShardNorm(int(cols.get("tp_partition_dim", [-1] * n)[i]),
                                                int(cols.get("tp_size", [1] * n)[i]), {}, {}, set()))
             e.pp_ranks.add(int(rinfo.get("pp_rank", 0)))
-            if tr not in e.shards:
-                e.shards[tr] = float(cols["norm"][i])
-                e.numel[tr] = int(cols.get("numel", [0] * n)[i])
+            e.add(tr, float(cols["norm"][i]), int(cols.get("numel", [0] * n)[i]),
+                  int(cols.get("dp_shard", [0] * n)[i]),
+                  int(cols.get("dp_rank", [int(rinfo.get("dp_rank", 0))] * n)[i]),
+                  int(cols.get("dp_size", [1] * n)[i]))
     return out

@@ -18,16 +18,14 @@ Framework-free (numpy only): the candidate side runs in ``dumpers.mindspore_opti
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Mapping as MappingABC
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult, skipped
-from align.core.runstore import atomic_file
+from align.core.runstore import read_step1_file, write_step1_file  # noqa: F401  (the evidence file format)
 
 STAGE = "optimizer"
 # Relative update difference: (pass up to, warn up to); beyond is a fail. float32: both optimizers compute
@@ -156,7 +154,6 @@ def to_candidate_names(arrays: MappingABC[str, np.ndarray], mapping: Any = None,
     Raises ``BadInput`` when a baseline name maps to nothing: feeding a partial gradient set to an optimizer
     would update the rest with stale zeros.
     """
-    from align.core.errors import BadInput
     from align.core.mapping import Mapping, TransformParams
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
@@ -168,43 +165,3 @@ def to_candidate_names(arrays: MappingABC[str, np.ndarray], mapping: Any = None,
         raise BadInput(f"cannot convert baseline arrays: {bad[0].message}" + (
             f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     return out
-
-
-def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
-    """A baseline's step-1 file (npz, no pickle) -> {"grad": {...}, "init": {...}, "weight": {...}}.
-
-    Layout: keys ``grad/<name>`` (step-1 gradients), ``init/<name>`` (weights before the step) and
-    ``weight/<name>`` (weights after it), baseline names, as the paired demo's Megatron side writes.
-    """
-    out: dict[str, dict[str, np.ndarray]] = {"grad": {}, "init": {}, "weight": {}}
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            for key in z.files:
-                kind, _, name = key.partition("/")
-                if kind in out and name:
-                    arr = z[key]
-                    if arr.dtype.kind not in "fiu" or arr.dtype.names is not None:
-                        raise BadInput(f"{path}: key '{key}': dtype {arr.dtype} is not a number type")
-                    out[kind][name] = arr
-    except BadInput:
-        raise
-    except AttributeError:   # np.load gave a plain array (an .npy file), which has no keys
-        raise BadInput(f"{path}: an .npy array, expected the step-1 .npz archive") from None
-    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as exc:
-        raise BadInput(f"{path}: not a readable step-1 .npz file ({' '.join(str(exc).split())[:80]})") from None
-    for name, g in out["grad"].items():
-        for kind in ("init", "weight"):
-            if name in out[kind] and out[kind][name].shape != g.shape:
-                raise BadInput(f"{path}: key '{kind}/{name}': shape {out[kind][name].shape} differs from its "
-                               f"gradient's {g.shape}")
-    return out
-
-
-def write_step1_file(path: str | Path, grads: MappingABC[str, np.ndarray], before: MappingABC[str, np.ndarray],
-                     after: MappingABC[str, np.ndarray]) -> None:
-    """Write the step-1 file :func:`read_step1_file` reads (atomically: temporary name, then rename)."""
-    arrays = {**{f"grad/{k}": np.asarray(v) for k, v in grads.items()},
-              **{f"init/{k}": np.asarray(v) for k, v in before.items()},
-              **{f"weight/{k}": np.asarray(v) for k, v in after.items()}}
-    with atomic_file(Path(path)) as fh:
-        np.savez(fh, **arrays)

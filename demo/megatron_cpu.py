@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -40,11 +41,20 @@ def _cpu_current_device() -> torch.device:
     return _CPU
 
 
+def _no_sync(device: Any = None) -> None:
+    return None
+
+
 def redirect_current_device() -> None:
-    """Make ``torch.cuda.current_device()`` answer the CPU device (idempotent; no-op when CUDA exists)."""
+    """Make ``torch.cuda.current_device()`` answer the CPU device (idempotent; no-op when CUDA exists).
+
+    ``torch.cuda.synchronize`` becomes a no-op too: the pipeline schedule's p2p code calls it after
+    ``batch_isend_irecv``; on CPU every gloo request has already been waited on.
+    """
     if torch.cuda.is_available():
         return
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    torch.cuda.synchronize = _no_sync  # type: ignore[assignment]
 
 
 def _is_cuda(dev: Any) -> bool:
@@ -122,7 +132,8 @@ class ParallelInfo:
         return asdict(self)
 
 
-def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | None = None) -> ParallelInfo:
+def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | None = None, *, ep: int = 1,
+                      vpp: int | None = None) -> ParallelInfo:
     """Initialise gloo, Megatron's parallel state, its RNG tracker and CPU bridges for this process.
 
     Under torchrun the rendezvous comes from the environment; a lone process makes a one-rank group.
@@ -146,10 +157,37 @@ def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | No
             dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                                 pipeline_model_parallel_size=pp)
+                                                 pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=vpp,
+                                                 expert_model_parallel_size=ep)
     _install_cpu_memory_buffer()
+    _define_missing_te_names()
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     return parallel_info()
+
+
+def set_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None,
+                 seed: int = 1234) -> ParallelInfo:
+    """Re-initialise Megatron's parallel state with another layout in the same process group.
+
+    One torchrun launch then runs several layouts (DP=2, PP=2, EP=2 ...), which keeps the tests short.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    return init_megatron_cpu(tp=tp, pp=pp, seed=seed, ep=ep, vpp=vpp)
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16's router reads ``moe_utils.te_general_gemm``, defined only when Transformer Engine
+    imports; without TE it is a NameError instead of the ``torch.mm`` fallback the code means. Define it as
+    ``None`` (the value meaning "no TE") when absent; nothing else changes."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _remove_quietly(path: str) -> None:
@@ -202,20 +240,46 @@ class TinyLlamaConfig:
         return asdict(self)
 
 
-def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234) -> torch.nn.Module:
+def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp_stage: int | None = None
+                     ) -> torch.nn.Module:
     """Build a Megatron-core GPTModel (local spec) on CPU. Call after ``init_megatron_cpu``.
 
     CPU initialisation draws the full weight from torch's default generator and splits it per TP rank, so
-    seeding it here gives every TP layout the same model.
+    seeding it here gives every TP layout the same model. Pipeline and expert layouts draw differently:
+    use :func:`init_weights_by_name` for those. Under pipeline parallelism the stage (and ``vp_stage``
+    chunk) decides embedding / output layer; ``cfg.extra`` may carry MoE settings (``num_moe_experts`` ...).
     """
+    from megatron.core import parallel_state as ps
+
     torch.manual_seed(seed)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     cfg = cfg or TinyLlamaConfig()
     dtype = getattr(torch, cfg.params_dtype)
-    tcfg = TransformerConfig(
+    # Layer-spec switches ride in ``extra`` too: qk_layernorm (Qwen3), num_moe_experts (MoE, sequential
+    # local experts unless moe_grouped_gemm), multi_latent_attention (DeepSeek-V3 MLA: MLATransformerConfig).
+    extra = dict(cfg.extra)
+    mla = bool(extra.pop("multi_latent_attention", False))
+    grouped = bool(extra.pop("moe_grouped_gemm", False))
+    spec = get_gpt_layer_local_spec(num_experts=extra.get("num_moe_experts"), moe_grouped_gemm=grouped,
+                                    qk_layernorm=bool(extra.get("qk_layernorm", False)),
+                                    multi_latent_attention=mla, normalization="RMSNorm")
+    if mla:
+        # megatron-core 0.16.1's local MLA spec hands DotProductAttention k_channels / v_channels, which its
+        # __init__ does not take; its math reads the head dims from the tensors (the output width is
+        # kv_channels * heads, so kv_channels must be v_head_dim).
+        spec.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention_cls()
+        # ... and without Transformer Engine it asks isinstance(linear_proj, TELinear) where TELinear is None
+        # or megatron's MagicMock placeholder: a class nothing is an instance of answers as TE's absence means.
+        from megatron.core.transformer import multi_latent_attention as mla_mod
+        for absent in ("TELinear", "TEColumnParallelLinear", "Linear"):
+            if not isinstance(getattr(mla_mod, absent, None), type):
+                setattr(mla_mod, absent, type(f"{absent}Absent", (), {}))
+        extra.setdefault("kv_channels", extra.get("v_head_dim"))
+    config_cls = MLATransformerConfig if mla else TransformerConfig
+    tcfg = config_cls(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
@@ -224,12 +288,77 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234) -> to
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=_tp_size(), pipeline_dtype=dtype, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **cfg.extra)
-    model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        gradient_accumulation_fusion=False,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), **extra)
+    model = GPTModel(config=tcfg, transformer_layer_spec=spec,
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     parallel_output=True)
+                     parallel_output=True,
+                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     vp_stage=vp_stage)
     return model
+
+
+def build_model_chunks(cfg: TinyLlamaConfig | None = None, seed: int = 1234) -> list[torch.nn.Module]:
+    """This rank's model chunks (one, or one per virtual stage), initialised the same in every layout."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = [build_tiny_llama(cfg, seed) if not vpp else build_tiny_llama(cfg, seed, vp_stage=i)
+              for i in range(vpp or 1)]
+    init_weights_by_name(chunks, seed)
+    return chunks
+
+
+def init_weights_by_name(chunks: list[torch.nn.Module], seed: int = 1234, std: float = 0.02) -> None:
+    """Give every parameter a value drawn from its global name, so TP/PP/EP layouts hold the same model.
+
+    The full tensor is drawn from a generator seeded by (seed, crc32(global name)); a TP-partitioned
+    parameter keeps its rank's slice of it (a gated fc1 its slices of gate and up). Norm weights stay 1 (their
+    initial value in Megatron).
+    """
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    from dumpers.megatron import global_namer
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    gated = bool(getattr(getattr(chunks[0], "config", None), "gated_linear_unit", False)) if chunks else False
+    with torch.no_grad():
+        for chunk in chunks:
+            name_of = global_namer(chunk)
+            for name, p in chunk.named_parameters():
+                if "norm" in name.rsplit(".", 2)[-2] or name.endswith("expert_bias"):
+                    continue
+                shape = list(p.shape)
+                dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+                if dim >= 0:
+                    shape[dim] *= tp
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name_of(name).encode()))
+                full = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+                if dim >= 0 and gated and name.endswith("linear_fc1.weight"):
+                    # gated fc1 is [gate; up] of the whole; each TP rank holds [gate_r; up_r]
+                    full = torch.cat([h.chunk(tp, dim=0)[tp_rank] for h in full.chunk(2, dim=0)], dim=0)
+                elif dim >= 0:
+                    full = full.chunk(tp, dim=dim)[tp_rank]
+                p.copy_(full.to(p.dtype))
+
+
+def _mla_dot_product_attention_cls() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        """Megatron's local DotProductAttention, accepting (and not needing) MLA's k/v channel arguments."""
+
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
 
 
 def _tp_size() -> int:
@@ -311,14 +440,28 @@ def train_step(model: torch.nn.Module, optimizer: Any, batch: Mapping[str, torch
     return float(loss.detach()), grad_norm
 
 
-def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
-    """Wrap in Megatron's DistributedDataParallel (main_grad buffers; names gain a ``module.`` prefix)."""
+def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False,
+             grad_reduce_in_fp32: bool = True, bucket_size: int | None = None) -> torch.nn.Module:
+    """Wrap in Megatron's DistributedDataParallel (main_grad buffers; names gain a ``module.`` prefix).
+
+    fp16 / bf16 models are first wrapped in Megatron's ``Float16Module`` (as Megatron-LM does);
+    ``grad_reduce_in_fp32=False`` keeps fp16 ``main_grad`` buffers that still carry the loss scale.
+    ``bucket_size`` (elements) turns on Megatron's bucketed, overlapped gradient reduction.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
+    cfg = model.config
+    if cfg.fp16 or cfg.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    # Megatron buckets gradients only when their reduction overlaps the backward pass
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                            overlap_grad_reduce=bucket_size is not None,
+                                            use_distributed_optimizer=use_distributed_optimizer,
+                                            bucket_size=bucket_size)
     with cpu_device_redirect():
-        return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+        return DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
 
 
 class MegatronOptimizerCPU:
@@ -338,17 +481,80 @@ class MegatronOptimizerCPU:
         return getattr(self.inner, name)
 
 
-def make_megatron_optimizer(model: torch.nn.Module, lr: float = 1e-3, clip_grad: float = 1.0,
-                            optimizer: str = "adam") -> MegatronOptimizerCPU:
-    """Megatron's optimizer for a DDP-wrapped model (FP32Optimizer here; Float16 with bf16 params)."""
+def make_megatron_optimizer(model: torch.nn.Module | list[torch.nn.Module], lr: float = 1e-3,
+                            clip_grad: float = 1.0, optimizer: str = "adam", *,
+                            use_distributed_optimizer: bool = False, loss_scale: float | None = None
+                            ) -> MegatronOptimizerCPU:
+    """Megatron's optimizer for DDP-wrapped model chunks (FP32Optimizer; Float16 with fp16/bf16 params;
+    DistributedOptimizer; a ChainedOptimizer when MoE experts get their own)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    chunks = model if isinstance(model, list) else [model]
+    mcfg = chunks[0].config
     cfg = OptimizerConfig(optimizer=optimizer, lr=lr, clip_grad=clip_grad, weight_decay=0.0,
-                          bf16=model.config.bf16, fp16=model.config.fp16,
-                          params_dtype=model.config.params_dtype, use_distributed_optimizer=False)
+                          bf16=mcfg.bf16, fp16=mcfg.fp16, loss_scale=loss_scale,
+                          params_dtype=mcfg.params_dtype, use_distributed_optimizer=use_distributed_optimizer)
     with cpu_device_redirect():
-        inner = get_megatron_optimizer(cfg, [model])
+        inner = get_megatron_optimizer(cfg, chunks)
     return MegatronOptimizerCPU(inner)
+
+
+def pipeline_forward_backward(chunks: list[torch.nn.Module], batches: list[Mapping[str, torch.Tensor]],
+                              cfg: TinyLlamaConfig, *, on_batch: Any = None,
+                              forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Megatron's own schedule (``get_forward_backward_func``: no pipelining, 1F1B or interleaved).
+
+    The data iterator yields whole micro-batches on every stage (as Megatron-LM's loader does on the first
+    and last stage); ``forward_step`` keeps what Megatron's ``get_batch`` keeps there: tokens / position ids
+    on the first stage, labels / loss mask on the last. ``on_batch(part)`` sees that part (a dumper's
+    ``record_batch``). Returns the last stage's per-micro-batch loss dicts (``{'lm loss': [sum, tokens]}``).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple:
+        mask = loss_mask.float().view(-1)
+        total = (output.float().view(-1) * mask).sum()
+        tokens = mask.sum().to(torch.int)
+        return total, tokens, {"lm loss": torch.stack([total.detach(), mask.sum()])}
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple:
+        inner, vp = model, getattr(model, "vp_stage", None)
+        while vp is None and hasattr(inner, "module"):
+            inner = inner.module
+            vp = getattr(inner, "vp_stage", None)
+        batch = next(data_iterator)
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        part = {"tokens": batch["tokens"] if first else None,
+                "position_ids": batch["position_ids"] if first else None,
+                "labels": batch["labels"] if last else None,
+                "loss_mask": batch["loss_mask"] if last else None,
+                "attention_mask": batch["attention_mask"] if first or last else None}
+        if on_batch is not None and (first or last):
+            on_batch(part)
+        out = model(part["tokens"], part["position_ids"], part["attention_mask"], labels=part["labels"])
+        return out, functools.partial(loss_func, batch["loss_mask"])
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    iters: Any = [iter(list(batches)) for _ in chunks] if vpp else iter(list(batches))
+    fb = get_forward_backward_func()
+    with cpu_device_redirect():
+        return fb(forward_step_func=forward_step, data_iterator=iters, model=chunks,
+                  num_microbatches=len(batches), seq_length=cfg.seq_length,
+                  micro_batch_size=cfg.micro_batch_size, forward_only=forward_only)
+
+
+def reduce_lm_loss(losses_reduced: list[dict[str, torch.Tensor]]) -> float | None:
+    """Megatron-LM's ``train_step`` reduction for its log: sum of [loss sum, tokens] over micro-batches and
+    the DP group, then loss sum / tokens (``None`` off the last stage)."""
+    from megatron.core import parallel_state as ps
+
+    if not losses_reduced:
+        return None
+    val = torch.vstack([x["lm loss"].view(-1) for x in losses_reduced]).sum(dim=0)
+    dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(val[0] / val[1])
 
 
 def torch_optimizer(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:

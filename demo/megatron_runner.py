@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from comparators.optimizer_check import write_step1_file
 from demo.megatron_cpu import MegatronOptimizerCPU, cpu_device_redirect, forward_loss, init_megatron_cpu, wrap_ddp
 from demo.spec import NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
 from dumpers.megatron import MegatronDumper, strip_module_prefix
+from dumpers.optimizer_evidence import OptimizerEvidence
 from dumpers.seed_torch import seed_everything
 from dumpers.torch_dumper import DumpConfig
 
@@ -99,8 +99,10 @@ def run(spec: Spec) -> dict[str, Any]:
     cfg = DumpConfig(out=spec.out, steps=None, tensor_steps=spec.tensor_steps if spec.tensor_steps else [],
                      modules=LAYER_MODULES, tensors="full" if spec.tensor_steps else "off", seed_layout=True,
                      nan_trace="grads")
-    meta = {**seed_info, "config": megatron_args(spec), "role": spec.role, "inject": spec.inject,
-            "threads": torch.get_num_threads(), "mindformers_yaml": None}
+    meta = {**seed_info, "config": {"kind": "megatron_args", "values": megatron_args(spec)}, "role": spec.role,
+            "inject": spec.inject, "threads": torch.get_num_threads(),
+            "dtypes": {"params": "float32", "grads": "float32", "compute": "float32"},
+            "data": {"vocab_size": spec.model.vocab_size, "eos_id": spec.eos_id, "pad_id": spec.pad_id}}
     dumper = MegatronDumper(ddp, opt, cfg, meta=meta)
     source = BatchSource(spec, mutate_cache=injects(spec, "baseline") == "loss_mask_mutation")
     params = _named_params(ddp)
@@ -108,7 +110,7 @@ def run(spec: Spec) -> dict[str, Any]:
     if injects(spec, "baseline") == "nan_param":
         p = dict(params)[NAN_PARAM_BASELINE]
         nan_hook = p
-    init = {n: p.detach().numpy().copy() for n, p in params} if spec.step1_file and lead else {}
+    evidence = OptimizerEvidence(ddp, spec.out) if spec.optimizer_evidence and lead else None
     losses = []
     for step in range(1, spec.steps + 1):
         arrays = source(step)
@@ -124,11 +126,11 @@ def run(spec: Spec) -> dict[str, Any]:
             ddp.finish_grad_sync()
         if nan_hook is not None and step == NAN_STEP:
             nan_hook.main_grad.view(-1)[0] = float("nan")
-        if step == 1 and spec.step1_file and lead:
-            grads = {n: p.main_grad.detach().clone().numpy() for n, p in params}
+        if step == 1 and evidence is not None:
+            evidence.before_step()
         _, grad_norm, _ = opt.step()
-        if step == 1 and spec.step1_file and lead:
-            write_step1_file(spec.step1_file, grads, init, {n: p.detach().numpy().copy() for n, p in params})
+        if step == 1 and evidence is not None:
+            evidence.after_step()
         losses.append(float(loss.detach()))
         dumper.end_step(loss=losses[-1], lr=lr)
         sched.step(1)

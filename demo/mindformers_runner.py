@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from comparators.optimizer_check import read_step1_file
+from align.core.runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
 from demo.spec import NAN_PARAM, NAN_STEP, Spec, injects, mindformers_config, read_spec
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
@@ -34,7 +34,7 @@ from mindspore import Tensor, nn  # noqa: E402
 from demo import mindformers_cpu as mc  # noqa: E402
 from dumpers.mindformers import name_local_norms, optimizer_param_names, optimizer_param_sizes, split_outputs  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
-from dumpers.mindspore_optimizer_check import optimizer_step_with_grads  # noqa: E402
+from dumpers.mindspore_optimizer_check import run_optimizer_check  # noqa: E402
 
 # Layer profile cells, the MindFormers counterparts of demo.megatron_runner.LAYER_MODULES.
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
@@ -174,30 +174,22 @@ def run(spec: Spec) -> dict[str, Any]:
         dumper.end_step(loss=loss, grad_norm=gnorm, overflow=bool(np.asarray(vals["overflow"]).reshape(-1)[0]),
                         **({"lr": lr} if lr is not None else {}))
     dumper.close()
+    if conversion is not None:
+        atomic_write_json(Path(spec.out) / EVIDENCE_DIR / CONVERSION_EVIDENCE, conversion)
     return {"role": spec.role, "steps": len(steps), "seconds": time.perf_counter() - t0,
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "conversion": conversion}
 
 
 def optimizer_check(spec: Spec) -> dict[str, Any]:
-    """One candidate optimizer step on the baseline's step-1 gradients; saves the updated weights (npz)."""
-    from align.core.mapping import Mapping, TransformParams
-
+    """One candidate optimizer step on the baseline's step-1 gradients: OUT/evidence/optimizer_step1.npz."""
     mc.set_cpu_context("pynative", seed=spec.seed)
     net = build_net(spec)
     cell = build_cell(net, spec)
     m = spec.model
-    grads_mg = read_step1_file(spec.step1_file)["grad"]
-    mapping = Mapping.load(None)
-    grads_mf, _ = mapping.convert(grads_mg, "candidate", TransformParams(num_heads=m.num_heads,
-                                                                         num_query_groups=m.num_query_groups))
-    before = {p.name: p.asnumpy().copy() for p in cell.optimizer.parameters}
-    after = optimizer_step_with_grads(cell.optimizer, grads_mf, train_cell=cell)
-    out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / "weights_after_step1.npz", **{f"before/{k}": v for k, v in before.items()},
-             **{f"after/{k}": v for k, v in after.items()})
-    return {"role": spec.role, "file": str(out / "weights_after_step1.npz"), "parameters": len(after)}
+    path = run_optimizer_check(cell.optimizer, spec.step1_file, spec.out, num_heads=m.num_heads,
+                               num_query_groups=m.num_query_groups, train_cell=cell)
+    return {"role": spec.role, "file": str(path)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,25 +25,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from align.core.errors import BadInput
-from align.core.findings import EXIT, Finding, StageResult, skipped, worst
+from align.core.findings import EXIT
 from align.procedure import report, stderr_progress
-from comparators.optimizer_check import read_step1_file
-from comparators.scalars import ScalarOptions, band_floor
-from demo.spec import FAULTS, Spec, fault, megatron_args, mindformers_config, write_spec
+from align.report_args import parse_report_args, report_inputs
+from align.stages import Inputs
+from demo.spec import FAULTS, Spec, fault, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
 DEFAULT_LR0_STEPS = 20
-# Loss and grad-norm agreement of the lr=0 pair: pass up to 1e-5 relative, warn up to 1e-4 (float32 across
-# frameworks: ~1e-7..1e-6 observed here), fail beyond.
-LR0_RTOL = (1e-5, 1e-4)
 # Layer tensors: both sides compute float32 on the same CPU, and the clean pair's worst layer row is ~5e-7
 # relative (measured), so float32 passes up to 1e-5 (20x that) and fails beyond 1e-4. The comparator's own
 # float32 default (1e-4 / 1e-2) is meant for different hardware kernels (NPU vs GPU).
-LAYER_TOLERANCE = {"float32": (1e-5, 1e-4, 0.999999)}
+LAYER_TOLERANCE = (1e-5, 1e-4, 0.999999)   # float32 on one CPU: (pass, warn, cosine)
 
 
 def _log(msg: str) -> None:
@@ -58,9 +53,9 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None) -> di
     """Baseline, repeat (TP=2), candidate, optimizer check and the lr=0 pair, with the fault applied."""
     f = fault(inject)
     base = Spec(role="baseline", out=str(work / "baseline"), steps=steps, inject=inject,
-                init_weights=str(work / "megatron_init.pt"), step1_file=str(work / "baseline_step1.npz"),
+                init_weights=str(work / "megatron_init.pt"), optimizer_evidence=True,
                 result_file=str(work / "baseline.json"))
-    cand = replace(base, role="candidate", out=str(work / "candidate"), step1_file=None,
+    cand = replace(base, role="candidate", out=str(work / "candidate"), optimizer_evidence=False,
                    replay_dir=base.out, converted=str(work / "mindformers_init.ckpt"),
                    result_file=str(work / "candidate.json"))
     if f is not None:
@@ -74,11 +69,11 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None) -> di
         elif name == "pad_eos":
             base.pad_id = cand.pad_id = base.eos_id
     repeat = replace(base, role="repeat", out=str(work / "repeat_tp2"), tp=2, tensor_steps="",
-                     init_weights=None, step1_file=None, result_file=str(work / "repeat.json"))
+                     init_weights=None, optimizer_evidence=False, result_file=str(work / "repeat.json"))
     optcheck = replace(cand, role="optimizer_check", out=str(work / "optimizer_check"), steps=1,
-                       init_weights=None, step1_file=base.step1_file, result_file=str(work / "optcheck.json"))
+                       init_weights=None, step1_file=base.out, result_file=str(work / "optcheck.json"))
     lr0_base = replace(base, role="baseline", out=str(work / "lr0_baseline"), steps=lr0_steps, lr=0.0,
-                       tensor_steps="", init_weights=None, step1_file=None, result_file=None)
+                       tensor_steps="", init_weights=None, optimizer_evidence=False, result_file=None)
     lr0_cand = replace(cand, role="candidate", out=str(work / "lr0_candidate"), steps=lr0_steps, lr=0.0,
                        tensor_steps="", init_weights=None, replay_dir=lr0_base.out, result_file=None)
     if lr0_cand.lr_schedule == "cosine":
@@ -138,195 +133,6 @@ def run_jobs(jobs: list[tuple[str, list[Spec]]], work: Path, parallel: int = 2) 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Stages computed here (framework-free, from the run stores and the npz files)
-# ---------------------------------------------------------------------------------------------------------
-
-def _renamed(res: StageResult, name: str) -> StageResult:
-    res.name = name
-    for f in res.findings:
-        f.stage = name
-    return res
-
-
-def checklist_stage(specs: dict[str, Spec]) -> StageResult:
-    from align.checks.config import compare_configs
-
-    rows, res = compare_configs(megatron_args(specs["baseline"]), mindformers_config(specs["candidate"]))
-    if not res.findings:
-        res.add(Finding("config", "pass", None, "settings_match", len(rows), None,
-                        f"all {len(rows)} compared settings match (model, optimizer, schedule, precision, "
-                        "parallel layout, dropout, weight-decay rules)"))
-    return _renamed(res, "checklist")
-
-
-def data_stage(specs: dict[str, Spec]) -> StageResult:
-    """check-data over the baseline's dumped batches and the candidate's replayed ones."""
-    from align.checks.data import check_batches, iter_batches
-
-    b, c = specs["baseline"], specs["candidate"]
-    res = StageResult("data_checks")
-    details = {}
-    for role, spec in (("baseline", b), ("candidate", c)):
-        r = check_batches(iter_batches(spec.out), vocab_size=spec.model.vocab_size, eos_id=spec.eos_id,
-                          pad_id=spec.pad_id)
-        for f in r.findings:
-            f.stage = "data_checks"
-            f.message = f"{role}: {f.message}"
-            res.add(f)
-        details[role] = {k: v for k, v in r.details.items() if k != "steps"}
-        details[role]["loss_mask_sum_first_last"] = [r.details["steps"][0]["loss_mask_sum"],
-                                                     r.details["steps"][-1]["loss_mask_sum"]]
-    res.details = details
-    return res
-
-
-def layer_stage(specs: dict[str, Spec]) -> StageResult:
-    from comparators.tensors import compare_layer_tensors
-
-    res = compare_layer_tensors(specs["baseline"].out, specs["candidate"].out, None, step=1,
-                                tolerances=LAYER_TOLERANCE)
-    # The MindSpore dumper captures cell outputs and output gradients only; the torch dumper also records
-    # module inputs and input gradients. Those have no counterpart by design: say so, don't warn.
-    unmatched = res.details.get("unmatched_baseline") or []
-    if unmatched and all(u.split(" ")[-1].startswith(("forward.input", "backward.grad_input")) for u in unmatched):
-        res.findings = [f for f in res.findings if f.metric != "unmatched_rows"]
-        res.verdict = worst([f.verdict for f in res.findings])
-        res.details["note"] = (f"{len(unmatched)} baseline rows (module inputs / input gradients) are recorded "
-                               "by the torch dumper only; outputs and output gradients are compared")
-    return _renamed(res, "layer_tensors")
-
-
-def _rel(a: float, b: float) -> float:
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    return abs(a - b) / max(abs(a), abs(b), 1e-30)
-
-
-def optimizer_stage_np(init: dict[str, np.ndarray], after_b: dict[str, np.ndarray],
-                       before_c_mf: dict[str, np.ndarray], after_c_mf: dict[str, np.ndarray], num_heads: int,
-                       num_query_groups: int) -> StageResult:
-    """The baseline's step-1 gradients through the candidate's optimizer: ``comparators.optimizer_check``.
-
-    Each side's update is taken from its own starting weights: the candidate's update is re-based onto the
-    baseline's start (``init + (after_c - before_c)``, in candidate names), so a conversion fault (say q/k
-    rows permuted) does not pose as an optimizer one.
-    """
-    from align.core.mapping import Mapping, TransformParams
-    from comparators.optimizer_check import compare_updates, to_candidate_names
-
-    m = Mapping.load(None)
-    tp = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups)
-    init_c = to_candidate_names(init, m, tp)
-    rebased = {k: init_c[k].astype(np.float64) + (after_c_mf[k].astype(np.float64) - before_c_mf[k])
-               for k in after_c_mf if k in init_c and k in before_c_mf}
-    return compare_updates(init, after_b, rebased, m, params=tp)
-
-
-def lr0_stage(specs: dict[str, Spec]) -> StageResult:
-    """lr = 0: the weights never move, so every step's loss and grad norm must agree to float noise."""
-    from align.core.runstore import RunReader
-
-    b = RunReader(specs["lr0_baseline"].out).scalars().set_index("step")
-    c = RunReader(specs["lr0_candidate"].out).scalars().set_index("step")
-    res = StageResult("lr0_run")
-    steps = sorted(set(b.index) & set(c.index))
-    details: dict[str, Any] = {"steps": len(steps)}
-    for key in ("loss", "grad_norm"):
-        if key not in b or key not in c:
-            continue
-        rels = [(_rel(float(b.at[s, key]), float(c.at[s, key])), s) for s in steps]
-        worst_rel, worst_step = max(rels) if rels else (0.0, None)
-        details[f"max_rel_{key}"] = worst_rel
-        details[f"worst_step_{key}"] = worst_step
-        v = "pass" if worst_rel <= LR0_RTOL[0] else "warn" if worst_rel <= LR0_RTOL[1] else "fail"
-        res.add(Finding("lr0_run", v, key, f"max_rel_{key}", worst_rel, LR0_RTOL[0],
-                        f"lr=0, {len(steps)} steps: {key} agrees to {worst_rel:.3g} relative at worst "
-                        f"(step {worst_step})" + ("" if v == "pass" else
-                                                  ": the forward/backward differs even without updates")))
-    details["table"] = [{"step": int(s), "loss_baseline": float(b.at[s, "loss"]),
-                         "loss_candidate": float(c.at[s, "loss"])} for s in steps]
-    res.details = details
-    return res
-
-
-def nan_trace_stage(specs: dict[str, Spec]) -> StageResult:
-    """The first non-finite gradient of each run: parameter, module and rank, read from nan_trace tables."""
-    from align.core.mapping import Mapping
-    from align.core.runstore import RunReader
-
-    m = Mapping.load(None)
-    res = StageResult("nan_trace")
-    for role in ("baseline", "candidate"):
-        reader = RunReader(specs[role].out)
-        sc = reader.scalars()
-        if "nonfinite_grads" not in sc:
-            continue
-        bad = sc[sc["nonfinite_grads"].fillna(0) > 0]
-        if bad.empty:
-            continue
-        step, rank = int(bad["step"].min()), int(bad.loc[bad["step"].idxmin(), "rank"])
-        table = reader.step_arrays(step, rank).table("nan_trace")
-        if table is None or table.empty:
-            res.add(Finding("nan_trace", "fail", None, "first_nonfinite_grad", step, None,
-                            f"{role}: non-finite gradients at step {step} (no trace recorded)"))
-            continue
-        row = table.iloc[0]
-        name = str(row["name"])
-        other = m.map_name(name, "candidate" if role == "candidate" else "baseline")
-        coords = ", ".join(f"{k}={int(row[k])}" for k in ("tp_rank", "pp_rank", "dp_rank") if k in row)
-        res.add(Finding("nan_trace", "fail", name, "first_nonfinite_grad", step, None,
-                        f"{role}: first non-finite gradient at step {step} in {name} (module {row['module']}; "
-                        f"rank {rank}: {coords})" + (f"; counterpart {', '.join(other)}" if other else "")
-                        + f"; {row['detail']}"))
-        res.details[role] = {"step": step, "parameter": name, "module": str(row["module"]), "rank": rank,
-                             "counterpart": other}
-    if not res.findings:
-        res.add(Finding("nan_trace", "pass", None, "first_nonfinite_grad", None, None,
-                        "every gradient finite at every step in both runs"))
-    return res
-
-
-def band_stage(specs: dict[str, Spec], options: ScalarOptions) -> StageResult:
-    """The benchmark error band's source: how far the TP=2 repeat is from the baseline, and the floor."""
-    from align.core.runstore import RunReader
-
-    rep = Path(specs["repeat"].out)
-    if not (rep / "meta.json").is_file():
-        return skipped("band", "no baseline repeat (the long run falls back to a relative tolerance)")
-    b = RunReader(specs["baseline"].out).scalars().set_index("step")["loss"]
-    r = RunReader(rep).scalars()
-    r = r[r["rank"] == r["rank"].min()].set_index("step")["loss"]
-    common = b.index.intersection(r.index)
-    d = (r[common] - b[common]).to_numpy(dtype=float)
-    res = StageResult("band")
-    rms = float(np.sqrt(np.mean(d ** 2))) if len(d) else math.nan
-    floor = band_floor(options, b.to_numpy(dtype=float))
-    res.details = {"source": "baseline repeated with TP=2 under torchrun (row-parallel partial sums)",
-                   "steps": int(len(d)), "repeat_max_abs_delta": float(np.max(np.abs(d))) if len(d) else None,
-                   "repeat_rms_delta": rms, "band_k": options.band_k, "band_floor": floor}
-    res.add(Finding("band", "pass", "loss", "repeat_rms_delta", rms, floor,
-                    f"TP=2 repeat vs baseline over {len(d)} steps: RMS loss delta {rms:.3g}, max "
-                    f"{res.details['repeat_max_abs_delta']:.3g}; band = max({options.band_k:g} x rolling RMS, "
-                    f"floor {floor:.3g})"))
-    return res
-
-
-def conversion_stage(work: Path) -> StageResult:
-    res = StageResult("conversion")
-    path = work / "candidate.json"
-    if not path.is_file():
-        return skipped("conversion", "no candidate result")
-    conv = json.loads(path.read_text()).get("conversion") or {}
-    for f in conv.get("findings", []):
-        res.add(Finding(**f))
-    if not res.findings:
-        res.add(Finding("conversion", "pass", None, "tensors_converted", conv.get("tensors"), None,
-                        f"{conv.get('tensors')} Megatron-core tensors converted to MindFormers names through the "
-                        "mapping (fused QKV split per query group, fc1 chunked into w1/w3)"))
-    return res
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Report sections
 # ---------------------------------------------------------------------------------------------------------
 
@@ -366,62 +172,6 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
         f"<table><tr><th>run</th><th>wall time</th></tr>{rows}</table>")
 
 
-def _section_checklist(res: StageResult) -> str:
-    rows = res.details.get("rows", [])
-    body = "".join(
-        f"<tr class='{html.escape(r['status'])}'><td>{html.escape(str(r['key']))}</td>"
-        f"<td>{html.escape(str(r['megatron']))}</td><td>{html.escape(str(r['mindformers']))}</td>"
-        f"<td>{html.escape(r['status'])}</td><td>{html.escape(r.get('note') or '')}</td></tr>" for r in rows)
-    return ("<table><tr><th>setting</th><th>Megatron</th><th>MindFormers</th><th>status</th><th>note</th></tr>"
-            f"{body}</table>")
-
-
-def _section_layers(res: StageResult) -> str:
-    rows = res.details.get("per_layer") or []
-    if not rows:
-        return f"<p>{html.escape(str(res.details.get('reason', 'no layer statistics')))}</p>"
-    keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(k)))}</td>" for k in keys) + "</tr>"
-                   for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def _lr0_figure(res: StageResult) -> tuple[str, str, bytes] | None:
-    rows = res.details.get("table") or []
-    if not rows:
-        return None
-    import io
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
-    fig.suptitle("lr = 0 pair: loss per step (weights never move) and its delta", fontsize=10)
-    ax1.plot(steps, [r["loss_baseline"] for r in rows], "o-", label="Megatron-core (baseline)")
-    ax1.plot(steps, [r["loss_candidate"] for r in rows], "x--", label="MindFormers (candidate)")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("loss (lr = 0)")
-    ax1.legend(fontsize=8)
-    ax2.plot(steps, [r["loss_candidate"] - r["loss_baseline"] for r in rows], ".-")
-    ax2.axhline(0, color="grey", lw=0.5)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("loss delta (candidate - baseline)")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return "lr0_pair.png", "lr = 0 pair: loss per step and its delta", buf.getvalue()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
@@ -448,7 +198,7 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
         for name in ("baseline", "lr0_baseline", "repeat_tp2"):
             if (src / name).is_dir():
                 shutil.copytree(src / name, work / name, dirs_exist_ok=True)
-        for name in ("megatron_init.pt", "baseline_step1.npz", "baseline.json", "repeat.json"):
+        for name in ("megatron_init.pt", "baseline.json", "repeat.json"):
             if (src / name).is_file():
                 shutil.copy2(src / name, work / name)
         reused = True
@@ -469,35 +219,24 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     return data
 
 
-def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inject: str | None) -> dict[str, Any]:
-    """Every stage from the finished runs' stores, then the report (no framework needed from here on)."""
-    work = Path(specs["baseline"].out).parent
+def report_argv(specs: dict[str, Spec], out: Path) -> list[str]:
+    """The demo's report as the `align report` command a user would type on the same runs."""
+    argv = [specs["baseline"].out, specs["candidate"].out, "--out", str(out),
+            "--lr0", specs["lr0_baseline"].out, specs["lr0_candidate"].out,
+            "--optimizer-check", specs["optimizer_check"].out,
+            "--layer-tolerance", "float32={},{},{}".format(*LAYER_TOLERANCE)]
+    if Path(specs["repeat"].out, "meta.json").is_file():
+        argv += ["--repeat", specs["repeat"].out]
+    return argv
 
-    m = specs["baseline"].model
-    step1 = read_step1_file(specs["baseline"].step1_file)
-    init, after_b = step1["init"], step1["weight"]
-    with np.load(Path(specs["optimizer_check"].out) / "weights_after_step1.npz", allow_pickle=False) as z:
-        before_c = {k[len("before/"):]: z[k] for k in z.files if k.startswith("before/")}
-        after_c = {k[len("after/"):]: z[k] for k in z.files if k.startswith("after/")}
-    options = ScalarOptions()
-    stages = {
-        "checklist": checklist_stage(specs),
-        "conversion": conversion_stage(work),
-        "data_checks": data_stage(specs),
-        "layer_tensors": layer_stage(specs),
-        "optimizer": optimizer_stage_np(init, after_b, before_c, after_c, m.num_heads, m.num_query_groups),
-        "lr0_run": lr0_stage(specs),
-        "band": band_stage(specs, options),
-        "nan_trace": nan_trace_stage(specs),
-    }
-    figs = [fig for fig in (_lr0_figure(stages["lr0_run"]),) if fig]
-    sections = [("Setup of the pair", _section_setup(specs, took, inject)),
-                ("Checklist: Megatron arguments vs MindFormers config", _section_checklist(stages["checklist"])),
-                ("Layer profile (step 1, forward then backward)", _section_layers(stages["layer_tensors"]))]
-    extra: dict[str, Any] = {"extra_sections": sections, "extra_figures": figs}
-    repeats = [specs["repeat"].out] if Path(specs["repeat"].out, "meta.json").is_file() else []
-    data = report(specs["baseline"].out, specs["candidate"].out, str(out), repeats,
-                  options=options, mapping=None, progress=stderr_progress, extra_stages=stages, extra=extra)
+
+def compare_pair(out: Path, specs: dict[str, Spec], took: dict[str, float], inject: str | None) -> dict[str, Any]:
+    """The procedure on the finished runs, exactly as `align report` runs it (the command is saved in
+    ``out/report_command.txt``); the demo adds only its description of the pair."""
+    argv = report_argv(specs, out)
+    data = report(report_inputs(parse_report_args(argv)), str(out), progress=stderr_progress,
+                  preface=[("Setup of the pair", _section_setup(specs, took, inject))])
+    (out / "report_command.txt").write_text("align report " + " ".join(shlex.quote(a) for a in argv) + "\n")
     return data
 
 
@@ -524,8 +263,8 @@ def run_example_logs(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     paths = write_examples(out / "inputs")
-    data = report(str(paths["baseline"]), str(paths["candidate"]), str(out), [str(paths["repeat"])],
-                  progress=stderr_progress)
+    data = report(Inputs(str(paths["baseline"]), str(paths["candidate"]), repeats=[str(paths["repeat"])]),
+                  str(out), progress=stderr_progress)
     print(f"verdict: {data['verdict']}")
     print(f"inputs: {out / 'inputs'}")
     print(f"report: {(out / 'report.html').resolve()}")

@@ -65,7 +65,8 @@ class Spec:
     inject: str | None = None
     # files exchanged between the runs
     init_weights: str | None = None     # baseline writes its initial state_dict here (torch.save)
-    step1_file: str | None = None       # baseline: step-1 grads and updated weights (npz, no pickle)
+    optimizer_evidence: bool = False    # baseline: write OUT/evidence/optimizer_step1.npz at step 1
+    step1_file: str | None = None       # optimizer check: the baseline run whose step-1 evidence it steps on
     replay_dir: str | None = None       # candidate: the baseline run store to replay
     converted: str | None = None        # candidate: converted MindSpore checkpoint it writes and loads
     result_file: str | None = None      # runner writes a small JSON of results here

@@ -1,4 +1,4 @@
-"""Megatron-core layer over the torch dumper: names, TP partitions, main_grad, and the grad-norm hook.
+"""Megatron-core layer over the torch dumper: names, TP/DP/PP/EP layouts, and the grad-norm hook.
 
 Why a separate layer: Megatron keeps gradients in ``param.main_grad`` (DDP buffers), prefixes every name
 with ``module.`` under DDP, splits parameters across TP ranks (``tensor_model_parallel`` /
@@ -6,14 +6,28 @@ with ``module.`` under DDP, splits parameters across TP ranks (``tensor_model_pa
 ``get_grad_norm_fp32``, which ``megatron/core/optimizer/optimizer.py`` imports by name. The local norms are
 captured inside that call, so they are exactly the gradients the optimizer used for its norm (after the
 DDP all-reduce, before clipping), and the norm it returns is stored next to them.
+
+Layouts users train with, each read from the optimizer and model rather than guessed:
+
+* gradients come from the optimizer's own main parameters: fp16/bf16 main grads are already unscaled
+  there (``main_grad`` on the model may still carry the loss scale), and with the distributed optimizer each
+  rank holds only its reduce-scattered shard of a parameter (recorded with ``dp_shard=1``; the comparator
+  adds the squares of the DP ranks' parts);
+* names are global: a pipeline stage's ``decoder.layers.{i}`` becomes ``layers.{layer_number - 1}`` and
+  virtual-pipeline chunks need no prefix; an expert ``local_experts.{e}`` / grouped ``weight{e}`` becomes the
+  global expert index (EP rank x local experts + e); the last stage's copy of a tied embedding
+  (``shared``) is left out, as Megatron's own norm leaves it out;
+* a chained optimizer (dense + expert) calls ``get_grad_norm_fp32`` once per sub-optimizer: every
+  parameter is captured at the first call and the step's global norm is sqrt(sum of the calls' squares).
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +80,126 @@ def strip_module_prefix(name: str) -> str:
     return "" if name == "module" else name
 
 
+_LAYER_RE = re.compile(r"^((?:.*\.)?decoder\.layers)\.(\d+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^local_experts\.(\d+)(\..*)?$")
+_GROUPED_EXPERT_RE = re.compile(r"^(.*\.(?:weight|bias))(\d+)$")
+_LAYER_PREFIX_RE = re.compile(r"^((?:.*\.)?decoder\.layers\.\d+)(\..*)?$")
+
+
+def _group_rank(group: Any) -> int:
+    try:
+        import torch.distributed as dist
+
+        return int(dist.get_rank(group)) if group is not None and dist.is_initialized() else 0
+    except Exception:  # noqa: BLE001 - not a member / not initialised: rank 0 of a one-rank group
+        return 0
+
+
+def global_namer(model: torch.nn.Module) -> Callable[[str], str]:
+    """A function from this chunk's ``named_parameters``/``named_modules`` names to global names.
+
+    Pipeline stages and virtual chunks number their layers from 0; ``TransformerLayer.layer_number`` (1-based,
+    offset by the stage) is the global position. Experts are numbered per EP rank; the experts module's
+    ``ep_group`` rank times ``num_local_experts`` is the offset (Megatron's ``local_expert_indices_offset``).
+    """
+    layers: dict[str, str] = {}
+    experts: dict[str, int] = {}
+    for name, mod in model.named_modules():
+        clean = strip_module_prefix(name)
+        m = _LAYER_RE.match(clean)
+        number = getattr(mod, "layer_number", None)
+        if m and isinstance(number, int) and not isinstance(number, bool):
+            layers[clean] = f"{m.group(1)}.{number - 1}"
+        n_local = getattr(mod, "num_local_experts", None)
+        # the experts module itself (SequentialMLP / GroupedMLP / TEGroupedMLP), not the MoE layer above it
+        if isinstance(n_local, int) and hasattr(mod, "ep_group") and not hasattr(mod, "router"):
+            offset = _group_rank(mod.ep_group) * n_local
+            if offset:
+                experts[clean] = offset
+
+    def name_of(name: str) -> str:
+        n = strip_module_prefix(name)
+        for prefix, offset in experts.items():
+            if n.startswith(prefix + "."):
+                rest = n[len(prefix) + 1:]
+                m = _LOCAL_EXPERT_RE.match(rest)
+                if m:
+                    rest = f"local_experts.{int(m.group(1)) + offset}{m.group(2) or ''}"
+                else:  # grouped GEMM (TEGroupedMLP): linear_fc1.weight{e}
+                    m = _GROUPED_EXPERT_RE.match(rest)
+                    if m:
+                        rest = f"{m.group(1)}{int(m.group(2)) + offset}"
+                n = f"{prefix}.{rest}"
+                break
+        m = _LAYER_PREFIX_RE.match(n)
+        if m and m.group(1) in layers:
+            n = layers[m.group(1)] + (m.group(2) or "")
+        return n
+    return name_of
+
+
+def _unwrap_optimizer(opt: Any) -> Any:
+    """The Megatron optimizer inside a thin wrapper (``.inner``), else ``opt`` itself."""
+    try:
+        from megatron.core.optimizer.optimizer import MegatronOptimizer
+    except ImportError:
+        return opt
+    seen = 0
+    while not isinstance(opt, MegatronOptimizer) and hasattr(opt, "inner") and seen < 4:
+        opt, seen = opt.inner, seen + 1
+    return opt
+
+
+def optimizer_grads(opt: Any) -> dict[int, tuple[torch.Tensor | None, int, int, int]]:
+    """``id(model param) -> (gradient the optimizer uses, dp_shard, dp_rank, dp_size)``.
+
+    FP32Optimizer: the param's ``grad`` (= ``main_grad`` after ``prepare_grads``). Float16 optimizer: the
+    fp32 main param's ``grad`` (unscaled). Distributed optimizer: this rank's shard of every parameter of its
+    buffers (``None`` where the rank holds no part), the DP group being the optimizer's own (the expert
+    optimizer's is the expert-DP group). A chained optimizer: the union of its sub-optimizers.
+    """
+    import torch.distributed as dist
+
+    opt = _unwrap_optimizer(opt)
+    out: dict[int, tuple[torch.Tensor | None, int, int, int]] = {}
+    for sub in getattr(opt, "chained_optimizers", None) or [opt]:
+        sub = _unwrap_optimizer(sub)
+        if getattr(sub, "is_stub_optimizer", False):
+            continue
+        if hasattr(sub, "model_param_gbuf_map") and hasattr(sub, "shard_fp32_groups"):
+            group = getattr(sub, "data_parallel_group", None)
+            rank = _group_rank(group)
+            size = int(dist.get_world_size(group)) if group is not None and dist.is_initialized() else 1
+            # every parameter of the optimizer's grad buffers; model_param_gbuf_map holds only those with a
+            # part on this rank, the others get an empty row (norm 0, numel 0)
+            for buffer in getattr(sub, "buffers", []):
+                for param in getattr(buffer, "params", []):
+                    out[id(param)] = (None, 1, rank, size)
+            for param in sub.model_param_gbuf_map:
+                out[id(param)] = (None, 1, rank, size)
+            aware = bool(getattr(sub.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+            pairs = [(sub.model_float16_groups, sub.shard_float16_groups if aware
+                      else sub.shard_fp32_from_float16_groups), (sub.model_fp32_groups, sub.shard_fp32_groups)]
+            for model_groups, shard_groups in pairs:
+                for mg, sg in zip(model_groups, shard_groups, strict=False):
+                    for mp, sp in zip(mg, sg, strict=False):
+                        g = getattr(sp, "decoupled_grad", None) if aware else sp.grad
+                        out[id(mp)] = (g, 1, rank, size)
+        elif hasattr(sub, "fp32_from_float16_groups"):
+            for mg, sg in zip(sub.float16_groups, sub.fp32_from_float16_groups, strict=False):
+                for mp, sp in zip(mg, sg, strict=False):
+                    out[id(mp)] = (sp.grad, 0, 0, 1)
+            for group in sub.fp32_from_fp32_groups:
+                for p in group:
+                    g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+                    out[id(p)] = (g, 0, 0, 1)
+        elif hasattr(sub, "get_parameters"):
+            for p in sub.get_parameters():
+                g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+                out[id(p)] = (g, 0, 0, 1)
+    return out
+
+
 def _is_megatron_optimizer(opt: Any) -> bool:
     try:
         from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -91,6 +225,8 @@ class MegatronDumper(TorchDumper):
         if any(n.endswith("layer_norm_weight") for m in models for n, _ in m.named_parameters()):
             self.name_scheme = "megatron-core-te"
         self._megatron_opt = _is_megatron_optimizer(optimizer)
+        # dtypes given by the user win; else they are refreshed once main_grad exists
+        self._dtypes_final = "dtypes" in (meta or {}) or "dtypes" in (config.meta if config else {})
         # A Megatron optimizer has no torch step hook: keep it away from the generic pre-hook path.
         super().__init__(models, None if self._megatron_opt else optimizer, config,
                          rank_info=rank_info, meta=meta)
@@ -122,17 +258,64 @@ class MegatronDumper(TorchDumper):
 
             if not ps.model_parallel_is_initialized():
                 return {}
-            return {"tp_rank": ps.get_tensor_model_parallel_rank(),
-                    "pp_rank": ps.get_pipeline_model_parallel_rank(),
-                    "dp_rank": ps.get_data_parallel_rank(),
-                    "tp": ps.get_tensor_model_parallel_world_size(),
-                    "pp": ps.get_pipeline_model_parallel_world_size(),
-                    "dp": ps.get_data_parallel_world_size()}
+            out = {"tp_rank": ps.get_tensor_model_parallel_rank(),
+                   "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                   "dp_rank": ps.get_data_parallel_rank(),
+                   "tp": ps.get_tensor_model_parallel_world_size(),
+                   "pp": ps.get_pipeline_model_parallel_world_size(),
+                   "dp": ps.get_data_parallel_world_size()}
+            try:
+                out.update(ep_rank=ps.get_expert_model_parallel_rank(),
+                           ep=ps.get_expert_model_parallel_world_size())
+            except Exception:  # noqa: BLE001 - older cores without expert groups
+                pass
+            return out
         except Exception:  # noqa: BLE001 - coordinates are best effort; the global rank is always there
             return {}
 
     def _clean_name(self, name: str) -> str:
         return strip_module_prefix(name)
+
+    def _chunk_namer(self, index: int, model: torch.nn.Module) -> Callable[[str], str]:
+        return global_namer(model)
+
+    def _skip_param(self, param: torch.nn.Parameter) -> bool:
+        # The last stage's copy of a tied embedding: Megatron's grad norm leaves it out (param_is_not_shared).
+        return not param.requires_grad or bool(getattr(param, "shared", False))
+
+    def _grad_entries(self) -> list[tuple[int, torch.Tensor | None, int, int, int]]:
+        grads = optimizer_grads(self.optimizer) if self._megatron_opt else {}
+        if not grads:
+            return super()._grad_entries()
+        dp_rank = int(self.rank_info.get("dp_rank", 0))
+        out = []
+        for i, (_, p, _) in enumerate(self.params):
+            hit = grads.get(id(p))
+            if hit is None:
+                out.append((i, self._grad_of(p), 0, dp_rank, 1))
+            else:
+                g, dp_shard, rank, size = hit
+                out.append((i, g, dp_shard, rank if dp_shard else dp_rank, size))
+        return out
+
+    def _dtypes(self) -> dict[str, str]:
+        out = super()._dtypes()
+        cfg = next((getattr(m, "config", None) for m in self.models if hasattr(m, "config")), None)
+        if cfg is not None:
+            if getattr(cfg, "bf16", False):
+                out["compute"] = "bfloat16"
+            elif getattr(cfg, "fp16", False):
+                out["compute"] = "float16"
+        for _, p, _ in self.params:
+            g = getattr(p, "main_grad", None)
+            if isinstance(g, torch.Tensor):
+                out["grads"] = str(g.dtype).replace("torch.", "")
+                break
+        else:
+            ddp = next((getattr(m, "ddp_config", None) for m in self.models if hasattr(m, "ddp_config")), None)
+            if ddp is not None:
+                out["grads"] = "float32" if getattr(ddp, "grad_reduce_in_fp32", False) else out["params"]
+        return out
 
     def _tp_info(self, param: torch.nn.Parameter) -> tuple[int, int, int]:
         tp_rank, tp_size = int(self.rank_info.get("tp_rank", 0)), int(self.rank_info.get("tp", 1))
@@ -159,7 +342,11 @@ class MegatronDumper(TorchDumper):
                 "local_norm_where": WHERE if self._megatron_opt else "torch.optim.Optimizer.step"}
 
     def _on_grad_norm(self, total: Any) -> None:
+        first = not self._norms_recorded
         self.record_grads(global_norm=None if total is None else float(total), where=WHERE)
+        if first and self._step is not None and not self._dtypes_final:
+            self._dtypes_final = True  # main_grad exists now (DDP wraps after the dumper may be made)
+            self.update_meta({"dtypes": self._dtypes()})
 
     def close(self) -> None:
         remove_grad_norm_hook(self)

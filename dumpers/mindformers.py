@@ -10,12 +10,13 @@ before clipping.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dumpers.mindspore_dumper import DumperCallback, MindSporeDumper, to_numpy
+from dumpers.mindspore_dumper import DumpConfig, DumperCallback, LayerCaptureError, MindSporeDumper, to_numpy
 
 
 def optimizer_param_names(optimizer: Any) -> list[str]:
@@ -71,7 +72,58 @@ class MindFormersDumperCallback(DumperCallback):
 
     Each step: loss, overflow, loss scale, lr, global norm as scalars, and - with ``local_norm: True`` in
     ``runner_wrapper`` - the named local norm table (names from the wrapper's optimizer).
+
+    Two ways to build it: from Python with a dumper (``MindFormersDumperCallback(MindSporeDumper(net, out))``),
+    or from a YAML ``callbacks:`` entry with keyword arguments only (``out_dir``, ``batch_columns``,
+    ``steps``, ``tensors``, ``cells``, ``backward``, ``nan_trace``, ``meta``): the dumper is then created at
+    the start of training on the network the Trainer built, with this process's rank (MindSpore's
+    ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms); layer tensors
+    need PYNATIVE (``tensors: off`` in GRAPH).
     """
+
+    def __init__(self, dumper: MindSporeDumper | None = None, batch_columns: Sequence[str] | None = None, *,
+                 out_dir: str | None = None, steps: Any = None, tensors: str = "off",
+                 cells: Sequence[str] = ("*",), backward: bool = True, nan_trace: str = "grads",
+                 meta: dict[str, Any] | None = None) -> None:
+        if dumper is None and not out_dir:
+            raise ValueError("MindFormersDumperCallback needs a dumper or out_dir (the run-store directory)")
+        super().__init__(dumper, batch_columns)  # type: ignore[arg-type]
+        self._pending = None if dumper is not None else (str(out_dir), DumpConfig(
+            steps=steps, tensors=tensors, cells=tuple(cells), backward=backward, nan_trace=nan_trace,
+            meta=dict(meta or {})))
+
+    def on_train_begin(self, run_context: Any) -> None:
+        """YAML-built: create the dumper on the network the Trainer trains (the cell inside the wrapper)."""
+        if self._pending is None:
+            return
+        out_dir, config = self._pending
+        self._pending = None
+        cb = run_context.original_args()
+        net = _model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None))
+        try:
+            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
+                                          name_scheme="mindformers")
+        except LayerCaptureError as exc:
+            # GRAPH mode compiles hooks away: keep scalars, batches and named norms, never stop the run.
+            warnings.warn(f"MindFormersDumperCallback: {exc}; dumping without layer tensors", RuntimeWarning,
+                          stacklevel=2)
+            config.tensors, config.nan_trace = "off", "grads"
+            config.meta = {**config.meta, "layer_capture": "refused in GRAPH mode: re-run steps 1-2 in "
+                                                           "PYNATIVE (context.mode: 1) to capture layers"}
+            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
+                                          name_scheme="mindformers")
+
+    def on_train_step_begin(self, run_context: Any) -> None:
+        if self.dumper is not None:
+            super().on_train_step_begin(run_context)
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        if self.dumper is not None:
+            super().on_train_step_end(run_context)
+
+    def on_train_end(self, run_context: Any) -> None:
+        if self.dumper is not None:
+            super().on_train_end(run_context)
 
     def handle_outputs(self, outputs: Any, cb_params: Any) -> None:
         if not isinstance(outputs, (tuple, list)) or len(outputs) not in (5, 7):
@@ -113,3 +165,28 @@ def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, opti
                     loss_scale=vals["loss_scale"], **({"grad_norm": gnorm} if gnorm is not None else {}),
                     **({"lr": vals["lr"]} if "lr" in vals else {}))
     return named
+
+
+def _model_cell(net: Any) -> Any:
+    """The model inside the training wrappers (TrainOneStepCell, _VirtualDatasetCell, ... with use_parallel),
+    so layer patterns and parameter owners use the model's own names (``model.layers.0...``)."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(net, "network", None) or getattr(net, "_backbone", None)
+        if inner is None or inner is net:
+            return net
+        net, seen = inner, seen + 1
+    return net
+
+
+def _register() -> None:
+    """Put the callback in MindFormers' CALLBACK registry, so a YAML ``callbacks:`` entry can name it."""
+    try:
+        from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
+    except ImportError:  # MindSpore without MindFormers: the Python API still works
+        return
+    if not MindFormerRegister.is_exist(MindFormerModuleType.CALLBACK, "MindFormersDumperCallback"):
+        MindFormerRegister.register_cls(MindFormersDumperCallback, MindFormerModuleType.CALLBACK)
+
+
+_register()

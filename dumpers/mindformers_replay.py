@@ -6,16 +6,24 @@ already shifted (``tokens[t]`` predicts ``labels[t]``), so the model must be bui
 
 Two sources are read, both without pickle:
 
-* a run store (``RUN/steps/step_N/rank_R.h5`` with ``batch/tokens``, ``batch/labels``, ...);
+* a run store (``RUN/steps/step_N/rank_R.h5`` with ``batch/tokens``, ``batch/labels``, ...); under pipeline
+  parallelism a stage holds only its part of the batch (tokens / position ids on the first stage, labels /
+  loss mask on the last), so a missing array is taken from the ranks of the same DP rank (other stages,
+  other TP ranks) that recorded it;
 * the seed layout ``ROOT/step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy``.
 
-Use from a MindFormers YAML (after ``import dumpers.mindformers_replay`` registered the class)::
+Use from a MindFormers YAML, launched as users do (``run_mindformer.py --config X.yaml --register_path
+/path/to/xf-align/dumpers``, under msrun or not): ``auto_register`` loads and registers the class, no Python
+glue (docs/mindformers-launch.md)::
 
     train_dataset_task:
       type: MegatronReplayDataset
+      auto_register: mindformers_replay.MegatronReplayDataset
       dataset_config:
         data_dir: /path/to/run_or_seed_root
         construct_args_key: [input_ids, labels, loss_mask]
+
+The rank is MindSpore's ``get_rank()`` when communication is up (msrun), else ``RANK_ID`` / ``RANK``.
 
 or from Python: ``MegatronReplayDataset(data_dir=..., rank=0)`` returns a ``mindspore.dataset`` whose
 rows are whole step batches (the batch dimension is the Megatron micro-batch).
@@ -49,7 +57,13 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 def current_rank() -> int:
-    """This process's rank as MindFormers launchers set it (RANK_ID), else torchrun's RANK, else 0."""
+    """This process's rank: MindSpore's get_rank() once communication is initialised (msrun, use_parallel),
+    else the RANK_ID msrun / MindFormers launchers set, else torchrun's RANK, else 0."""
+    from dumpers.mindspore_dumper import mindspore_rank
+
+    rank = mindspore_rank()
+    if rank is not None:
+        return rank
     for var in ("RANK_ID", "RANK"):
         value = os.environ.get(var)
         if value not in (None, ""):
@@ -87,6 +101,7 @@ class ReplaySource:
         if not available:
             raise BadInput(f"{self.root}: no step_N folders with batches (neither run store nor seed layout)")
         self.steps = self._check_steps(available, steps)
+        self._peers: list[int] | None = None
         self._shapes: dict[str, tuple[int, ...]] | None = None
 
     def _check_steps(self, available: Mapping[int, set[int]], wanted: Sequence[int] | None) -> list[int]:
@@ -142,21 +157,43 @@ class ReplaySource:
                         raise BadInput(f"{where}: {col} shape {shape} differs from step {first_step}'s "
                                        f"{first[name]} (MindFormers needs one static shape)")
 
+    def _batch_ranks(self) -> list[int]:
+        """This rank, then the ranks of the same DP rank (other pipeline stages / TP ranks) of a run store."""
+        if self._reader is None:
+            return [self.rank]
+        if self._peers is None:
+            info = self._reader.rank_info(self.rank)
+            dp = info.get("dp_rank")
+            peers = []
+            if dp is not None:
+                for r in self._reader.ranks:
+                    other = self._reader.rank_info(r)
+                    if r != self.rank and other.get("dp_rank") == dp:
+                        peers.append((int(other.get("pp_rank", 0) or 0), int(other.get("tp_rank", 0) or 0), r))
+            self._peers = [self.rank] + [r for *_, r in sorted(peers)]
+        return self._peers
+
     def _stored_shapes(self, step: int, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
         where = self._rank_path(step)
         out: dict[str, tuple[int, ...]] = {}
         if self.layout == "runstore":
             import h5py
 
-            try:
-                with h5py.File(where, "r") as h5:
-                    for name in names:
-                        key = f"batch/{name}"
-                        if key not in h5:
-                            raise BadInput(f"{where}: no {key} array (the dump lacks '{name}')")
-                        out[name] = tuple(h5[key].shape)
-            except OSError as exc:
-                raise BadInput(f"{where}: not a readable HDF5 file ({exc})") from None
+            for rank in self._batch_ranks():
+                path = self.root / STEP_DIR / f"step_{step:08d}" / f"rank_{rank:05d}.h5"
+                if not path.is_file():
+                    continue
+                try:
+                    with h5py.File(path, "r") as h5:
+                        for name in names:
+                            key = f"batch/{name}"
+                            if name not in out and key in h5:
+                                out[name] = tuple(h5[key].shape)
+                except OSError as exc:
+                    raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+            for name in names:
+                if name not in out:
+                    raise BadInput(f"{where}: no batch/{name} array (the dump lacks '{name}')")
             return out
         for name in names:
             path = where / f"{name}.npy"
@@ -172,13 +209,20 @@ class ReplaySource:
         """The Megatron arrays of ``step`` for this rank, as stored (no casting)."""
         names = [COLUMN_SOURCES[c] for c in self.columns]
         if self._reader is not None:
-            arrays = self._reader.step_arrays(step, self.rank)
             out = {}
+            for rank in self._batch_ranks():
+                if rank != self.rank and rank not in self._reader.array_ranks(step):
+                    continue
+                arrays = self._reader.step_arrays(step, rank)
+                for name in names:
+                    key = f"batch/{name}"
+                    if name not in out and key in arrays.data:
+                        out[name] = np.asarray(arrays.data[key])
+                if len(out) == len(names):
+                    break
             for name in names:
-                key = f"batch/{name}"
-                if key not in arrays.data:
-                    raise BadInput(f"{self._rank_path(step)}: no {key} array (the dump lacks '{name}')")
-                out[name] = np.asarray(arrays.data[key])
+                if name not in out:
+                    raise BadInput(f"{self._rank_path(step)}: no batch/{name} array (the dump lacks '{name}')")
             return out
         folder = self._rank_path(step)
         if not (folder.parent).is_dir():

@@ -163,8 +163,25 @@ class DumpConfig:
             self.cells = (self.cells,)
 
 
+def mindspore_rank() -> int | None:
+    """This process's rank from MindSpore's communication (msrun + ``init()``), or None before ``init()``."""
+    try:
+        from mindspore.communication import management
+    except ImportError:  # pragma: no cover - a MindSpore build without communication
+        return None
+    try:
+        if getattr(management.GlobalComm, "INITED", False):
+            return int(management.get_rank())
+    except Exception:  # noqa: BLE001 - never let rank lookup break a training run
+        return None
+    return None
+
+
 def rank_coordinates(rank: int | None = None, tp: int = 1, pp: int = 1) -> dict[str, int]:
-    """Global rank (RANK_ID / RANK, else 0) and its tp/pp/dp coordinates (Megatron's tp-fastest order)."""
+    """Global rank (MindSpore's get_rank() once communication is up, else RANK_ID / RANK, else 0) and its
+    tp/pp/dp coordinates (Megatron's tp-fastest order)."""
+    if rank is None:
+        rank = mindspore_rank()
     if rank is None:
         rank = int(os.environ.get("RANK_ID") or os.environ.get("RANK") or 0)
     return {"rank": rank, "tp_rank": rank % tp, "pp_rank": (rank // tp) % pp, "dp_rank": rank // (tp * pp),

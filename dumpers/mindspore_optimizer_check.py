@@ -9,6 +9,7 @@ baseline's gradients. This module does only that and returns the updated weights
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,3 +50,30 @@ def optimizer_step_with_grads(optimizer: Any, grads: Mapping[str, np.ndarray], *
 def weights(net: Any) -> dict[str, np.ndarray]:
     """Every trainable parameter of ``net`` as numpy (candidate names)."""
     return {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+
+
+def run_optimizer_check(optimizer: Any, baseline_file: str | Path, out: str | Path, *, mapping: Any = None,
+                        num_heads: int | None = None, num_query_groups: int | None = None,
+                        train_cell: Any = None, clip_norm: float | None = None) -> Path:
+    """The candidate's optimizer-check evidence in one call: read the baseline's step-1 gradients
+    (``evidence/optimizer_step1.npz`` of the baseline run, or that file), convert them to candidate names
+    through the mapping, step ``optimizer`` once and write ``OUT/evidence/optimizer_step1.npz`` with the
+    weights before and after. ``align report --optimizer-check OUT`` reads it."""
+    from align.core.mapping import Mapping, TransformParams
+    from align.core.runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, atomic_file, read_step1_file
+
+
+    src = Path(baseline_file)
+    if src.is_dir():
+        src = src / EVIDENCE_DIR / OPTIMIZER_EVIDENCE
+    grads_b = read_step1_file(src)["grad"]
+    m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
+    grads_c, _ = m.convert(grads_b, "candidate", TransformParams(num_heads=num_heads,
+                                                                 num_query_groups=num_query_groups or num_heads))
+    before = {p.name: p.asnumpy().copy() for p in optimizer.parameters}
+    after = optimizer_step_with_grads(optimizer, grads_c, train_cell=train_cell, clip_norm=clip_norm)
+    path = Path(out) / EVIDENCE_DIR / OPTIMIZER_EVIDENCE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as fh:
+        np.savez(fh, **{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()})
+    return path

@@ -168,6 +168,9 @@ class TorchDumper:
             self._trace_rows: list[dict[str, Any]] = []
             self._trace_tensors: list[tuple[int, str, str, str, np.ndarray]] = []
             self._norms_recorded = False
+            self._norm_table: tuple[dict[str, Any], dict[str, Any]] | None = None
+            self._hook_norms: list[float] = []
+            self._grads_used: dict[int, torch.Tensor] = {}
             self._step_scalars: dict[str, Any] = {}
             if not self.enabled:
                 return
@@ -196,19 +199,38 @@ class TorchDumper:
         """(partition_dim or -1, tp_rank, tp_size) of a parameter; plain torch is not TP-split."""
         return -1, int(self.rank_info.get("tp_rank", 0)), int(self.rank_info.get("tp", 1))
 
+    def _chunk_namer(self, index: int, model: torch.nn.Module):  # noqa: ANN202
+        """Name function for one model chunk; several chunks get a ``chunk{i}.`` prefix here."""
+        multi = len(self.models) > 1
+
+        def name_of(name: str) -> str:
+            name = self._clean_name(name)
+            return f"chunk{index}.{name}" if multi and name else name
+        return name_of
+
+    def _skip_param(self, param: torch.nn.Parameter) -> bool:
+        return not param.requires_grad
+
     def _named_params(self) -> list[tuple[str, torch.nn.Parameter, tuple[int, int, int]]]:
         seen: set[int] = set()
         out = []
         for i, m in enumerate(self.models):
+            name_of = self._chunk_namer(i, m)
             for name, p in m.named_parameters():
-                if id(p) in seen or not p.requires_grad:
+                if id(p) in seen or self._skip_param(p):
                     continue
                 seen.add(id(p))
-                name = self._clean_name(name)
-                if len(self.models) > 1:
-                    name = f"chunk{i}.{name}"
-                out.append((name, p, self._tp_info(p)))
+                out.append((name_of(name), p, self._tp_info(p)))
         return out
+
+    def _dtypes(self) -> dict[str, str]:
+        """Param / grad / compute dtypes for meta.json (comparators pick tolerances from them)."""
+        counts: dict[str, int] = {}
+        for _, p, _ in self.params:
+            if p.is_floating_point():
+                counts[_dtype_name(p.dtype)] = counts.get(_dtype_name(p.dtype), 0) + p.numel()
+        dt = max(counts, key=counts.__getitem__) if counts else "float32"
+        return {"params": dt, "grads": dt, "compute": dt}
 
     def _grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return p.grad
@@ -227,7 +249,8 @@ class TorchDumper:
              "parallel": {"tp": self.rank_info.get("tp", 1), "pp": self.rank_info.get("pp", 1),
                           "dp": self.rank_info.get("dp", self.world_size), "world_size": self.world_size},
              "dumper": {"tensors": self.config.tensors, "modules": list(self.config.modules),
-                        "nan_trace": self.config.nan_trace, "local_norms": self.config.local_norms}}
+                        "nan_trace": self.config.nan_trace, "local_norms": self.config.local_norms},
+             "dtypes": self._dtypes()}
         m.update(self._extra_meta())
         m.update(self.config.meta)
         m.update(meta or {})
@@ -253,12 +276,11 @@ class TorchDumper:
         pats = list(self.config.modules)
         out = []
         for i, m in enumerate(self.models):
+            name_of = self._chunk_namer(i, m)
             for name, mod in m.named_modules():
-                cname = self._clean_name(name)
+                cname = name_of(name)
                 if cname == "":  # the root (or a DDP wrapper around it)
                     continue
-                if len(self.models) > 1:
-                    cname = f"chunk{i}.{cname}"
                 if any(fnmatch.fnmatchcase(cname, p) for p in pats):
                     out.append((cname, mod))
         return out
@@ -392,6 +414,9 @@ class TorchDumper:
             self._trace_rows.clear()
             self._trace_tensors.clear()
             self._norms_recorded = False
+            self._norm_table = None
+            self._hook_norms = []
+            self._grads_used = {}
             self._step_scalars = {}
         except Exception as exc:
             self._fail("begin_step", exc)
@@ -423,54 +448,91 @@ class TorchDumper:
         except Exception as exc:
             self._fail("record_batch", exc)
 
+    def _grad_entries(self) -> list[tuple[int, torch.Tensor | None, int, int, int]]:
+        """(parameter index, gradient, dp_shard, dp_rank, dp_size) for every parameter.
+
+        ``dp_shard`` = 1 when the gradient is only this rank's part of the parameter (distributed
+        optimizer); the parts of all DP ranks add up as squares. Plain torch: whole gradients.
+        """
+        dp_rank = int(self.rank_info.get("dp_rank", 0))
+        return [(i, self._grad_of(p), 0, dp_rank, 1) for i, (_, p, _) in enumerate(self.params)]
+
     def record_grads(self, global_norm: float | None = None, where: str = "manual",
                      grads: Sequence[torch.Tensor] | None = None) -> None:
-        """Capture every parameter's gradient L2 norm now (before clipping, where the optimizer sees it)."""
-        if not self.enabled or self._step is None or self._norms_recorded:
+        """Capture every parameter's gradient L2 norm now (before clipping, where the optimizer sees it).
+
+        Called again in the same step (a chained optimizer computes one norm per sub-optimizer), it only
+        adds ``global_norm`` to the step's global norm: sqrt(sum of the squares), as Megatron combines them.
+        """
+        if not self.enabled or self._step is None:
             return
         if not (self.config.local_norms or self.config.nan_trace != "off"):
             return
+        if self._norms_recorded:
+            if global_norm is not None:
+                self._hook_norms.append(float(global_norm))
+            return
         try:
             self._norms_recorded = True
-            names, numels, parts, trs, tss, owned = [], [], [], [], [], []
+            if global_norm is not None:
+                self._hook_norms.append(float(global_norm))
+            names, numels, parts, trs, tss, owned, shard, dprs, dpss = [], [], [], [], [], [], [], [], []
             by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-            for i, (name, p, tp) in enumerate(self.params):
-                g = self._grad_of(p)
-                if g is None:
+            for i, g, dp_shard, dp_rank, dp_size in self._grad_entries():
+                if g is None and not dp_shard:
                     continue
+                name, _, tp = self.params[i]
                 names.append(name)
-                numels.append(g.numel())
+                numels.append(0 if g is None else g.numel())
                 parts.append(tp[0])
                 trs.append(tp[1])
                 tss.append(tp[2])
                 owned.append(i)
-                by_device.setdefault(g.device, []).append((len(names) - 1, g))
+                shard.append(dp_shard)
+                dprs.append(dp_rank)
+                dpss.append(dp_size)
+                if g is not None:
+                    self._grads_used[i] = g
+                    by_device.setdefault(g.device, []).append((len(names) - 1, g))
             norms = np.zeros(len(names), dtype=np.float64)
             for _, items in by_device.items():
                 gs = [g if g.dtype in (torch.float32, torch.float64) else g.float() for _, g in items]
                 vals = torch.stack([n.float() for n in torch._foreach_norm(gs)]).cpu().numpy()
                 for (j, _), v in zip(items, vals, strict=True):
                     norms[j] = float(v)
-            if global_norm is None:
-                source = "local"
-                global_norm = float(math.sqrt(float(np.sum(norms.astype(np.float64) ** 2))))
-            else:
-                source = "optimizer"
-                global_norm = float(global_norm)
             bad = ~np.isfinite(norms)
-            self._step_scalars["grad_norm"] = global_norm
             self._step_scalars["nonfinite_grads"] = int(bad.sum())
-            if self.config.local_norms and self._array_step and self._writer is not None:
-                self._writer.put_table(self._step, "local_norm", {
-                    "name": np.array(names, dtype=object).astype(str) if names else np.array([], dtype="S1"),
-                    "norm": norms, "numel": np.array(numels, dtype=np.int64),
-                    "tp_partition_dim": np.array(parts, dtype=np.int64),
-                    "tp_rank": np.array(trs, dtype=np.int64), "tp_size": np.array(tss, dtype=np.int64)},
-                    attrs={"global_norm": global_norm, "global_norm_source": source, "where": where})
+            self._norm_table = ({
+                "name": np.array(names, dtype=object).astype(str) if names else np.array([], dtype="S1"),
+                "norm": norms, "numel": np.array(numels, dtype=np.int64),
+                "tp_partition_dim": np.array(parts, dtype=np.int64),
+                "tp_rank": np.array(trs, dtype=np.int64), "tp_size": np.array(tss, dtype=np.int64),
+                "dp_shard": np.array(shard, dtype=np.int64), "dp_rank": np.array(dprs, dtype=np.int64),
+                "dp_size": np.array(dpss, dtype=np.int64)}, {"where": where})
             if bad.any() and self.config.nan_trace != "off":
                 self._trace_grads([owned[j] for j in np.flatnonzero(bad)], where)
         except Exception as exc:
             self._fail("record_grads", exc)
+        finally:
+            self._grads_used = {}  # references only for the trace above; never held past the hook
+
+    def _flush_norms(self, step: int) -> None:
+        """Write the step's local_norm table; its global norm is the optimizer's when a hook gave one."""
+        if self._norm_table is None:
+            return
+        cols, attrs = self._norm_table
+        self._norm_table = None
+        if self._hook_norms:
+            source = "optimizer"
+            global_norm = float(math.sqrt(sum(v * v for v in self._hook_norms)))
+        else:
+            source = "local"
+            global_norm = float(math.sqrt(float(np.sum(cols["norm"] ** 2))))
+        self._step_scalars["grad_norm"] = global_norm
+        if self.config.local_norms and self._array_step and self._writer is not None:
+            self._writer.put_table(step, "local_norm", cols,
+                                   attrs={**attrs, "global_norm": global_norm, "global_norm_source": source,
+                                          "optimizer_norm_calls": len(self._hook_norms)})
 
     def _trace_grads(self, bad_params: list[int], where: str) -> None:
         """Record the first non-finite gradient: parameter, module, coordinates, and the tensors."""
@@ -484,7 +546,7 @@ class TorchDumper:
         detail = (f"first non-finite gradient at step {self._step} ({where}); "
                   f"{len(bad_params)} parameter(s) non-finite" + (f"; also: {', '.join(others[:20])}"
                                                                    if others else ""))
-        g = self._grad_of(p)
+        g = self._grads_used.get(first, self._grad_of(p))
         tensors: list[tuple[str, str, torch.Tensor]] = []
         if g is not None:
             tensors.append((module, "grad", g))
@@ -548,6 +610,10 @@ class TorchDumper:
         self.log(**({"loss": loss} if loss is not None else {}), **scalars)
         step = self._step
         try:
+            self._flush_norms(step)
+        except Exception as exc:
+            self._fail("local_norm", exc)
+        try:
             self._flush_batch(step)
         except Exception as exc:
             self._fail("batch", exc)
@@ -576,6 +642,7 @@ class TorchDumper:
         self._stats_cache.clear()
         self._trace_rows.clear()
         self._trace_tensors.clear()
+        self._grads_used = {}
         self._step = None
         if self.nan_found and self.config.stop_on_nan:
             raise NonFiniteError(f"non-finite values at step {step} ({self._step_scalars.get('nan_trace')}); "

@@ -160,3 +160,26 @@ def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def lr0_pair(rows: list[dict]) -> bytes | None:
+    """lr = 0 pair: both losses per step (weights never move) and their delta."""
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig.suptitle("lr = 0 pair: loss per step (weights never move) and its delta", fontsize=10)
+    ax1.plot(steps, [r["loss_baseline"] for r in rows], "o-", label="baseline")
+    ax1.plot(steps, [r["loss_candidate"] for r in rows], "x--", label="candidate")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss (lr = 0)")
+    ax1.legend(fontsize=8)
+    ax2.plot(steps, [r["loss_candidate"] - r["loss_baseline"] for r in rows], ".-")
+    ax2.axhline(0, color="grey", lw=0.5)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("loss delta (candidate - baseline)")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()

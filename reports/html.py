@@ -42,6 +42,22 @@ def fmt(v: Any) -> str:
     return escape(str(v))
 
 
+def table(rows: list[dict[str, Any]], row_class: str | None = None) -> str:
+    """Rows of dicts as an HTML table (columns from the first row); every value escaped. ``row_class``
+    names a column whose value becomes the row's CSS class (e.g. a status)."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    head = "".join(f"<th>{escape(str(k))}</th>" for k in keys)
+    body = []
+    for r in rows:
+        cls = f" class='{escape(str(r.get(row_class, '')))}'" if row_class else ""
+        cells = "".join(f"<td{' class=num' if isinstance(r.get(k), (int, float)) else ''}>{fmt(r.get(k))}</td>"
+                        for k in keys)
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
 def image(png: bytes, alt: str) -> str:
     return f'<img alt="{escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
@@ -66,6 +82,8 @@ def render(verdict: str, runs: list[dict[str, Any]], stages: dict[str, StageResu
         msgs = [f.message for f in st.findings if f.verdict != "pass"] or [f.message for f in st.findings]
         if st.verdict == "skipped":
             msgs = [st.details.get("reason", "no data")]
+            if st.details.get("capture"):
+                msgs.append(f"to run it: {st.details['capture']}")
         text = "<br>".join(escape(m) for m in msgs[:6])
         if len(msgs) > 6:
             text += f"<br><span class='muted'>... {len(msgs) - 6} more in the findings table</span>"

@@ -73,7 +73,7 @@ def summary(inp: ReportInput) -> dict[str, Any]:
         "verdict": overall_verdict(inp.stages),
         "stages": out_stages,
         "findings": [f.to_json() for st in stages.values() for f in st.findings],
-        "runs": [{k: r[k] for k in ("role", "path", "kind", "steps") if k in r} for r in inp.runs],
+        "runs": [{k: r[k] for k in ("role", "path", "kind", "steps", "notes") if k in r} for r in inp.runs],
     })
 
 

@@ -145,3 +145,76 @@ def test_json_arguments_and_bad_input(tmp_path: Path) -> None:
     (tmp_path / "x.txt").write_text("nothing here\n")
     with pytest.raises(BadInput):
         cc.read_megatron(tmp_path / "x.txt")
+
+
+# --- MindFormers 2.x (mcore) YAMLs as shipped in the mindformers 2.1.0 wheel (tests/data/configs/README.md) ----
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def _rows(report: dict) -> dict[str, dict]:
+    return {r["key"]: r for r in report["rows"]}
+
+
+def _check(script: str, yaml_name: str, tmp_path: Path) -> dict:
+    p = argparse.ArgumentParser()
+    cc.add_arguments(p)
+    out = tmp_path / "out.json"
+    rc = cc.run(p.parse_args([str(CONFIGS / script), str(CONFIGS / yaml_name), "--json", str(out)]))
+    report = json.loads(out.read_text())
+    report["rc"] = rc
+    return report
+
+
+def test_shipped_qwen3_yaml_against_matching_megatron_flags(tmp_path: Path) -> None:
+    rep = _check("megatron_qwen3_32b.sh", "pretrain_qwen3_32b_4k.yaml", tmp_path)
+    rows = _rows(rep)
+    assert rep["counts"]["mismatch"] == 0 and rep["rc"] == 0, rep["findings"]
+    # the keys 1.x-era reading got wrong or could not read
+    for key, value in {"rotary_base": 1e6, "num_layers": 64, "num_heads": 64, "num_query_groups": 8,
+                       "kv_channels": 128, "qk_layernorm": True, "ffn_hidden_size": 25600}.items():
+        assert rows[key]["status"] == "match" and rows[key]["mindformers"] == value, key
+    assert rows["params_dtype"]["mindformers"] == "float32"      # the YAML's params_dtype, not a default
+    # the only finding: Megatron's --bf16 params vs MindFormers' fp32 params (a real difference, to check)
+    assert {f["component"] for f in rep["findings"]} == {"params_dtype"}
+    assert rows["norm_type"]["status"] == "not read"               # not in the YAML: never a guessed default
+
+
+def test_shipped_qwen3_moe_yaml_against_matching_megatron_flags(tmp_path: Path) -> None:
+    rep = _check("megatron_qwen3_30b_a3b.sh", "pretrain_qwen3_30b_a3b_4k.yaml", tmp_path)
+    rows = _rows(rep)
+    assert rep["counts"]["mismatch"] == 0 and rep["rc"] == 0, rep["findings"]
+    for key, value in {"num_experts": 128, "moe_topk": 8, "moe_ffn_hidden_size": 768,
+                       "moe_router_dtype": "float32", "moe_router_load_balancing_type": "global_aux_loss",
+                       "moe_router_topk_scaling_factor": 1.5, "moe_token_drop_policy": "probs",
+                       "global_batch_size": 16, "ep": 4, "sequence_parallel": True}.items():
+        assert rows[key]["status"] == "match" and rows[key]["mindformers"] == value, key
+    assert {(f["component"], f["metric"]) for f in rep["findings"]} == {
+        ("params_dtype", "check"), ("advice.aux_loss_on", "check")}
+
+
+def test_qwen3_moe_real_differences_are_reported(tmp_path: Path) -> None:
+    script = (CONFIGS / "megatron_qwen3_30b_a3b.sh").read_text()
+    script = script.replace("--moe-router-dtype fp32 ", "").replace("--kv-channels 128", "") \
+                   .replace("--rotary-base 1000000", "--rotary-base 10000")
+    (tmp_path / "mg.sh").write_text(script)
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_30b_a3b_4k.yaml").read_text())
+    mf["micro_batch_interleave_num"] = 2                           # doubles MindFormers' global batch
+    (tmp_path / "mf.yaml").write_text(yaml.safe_dump(mf))
+    rep = _check(str(tmp_path / "mg.sh"), str(tmp_path / "mf.yaml"), tmp_path)
+    mismatches = {f["component"] for f in rep["findings"] if f["metric"] == "mismatch"}
+    assert mismatches == {"moe_router_dtype", "kv_channels", "rotary_base", "global_batch_size"}
+    assert ("advice.moe_router_dtype", "check") in {(f["component"], f["metric"]) for f in rep["findings"]}
+    rows = _rows(rep)
+    assert rows["kv_channels"]["megatron"] == 64 and rows["moe_router_dtype"]["megatron"] == "bfloat16"
+
+
+def test_fused_kernels_on_one_side_are_a_check(tmp_path: Path) -> None:
+    (tmp_path / "mg.sh").write_text((CONFIGS / "megatron_qwen3_32b.sh").read_text().replace(
+        "--attention-softmax-in-fp32", "--attention-softmax-in-fp32 --no-rope-fusion"))
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text())
+    mf["model"]["model_config"]["apply_rope_fusion"] = True
+    (tmp_path / "mf.yaml").write_text(yaml.safe_dump(mf))
+    rep = _check(str(tmp_path / "mg.sh"), str(tmp_path / "mf.yaml"), tmp_path)
+    rows = _rows(rep)
+    assert rows["rope_fusion"]["status"] == "check" and rows["rope_fusion"]["megatron"] is False
+    assert rep["counts"]["mismatch"] == 0

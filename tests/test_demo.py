@@ -9,6 +9,8 @@ own baseline without the repeat (the band does not decide their stage).
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,16 +28,77 @@ from demo.spec import FAULTS  # noqa: E402
 
 STEPS = 12
 LR0_STEPS = 3
-ALL_STAGES = ("checklist", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
-              "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite", "conversion",
+ALL_STAGES = ("checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
+              "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite",
               "band", "nan_trace")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW_MARK = "<!-- tested: tests/test_demo.py runs this block"
+
+
+def workflow_blocks() -> list[str]:
+    text = (ROOT / "docs" / "workflow.md").read_text()
+    return re.findall(re.escape(WORKFLOW_MARK) + r"[^>]*-->\s*```bash\n(.*?)```", text, re.S)
+
+
+def run_block(block: str, wf: Path) -> subprocess.CompletedProcess:
+    script = block.replace("/tmp/wf", str(wf)).replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True)
+
+
+def verdicts(data: dict) -> tuple[dict, set]:
+    """What must agree between the demo and `align report`: every stage's verdict, every non-pass finding."""
+    stages = {k: v["verdict"] for k, v in data["stages"].items()}
+    findings = {(f["stage"], f["verdict"], f["component"]) for f in data["findings"] if f["verdict"] != "pass"}
+    return stages, findings
+
+
+def report_again(out: Path, dest: Path) -> dict:
+    """`align report` on the demo's own stores, with the command the demo saved, in a fresh folder."""
+    from align.cli import main
+
+    argv = shlex.split((out / "report_command.txt").read_text())[2:]
+    i = argv.index("--out")
+    argv[i + 1] = str(dest)
+    main(["report", "-q", *argv])
+    return json.loads((dest / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("demo") / "clean"
-    data = paired_demo(out, steps=STEPS, lr0_steps=LR0_STEPS)
-    return out, data
+    """The clean pair, made by the workflow doc's CPU rehearsal block (`align demo ...`) as written."""
+    wf = tmp_path_factory.mktemp("demo") / "wf"
+    demo_block = [b for b in workflow_blocks() if "align demo" in b]
+    assert demo_block, "docs/workflow.md lost its tested demo block"
+    r = run_block(demo_block[0], wf)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return wf, json.loads((wf / "summary.json").read_text())
+
+
+def test_workflow_report_block_gives_the_demo_verdicts(clean: tuple[Path, dict]) -> None:
+    """docs/workflow.md's `align report` block on the demo's runs: the same stages, verdicts, components."""
+    wf, data = clean
+    block = [b for b in workflow_blocks() if "align report" in b]
+    assert block, "docs/workflow.md lost its tested report block"
+    r = run_block(block[0], wf)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    again = json.loads((wf / "report" / "summary.json").read_text())
+    assert verdicts(again) == verdicts(data)
+    assert again["stages"]["optimizer"]["verdict"] == "pass" and again["stages"]["lr0_run"]["verdict"] == "pass"
+
+
+def test_report_on_two_logs_says_what_to_capture(tmp_path: Path) -> None:
+    from align.cli import main
+    from align.examples.make_example_logs import write_examples
+
+    paths = write_examples(tmp_path / "in")
+    assert main(["report", "-q", str(paths["baseline"]), str(paths["candidate"]), "--out",
+                 str(tmp_path / "r")]) in (0, 1)
+    data = json.loads((tmp_path / "r" / "summary.json").read_text())
+    skipped = {k: v for k, v in data["stages"].items() if v["verdict"] == "skipped"}
+    for name in ("checklist", "layer_tensors", "optimizer", "lr0_run", "band", "nan_trace", "data_checks"):
+        assert name in skipped and skipped[name]["capture"], (name, skipped.get(name))
 
 
 def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
@@ -53,6 +116,7 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
     assert "data:image/png;base64," in html
     # the runs really are the two frameworks, and the repeat really ran TP=2
     runs = out / "runs"
+    assert verdicts(report_again(out, out / "again")) == verdicts(data)
     assert json.loads((runs / "baseline" / "meta.json").read_text())["framework"] == "megatron-core"
     assert json.loads((runs / "candidate" / "meta.json").read_text())["framework"] == "mindformers"
     assert json.loads((runs / "repeat_tp2" / "meta.json").read_text())["parallel"]["tp"] == 2
@@ -73,6 +137,8 @@ def test_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[P
             and f.component in str(x["component"])]
     assert hits, (f.component, [x for x in data["findings"] if x["stage"] == f.stage])
     assert f.name in (tmp_path / name / "report.html").read_text()
+    # `align report` alone, on the stores this fault's demo made, fails at the same stage, same component
+    assert verdicts(report_again(tmp_path / name, tmp_path / f"{name}_report")) == verdicts(data)
 
 
 def test_cli_rejects_unknown_fault(tmp_path: Path) -> None:

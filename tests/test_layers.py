@@ -20,10 +20,12 @@ LAYERS: list[tuple[str, int]] = [
     ("comparators", 2),            # numpy/pandas comparisons -> findings
     ("reports", 3),                # findings -> html, figures, summary.json
     ("align.checks", 4),           # config checklist, data checks
-    ("align.convert_weights", 4),  # checkpoint conversion through the mapping
+    ("align.checkpoints", 4),      # framework tensor / checkpoint files (frameworks imported lazily)
+    ("align.convert_weights", 5),  # checkpoint conversion through the mapping (reads align.checkpoints)
     ("align.examples", 4),
     ("align.stages", 5),           # the stage registry: one file per stage
     ("align.procedure", 6),        # runs the registry, writes the report
+    ("align.report_args", 6),      # `align report` arguments -> procedure Inputs (CLI and demo)
     ("demo", 7),                   # makes runs, then calls the procedure
     ("align.cli", 8),
     ("align.__main__", 9),
@@ -33,7 +35,7 @@ PACKAGES = ("align", "dumpers", "comparators", "reports", "demo")
 FRAMEWORKS = ("torch", "mindspore", "mindformers", "megatron")
 # Layers a user with only logs installs: no framework import at all, not even a lazy one, except where a
 # checkpoint format is read or written (convert_weights, imported only by that command).
-FRAMEWORK_FREE = ("align.core", "align.sources", "align.checks", "align.stages", "align.procedure",
+FRAMEWORK_FREE = ("align.core", "align.sources", "align.checks", "align.stages", "align.procedure", "align.report_args",
                   "comparators", "reports")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -81,3 +82,149 @@ def test_bulk_and_line_by_line_paths_agree(tmp_path):
     for key in ("loss", "loss_avg", "lr", "grad_norm", "per_step_time_ms", "loss_scale", "overflow"):
         assert np.array_equal(fast.series(key).to_numpy(), careful.series(key).to_numpy()), key
         assert list(fast.series(key).index) == list(range(1, 51))
+
+
+# --- MindFormers 2.x as it prints (tests/data/mindformers_2x, made by make_mindformers_2x_logs.py) -----------
+MF2 = DATA / "mindformers_2x"
+EXPECTED = json.loads((MF2 / "expected.json").read_text())
+
+
+def _check_6(series, values):
+    assert list(series.index) == [1, 2, 3, 4]
+    assert np.allclose(series.to_numpy(), values, rtol=0, atol=5e-7)   # printed with %5.6f
+
+
+def test_mcore_dense_line_and_named_local_norms():
+    run = parse_mindformers_log(MF2 / "dense.log")
+    exp = EXPECTED["dense"]
+    _check_6(run.series("loss"), exp["lm"])
+    assert np.allclose(run.series("grad_norm").to_numpy(), exp["gnorm"], rtol=1e-6)
+    assert np.allclose(run.series("lr").to_numpy(), exp["lr"], rtol=1e-6)
+    assert list(run.series("per_step_time_ms")) == exp["ms"]
+    tput = run.series("throughput_tflops_per_npu")
+    assert np.allclose(tput.to_numpy(), [2.0e12 / ms / 1e9 for ms in exp["ms"]], atol=5e-4)   # %.3fT
+    assert run.meta["loss_key"] == "loss" and run.notes == []
+    assert sorted(run.local_norms) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        table = run.local_norms[step]
+        assert list(table.name) == EXPECTED["names"]      # TrainingStateMonitor names, not '#i'
+        assert np.allclose(table.norm.to_numpy(), exp["norms"][step - 1], rtol=1e-6)
+
+
+def test_moe_mtp_line_compares_lm_loss_and_keeps_the_total():
+    run = parse_mindformers_log(MF2 / "moe_mtp.log")
+    exp = EXPECTED["moe_mtp"]
+    _check_6(run.series("loss"), exp["lm"])
+    _check_6(run.series("lm_loss"), exp["lm"])
+    _check_6(run.series("load_balancing_loss"), exp["aux"])
+    _check_6(run.series("mtp_loss"), exp["mtp"])
+    total = np.float32(exp["lm"]) + np.float32(exp["aux"]) + np.float32(exp["mtp"])
+    _check_6(run.series("total_loss"), total)
+    assert not run.has("loss_avg") and run.has("total_loss_avg")
+    assert run.meta["loss_key"] == "lm_loss"
+    assert any("lm_loss" in n and "total_loss" in n for n in run.notes)
+
+
+def test_sink_mode_and_unreadable_field_keeps_the_step():
+    sink = parse_mindformers_log(MF2 / "sink.log")
+    _check_6(sink.series("loss"), EXPECTED["sink"]["lm"])
+    assert not sink.has("loss_avg") and sink.has("grad_norm") and not sink.has("throughput_tflops_per_npu")
+    run = parse_mindformers_log(MF2 / "no_lr.log")       # loss_scale: unavailable, no lr
+    _check_6(run.series("loss"), EXPECTED["no_lr"]["lm"])
+    assert run.has("grad_norm") and run.has("throughput_tflops_per_npu") and not run.has("lr")
+    assert not run.has("loss_scale")
+    (note,) = [n for n in run.notes if "loss_scale" in n]
+    assert "'unavailable' at 4 step(s)" in note
+
+
+def test_one_garbled_field_skips_only_that_value(tmp_path):
+    lines = (MF2 / "dense.log").read_text().splitlines()
+    i = next(i for i, ln in enumerate(lines) if "step:[    2/    4], loss:[" in ln)
+    lines[i] = lines[i].replace("global_norm: [", "global_norm: [x")
+    p = tmp_path / "g.log"
+    p.write_text("\n".join(lines) + "\n")
+    run = parse_mindformers_log(p)
+    assert 2 in run.series("loss").index and 2 in run.series("lr").index
+    assert list(run.series("grad_norm").index) == [1, 3, 4]
+    assert any("'global_norm'" in n and "step 2" in n for n in run.notes)
+
+
+@pytest.mark.parametrize("name,decimals", [("v1_sink", 3), ("v0", 3)])
+def test_older_lines(name, decimals):
+    run = parse_mindformers_log(MF2 / f"{name}.log")
+    exp = EXPECTED[name]
+    assert np.allclose(run.series("loss").to_numpy(), exp["lm"], atol=0.5 * 10 ** -decimals)
+    assert np.allclose(run.series("lr").to_numpy(), exp["lr"], rtol=1e-6)
+    ms = run.series("per_step_time_ms").to_numpy()
+    assert np.allclose(ms, np.array(exp["ms"]) + (0.123 if name == "v0" else 0))
+
+
+def test_msrun_worker_logs_open_as_one_run(tmp_path):
+    from align.core.run import open_store, save_run
+    from align.sources import detect, load_run
+
+    root = MF2 / "msrun_log"
+    assert detect(root) == "mindformers_log" and detect(MF2) == "mindformers_log"
+    run = load_run(root)
+    assert sorted(run.rank_scalars) == [0, 1]
+    for rank in (0, 1):
+        _check_6(run.rank_scalars[rank]["loss"], EXPECTED[f"worker_{rank}"]["lm"])
+    _check_6(run.series("loss"), EXPECTED["worker_0"]["lm"])
+    table = run.local_norms[1]
+    assert sorted(set(table["rank"])) == [0, 1] and len(table) == 2 * len(EXPECTED["names"])
+    r1 = table[table["rank"] == 1]
+    assert np.allclose(r1.norm.to_numpy(), EXPECTED["worker_1"]["norms"][0], rtol=1e-6)
+    store = open_store(save_run(run, tmp_path / "store"))
+    assert store.store.ranks == [0, 1]
+    t1 = store.local_norm_table(1, rank=1)
+    assert list(t1.name) == EXPECTED["names"]
+    assert np.allclose(t1.norm.to_numpy(), EXPECTED["worker_1"]["norms"][0], rtol=1e-6)
+
+
+def test_empty_worker_dir(tmp_path):
+    from align.sources.mindformers_log import parse_mindformers_dir
+
+    (tmp_path / "worker_0.log").write_text("nothing\n")
+    with pytest.raises(BadInput, match="none of 1 worker logs"):
+        parse_mindformers_dir(tmp_path)
+
+
+def test_step1_local_norms_compare_by_name_from_a_mindformers_log(tmp_path):
+    """Megatron-core names on both sides (MindFormers 2.x mcore keeps them): one perturbed norm is named."""
+    from align.core.run import open_store
+    from align.core.runstore import RunWriter
+    from align.stages import Evidence, Inputs, run_stages
+
+    names, norms = EXPECTED["names"], np.array(EXPECTED["dense"]["norms"][0], dtype=np.float64)
+    norms[2] *= 1.05                                        # linear_qkv departs by 5%
+    with RunWriter(tmp_path / "megatron", rank=0, meta={"framework": "megatron"}) as w:
+        w.put_table(1, "local_norm", {"name": np.array(["module." + n for n in names], dtype=object),
+                                      "norm": norms, "numel": np.full(len(names), 10, np.int64)})
+        w.finish_step()
+    mapping = tmp_path / "mcore_identity.yaml"
+    mapping.write_text("name: mcore_identity\nbaseline: {framework: megatron-core, strip_prefixes: ['module.']}\n"
+                       "candidate: {framework: mindformers, strip_prefixes: []}\n"
+                       "rules:\n  - id: same_name\n    kind: other\n    baseline: ['{n:.+}']\n"
+                       "    candidate: ['{n:.+}']\n")
+    runs = {"baseline": open_store(tmp_path / "megatron"), "candidate": parse_mindformers_log(MF2 / "dense.log")}
+    ev = Evidence(Inputs(str(tmp_path / "megatron"), str(MF2 / "dense.log"), mapping=str(mapping)), runs)
+    res = run_stages(ev, only=["step1_local_norm"])["step1_local_norm"]
+    assert res.verdict == "fail"
+    bad = [f.component for f in res.findings if f.verdict == "fail"]
+    assert bad and all("linear_qkv" in c for c in bad)
+
+
+@pytest.mark.parametrize("name", ["moe_mtp", "sink"])
+def test_2x_bulk_and_line_by_line_paths_agree(tmp_path, name):
+    import align.sources.mindformers_log as mfl
+
+    text = (MF2 / f"{name}.log").read_text()
+    assert mfl._fast(text.encode(), [], {}) is not None        # these files take the bulk path
+    fast = parse_mindformers_log(MF2 / f"{name}.log")
+    q = tmp_path / "odd.log"      # one odd line sends the whole file down the careful path
+    q.write_text(text + "x - INFO - { Epoch:[  1/  1], step:[    9/    4], loss:[oops/1.0]\n")
+    careful = parse_mindformers_log(q)
+    assert sorted(careful.scalars) == sorted(fast.scalars)
+    for key in fast.scalars:
+        assert np.array_equal(fast.series(key).to_numpy(), careful.series(key).to_numpy()), key
+    assert fast.meta.get("loss_key") == careful.meta.get("loss_key")

@@ -35,3 +35,61 @@ def test_corrupt_event_file(tmp_path):
     with pytest.raises(BadInput) as err:
         load_run(d)
     assert "events.out.tfevents" in str(err.value)
+
+
+def test_mindformers_tags_keep_lm_loss_and_total_loss_apart(tmp_path):
+    """Tags as MindFormers' MFLossMonitor and TrainingStateMonitor write them (tensorboardX, its writer)."""
+    tbx = pytest.importorskip("tensorboardX")
+    w = tbx.SummaryWriter(log_dir=str(tmp_path / "tb"))
+    for step in range(1, 6):
+        w.add_scalar("loss", 5.0 - 0.1 * step + 0.02, global_step=step)          # lm + aux + MTP
+        w.add_scalar("loss vs samples", 5.0, global_step=step * 8)
+        w.add_scalar("lm-loss", 5.0 - 0.1 * step, global_step=step)
+        w.add_scalar("mtp-loss", 0.015, global_step=step)
+        w.add_scalar("load-balancing-loss", 0.005, global_step=step)
+        w.add_scalar("grad-norm", 1.5, global_step=step)
+        w.add_scalar("learning-rate", 1e-4, global_step=step)
+        w.add_scalar("local_norm/decoder.layers.0.mlp.linear_fc1.weight", 0.25 * step, global_step=step)
+        w.add_scalar("local_norm/embedding.word_embeddings.weight", 0.5, global_step=step)
+    w.close()
+    run = load_run(tmp_path / "tb")
+    assert run.series("loss").to_dict() == pytest.approx({s: 5.0 - 0.1 * s for s in range(1, 6)})
+    assert run.series("total_loss")[3] == pytest.approx(4.72)
+    assert run.series("mtp_loss")[1] == pytest.approx(0.015)
+    assert run.series("load_balancing_loss")[1] == pytest.approx(0.005)
+    t = run.local_norm_table(2).set_index("name")["norm"]
+    assert t["decoder.layers.0.mlp.linear_fc1.weight"] == pytest.approx(0.5)
+    assert t["embedding.word_embeddings.weight"] == pytest.approx(0.5)
+
+
+def test_mindformers_loss_alone_is_the_lm_loss(tmp_path):
+    tbx = pytest.importorskip("tensorboardX")
+    w = tbx.SummaryWriter(log_dir=str(tmp_path / "tb"))
+    for step in range(1, 4):
+        w.add_scalar("loss", 3.0 + step, global_step=step)
+    w.close()
+    run = load_run(tmp_path / "tb")
+    assert run.series("loss")[2] == pytest.approx(5.0) and "total_loss" not in run.scalars
+    assert any("lm loss" in n for n in run.notes)
+
+
+def test_mindformers_tags_lm_loss_and_named_local_norms(tmp_path):
+    """The tags MindFormers 2.x writes (MFLossMonitor / TrainingStateMonitor, through tensorboardX)."""
+    tbx = pytest.importorskip("tensorboardX")
+    w = tbx.SummaryWriter(logdir=str(tmp_path / "tb"))
+    names = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight"]
+    for step in range(1, 4):
+        w.add_scalar("loss", 5.0 - step * 0.1 + 0.3, global_step=step)      # lm + aux + mtp
+        w.add_scalar("lm-loss", 5.0 - step * 0.1, global_step=step)
+        w.add_scalar("mtp-loss", 0.25, global_step=step)
+        w.add_scalar("grad-norm", 1.5, global_step=step)
+        for i, name in enumerate(names):
+            w.add_scalar(f"local_norm/{name}", 0.1 * (i + 1) * step, global_step=step)
+    w.close()
+    run = load_run(tmp_path / "tb")
+    assert run.series("loss").to_dict() == pytest.approx({s: 5.0 - s * 0.1 for s in range(1, 4)})
+    assert run.series("total_loss").to_dict() == pytest.approx({s: 5.3 - s * 0.1 for s in range(1, 4)})
+    assert run.meta["loss_key"] == "lm_loss" and any("total_loss" in n for n in run.notes)
+    table = run.local_norm_table(2)
+    assert sorted(table.name) == sorted(names)
+    assert dict(zip(table.name, table.norm, strict=True)) == pytest.approx({names[0]: 0.2, names[1]: 0.4})

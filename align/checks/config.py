@@ -36,6 +36,17 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "num_experts": None, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.0, "moe_expert_capacity_factor": None,
     "untie_embeddings_and_output_weights": False, "add_bias_linear": True, "seed": 1234,
     "apply_wd_to_qk_layernorm": False, "optimizer": "adam", "attention_softmax_in_fp32": False,
+    # megatron-core TransformerConfig defaults for the mcore keys MindFormers 2.x names the same way
+    "kv_channels": None, "qk_layernorm": False, "add_qkv_bias": False, "init_method_std": 0.02,
+    "fp32_residual_connection": False, "moe_ffn_hidden_size": None, "moe_router_dtype": None,
+    "moe_token_drop_policy": "probs", "moe_router_load_balancing_type": "aux_loss",
+    "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None,
+    "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+    "moe_pad_expert_input_to_capacity": False, "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.1,
+    "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "deterministic_mode": False, "use_flash_attn": False,
+    "apply_rope_fusion": True, "bias_swiglu_fusion": True,
 }
 _MF_LR = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant",
           "PolynomialWithWarmUpLR": "polynomial", "CosineWithRestartsAndWarmUpLR": "cosine-restarts",
@@ -127,13 +138,50 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "untie_embeddings": flag("untie_embeddings_and_output_weights"),
         "bias_linear": flag("add_bias_linear"), "optimizer_parallel": flag("use_distributed_optimizer"),
         "seed": g("seed"),
+        "kv_channels": g("kv_channels") or (h // nh if h and nh else None),
+        "qk_layernorm": bool(g("qk_layernorm")), "qkv_bias": bool(g("add_qkv_bias") or g("add_bias_linear")),
+        "init_method_std": g("init_method_std"), "fp32_residual_connection": bool(g("fp32_residual_connection")),
+        "softmax_in_fp32": bool(g("attention_softmax_in_fp32")),
+        # megatron-core computes RMSNorm/LayerNorm statistics and RoPE frequencies in fp32 (no flag)
+        "layernorm_compute_dtype": "float32", "rotary_dtype": "float32",
+        "optimizer": {"adam": "adamw"}.get(str(g("optimizer")).lower(), g("optimizer")),
+        "deterministic": bool(g("deterministic_mode")) if "deterministic_mode" in a else None,
+        "rope_fusion": bool(g("apply_rope_fusion")) and not a.get("no_rope_fusion"),
+        "swiglu_fusion": bool(g("bias_swiglu_fusion")) and not a.get("no_bias_swiglu_fusion"),
     }
+    if experts:
+        c.update({
+            "moe_ffn_hidden_size": g("moe_ffn_hidden_size") or ffn,
+            "moe_router_dtype": _dtype(g("moe_router_dtype")) or compute,
+            "moe_token_drop_policy": g("moe_token_drop_policy"),
+            "moe_router_load_balancing_type": g("moe_router_load_balancing_type"),
+            "moe_router_pre_softmax": bool(g("moe_router_pre_softmax")),
+            "moe_norm_topk_prob": (not g("moe_router_pre_softmax") and g("moe_router_score_function") == "softmax"
+                                   and (g("moe_router_topk") or 0) > 1),
+            "moe_router_topk_scaling_factor": g("moe_router_topk_scaling_factor") or 1.0,
+            "moe_router_score_function": g("moe_router_score_function"),
+            "moe_router_enable_expert_bias": bool(g("moe_router_enable_expert_bias")),
+            "moe_shared_expert_intermediate_size": g("moe_shared_expert_intermediate_size"),
+            "moe_shared_expert_gate": bool(g("moe_shared_expert_gate")),
+            "moe_pad_to_capacity": bool(g("moe_pad_expert_input_to_capacity")),
+        })
+    if g("mtp_num_layers"):
+        c.update({"mtp_num_layers": g("mtp_num_layers"), "mtp_loss_scaling_factor": g("mtp_loss_scaling_factor")})
+    if g("multi_latent_attention"):
+        c.update({k: g(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                    "v_head_dim")})
+        c["multi_latent_attention"] = True
     for key, names in {"hidden_dropout": ["hidden_dropout"], "attention_dropout": ["attention_dropout"],
                        "adam_beta1": ["adam_beta1"], "adam_beta2": ["adam_beta2"], "adam_eps": ["adam_eps"],
                        "weight_decay": ["weight_decay"], "clip_grad": ["clip_grad"],
                        "norm_eps": ["norm_epsilon", "layernorm_epsilon"], "norm_type": ["normalization"],
                        "decay_style": ["lr_decay_style"], "position_embedding": ["position_embedding_type"],
-                       "min_lr": ["min_lr"], "bias_linear": ["add_bias_linear"]}.items():
+                       "min_lr": ["min_lr"], "bias_linear": ["add_bias_linear"],
+                       "kv_channels": ["kv_channels"], "init_method_std": ["init_method_std"],
+                       "moe_token_drop_policy": ["moe_token_drop_policy"],
+                       "moe_router_load_balancing_type": ["moe_router_load_balancing_type"],
+                       "moe_router_dtype": ["moe_router_dtype"], "layernorm_compute_dtype": [],
+                       "rotary_dtype": []}.items():
         mark(key, *names)
     return c, defaulted
 
@@ -145,7 +193,202 @@ def _llama_ffn(h: int, multiple_of: int, mult: float | None) -> int:
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+class _NotRead:
+    """A MindFormers key the YAML does not set: its value comes from model-class defaults we do not guess."""
+
+    def __repr__(self) -> str:
+        return "not read"
+
+    __str__ = __repr__
+
+
+NOT_READ: Any = _NotRead()
+_DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
+           "bf16": "bfloat16", "bfloat16": "bfloat16", "fp64": "float64", "float64": "float64"}
+
+
+def _dtype(v: Any) -> Any:
+    if v is None or v is NOT_READ:
+        return v
+    t = str(v).lower().replace("torch.", "").replace("mstype.", "")
+    return _DTYPES.get(t, t)
+
+
+# MindFormers 2.x (mcore) model_config keys -> one name, with every alias MindFormers accepts for it
+# (mindformers/parallel_core/transformer_config_utils.py COMMON_CONFIG_MAPPING and the per-model converters).
+MCORE_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_layers", "num_hidden_layers", "n_layer"),
+    "num_heads": ("num_attention_heads", "num_heads", "n_head"),
+    "num_query_groups": ("num_query_groups", "num_key_value_heads", "n_kv_heads"),
+    "hidden_size": ("hidden_size",),
+    "ffn_hidden_size": ("ffn_hidden_size", "intermediate_size"),
+    "kv_channels": ("kv_channels", "head_dim"),
+    "vocab_size": ("vocab_size",),
+    "seq_length": ("seq_length",),
+    "norm_type": ("normalization",),
+    "norm_eps": ("layernorm_epsilon", "rms_norm_eps", "layer_norm_epsilon"),
+    "position_embedding": ("position_embedding_type", "extend_method"),
+    "rotary_base": ("rotary_base", "rope_theta", "theta"),
+    "hidden_dropout": ("hidden_dropout",),
+    "attention_dropout": ("attention_dropout",),
+    "qk_layernorm": ("qk_layernorm", "use_qk_norm"),
+    "qkv_bias": ("add_qkv_bias", "attention_bias", "qkv_has_bias"),
+    "bias_linear": ("add_bias_linear",),
+    "init_method_std": ("init_method_std", "initializer_range"),
+    "fp32_residual_connection": ("fp32_residual_connection",),
+    "compute_dtype": ("compute_dtype",),
+    "params_dtype": ("params_dtype", "param_init_type"),
+    "softmax_compute_dtype": ("softmax_compute_dtype", "attention_softmax_in_fp32"),
+    "layernorm_compute_dtype": ("layernorm_compute_dtype",),
+    "rotary_dtype": ("rotary_dtype",),
+    "num_experts": ("num_moe_experts", "num_experts", "expert_num", "n_routed_experts"),
+    "moe_topk": ("moe_router_topk", "num_experts_per_tok", "num_experts_chosen"),
+    "moe_ffn_hidden_size": ("moe_ffn_hidden_size", "moe_intermediate_size"),
+    "moe_aux_loss_coeff": ("moe_aux_loss_coeff",),
+    "moe_capacity_factor": ("moe_expert_capacity_factor", "capacity_factor"),
+    "moe_router_dtype": ("moe_router_dtype", "router_dense_type"),
+    "moe_token_drop_policy": ("moe_token_drop_policy", "enable_sdrop"),
+    "moe_router_load_balancing_type": ("moe_router_load_balancing_type",),
+    "moe_router_pre_softmax": ("moe_router_pre_softmax",),
+    "moe_norm_topk_prob": ("norm_topk_prob",),
+    "moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
+    "moe_router_score_function": ("moe_router_score_function", "scoring_func", "use_gating_sigmoid"),
+    "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", "balance_via_topk_bias"),
+    "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size",),
+    "moe_shared_expert_gate": ("use_shared_expert_gating",),
+    "moe_pad_to_capacity": ("use_pad_tokens", "enable_gmm_safe_tokens"),
+    "mtp_num_layers": ("mtp_num_layers", "mtp_depth", "num_nextn_predict_layers"),
+    "mtp_loss_scaling_factor": ("mtp_loss_scaling_factor", "mtp_loss_factor"),
+    "multi_latent_attention": ("multi_latent_attention",),
+    "q_lora_rank": ("q_lora_rank",),
+    "kv_lora_rank": ("kv_lora_rank",),
+    "qk_head_dim": ("qk_head_dim", "qk_nope_head_dim"),
+    "qk_pos_emb_head_dim": ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
+    "v_head_dim": ("v_head_dim",),
+    "rope_fusion": ("apply_rope_fusion", "use_fused_rope"),
+    "swiglu_fusion": ("bias_swiglu_fusion", "use_fused_swiglu"),
+}
+# MindFormers names for Megatron's values of the same setting
+_MF_BALANCE = {"gbs_aux_loss": "global_aux_loss"}
+_MF_OPTIMIZER = {"adamw": "adamw", "fusedadamw": "adamw", "adamweightdecay": "adamw (no bias correction)",
+                 "fusedadamweightdecay": "adamw (no bias correction)"}
+
+
+def is_mcore_yaml(cfg: dict[str, Any]) -> bool:
+    """A MindFormers 2.x mcore config: ``use_legacy: False`` or HF-style keys in model_config."""
+    mc = _get(cfg, "model.model_config", {}) or {}
+    return cfg.get("use_legacy") is False or any(k in mc for k in ("num_hidden_layers", "num_attention_heads"))
+
+
+def _mc(mc: dict[str, Any], key: str) -> Any:
+    for alias in MCORE_ALIASES[key]:
+        if alias in mc and mc[alias] is not None:
+            return mc[alias]
+    return NOT_READ
+
+
+def mcore_common(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Common keys from a MindFormers 2.x (mcore) YAML; a key the YAML does not set is NOT_READ."""
+    mc = _get(cfg, "model.model_config", {}) or {}
+    c = {k: _mc(mc, k) for k in MCORE_ALIASES}
+    c.update(_training_common(cfg, mc))
+    seq = c["seq_length"]
+    if seq is NOT_READ:
+        seq = _first(_get(cfg, "train_dataset.data_loader.config.seq_length"),
+                     _get(cfg, "train_dataset.seq_length"))
+        c["seq_length"] = NOT_READ if seq is None else seq
+    act, glu = mc.get("hidden_act"), mc.get("gated_linear_unit")
+    if act in ("swiglu", "fusedswiglu") or (act == "silu" and glu is not False):
+        c["activation"] = "swiglu"        # HF 'silu' in Llama/Qwen is the gated (SwiGLU) MLP
+    else:
+        c["activation"] = NOT_READ if act is None else act
+    untie = mc.get("untie_embeddings_and_output_weights")
+    if untie is None and "tie_word_embeddings" in mc:
+        untie = not mc["tie_word_embeddings"]
+    c["untie_embeddings"] = NOT_READ if untie is None else bool(untie)
+    sm = c.pop("softmax_compute_dtype")
+    c["softmax_in_fp32"] = sm if isinstance(sm, bool) or sm is NOT_READ else _dtype(sm) == "float32"
+    for k in ("compute_dtype", "params_dtype", "layernorm_compute_dtype", "rotary_dtype", "moe_router_dtype"):
+        c[k] = _dtype(c[k])
+    if isinstance(c["moe_token_drop_policy"], bool):
+        c["moe_token_drop_policy"] = "position" if c["moe_token_drop_policy"] else "probs"
+    lb = c["moe_router_load_balancing_type"]
+    c["moe_router_load_balancing_type"] = _MF_BALANCE.get(lb, lb) if isinstance(lb, str) else lb
+    if isinstance(c["moe_router_score_function"], bool):
+        c["moe_router_score_function"] = "sigmoid" if c["moe_router_score_function"] else "softmax"
+    experts = c["num_experts"]
+    if experts is NOT_READ or not experts or experts <= 1:
+        c["num_experts"] = 0
+        for k in [k for k in c if k.startswith("moe_")]:
+            c[k] = None
+    if c["mtp_num_layers"] is NOT_READ or not c["mtp_num_layers"]:
+        c["mtp_num_layers"] = c["mtp_loss_scaling_factor"] = None
+    if c["multi_latent_attention"] is not True:
+        for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                  "v_head_dim"):
+            c[k] = None
+    c["num_query_groups"] = c["num_query_groups"] if c["num_query_groups"] is not NOT_READ else c["num_heads"]
+    c["vocab_size_unpadded"] = None
+    c["deterministic"] = _deterministic(cfg)
+    c["weight_decay_applies_to"] = "2-D weights (bias and 1-D skipped)"
+    return c
+
+
+def _deterministic(cfg: dict[str, Any]) -> Any:
+    v = _get(cfg, "context.deterministic")
+    if v is None:
+        return NOT_READ
+    return str(v).upper() == "ON" if isinstance(v, str) else bool(v)
+
+
+def _training_common(cfg: dict[str, Any], mc: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer, schedule, batch and parallel keys: the same in legacy and mcore YAMLs."""
+    pc = cfg.get("parallel_config") or {}
+    opt = cfg.get("optimizer") or {}
+    lrs = cfg.get("lr_schedule") or {}
+    wrap = cfg.get("runner_wrapper") or {}
+    runner = cfg.get("runner_config") or {}
+    betas = opt.get("betas") or [opt.get("beta1", 0.9), opt.get("beta2", 0.999)]
+    total = lrs.get("total_steps")
+    warm_steps, warm_ratio = lrs.get("warmup_steps"), lrs.get("warmup_ratio")
+    if warm_steps is None and warm_ratio is not None and total and total > 0:
+        warm_steps = round(warm_ratio * total)
+    if warm_ratio is None and warm_steps is not None and total and total > 0:
+        warm_ratio = warm_steps / total
+    if warm_ratio is None and warm_steps == 0:
+        warm_ratio = 0.0
+    dp, pp = pc.get("data_parallel", 1), pc.get("pipeline_stage", 1)
+    mbs = _first(runner.get("batch_size"), mc.get("batch_size"), _get(cfg, "train_dataset.batch_size"))
+    acc = runner.get("gradient_accumulation_steps", 1) or 1
+    micro_num = pc.get("micro_batch_num", 1) if pp and pp > 1 else 1
+    interleave = cfg.get("micro_batch_interleave_num", 1) or 1
+    otype = str(opt.get("type", "")).lower()
+    return {
+        "lr": _first(lrs.get("learning_rate"), opt.get("learning_rate")), "min_lr": lrs.get("lr_end", 0.0),
+        "warmup_steps": warm_steps, "warmup_ratio": warm_ratio,
+        "decay_style": _MF_LR.get(lrs.get("type"), lrs.get("type")), "adam_beta1": betas[0],
+        "adam_beta2": betas[1], "adam_eps": opt.get("eps", 1e-8), "weight_decay": opt.get("weight_decay", 0.0),
+        "clip_grad": (wrap.get("max_grad_norm", 1.0) if wrap.get("use_clip_grad", False) else 0.0),
+        "global_batch_size": mbs * dp * acc * micro_num * interleave if mbs else None,
+        "micro_batch_size": mbs, "micro_batch_interleave_num": interleave,
+        "tp": pc.get("model_parallel", 1), "pp": pp, "dp": dp, "cp": pc.get("context_parallel", 1),
+        "sequence_parallel": bool(pc.get("use_seq_parallel", False)), "ep": pc.get("expert_parallel", 1),
+        "optimizer_parallel": bool(_get(cfg, "parallel.enable_parallel_optimizer", False)),
+        "optimizer": _MF_OPTIMIZER.get(otype, otype) if otype else NOT_READ,
+        "seed": cfg.get("seed"),
+        "pad_token_id": mc.get("pad_token_id"), "eos_token_id": mc.get("eos_token_id"),
+    }
+
+
 def mindformers_common(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Common keys from a MindFormers YAML: 2.x mcore (:func:`mcore_common`) or legacy (1.x Llama)."""
+    if is_mcore_yaml(cfg):
+        return mcore_common(cfg)
+    return legacy_common(cfg)
+
+
+def legacy_common(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Legacy (1.x, ``use_legacy: True``) Llama-style YAML keys."""
     mc = _get(cfg, "model.model_config", {}) or {}
     pc = cfg.get("parallel_config") or {}
     moe = cfg.get("moe_config") or mc.get("moe_config") or {}
@@ -201,11 +444,44 @@ def mindformers_common(cfg: dict[str, Any]) -> dict[str, Any]:
         "optimizer_parallel": bool(_get(cfg, "parallel.enable_parallel_optimizer", False)),
         "seed": cfg.get("seed"),
         "pad_token_id": mc.get("pad_token_id"), "eos_token_id": mc.get("eos_token_id"),
+        **_legacy_extra(cfg, mc, h, nh),
     }
+
+
+def _legacy_extra(cfg: dict[str, Any], mc: dict[str, Any], h: Any, nh: Any) -> dict[str, Any]:
+    """The newer checklist keys where a legacy YAML sets them; the rest stay NOT_READ."""
+    out: dict[str, Any] = {"kv_channels": h // nh if h and nh else NOT_READ,
+                           "qkv_bias": bool(mc.get("qkv_has_bias", False)),
+                           "qk_layernorm": False}          # the legacy Llama has no q/k norm
+    if "softmax_compute_type" in mc:
+        out["softmax_in_fp32"] = _dtype(mc["softmax_compute_type"]) == "float32"
+    for key, src in (("layernorm_compute_dtype", "layernorm_compute_type"), ("rotary_dtype", "rotary_dtype")):
+        if src in mc:
+            out[key] = _dtype(mc[src])
+    if "initializer_range" in mc:
+        out["init_method_std"] = mc["initializer_range"]
+    otype = str((cfg.get("optimizer") or {}).get("type", "")).lower()
+    if otype:
+        out["optimizer"] = _MF_OPTIMIZER.get(otype, otype)
+    out["micro_batch_interleave_num"] = cfg.get("micro_batch_interleave_num", 1) or 1
+    out["deterministic"] = _deterministic(cfg)
+    return out
 
 
 # keys that only inform (parallel layout may legitimately differ between the two runs)
 _INFO_ONLY = {"dp", "vocab_size_unpadded", "warmup_steps", "seed", "optimizer_parallel"}
+# precision settings whose effect depends on the kernel Megatron runs (fused / flash kernels compute in fp32)
+_KERNEL_DEPENDENT = {
+    "softmax_in_fp32": "Megatron's --attention-softmax-in-fp32 only matters for its unfused softmax (flash and "
+                       "fused kernels compute softmax in fp32); check which attention path the baseline runs",
+    "layernorm_compute_dtype": "megatron-core computes norm statistics in fp32; MindFormers computes them in "
+                               "this dtype",
+    "rotary_dtype": "megatron-core computes RoPE frequencies in fp32; MindFormers computes them in this dtype",
+    "rope_fusion": "fused and unfused RoPE kernels round differently; switch fusion the same way on both "
+                   "sides (or off) while aligning",
+    "swiglu_fusion": "fused and unfused SwiGLU kernels round differently; switch fusion the same way on both "
+                     "sides (or off) while aligning",
+}
 # parallel layout: a difference is allowed (the toolkit compares across layouts) but worth a look
 _LAYOUT = {"tp", "pp", "cp", "ep", "sequence_parallel", "micro_batch_size"}
 
@@ -233,28 +509,33 @@ def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any]) -> tuple[li
     mf = mindformers_common(mf_cfg)
     rows: list[Row] = []
     for key in mg:
-        a, b = mg[key], mf.get(key)
+        a, b = mg[key], mf.get(key, NOT_READ)
         if key in _INFO_ONLY:
             continue
-        if a is None and b is None:
+        if a is None and (b is None or b is NOT_READ):
             continue
-        if a is None or b is None:
+        if b is NOT_READ:
+            rows.append(Row(key, a, "not read", "not read", "the YAML does not set it (its value comes from "
+                                                         "MindFormers' model defaults): check by hand"))
+        elif a is None or b is None:
             rows.append(Row(key, a, b, "check", "set on one side only"))
         elif _equal(a, b):
             rows.append(Row(key, a, b, "match"))
         elif key in _LAYOUT:
             rows.append(Row(key, a, b, "check", "parallel layout differs; local norms and losses still compare "
                                                 "(TP shards are combined) but check determinism settings"))
+        elif key in _KERNEL_DEPENDENT:
+            rows.append(Row(key, a, b, "check", _KERNEL_DEPENDENT[key]))
         elif key == "params_dtype":
             rows.append(Row(key, a, b, "check", "parameter dtype differs: Megatron keeps fp32 master weights in "
                                                 "its optimizer under --bf16; compare the master-weight dtype"))
         else:
             note = "Megatron-LM default (not set explicitly)" if key in defaulted else ""
             rows.append(Row(key, a, b, "mismatch", note))
-    rows.extend(_advice(mg, mf))
+    rows.extend(_advice(mg, {k: None if v is NOT_READ else v for k, v in mf.items()}))
     res = StageResult(STAGE)
     for r in rows:
-        if r.status == "match":
+        if r.status in ("match", "not read"):
             continue
         verdict = "fail" if r.status == "mismatch" else "warn"
         res.add(Finding(STAGE, verdict, r.key, r.status, _show(r.mindformers), _show(r.megatron),
@@ -263,7 +544,8 @@ def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any]) -> tuple[li
     if not res.findings:
         res.verdict = "pass"
     res.details = {"rows": [r.__dict__ for r in rows],
-                   "counts": {s: sum(r.status == s for r in rows) for s in ("match", "mismatch", "check")}}
+                   "counts": {s: sum(r.status == s for r in rows) for s in ("match", "mismatch", "check",
+                                                                               "not read")}}
     return rows, res
 
 
@@ -299,10 +581,45 @@ def _advice(mg: dict[str, Any], mf: dict[str, Any]) -> list[Row]:
         out.append(Row("advice.pad_equals_eos", None, mf["pad_token_id"], "check",
                        "pad_token_id == eos_token_id: with --append-eod every EOD gets masked out of the loss; "
                        "check the loss mask (align check-data)"))
+    out.extend(_guide_rows(mg, mf))
     if (mg.get("weight_decay") or 0) > 0 or (mf.get("weight_decay") or 0) > 0:
         out.append(Row("advice.weight_decay_params", mg["weight_decay_applies_to"], mf["weight_decay_applies_to"],
                        "match" if mg["weight_decay_applies_to"] == mf["weight_decay_applies_to"] else "check",
                        "custom PyTorch optimizers often decay every weight; verify with the optimizer stage"))
+    return out
+
+
+def _guide_rows(mg: dict[str, Any], mf: dict[str, Any]) -> list[Row]:
+    """Rows of the accuracy guide's checklists beyond plain key equality (MoE, determinism, MLA)."""
+    out = []
+    if mg.get("deterministic") is False or mf.get("deterministic") is False:
+        out.append(Row("advice.deterministic", mg.get("deterministic"), mf.get("deterministic"), "check",
+                       "alignment runs need determinism on both sides: Megatron --deterministic-mode "
+                       "(+ NCCL_ALGO=Ring, CUBLAS_WORKSPACE_CONFIG=:4096:8), MindFormers context.deterministic: ON "
+                       "(+ HCCL_DETERMINISTIC=true, ASCEND_LAUNCH_BLOCKING=1)"))
+    if mg.get("num_experts") or mf.get("num_experts"):
+        if mf.get("moe_token_drop_policy") == "position" or mg.get("moe_token_drop_policy") == "position":
+            out.append(Row("advice.moe_sdrop", mg.get("moe_token_drop_policy"), mf.get("moe_token_drop_policy"),
+                           "check", "token dropping by position (sdrop) drops different tokens than by "
+                           "probability; align with dropless routing first"))
+        if mg.get("moe_pad_to_capacity") or mf.get("moe_pad_to_capacity"):
+            out.append(Row("advice.moe_pad_to_capacity", mg.get("moe_pad_to_capacity"),
+                           mf.get("moe_pad_to_capacity"), "check", "padding expert inputs to capacity changes "
+                           "the GEMM shapes and what is dropped; switch it off on both sides while aligning"))
+        for side, c in (("Megatron", mg), ("MindFormers", mf)):
+            if c.get("moe_router_dtype") not in (None, "float32", "float64"):
+                out.append(Row("advice.moe_router_dtype", mg.get("moe_router_dtype"), mf.get("moe_router_dtype"),
+                               "check", f"{side} computes the router in {c.get('moe_router_dtype')}: top-k picks "
+                               "flip on near ties; use fp32 routers (Megatron --moe-router-dtype fp32, "
+                               "MindFormers router_dense_type: float32)"))
+        if (mg.get("moe_shared_expert_intermediate_size") or mf.get("moe_shared_expert_intermediate_size")) and (
+                mg.get("moe_shared_expert_gate") != mf.get("moe_shared_expert_gate")):
+            out.append(Row("advice.shared_expert_gating", mg.get("moe_shared_expert_gate"),
+                           mf.get("moe_shared_expert_gate"), "check", "shared-expert gating differs: Megatron "
+                           "--moe-shared-expert-gate vs MindFormers use_shared_expert_gating"))
+    if mg.get("multi_latent_attention") or mf.get("multi_latent_attention"):
+        out.append(Row("advice.mla_softmax_scale", None, None, "check", "MLA softmax scale: MindFormers uses "
+                       "mscale, Megatron mscale_all_dim; they differ unless rotary scaling is 1"))
     return out
 
 
@@ -339,7 +656,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
         c = res.details["counts"]
-        print(f"\n{c['match']} match, {c['mismatch']} mismatch, {c['check']} to check by hand -> {res.verdict}")
+        print(f"\n{c['match']} match, {c['mismatch']} mismatch, {c['check']} to check by hand, "
+              f"{c['not read']} not read -> {res.verdict}")
         if args.json:
             write_text_output(args.json, json.dumps(payload, indent=2, default=str))
     return 1 if res.verdict == "fail" else 0

@@ -32,7 +32,8 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"
 DEFAULT_PRESET = "megatron_core_llama__mindformers_llama"
 SIDES = ("baseline", "candidate")
 _TEMPLATE_FIELD = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
-_DIGIT_CAPTURES = {"layer", "expert", "i", "n"}
+_DIGIT_CAPTURES = {"layer", "expert", "i", "n", "mtp"}
+_GROUPED_EXPERT = re.compile(r"\.experts\.linear_fc[12]\.weight\d+$")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -91,12 +92,15 @@ class TransformParams:
     num_query_groups: int | None = None     # ng (== np for MHA)
     head_dim: int | None = None             # hn (kv_channels)
     tp: int = 1                             # TP shards concatenated in the array (chunk per_tp_shard)
+    num_experts: int | None = None          # routed experts a stacked tensor holds (gather rules)
+    sizes: dict[str, int] = field(default_factory=dict)   # named sizes a `concat` transform splits by
 
     @classmethod
     def from_mapping(cls, values: MappingABC[str, Any] | None) -> TransformParams:
         v = dict(values or {})
         return cls(num_heads=v.get("num_heads"), num_query_groups=v.get("num_query_groups"),
-                   head_dim=v.get("head_dim"), tp=int(v.get("tp") or 1))
+                   head_dim=v.get("head_dim"), tp=int(v.get("tp") or 1), num_experts=v.get("num_experts"),
+                   sizes={k: int(x) for k, x in dict(v.get("sizes") or {}).items()})
 
 
 def _qkv_dims(rows: int, p: TransformParams) -> tuple[int, int, int]:
@@ -159,6 +163,34 @@ def unchunk(arrs: Sequence[np.ndarray], dim: int, tp: int) -> np.ndarray:
     return np.concatenate([per_part[i][s] for s in range(tp) for i in range(len(arrs))], axis=dim)
 
 
+def interleave_halves(arr: np.ndarray, tp: int) -> np.ndarray:
+    """Megatron's gated fc1 ([gate; up] stacked per TP shard) -> MindFormers' row-interleaved layout
+    (``use_interleaved_weight_layout_mlp``): rows gate_0, up_0, gate_1, up_1, ..."""
+    gate, up = chunk(arr, 2, 0, tp)
+    return np.ascontiguousarray(np.stack([gate, up], axis=1).reshape(-1, *arr.shape[1:]))
+
+
+def deinterleave_halves(arr: np.ndarray, tp: int) -> np.ndarray:
+    """Inverse of interleave_halves."""
+    if arr.shape[0] % 2:
+        raise BadInput(f"interleaved gate/up tensor has an odd number of rows ({arr.shape[0]})")
+    pairs = arr.reshape(arr.shape[0] // 2, 2, *arr.shape[1:])
+    return unchunk([pairs[:, 0], pairs[:, 1]], 0, tp)
+
+
+def stack_experts(arrs: Sequence[np.ndarray]) -> np.ndarray:
+    """Per-expert Megatron weights [out, in] -> MindFormers' stacked, transposed [E * in, out]
+    (``experts.weight1`` [E*H, 2F] from fc1 [2F, H]; ``weight2`` [E*F, H] from fc2 [H, F])."""
+    return np.ascontiguousarray(np.concatenate([np.swapaxes(a, 0, 1) for a in arrs], axis=0))
+
+
+def unstack_experts(arr: np.ndarray, num_experts: int) -> list[np.ndarray]:
+    """Inverse of stack_experts."""
+    if arr.shape[0] % num_experts:
+        raise BadInput(f"stacked expert tensor has {arr.shape[0]} rows, not a multiple of {num_experts} experts")
+    return [np.ascontiguousarray(np.swapaxes(a, 0, 1)) for a in np.split(arr, num_experts, axis=0)]
+
+
 # ------------------------------------------------------------------------------------------------------
 # Rules and the mapping
 # ------------------------------------------------------------------------------------------------------
@@ -172,6 +204,7 @@ class Rule:
     transform: dict[str, Any] = field(default_factory=lambda: {"op": "identity"})
     tp_partition_dim: int = -1
     scheme: str | None = None
+    gather: str | None = None   # a capture (``expert``) whose names on the baseline side form one group
 
     def patterns(self, side: str) -> list[Pattern]:
         return self.baseline if side == "baseline" else self.candidate
@@ -192,6 +225,31 @@ class Rule:
             if forward:
                 return chunk(arrays[0], int(self.transform.get("parts", 2)), dim, tp)
             return [unchunk(arrays, dim, tp)]
+        if op == "interleave":
+            tp = params.tp if self.transform.get("per_tp_shard") else 1
+            return [interleave_halves(arrays[0], tp)] if forward else [deinterleave_halves(arrays[0], tp)]
+        if op == "qkv_contiguous":
+            if forward:
+                return [np.ascontiguousarray(np.concatenate(split_qkv(arrays[0], params), axis=0))]
+            nh, ng, hn = _qkv_dims(arrays[0].shape[0], params)
+            q, k, v = np.split(arrays[0], [nh * hn, (nh + ng) * hn], axis=0)
+            return [merge_qkv([q, k, v], params)]
+        if op == "concat":
+            dim = int(self.transform.get("dim", 0))
+            if forward:
+                return [np.ascontiguousarray(np.concatenate(arrays, axis=dim))]
+            names = list(self.transform.get("sizes") or [])
+            missing = [n for n in names if n not in params.sizes]
+            if missing or not names:
+                raise BadInput(f"rule {self.id}: splitting needs sizes {', '.join(missing or ['(none listed)'])}")
+            cuts = np.cumsum([params.sizes[n] for n in names])[:-1]
+            return [np.ascontiguousarray(a) for a in np.split(arrays[0], cuts, axis=dim)]
+        if op == "stack_experts":
+            if forward:
+                return [stack_experts(arrays)]
+            if not params.num_experts:
+                raise BadInput(f"rule {self.id}: unstacking experts needs the number of experts (--num-experts)")
+            return unstack_experts(arrays[0], int(params.num_experts))
         raise BadInput(f"rule {self.id}: unknown transform {op!r}")
 
 
@@ -210,6 +268,7 @@ class Match:
     captures: dict[str, str]
     baseline: list[str]
     candidate: list[str]
+    experts: list[int] = field(default_factory=list)   # gather rules: expert indices seen on the names
 
     @property
     def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -302,7 +361,7 @@ class Mapping:
                                        for t in _as_list(r["candidate"])],
                             transform=dict(r.get("transform") or {"op": "identity"}),
                             tp_partition_dim=int(r.get("tp_partition_dim", -1)),
-                            scheme=r.get("scheme"))
+                            scheme=r.get("scheme"), gather=r.get("gather"))
             except (KeyError, TypeError, AttributeError, re.error) as exc:
                 raise BadInput(f"{source}: rule #{i} is malformed ({exc!r})") from None
             op = rule.transform.get("op", "identity")
@@ -374,7 +433,7 @@ class Mapping:
                 t["inverse"] = True
             rules.append({"id": r.id, "kind": r.kind, "baseline": [p.text for p in r.candidate],
                           "candidate": [p.text for p in r.baseline], "transform": t,
-                          "tp_partition_dim": -1})
+                          "tp_partition_dim": -1, "gather": r.gather})
         spec["rules"] = rules
         spec["ignore"] = {"baseline": [p.text for p in self.ignore["candidate"]],
                           "candidate": [p.text for p in self.ignore["baseline"]]}
@@ -420,18 +479,49 @@ class Mapping:
         n = self.strip(name, side)
         other = "candidate" if side == "baseline" else "baseline"
         for rule in self.rules:
-            if side == "candidate" and rule.scheme is not None and rule.scheme != (
-                    scheme or self.sides["baseline"].get("default_scheme")):
+            if side == "candidate" and rule.scheme is not None and rule.scheme not in str(
+                    scheme or self.sides["baseline"].get("default_scheme")).split("+"):
                 continue
             for pat in rule.patterns(side):
                 caps = pat.match(n)
                 if caps is None:
                     continue
+                g = rule.gather
+                if g:
+                    # one group per stacked tensor: the gathered capture is not part of the key; pair()
+                    # fills the expanded side with every expert (seen, or num_experts)
+                    experts = [int(caps.pop(g))] if g in caps else []
+                    if experts:
+                        mine = [p.format({**caps, g: experts[0]}) for p in rule.patterns(side)]
+                        theirs = [] if _has_field(rule.patterns(other), g) else [
+                            p.format(caps) for p in rule.patterns(other)]
+                    else:
+                        mine = [n if p is pat else p.format(caps) for p in rule.patterns(side)]
+                        theirs = []
+                    b, c = (mine, theirs) if side == "baseline" else (theirs, mine)
+                    return Match(rule, caps, b, c, experts)
                 mine = [n if p is pat else p.format(caps) for p in rule.patterns(side)]
                 theirs = [p.format(caps) for p in rule.patterns(other)]
                 b, c = (mine, theirs) if side == "baseline" else (theirs, mine)
                 return Match(rule, caps, b, c)
         return None
+
+    def _expand(self, m: Match, num_experts: int | None) -> None:
+        """Give a gather match its full expanded group: every expert, in order, each rule pattern."""
+        g = m.rule.gather
+        if not g:
+            return
+        experts = list(range(int(num_experts))) if num_experts else sorted(set(m.experts))
+        for side in SIDES:
+            pats = m.rule.patterns(side)
+            if _has_field(pats, g):
+                names = [p.format({**m.captures, g: e}) for e in experts for p in pats]
+            else:
+                names = [p.format(m.captures) for p in pats]
+            if side == "baseline":
+                m.baseline = names
+            else:
+                m.candidate = names
 
     def map_name(self, name: str, side: str = "baseline") -> list[str]:
         """The other side's names for ``name`` (several for a fused parameter); [] when unmapped."""
@@ -458,18 +548,23 @@ class Mapping:
         return "other"
 
     def detect_scheme(self, baseline_names: Iterable[str]) -> str:
-        """``te`` when the baseline names carry TransformerEngine's fused norm names, else ``local``."""
-        for n in baseline_names:
-            if n.endswith(".layer_norm_weight"):
-                return "te"
-        return str(self.sides["baseline"].get("default_scheme") or "local")
+        """``te`` when the baseline names carry TransformerEngine's fused norm names, else ``local``; plus
+        ``+grouped`` when routed experts are TE grouped GEMM weights (``experts.linear_fc1.weight{e}``).
+        A rule with a ``scheme`` applies to candidate names when its scheme is one of these parts."""
+        names = list(baseline_names)
+        base = "te" if any(n.endswith(".layer_norm_weight") for n in names) else str(
+            self.sides["baseline"].get("default_scheme") or "local")
+        grouped = any(_GROUPED_EXPERT.search(n) for n in names)
+        return base + ("+grouped" if grouped else "")
 
-    def pair(self, baseline_names: Iterable[str], candidate_names: Iterable[str], scheme: str | None = None
-             ) -> tuple[list[GroupPair], dict[str, list[str]], dict[str, list[str]]]:
+    def pair(self, baseline_names: Iterable[str], candidate_names: Iterable[str], scheme: str | None = None,
+             num_experts: int | None = None) -> tuple[list[GroupPair], dict[str, list[str]], dict[str, list[str]]]:
         """Group both sides' names into comparable units.
 
         Returns (pairs, unmapped, ignored): ``unmapped[side]`` lists names no rule covers; a pair whose group
         is incomplete on either side is returned too (``complete`` is False) so callers can report it.
+        Gather rules (routed experts) group every expert of a layer with its stacked tensor; the experts are
+        those whose names appear, or ``num_experts`` when given.
         """
         bnames, cnames = list(baseline_names), list(candidate_names)
         scheme = scheme or self.detect_scheme(bnames)
@@ -485,9 +580,12 @@ class Mapping:
                     (ignored if self.ignored(n, side) else unmapped)[side].append(n)
                     continue
                 orig[side][self.strip(n, side)] = n
-                groups.setdefault(m.key, m)
+                have = groups.setdefault(m.key, m)
+                if have is not m:
+                    have.experts.extend(e for e in m.experts if e not in have.experts)
         pairs = []
         for m in groups.values():
+            self._expand(m, num_experts)
             bp = [orig["baseline"][n] for n in m.baseline if n in orig["baseline"]]
             cp = [orig["candidate"][n] for n in m.candidate if n in orig["candidate"]]
             pairs.append(GroupPair(m, bp, cp))
@@ -505,7 +603,7 @@ class Mapping:
         from_side = "baseline" if to_side == "candidate" else "candidate"
         names = list(arrays)
         b, c = (names, []) if from_side == "baseline" else ([], names)
-        pairs, unmapped, ignored = self.pair(b, c, scheme)
+        pairs, unmapped, ignored = self.pair(b, c, scheme, num_experts=params.num_experts)
         out: dict[str, np.ndarray] = {}
         result = StageResult("mapping")
         for gp in pairs:
@@ -579,6 +677,10 @@ class Mapping:
             for mr in self.modules:
                 lines.append(f"    {mr.baseline.text}  <->  {mr.candidate.text}")
         return "\n".join(lines)
+
+
+def _has_field(patterns: Sequence[Pattern], name: str) -> bool:
+    return any(name in p.fields for p in patterns)
 
 
 def _as_list(v: Any) -> list[str]:

@@ -31,6 +31,8 @@ class Run:
     local_norms: dict[int, pd.DataFrame] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     store: RunReader | None = None
+    # Per-rank scalars when the source has one log per rank (msrun worker logs); ``scalars`` is one rank's.
+    rank_scalars: dict[int, dict[str, pd.Series]] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -124,10 +126,21 @@ def save_run(run: Run, out: str | Path) -> Path:
     out = check_out_dir(out)
     meta = dict(run.meta)
     meta.setdefault("source", {"kind": run.kind, "path": run.path})
-    with RunWriter(out, rank=0, meta=meta) as w:
-        if run.scalars:
-            w.log_scalar_series(run.scalars)
-        for step, t in sorted(run.local_norms.items()):
-            w.put_table(step, "local_norm", {c: t[c].to_numpy() for c in t.columns})
-            w.finish_step()
+    per_rank = run.rank_scalars or {0: run.scalars}
+    tables: dict[int, dict[int, pd.DataFrame]] = {}
+    for step, t in run.local_norms.items():
+        if "rank" in t.columns:       # one log per rank: each rank's rows go to that rank's file
+            for rank, part in t.groupby("rank"):
+                tables.setdefault(int(rank), {})[step] = part.drop(columns="rank")
+        else:
+            tables.setdefault(min(per_rank), {})[step] = t
+    for i, rank in enumerate(sorted(set(per_rank) | set(tables))):
+        with RunWriter(out, rank=rank, meta=meta) as w:
+            if i == 0 and rank != 0:
+                w.update_meta(meta)
+            if per_rank.get(rank):
+                w.log_scalar_series(per_rank[rank])
+            for step, t in sorted(tables.get(rank, {}).items()):
+                w.put_table(step, "local_norm", {c: t[c].to_numpy() for c in t.columns})
+                w.finish_step()
     return out

@@ -21,21 +21,28 @@ import json
 import os
 import re
 import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:   # pandas is imported where tables are built: readers of arrays alone skip its ~0.8 s import
+    import pandas as pd
 
 from align.core.errors import BadInput
 from align.core.schema import load_json, read_bytes, regular_file
 
 SCHEMA = "xf-align-run/1"
 META = "meta.json"
+# Files a stage reads as a whole (not per step): evidence/optimizer_step1.npz, evidence/conversion.json
+EVIDENCE_DIR = "evidence"
+OPTIMIZER_EVIDENCE = "optimizer_step1.npz"
+CONVERSION_EVIDENCE = "conversion.json"
 STEP_DIR = "steps"
 SCALAR_DIR = "scalars"
 RANK_DIR = "ranks"
@@ -132,6 +139,8 @@ class RunWriter:
 
     def log_scalar_series(self, series: Mapping[str, pd.Series]) -> None:
         """Append many steps at once (importers): one record per step, only the keys reported there."""
+        import pandas as pd
+
         frame = pd.DataFrame(dict(series))
         frame.index.name = "step"
         present = np.zeros(frame.shape, dtype=bool)
@@ -271,6 +280,8 @@ class StepArrays:
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def table(self, group: str) -> pd.DataFrame | None:
+        import pandas as pd
+
         cols = {k.split("/", 1)[1]: v for k, v in self.data.items()
                 if k.startswith(group + "/") and "/" not in k[len(group) + 1:]}
         if cols:
@@ -470,6 +481,8 @@ class RunReader:
 
     def scalars(self, rank: int | None = None) -> pd.DataFrame:
         """Scalars as one table (every rank's rows, with a ``rank`` column); absent keys are NaN."""
+        import pandas as pd
+
         frames = []
         for r in ([rank] if rank is not None else self.ranks):
             records = self.scalar_records(r)
@@ -559,3 +572,43 @@ def read_seed_batch(root: Path, step: int, rank: int = 0,
             raise BadInput(f"{path}: missing")
         out[key] = load_npy(path)
     return out
+
+
+def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    """A baseline's step-1 file (npz, no pickle) -> {"grad": {...}, "init": {...}, "weight": {...}}.
+
+    Layout: keys ``grad/<name>`` (step-1 gradients), ``init/<name>`` (weights before the step) and
+    ``weight/<name>`` (weights after it), baseline names, as the paired demo's Megatron side writes.
+    """
+    out: dict[str, dict[str, np.ndarray]] = {"grad": {}, "init": {}, "weight": {}}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            for key in z.files:
+                kind, _, name = key.partition("/")
+                if kind in out and name:
+                    arr = z[key]
+                    if arr.dtype.kind not in "fiu" or arr.dtype.names is not None:
+                        raise BadInput(f"{path}: key '{key}': dtype {arr.dtype} is not a number type")
+                    out[kind][name] = arr
+    except BadInput:
+        raise
+    except AttributeError:   # np.load gave a plain array (an .npy file), which has no keys
+        raise BadInput(f"{path}: an .npy array, expected the step-1 .npz archive") from None
+    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+        raise BadInput(f"{path}: not a readable step-1 .npz file ({' '.join(str(exc).split())[:80]})") from None
+    for name, g in out["grad"].items():
+        for kind in ("init", "weight"):
+            if name in out[kind] and out[kind][name].shape != g.shape:
+                raise BadInput(f"{path}: key '{kind}/{name}': shape {out[kind][name].shape} differs from its "
+                               f"gradient's {g.shape}")
+    return out
+
+
+def write_step1_file(path: str | Path, grads: Mapping[str, np.ndarray], before: Mapping[str, np.ndarray],
+                     after: Mapping[str, np.ndarray]) -> None:
+    """Write the step-1 file :func:`read_step1_file` reads (atomically: temporary name, then rename)."""
+    arrays = {**{f"grad/{k}": np.asarray(v) for k, v in grads.items()},
+              **{f"init/{k}": np.asarray(v) for k, v in before.items()},
+              **{f"weight/{k}": np.asarray(v) for k, v in after.items()}}
+    with atomic_file(Path(path)) as fh:
+        np.savez(fh, **arrays)

@@ -1,64 +1,93 @@
-"""Detect what a run argument is (run store, Megatron log, MindFormers log, TensorBoard dir) and load it."""
+"""Files users already have, opened as runs: one module per source kind, one dispatch table.
+
+``detect(path)`` asks each source, in ``order``, whether ``path`` is its kind (directories by their layout,
+files by their first 4 MiB); ``load_run(path)`` calls the matching loader. A module here that defines
+``SOURCE`` (or ``SOURCES``) is a source kind: adding one is adding a file (docs/extending.md). The table is
+built on first use, so importing one source module stays cheap.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from align.core.errors import BadInput
-from align.core.run import Run, open_store
-from align.core.runstore import META, SCALAR_DIR
+from align.core.registry import collect
 from align.core.schema import regular_file
 from align.sources.logtext import looks_binary
 
-KINDS = ("runstore", "megatron_log", "mindformers_log", "tensorboard")
+if TYPE_CHECKING:   # align.core.run needs pandas; the tensor compare imports this package without it
+    from align.core.run import Run
+
+HEAD = 4 << 20      # bytes of a file the detectors see
+CHUNK = 16 << 20    # bytes per read when a long preamble hides the markers
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source kind. ``matches(path, head)``: ``head`` is None for a directory, else the file's first 4 MiB.
+    ``markers``: byte strings that identify the kind anywhere in a file whose head has none (a log that starts
+    with a long preamble). ``describe`` names the kind in the error for a path no source claims."""
+
+    kind: str
+    order: int
+    matches: Callable[[Path, bytes | None], bool]
+    load: Callable[[Path], Run]
+    describe: str
+    markers: tuple[bytes, ...] = ()
+
+
+_TABLE: list[Source] | None = None
+
+
+def sources() -> list[Source]:
+    global _TABLE
+    if _TABLE is None:
+        found: list[Source] = collect(__name__, __path__, "SOURCE", "SOURCES")
+        _TABLE = sorted(found, key=lambda s: s.order)
+    return _TABLE
+
+
+def kinds() -> list[str]:
+    return list(dict.fromkeys(s.kind for s in sources()))
 
 
 def detect(path: str | Path) -> str:
-    """The source kind of ``path`` (one of KINDS); BadInput for anything else, FIFOs and devices included."""
+    """The source kind of ``path``; BadInput for anything else, FIFOs and devices included."""
     p = Path(path)
     if not p.exists():
         raise BadInput(f"{p}: no such file or directory")
     if p.is_dir():
-        if (p / META).is_file() or (p / SCALAR_DIR).is_dir():
-            return "runstore"
-        if any(p.rglob("events.out.tfevents.*")):
-            return "tensorboard"
-        raise BadInput(f"{p}: directory is neither a run store (meta.json, scalars/) nor a TensorBoard "
-                       "log dir (events.out.tfevents.*)")
+        for s in sources():
+            if s.matches(p, None):
+                return s.kind
+        known = "; ".join(s.describe for s in sources())
+        raise BadInput(f"{p}: directory is neither a run store nor another known layout ({known})")
     regular_file(p, "training log")   # a FIFO would block here, a device never end
     with open(p, "rb") as fh:
-        head = fh.read(4 << 20)
-    if not head.strip() and p.stat().st_size < (4 << 20):
+        head = fh.read(HEAD)
+    if not head.strip() and p.stat().st_size < HEAD:
         raise BadInput(f"{p}: empty file")
     if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or looks_binary(head[:65536]):
         raise BadInput(f"{p}: binary file, not a training log")
-    if b"Epoch:[" in head or b"local_norm:" in head:
-        return "mindformers_log"
-    if b"iteration" in head and b"|" in head:
-        return "megatron_log"
-    # Large logs may start with a long preamble: look further only at the marker bytes.
-    with open(p, "rb") as fh:
-        for chunk in iter(lambda: fh.read(16 << 20), b""):
-            if b"Epoch:[" in chunk:
-                return "mindformers_log"
-            if b"| lm loss" in chunk or b"consumed samples" in chunk:
-                return "megatron_log"
-    raise BadInput(f"{p}: not a recognised training log (no Megatron 'iteration' or MindFormers "
-                   "'Epoch:[..] step:[..]' lines)")
+    for s in sources():
+        if s.matches(p, head):
+            return s.kind
+    if p.stat().st_size > HEAD:
+        with open(p, "rb") as fh:
+            for chunk in iter(lambda: fh.read(CHUNK), b""):
+                for s in sources():
+                    if any(m in chunk for m in s.markers):
+                        return s.kind
+    raise BadInput(f"{p}: not a recognised run (" + "; ".join(s.describe for s in sources()) + ")")
 
 
 def load_run(path: str | Path, kind: str | None = None) -> Run:
     """Load any supported source as a Run; ``kind`` overrides detection."""
     kind = kind or detect(path)
-    if kind == "runstore":
-        return open_store(path)
-    if kind == "megatron_log":
-        from align.sources.megatron_log import parse_megatron_log
-        return parse_megatron_log(path)
-    if kind == "mindformers_log":
-        from align.sources.mindformers_log import parse_mindformers_log
-        return parse_mindformers_log(path)
-    if kind == "tensorboard":
-        from align.sources.tensorboard import read_tensorboard
-        return read_tensorboard(path)
-    raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(KINDS)})")
+    for s in sources():
+        if s.kind == kind:
+            return s.load(Path(path))
+    raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(kinds())})")

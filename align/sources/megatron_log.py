@@ -20,6 +20,7 @@ import pandas as pd
 
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
+from align.sources import Source
 from align.sources.configs import parse_arguments_block, parse_world_line
 from align.sources.logtext import clean_text, read_log, rejoin_wrapped
 
@@ -593,3 +594,11 @@ def _validation(raw: bytes, series: dict[str, pd.Series]) -> None:
     if steps:
         series["val_loss"] = make_series(steps, loss, "val_loss")
         series["val_ppl"] = make_series(steps, ppl, "val_ppl")
+
+
+def _is_megatron_log(path: Path, head: bytes | None) -> bool:
+    return head is not None and b"iteration" in head and b"|" in head
+
+
+SOURCE = Source("megatron_log", 40, _is_megatron_log, parse_megatron_log,
+                "a Megatron-LM log ('iteration N/M | ... |' lines)", markers=(b"| lm loss", b"consumed samples"))

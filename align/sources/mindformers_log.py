@@ -1,14 +1,28 @@
 """MindFormers training logs -> Run.
 
-Reads MFLossMonitor's step lines::
+Reads what MindFormers prints, from its own format strings (mindformers/core/callback/callback.py):
 
-    ... - INFO - { Epoch:[  1/  1], step:[    2/    6], loss:[4.146456/4.156389], per_step_time: 373ms,
-    lr: 0.0005, overflow cond: False, loss_scale: 1.0, global_norm: [1.507098]
+* MFLossMonitor step lines, 2.x (``loss`` is lm + aux + MTP, the separate losses follow when
+  ``print_separate_loss`` is on, ``train_throughput_per_npu`` ends mcore lines; sink mode prints
+  ``loss: X`` without the ``[step/avg]`` brackets)::
 
-and, with ``local_norm=True``, the ``norm_size: (...)`` + ``local_norm:`` + ``[...]`` blocks printed just
-before the step they belong to. Those are squared sums of each parameter's gradient, unnamed, in the
-optimizer's parameter order; we keep them as ``#<index>`` with their size (naming comes from the mapping).
-The config that MindFormers pprints at start-up is read as a literal when present.
+    { Epoch:[  1/  1], step:[    2/    6], loss:[4.146456/4.156389], lm_loss: 4.140000, load_balancing_loss:
+    0.006456, per_step_time: 373ms, lr: 0.0005, overflow cond: False, loss_scale: 1.0, global_norm:
+    [1.507098], train_throughput_per_npu: 2.849T
+
+* 1.x lines (``loss: %5.3f`` in sink mode, no global_norm) and 0.x lines without the brace
+  (``Epoch:[..], step:[..], loss:[a/b], time:12.345 ms, lr:0.0001, overflow cond: False, loss_scale: 1.0``);
+* with ``local_norm=True`` the ``norm_size: (...)`` + ``local_norm:`` + ``[...]`` blocks printed just before
+  the step they belong to: squared sums, unnamed, in the optimizer's order, kept as ``#<index>``;
+* TrainingStateMonitor (``monitor_config.local_norm_format: log``) lines
+  ``Epoch:[  1/  1], step:[    1/    4] local_norm/<param name>: <value>``: L2 norms *with names*, which
+  replace the unnamed blocks of that step, so step-1 local norms compare by name from a log alone.
+
+When the line holds ``lm_loss`` the run's ``loss`` series is that LM loss (what Megatron's ``lm loss`` is)
+and MindFormers' printed total goes to ``total_loss``; a note and ``meta["loss_key"]`` say so. A field that
+cannot be read (``loss_scale: unavailable``, a garbled number) is skipped and noted; the step's other
+fields are kept. The config that MindFormers pprints at start-up is read as a literal when present.
+A directory of msrun worker logs (``output/msrun_log/worker_N.log``) is read by :func:`parse_mindformers_dir`.
 """
 
 from __future__ import annotations
@@ -23,41 +37,74 @@ import pandas as pd
 
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
+from align.sources import Source
 from align.sources.logtext import clean_text, read_log_bytes, unwrap
 
-_STEP = re.compile(r"\{ ?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\],(.*)$")
-_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]:]*\]|[^,]*)\s*(?:,|$)")  # '[' never spans a ':
+# "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
+# "Epoch:[..], step:[..] tag: value" (no comma after the step bracket).
+_STEP = re.compile(r"(\{ ?)?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\](,?)(.*)$")
+_MONITOR = re.compile(r"^\s*([A-Za-z_][\w\-]*(?:/\S*)?):\s*(.*?)\s*$")
+_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]:]*\]?|[^,]*)\s*(?:,|$)")  # '[' never spans a ':
 _NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
-# The line as MFLossMonitor prints it (MindFormers 1.x-2.x); anything else takes the careful path.
+_END = re.compile(r"(\]|\d+(?:\.\d+)?T|loss_scale: ?\S+|global_norm: ?[-+\w.]+)\s*$")
+# The line as MFLossMonitor prints it (MindFormers 1.x-2.x, with the optional 2.x fields); a file whose step
+# lines all match is parsed in bulk, anything else takes the careful line-by-line path.
 _FAST = re.compile(
-    rb"\{ ?Epoch:\[\s*(\d+)/\s*\d+\],\s*step:\[\s*(\d+)/\s*(\d+)\],\s*loss:\[\s*([^/\],]+)/\s*([^\],]+)\],"
-    rb"\s*per_step_time:\s*([0-9.]+)ms,\s*lr:\s*([^,\s]+),\s*overflow cond:\s*(True|False),"
-    rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*\[\s*([^\]\s]+)\s*\][ \t]*$", re.M)
-_FAST_KEYS = ("loss", "loss_avg", "per_step_time_ms", "lr", "overflow", "loss_scale", "grad_norm")
+    rb"\{ ?Epoch:\[\s*(\d+)/\s*\d+\],\s*step:\[\s*(\d+)/\s*(\d+)\],"
+    rb"\s*loss:(?:\[\s*([^/\],]+)/\s*([^\],]+)\]|\s*([^,\s\[]+)),"
+    rb"(?:\s*lm_loss:\s*([^,\s]+),)?(?:\s*load_balancing_loss:\s*([^,\s]+),)?"
+    rb"(?:\s*mtp_loss:\s*([^,\s]+),)?(?:\s*indexer_loss:\s*([^,\s]+),)?"
+    rb"\s*per_step_time:\s*([0-9.]+)ms,(?:\s*lr:\s*([^,\s]+),)?\s*overflow cond:\s*(True|False),"
+    rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*(?:\[\s*([^\]\s,]+)\s*\]|([^,\s\[]+))"
+    rb"(?:,\s*train_throughput_per_npu:\s*([0-9.]+)T)?[ \t]*$", re.M)
+# group index (after epoch, step, steps-per-epoch) -> key; loss and global_norm come bracketed or not
+_FAST_KEYS = {3: "loss", 4: "loss_avg", 5: "loss", 6: "lm_loss", 7: "load_balancing_loss", 8: "mtp_loss",
+              9: "indexer_loss", 10: "per_step_time_ms", 11: "lr", 12: "overflow", 13: "loss_scale",
+              14: "grad_norm", 15: "grad_norm", 16: "throughput_tflops_per_npu"}
 
 FIELDS = {
     "loss": "loss",
     "per_step_time": "per_step_time_ms",
+    "time": "per_step_time_ms",            # 0.x: "time:12.345 ms"
     "lr": "lr",
     "overflow cond": "overflow",
     "loss_scale": "loss_scale",
     "global_norm": "grad_norm",
+    "lm_loss": "lm_loss",
+    "load_balancing_loss": "load_balancing_loss",
+    "mtp_loss": "mtp_loss",
+    "indexer_loss": "indexer_loss",
+    "train_throughput_per_npu": "throughput_tflops_per_npu",
 }
+LM_LOSS_NOTE = ("loss = MindFormers' lm_loss (comparable with Megatron's 'lm loss'); MindFormers' printed "
+                "loss (lm + aux + MTP) is total_loss")
 
 
 def _number(text: str) -> float:
     t = text.strip()
     if t in ("True", "False"):
         return float(t == "True")
-    if t.endswith("ms"):
-        t = t[:-2]
+    for unit in ("ms", "T"):
+        if t.endswith(unit):
+            t = t[: -len(unit)].strip()
+            break
     return float(t)
 
 
+def _ends_complete(line: str) -> bool:
+    """The step line ends with its last field's whole value (only the tail is looked at)."""
+    tail = line.rstrip()
+    return tail.endswith("]") or bool(_END.search(tail[-80:]))
+
+
 def _is_complete(line: str) -> bool:
-    if "Epoch:[" not in line:
+    at = line.find("Epoch:[")
+    if at < 0:
         return "local_norm" not in line and "norm_size" not in line or line.rstrip().endswith(")")
-    return line.rstrip().endswith("]")
+    m = _STEP.search(line, max(0, at - 2))
+    if m and not m.group(6):   # TrainingStateMonitor "tag: value"
+        return bool(re.search(r"[\d\]]\s*$", line))
+    return _ends_complete(line)
 
 
 def _config_block(lines: list[str]) -> dict[str, Any]:
@@ -79,9 +126,9 @@ def _config_block(lines: list[str]) -> dict[str, Any]:
     return {}
 
 
-def _fast(raw: bytes) -> dict[str, pd.Series] | None:
-    """All step lines in the standard format and no local_norm blocks: parse them in bulk."""
-    if b"local_norm:" in raw:
+def _fast(raw: bytes, notes: list[str], meta: dict[str, Any]) -> dict[str, pd.Series] | None:
+    """All step lines in MFLossMonitor's format and no local_norm output: parse them in bulk."""
+    if b"local_norm:" in raw or b"local_norm/" in raw or b"norm_size:" in raw:
         return None
     rows = _FAST.findall(raw)
     if not rows or len(rows) != raw.count(b"Epoch:["):
@@ -91,24 +138,100 @@ def _fast(raw: bytes) -> dict[str, pd.Series] | None:
         epoch = np.array(cols[0]).astype(np.int64)
         step = np.array(cols[1]).astype(np.int64)
         per_epoch = np.array(cols[2]).astype(np.int64)
-        values = [np.array(c).astype(np.float64) for c in cols[3:7]]
-        overflow = (np.array(cols[7]) == b"True").astype(np.float64)
-        values += [overflow] + [np.array(c).astype(np.float64) for c in cols[8:]]
-    except (ValueError, OverflowError):
-        return None  # a garbled number: the careful path names the step
+    except (ValueError, OverflowError):   # a 40-digit step number is not a step (issue 14)
+        return None
     gstep = (epoch - 1) * per_epoch + step
-    return {k: make_series(gstep, v, k) for k, v in zip(_FAST_KEYS, values, strict=True)}
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for idx, key in _FAST_KEYS.items():
+        col = np.array(cols[idx])
+        have = col != b""
+        if not have.any():
+            continue
+        try:
+            values = (col[have] == b"True").astype(np.float64) if key == "overflow" else \
+                col[have].astype(np.float64)
+        except ValueError:
+            return None  # an unreadable value: the careful path skips just that value and notes it
+        steps, vals = out.setdefault(key, ([], []))
+        steps.extend(gstep[have].tolist())
+        vals.extend(values.tolist())
+    return _series(out, notes, meta)
+
+
+class _Skips:
+    """Unreadable values, grouped per field so a value missing at every step is one note, not 100k."""
+
+    def __init__(self) -> None:
+        self.by_field: dict[str, list[Any]] = {}
+
+    def add(self, field: str, step: int, value: str) -> None:
+        entry = self.by_field.setdefault(field, [0, [], value[:30]])
+        entry[0] += 1
+        if len(entry[1]) < 5:
+            entry[1].append(step)
+
+    def notes(self) -> list[str]:
+        out = []
+        for field, (count, steps, example) in self.by_field.items():
+            where = ("step " if count == 1 else "steps ") + ", ".join(str(s) for s in steps) + (
+                ", ..." if count > len(steps) else "")
+            out.append(f"{field!r}: unreadable value {example!r} at {count} step(s) ({where}); value skipped, "
+                       "the steps' other fields kept")
+        return out
+
+
+def _split_fields(rest: str) -> list[tuple[str, str]]:
+    """``name: value, name:[a/b], ...`` -> pairs; plain string splits (fast), the regex when a bracket holds
+    a comma."""
+    parts = rest.split(",")
+    if any(p.count("[") != p.count("]") for p in parts):
+        return [(fm.group(1).strip(), fm.group(2).strip()) for fm in _FIELD.finditer(rest)]
+    out = []
+    for part in parts:
+        name, sep, value = part.partition(":")
+        if sep:
+            out.append((name.strip(), value.strip()))
+    return out
+
+
+def _key(name: str) -> str:
+    key = FIELDS.get(name)
+    if key is None:
+        key = FIELDS[name] = re.sub(r"\W+", "_", name).strip("_").lower()
+    return key
+
+
+def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for name, value in _split_fields(rest):
+        if not name:
+            continue
+        key = _key(name)
+        try:
+            if value.startswith("["):
+                parts = [p for p in value[1:].rstrip("]").replace("/", " ").replace(",", " ").split() if p]
+                if not parts:
+                    skips.add(name, gstep, value)
+                    continue
+                values[key] = _number(parts[0])
+                if key == "loss" and len(parts) > 1:
+                    values["loss_avg"] = _number(parts[1])
+            else:
+                values[key] = _number(value)
+        except ValueError:
+            skips.add(name, gstep, value)
+    return values
 
 
 def parse_mindformers_log(path: str | Path) -> Run:
     """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
     raw = clean_text(read_log_bytes(path))
     notes: list[str] = []
-    fast = _fast(raw)
+    meta = _meta(path, raw.decode("utf-8", "replace").split("\n") if raw.startswith(b"{'") or b"\n{'" in raw
+                 else [])
+    fast = _fast(raw, notes, meta)
     if fast is not None:
-        return Run(str(path), "mindformers_log", _meta(path, raw.decode("utf-8", "replace").split("\n")
-                                                       if raw.startswith(b"{'") or b"\n{'" in raw else []),
-                   fast, {}, notes)
+        return Run(str(path), "mindformers_log", meta, fast, {}, notes)
     text_lines = raw.decode("utf-8", "replace").split("\n")
     if any(not _is_complete(x) for x in text_lines[:-1]):
         text_lines, joins = unwrap(text_lines, _is_complete)
@@ -117,8 +240,12 @@ def parse_mindformers_log(path: str | Path) -> Run:
 
     cols: dict[str, tuple[list[int], list[float]]] = {}
     local_norms: dict[int, pd.DataFrame] = {}
+    named: dict[int, tuple[list[str], list[float]]] = {}
+    other_tags: dict[str, int] = {}
+    skips = _Skips()
     pending_norm: tuple[list[int], list[float]] | None = None
     steps_seen = 0
+    cut: list[int] = []
     i = 0
     n = len(text_lines)
     while i < n:
@@ -126,41 +253,28 @@ def parse_mindformers_log(path: str | Path) -> Run:
         if "norm_size:" in line:
             pending_norm, i = _norm_block(text_lines, i, notes)
             continue
-        m = _STEP.search(line)
+        at = line.find("Epoch:[")
         i += 1
+        m = _STEP.search(line, max(0, at - 2)) if at >= 0 else None
         if not m:
             continue
-        epoch, _, step, per_epoch, rest = (m.group(1), m.group(2), m.group(3), m.group(4), m.group(5))
-        gstep = (int(epoch) - 1) * int(per_epoch) + int(step)
+        epoch, per_epoch, step = int(m.group(2)), int(m.group(5)), int(m.group(4))
+        gstep = (epoch - 1) * per_epoch + step
         if gstep >= 1 << 53:   # beyond any step index (a garbled number): said, not a crash (issue 14)
             notes.append(f"line {i}: step number {gstep} is beyond any step index; line not read")
             pending_norm = None
             continue
-        values: dict[str, float] = {}
-        bad = None
-        for fm in _FIELD.finditer(rest):
-            name, value = fm.group(1).strip(), fm.group(2).strip()
-            key = FIELDS.get(name, re.sub(r"\W+", "_", name).strip("_").lower())
-            try:
-                if value.startswith("["):
-                    if not value.endswith("]"):
-                        raise ValueError(value)
-                    parts = [p for p in value[1:-1].replace("/", " ").replace(",", " ").split() if p]
-                    if not parts:
-                        continue
-                    values[key] = _number(parts[0])
-                    if key == "loss" and len(parts) > 1:
-                        values["loss_avg"] = _number(parts[1])
-                else:
-                    values[key] = _number(value)
-            except ValueError:   # noted; the step keeps its other fields (issue 14)
-                bad = (name, value)
-                notes.append(f"step {gstep}: unreadable {name!r} value {value[:30]!r}; skipped that field")
-        if bad is not None and not values:
+        rest = m.group(7)
+        if not m.group(6):
+            _monitor_line(rest, gstep, named, other_tags, skips)
+            continue
+        values = _read_fields(rest, gstep, skips)
+        if not values:
+            skips.add("step line", gstep, rest.strip())
             pending_norm = None
             continue
-        if not line.rstrip().endswith("]"):
-            notes.append(f"step {gstep}: line cut short; kept {len(values)} fields")
+        if not _ends_complete(line):
+            cut.append(gstep)
         steps_seen += 1
         for k, v in values.items():
             entry = cols.setdefault(k, ([], []))
@@ -174,10 +288,115 @@ def parse_mindformers_log(path: str | Path) -> Run:
                 "numel": np.asarray(sizes, dtype=np.int64) if sizes else np.full(len(sq), -1, np.int64),
             })
             pending_norm = None
-    if steps_seen == 0:
+    if steps_seen == 0 and not named:
         raise BadInput(f"{path}: no MindFormers '{{ Epoch:[..], step:[..], loss:[..] ...' lines found")
-    series = {k: make_series(st, v, k) for k, (st, v) in cols.items()}
-    return Run(str(path), "mindformers_log", _meta(path, text_lines), series, local_norms, notes)
+    if cut:
+        notes.append(f"{len(cut)} step line(s) cut short (steps {', '.join(map(str, cut[:5]))}"
+                     f"{', ...' if len(cut) > 5 else ''}); their complete fields kept")
+    notes.extend(skips.notes())
+    for step, (names, norms) in named.items():
+        if step in local_norms:
+            notes.append(f"step {step}: named TrainingStateMonitor local norms used instead of the unnamed "
+                         "local_norm block")
+        local_norms[step] = pd.DataFrame({"name": names, "norm": np.asarray(norms, dtype=np.float64),
+                                          "numel": np.full(len(names), -1, np.int64)})
+    if other_tags:
+        shown = ", ".join(f"{t} ({c})" for t, c in list(other_tags.items())[:5])
+        notes.append(f"TrainingStateMonitor tags not read: {shown}")
+    meta = _meta(path, text_lines)
+    if named:
+        meta["name_scheme"] = "mindformers"
+    series = _series(cols, notes, meta)
+    return Run(str(path), "mindformers_log", meta, series, local_norms, notes)
+
+
+def _series(cols: dict[str, tuple[list[int], list[float]]], notes: list[str],
+            meta: dict[str, Any]) -> dict[str, pd.Series]:
+    """Per-key series; with ``lm_loss`` present, ``loss`` becomes the LM loss and the total ``total_loss``."""
+    if "lm_loss" in cols and "loss" in cols:
+        cols["total_loss"] = cols.pop("loss")
+        if "loss_avg" in cols:
+            cols["total_loss_avg"] = cols.pop("loss_avg")
+        cols["loss"] = cols["lm_loss"]
+        meta["loss_key"] = "lm_loss"
+        notes.append(LM_LOSS_NOTE)
+    elif "loss" in cols:
+        meta["loss_key"] = "loss"
+    return {k: make_series(st, v, k) for k, (st, v) in cols.items()}
+
+
+def _monitor_line(rest: str, gstep: int, named: dict[int, tuple[list[str], list[float]]],
+                  other_tags: dict[str, int], skips: _Skips) -> None:
+    """``local_norm/<name>: value`` from TrainingStateMonitor; other tags are counted, not read."""
+    mm = _MONITOR.match(rest)
+    if not mm:
+        return
+    tag, value = mm.group(1), mm.group(2)
+    if not tag.startswith("local_norm/"):
+        head = tag.split("/", 1)[0]
+        other_tags[head] = other_tags.get(head, 0) + 1
+        return
+    try:
+        parts = value.strip("[] ").replace(",", " ").split()
+        norm = _number(parts[0]) if len(parts) == 1 else float("nan")
+    except (ValueError, IndexError):
+        norm = float("nan")
+    if not np.isfinite(norm) and not re.fullmatch(r"\[?\s*-?(nan|inf)\s*\]?", value.strip(), re.I):
+        skips.add(tag, gstep, value)
+        return
+    names, norms = named.setdefault(gstep, ([], []))
+    names.append(tag[len("local_norm/"):])
+    norms.append(norm)
+
+
+def parse_mindformers_dir(path: str | Path) -> Run:
+    """msrun's ``worker_N.log`` files (one per rank, ``output/msrun_log``) as one run.
+
+    ``scalars`` and ``local_norms`` come from the lowest rank that logged a loss (every rank prints the
+    MFLossMonitor line); ``rank_scalars`` keeps each rank's series, and each rank's named local norms are
+    kept with a ``rank`` column, since TP shards differ by rank.
+    """
+    root = Path(path)
+    logs = worker_logs(root)
+    if not logs:
+        raise BadInput(f"{root}: no msrun worker logs (worker_N.log) in it or in its msrun_log/")
+    runs: dict[int, Run] = {}
+    notes: list[str] = []
+    for rank, f in logs:
+        try:
+            runs[rank] = parse_mindformers_log(f)
+        except BadInput as exc:
+            notes.append(f"{f.name}: {exc}".replace(str(f) + ": ", ""))
+            continue
+        notes.extend(f"{f.name}: {note}" for note in runs[rank].notes)
+    if not runs:
+        raise BadInput(f"{root}: none of {len(logs)} worker logs holds MindFormers step lines")
+    main = next((r for r in sorted(runs) if runs[r].has("loss")), min(runs))
+    first = runs[main]
+    meta = dict(first.meta)
+    meta["source"] = {"kind": "mindformers_log", "path": str(root), "workers": len(logs)}
+    meta["parallel"] = {"world_size": len(logs)}
+    local: dict[int, pd.DataFrame] = {}
+    for step in sorted({s for r in runs.values() for s in r.local_norms}):
+        frames = [runs[r].local_norms[step].assign(rank=r) for r in sorted(runs) if step in runs[r].local_norms]
+        local[step] = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    notes.insert(0, f"{len(runs)} msrun worker log(s); scalars from rank {main}")
+    run = Run(str(root), "mindformers_log", meta, dict(first.scalars), local, notes)
+    run.rank_scalars = {r: dict(x.scalars) for r, x in sorted(runs.items())}
+    return run
+
+
+def worker_logs(path: Path) -> list[tuple[int, Path]]:
+    """(rank, file) of ``worker_N.log`` in ``path`` or ``path/msrun_log``, by rank."""
+    for folder in (path, path / "msrun_log"):
+        found = []
+        for f in folder.glob("worker_*.log") if folder.is_dir() else []:
+            m = re.fullmatch(r"worker_(\d+)\.log", f.name)
+            if m and f.is_file():
+                found.append((int(m.group(1)), f))
+        if found:
+            return sorted(found)
+    return []
 
 
 def _meta(path: str | Path, text_lines: list[str]) -> dict[str, Any]:
@@ -224,3 +443,18 @@ def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[
                      "sizes dropped")
         sizes = []
     return (sizes, values), k
+
+
+def _is_mindformers_log(path: Path, head: bytes | None) -> bool:
+    if head is None:
+        return any(path.glob("worker_*.log")) or any((path / "msrun_log").glob("worker_*.log"))
+    return b"Epoch:[" in head or b"local_norm:" in head
+
+
+def _load(path: Path) -> Run:
+    return parse_mindformers_dir(path) if path.is_dir() else parse_mindformers_log(path)
+
+
+SOURCE = Source("mindformers_log", 30, _is_mindformers_log, _load,
+                "a MindFormers log ('Epoch:[..], step:[..]' lines) or a folder of msrun worker_N.log files",
+                markers=(b"Epoch:[",))

@@ -1,0 +1,1 @@
+"""Framework checkpoint and tensor-file readers/writers; each module imports its framework lazily."""

@@ -1,0 +1,46 @@
+"""The benchmark error band's source: how far each repeat of the baseline is from the baseline itself."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from align.core.findings import Finding, StageResult, skipped
+from align.stages import Stage
+from align.stages.evidence import Evidence
+from comparators.scalars import band_floor
+
+
+def run(ev: Evidence) -> StageResult:
+    if not ev.repeats:
+        return skipped("band", "no baseline repeat (the long run falls back to a relative tolerance)")
+    opt = ev.options.scalar
+    b = ev.baseline.series("loss")
+    floor = band_floor(opt, b.to_numpy(dtype=float))
+    res = StageResult("band", details={"band_k": opt.band_k, "band_floor": floor, "repeats": []})
+    for rep in ev.repeats:
+        r = rep.series("loss")
+        common = b.index.intersection(r.index)
+        if not len(common):
+            res.add(Finding("band", "warn", rep.label, "repeat_common_steps", 0, None,
+                            f"repeat {rep.label} shares no step with the baseline: it cannot set a band"))
+            continue
+        d = (r[common] - b[common]).to_numpy(dtype=float)
+        d = d[np.isfinite(d)]
+        rms = float(np.sqrt(np.mean(d ** 2))) if len(d) else float("nan")
+        mx = float(np.max(np.abs(d))) if len(d) else float("nan")
+        par = rep.meta.get("parallel") if isinstance(rep.meta.get("parallel"), dict) else {}
+        layout = ", ".join(f"{k}={v}" for k, v in par.items() if k in ("tp", "pp", "dp", "ep")) or "layout ?"
+        res.details["repeats"].append({"run": rep.path, "steps": len(common), "rms_delta": rms,
+                                       "max_abs_delta": mx, "layout": layout})
+        res.add(Finding("band", "pass", "loss", "repeat_rms_delta", rms, floor,
+                        f"repeat {rep.label} ({layout}) vs baseline over {len(common)} steps: RMS loss delta "
+                        f"{rms:.3g}, max {mx:.3g}; band = max({opt.band_k:g} x rolling RMS, floor {floor:.3g})"))
+    return res
+
+
+STAGE = Stage(
+    name="band", order=100, title="Benchmark error band",
+    needs="at least one repeat of the baseline (same settings, run again without determinism)",
+    capture="run the baseline again with the same settings and seeds but without deterministic flags (or "
+            "another TP layout) and pass it with --repeat",
+    run=run)

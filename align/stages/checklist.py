@@ -1,0 +1,40 @@
+"""Stage 0, the checklist: Megatron arguments vs the MindFormers config, side by side, with known traps."""
+
+from __future__ import annotations
+
+from align.checks.config import compare_configs
+from align.core.findings import Finding, StageResult, skipped
+from align.stages import Stage
+from align.stages.evidence import Evidence
+from reports.html import table
+
+
+def run(ev: Evidence) -> StageResult:
+    b, c = ev.config("baseline"), ev.config("candidate")
+    if b is None or c is None:
+        missing = [role for role, cfg in (("baseline", b), ("candidate", c)) if cfg is None]
+        return skipped("checklist", f"no config for the {' and '.join(missing)}")
+    if b[0] != "megatron_args" or c[0] != "mindformers_yaml":
+        return skipped("checklist", f"the checklist compares Megatron arguments (baseline) with a MindFormers "
+                       f"config (candidate); got {b[0]} and {c[0]}")
+    rows, res = compare_configs(b[1], c[1])
+    if not res.findings:
+        res.add(Finding("checklist", "pass", None, "settings_match", len(rows), None,
+                        f"all {len(rows)} compared settings match (model, optimizer, schedule, precision, "
+                        "parallel layout, dropout, weight-decay rules)"))
+    return res
+
+
+def section(res: StageResult) -> str:
+    rows = [{"setting": r["key"], "Megatron": r["megatron"], "MindFormers": r["mindformers"],
+             "status": r["status"], "note": r.get("note") or ""} for r in res.details.get("rows", [])]
+    return table(rows, row_class="status")
+
+
+STAGE = Stage(
+    name="checklist", order=10, title="Checklist: Megatron arguments vs MindFormers config",
+    needs="the baseline's Megatron arguments and the candidate's MindFormers config",
+    capture="dumpers record them in meta.json (MegatronDumper(meta={'config': ...}), MindSporeDumper "
+            "DumpConfig(meta={'config': ...})); or pass --baseline-config (Megatron log, launch script or "
+            "arguments JSON) and --candidate-config (the MindFormers YAML)",
+    run=run, section=section)

@@ -1,0 +1,50 @@
+"""Same start, weights: the conversion report of the baseline's weights into the candidate's names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from align.core.errors import BadInput
+from align.core.findings import Finding, StageResult, skipped
+from align.core.runstore import CONVERSION_EVIDENCE
+from align.stages import Stage
+from align.stages.evidence import Evidence
+
+
+def read_conversion(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{path}: not a conversion report ({exc.__class__.__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("findings", []), list):
+        raise BadInput(f"{path}: not a conversion report (an object with a 'findings' list)")
+    return data
+
+
+def run(ev: Evidence) -> StageResult:
+    path = Path(ev.inputs.conversion) if ev.inputs.conversion else ev.evidence_file(ev.candidate,
+                                                                                    CONVERSION_EVIDENCE)
+    if path is None:
+        return skipped("conversion", "no conversion report")
+    data = read_conversion(path)
+    res = StageResult("conversion", details={"file": str(path), "tensors": data.get("tensors")})
+    for f in data.get("findings", []):
+        try:
+            res.add(Finding(**{**f, "stage": "conversion"}))
+        except (TypeError, ValueError):
+            raise BadInput(f"{path}: finding {f!r} is not (stage, verdict, component, metric, value, "
+                           "threshold, message)") from None
+    if not res.findings:
+        res.add(Finding("conversion", "pass", None, "tensors_converted", data.get("tensors"), None,
+                        f"{data.get('tensors')} baseline tensors converted to candidate names through the "
+                        "mapping"))
+    return res
+
+
+STAGE = Stage(
+    name="conversion", order=20, title="Weight conversion",
+    needs="the report of the baseline weights' conversion (align convert-weights --json)",
+    capture="align convert-weights ... --json > conversion.json, then --conversion conversion.json (or copy "
+            "it to CANDIDATE_RUN/evidence/conversion.json)",
+    run=run)

@@ -1,0 +1,72 @@
+"""Same data: each run's batches checked (ids, shift, masks, pad == eos), and the candidate's against the
+baseline's, step by step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from align.checks.data import check_batches, compare_batches, iter_batches
+from align.core.errors import BadInput
+from align.core.findings import StageResult, skipped
+from align.stages import Stage
+from align.stages.evidence import Evidence
+
+
+def data_ids(ev: Evidence) -> dict[str, Any]:
+    """vocab_size, eos_id, pad_id: the command line, else a run's meta ``data`` block, else the config."""
+    out: dict[str, Any] = {}
+    for run in (ev.baseline, ev.candidate):
+        data = run.meta.get("data")
+        if isinstance(data, dict):
+            for k in ("vocab_size", "eos_id", "pad_id"):
+                if isinstance(data.get(k), int):
+                    out.setdefault(k, data[k])
+    cfg = ev.config("baseline")
+    if cfg and "vocab_size" not in out:
+        v = cfg[1].get("padded_vocab_size") or cfg[1].get("vocab_size")
+        if isinstance(v, int):
+            out["vocab_size"] = v
+    for k in ("vocab_size", "eos_id", "pad_id"):
+        v = getattr(ev.options, k)
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def run(ev: Evidence) -> StageResult:
+    res = StageResult("data_checks")
+    ids = data_ids(ev)
+    res.details["ids"] = ids
+    checked = []
+    for role, r in (("baseline", ev.baseline), ("candidate", ev.candidate)):
+        if r.store is None or not any(r.store.has_group(s, "batch") for s in r.store.array_steps()[:1]):
+            continue
+        try:
+            one = check_batches(iter_batches(r.path), **ids)
+        except BadInput:
+            continue
+        checked.append(role)
+        for f in one.findings:
+            f.message = f"{role}: {f.message}"
+            res.add(f)
+        steps = one.details["steps"]
+        res.details[role] = {"batches": one.details["batches"], "eod_targets": one.details["eod_targets"],
+                             "eod_trained": one.details["eod_trained"],
+                             "loss_mask_sum_first_last": [steps[0]["loss_mask_sum"], steps[-1]["loss_mask_sum"]]}
+    if not checked:
+        return skipped("data_checks", "neither run recorded its batches")
+    if len(checked) == 2:
+        same = compare_batches(ev.baseline.path, ev.candidate.path)
+        for f in same.findings:
+            res.add(f)
+        res.details["same_data"] = same.details
+    return res
+
+
+STAGE = Stage(
+    name="data_checks", order=30, title="Data checks",
+    needs="batches recorded in the run stores (batch/tokens, labels, loss_mask)",
+    capture="the dumpers record every step's batch by default (MegatronDumper / MindSporeDumper, "
+            "DumpConfig(batch=True)); the candidate should replay the baseline's batches "
+            "(dumpers.mindformers_replay.MegatronReplayDataset)",
+    run=run)

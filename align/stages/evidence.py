@@ -1,0 +1,160 @@
+"""What the stages read: the user's runs and files, loaded once, plus the options that judge them.
+
+Why one object: a stage asks for evidence by meaning (the baseline's config snapshot, the candidate's
+optimizer-check file, the lr=0 pair), not by path; where it comes from (a run store's meta or evidence/
+folder, a log, a file named on the command line) is decided here, once, for every stage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from align.core.dtypes import coarsest, normalize
+from align.core.errors import BadInput
+from align.core.run import Run
+from align.core.runstore import EVIDENCE_DIR
+from align.sources import detect, load_run
+from comparators.scalars import ScalarComparison, ScalarOptions, compare_scalars
+
+
+@dataclass
+class Options:
+    """Thresholds. ``layer_tolerance`` overrides the layer comparator's (pass, warn, cosine) per dtype;
+    ``dtype`` overrides the precision read from the runs' metadata."""
+
+    scalar: ScalarOptions = field(default_factory=ScalarOptions)
+    layer_tolerance: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    dtype: str | None = None
+    vocab_size: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+
+
+@dataclass
+class Inputs:
+    """Everything a user can point the procedure at (the `align report` arguments)."""
+
+    baseline: str
+    candidate: str
+    repeats: list[str] = field(default_factory=list)
+    lr0: tuple[str, str] | None = None
+    baseline_config: str | None = None
+    candidate_config: str | None = None
+    optimizer_check: str | None = None
+    conversion: str | None = None
+    mapping: str | None = None
+    options: Options = field(default_factory=Options)
+
+
+def _size(path: str) -> str:
+    p = Path(path)
+    if p.is_file():
+        n = float(p.stat().st_size)
+        for unit in ("B", "KB", "MB", "GB"):
+            if n < 1024 or unit == "GB":
+                return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            n /= 1024
+    return "dir"
+
+
+class Evidence:
+    """The loaded runs and the helpers stages use to find their evidence."""
+
+    def __init__(self, inputs: Inputs, runs: dict[str, Run]) -> None:
+        self.inputs = inputs
+        self.options = inputs.options
+        self.runs = runs
+        self.baseline: Run = runs["baseline"]
+        self.candidate: Run = runs["candidate"]
+        self.repeats: list[Run] = [r for k, r in runs.items() if k.startswith("repeat")]
+        self.lr0: tuple[Run, Run] | None = ((runs["lr0_baseline"], runs["lr0_candidate"])
+                                            if "lr0_baseline" in runs else None)
+
+    @classmethod
+    def load(cls, inputs: Inputs, progress: Callable[[str], None] | None = None) -> Evidence:
+        """Load every run before anything is written: bad input stops here with one line."""
+        items = [("baseline", inputs.baseline), ("candidate", inputs.candidate)]
+        items += [(f"repeat{i + 1}", r) for i, r in enumerate(inputs.repeats)]
+        if inputs.lr0:
+            items += [("lr0_baseline", inputs.lr0[0]), ("lr0_candidate", inputs.lr0[1])]
+        for extra in (inputs.baseline_config, inputs.candidate_config, inputs.optimizer_check,
+                      inputs.conversion):
+            if extra is not None and not Path(extra).exists():
+                raise BadInput(f"{extra}: no such file or directory")
+        kinds = {role: detect(p) for role, p in items}
+        runs: dict[str, Run] = {}
+        for role, path in items:
+            t = time.perf_counter()
+            runs[role] = load_run(path, kinds[role])
+            if progress:
+                progress(f"{role}: {path} ({kinds[role]}, {_size(path)}): {len(runs[role].steps)} steps in "
+                         f"{time.perf_counter() - t:.2f} s")
+        return cls(inputs, runs)
+
+    # -- evidence by meaning ------------------------------------------------------------------------------
+    def evidence_file(self, run: Run, name: str) -> Path | None:
+        """``RUN/evidence/<name>`` of a run store, when present."""
+        if run.store is None:
+            return None
+        p = Path(run.path) / EVIDENCE_DIR / name
+        return p if p.is_file() else None
+
+    def config(self, role: str) -> tuple[str, dict[str, Any]] | None:
+        """(kind, values) of a run's config: the file named on the command line, else the snapshot the
+        dumper recorded in meta.json (``{"kind", "values"}``, or the bare dict with the framework saying
+        which kind), else a Megatron log's own arguments block."""
+        from align.sources.configs import read_megatron, read_mindformers
+
+        path = self.inputs.baseline_config if role == "baseline" else self.inputs.candidate_config
+        if path is not None:
+            text_kind = "mindformers_yaml" if Path(path).suffix in (".yaml", ".yml") else "megatron_args"
+            if text_kind == "mindformers_yaml":
+                return text_kind, read_mindformers(path)
+            return text_kind, read_megatron(path)[0]
+        run = self.baseline if role == "baseline" else self.candidate
+        cfg = run.meta.get("config")
+        if isinstance(cfg, dict) and isinstance(cfg.get("values"), dict) and "kind" in cfg:
+            return str(cfg["kind"]), cfg["values"]
+        if isinstance(cfg, dict) and cfg:
+            fw = str(run.meta.get("framework", ""))
+            return ("mindformers_yaml" if fw.startswith("mind") else "megatron_args"), cfg
+        args = run.meta.get("arguments")
+        if isinstance(args, dict) and args:
+            return "megatron_args", args
+        return None
+
+    @cached_property
+    def dtype(self) -> tuple[str, str]:
+        """(dtype, where it came from): the coarsest compute precision either run recorded; float32 when
+        neither recorded one (and the stages say so)."""
+        if self.options.dtype:
+            return normalize(self.options.dtype), "--dtype"
+        found = []
+        for run in (self.baseline, self.candidate):
+            d = run.meta.get("dtypes")
+            if isinstance(d, dict):
+                found += [normalize(str(d[k])) for k in ("compute", "params", "grads") if d.get(k)]
+        if found:
+            return coarsest(found), "recorded in the runs' meta.json (dtypes)"
+        return "float32", "not recorded by either run: assumed float32"
+
+    @cached_property
+    def scalars(self) -> ScalarComparison:
+        return compare_scalars(self.baseline, self.candidate, self.repeats, self.options.scalar)
+
+    def transform_params(self) -> Any:
+        """Heads and query groups for fused-QKV transforms, from the baseline's config when known."""
+        from align.core.mapping import TransformParams
+
+        cfg = self.config("baseline")
+        vals = cfg[1] if cfg else {}
+        heads = vals.get("num_attention_heads")
+        groups = vals.get("num_query_groups") if vals.get("group_query_attention", True) else heads
+        if not isinstance(heads, int):
+            return None
+        return TransformParams(num_heads=heads, num_query_groups=groups if isinstance(groups, int) else heads)

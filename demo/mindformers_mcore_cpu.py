@@ -1,0 +1,530 @@
+"""MindFormers 2.x "mcore" models on CPU: Qwen3-style dense, Qwen3-MoE-style and DeepSeek-V3-style (MLA).
+
+Why this exists: MindFormers 2.1.0 trains only its Megatron-style mcore models (``use_legacy: False``); the
+comparison with Megatron-LM is meant for those. They are built here through MindFormers' own
+``Training*ForCausalLM`` classes, tiny and float32, and trained by MindFormers' own MFTrainOneStepCell.
+
+MindSpore 2.10 has no CPU kernel for a few primitives on that path. :func:`install_cpu_standins` swaps each
+such primitive *instance* inside the built network for a small Cell that computes the same math with
+classic ops that do have CPU kernels (tests/test_mindformers_mcore.py checks each against that math):
+
+* ``RmsNorm`` (fused RMSNorm)          -> x * rsqrt(mean(x^2) + eps) * gamma, and rstd
+* ``Outer`` (RoPE frequencies)         -> x[:, None] * y[None, :]
+* ``FlashAttentionScore``              -> softmax(q k^T * scale + mask) v, with GQA (kv heads repeated per
+                                          query group, as Megatron does) and a causal / given mask
+* the embedding ``Morph`` (its mint embedding has no CPU backward) -> Gather on the weight
+* PYNATIVE only: ``Morph`` (graph-only primitive) -> the Python function it wraps; ``OneHotExt`` ->
+  ``OneHot``; ``ZerosLikeExt`` -> ``ZerosLike``.
+
+Nothing else of MindFormers is touched: parameters, layouts and the training step are its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from demo.mindformers_cpu import CPUTrainOneStepCell
+
+MODEL_KINDS = ("dense", "moe", "mla")
+# The mapping preset (align/core/presets) of each kind against a megatron-core baseline.
+MCORE_PRESETS = {k: f"megatron_core__mindformers_mcore_{k}" for k in MODEL_KINDS}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model description shared with the Megatron side
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class McoreSpec:
+    """A tiny model both frameworks build: Qwen3-style dense (GQA, RoPE, RMSNorm, SwiGLU, q/k layernorm)."""
+
+    kind: str = "dense"
+    vocab_size: int = 64
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 64
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qk_layernorm: bool = True
+    # MoE (kind moe / mla): routed experts, top-k, expert width; shared expert width (0 = none)
+    num_experts: int = 4
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int = 16
+    shared_expert_size: int = 0
+    # MLA (kind mla, DeepSeek-V3): low-rank q / kv, rope and value head dims; dense first layers
+    q_lora_rank: int = 24
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 8
+    qk_pos_emb_head_dim: int = 4
+    v_head_dim: int = 8
+    first_k_dense: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def spec_from_megatron(cfg: Any, kind: str = "dense") -> McoreSpec:
+    """The McoreSpec of a Megatron ``TinyLlamaConfig`` (duck-typed): every shape field, eps and RoPE base."""
+    extra = dict(getattr(cfg, "extra", None) or {})
+    return McoreSpec(kind=kind, vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size),
+                     num_layers=int(cfg.num_layers), num_attention_heads=int(cfg.num_attention_heads),
+                     num_query_groups=int(cfg.num_query_groups or cfg.num_attention_heads),
+                     ffn_hidden_size=int(cfg.ffn_hidden_size), seq_length=int(cfg.seq_length),
+                     micro_batch_size=int(cfg.micro_batch_size),
+                     rms_norm_eps=float(extra.get("layernorm_epsilon", 1e-5)),
+                     rope_theta=float(extra.get("rotary_base", 10000.0)),
+                     qk_layernorm=bool(extra.get("qk_layernorm", False)))
+
+
+def megatron_extra(spec: McoreSpec) -> dict[str, Any]:
+    """TransformerConfig extras that make demo.megatron_cpu.build_tiny_llama the same model as ``spec``."""
+    if spec.rope_theta != 10000.0:   # GPTModel's own argument (rotary_base), fixed at 10000 by build_tiny_llama
+        raise ValueError("the Megatron tiny model uses RoPE base 10000")
+    extra: dict[str, Any] = {"layernorm_epsilon": spec.rms_norm_eps, "qk_layernorm": spec.qk_layernorm}
+    if spec.kind in ("moe", "mla"):
+        extra.update(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk,
+                     moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather")
+        if spec.shared_expert_size:
+            extra["moe_shared_expert_intermediate_size"] = spec.shared_expert_size
+    if spec.kind == "mla":
+        extra.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                     qk_head_dim=spec.qk_head_dim, qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
+                     v_head_dim=spec.v_head_dim, moe_router_enable_expert_bias=True,
+                     moe_router_score_function="sigmoid")
+        if spec.first_k_dense:   # build_tiny_llama uses one layer spec for every layer: all MoE
+            raise ValueError("the Megatron tiny model has no dense first layers: set first_k_dense=0")
+    return extra
+
+
+def megatron_config_kwargs(spec: McoreSpec) -> dict[str, Any]:
+    """Keyword arguments of demo.megatron_cpu.TinyLlamaConfig for the same model as ``spec``."""
+    return {"vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_query_groups": spec.num_attention_heads if spec.kind == "mla" else spec.num_query_groups,
+            "ffn_hidden_size": spec.ffn_hidden_size, "seq_length": spec.seq_length,
+            "micro_batch_size": spec.micro_batch_size, "extra": megatron_extra(spec)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU stand-ins (one per primitive without a CPU kernel)
+# ---------------------------------------------------------------------------------------------------------
+
+class CpuRmsNorm(nn.Cell):
+    """Stand-in for ``ops.RmsNorm(eps)``: returns (x * rstd * gamma, rstd), rstd = rsqrt(mean(x^2) + eps)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.mean = ops.ReduceMean(keep_dims=True)
+        self.rsqrt = ops.Rsqrt()
+        self.square = ops.Square()
+
+    def construct(self, x: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+        rstd = self.rsqrt(self.mean(self.square(x), -1) + self.eps)
+        return x * rstd * gamma, rstd
+
+
+class CpuOuter(nn.Cell):
+    """Stand-in for ``Outer``: x[:, None] * y[None, :]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand = ops.ExpandDims()
+
+    def construct(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.expand(x, 1) * self.expand(y, 0)
+
+
+class CpuFlashAttentionScore(nn.Cell):
+    """Stand-in for ``FlashAttentionScore`` (layouts BNSD and BSH, no dropout, no alibi / prefix).
+
+    softmax(q k^T * scale, masked) v in float32. Masked positions get -1e4 as in Megatron-core's
+    ``attention_mask_func`` (exp underflows to exactly 0 either way). Key/value heads are repeated for
+    GQA: query head h reads kv head h // (heads / kv_heads), Megatron's grouping. The mask is the one given
+    (uint8/bool, 1 = masked, broadcast over batch and heads) or causal for sparse modes 2/3.
+    Returns FlashAttentionScore's four outputs; only the last (attention output) is computed for real,
+    the first three are zeros of the documented shapes.
+    """
+
+    def __init__(self, head_num: int, scale_value: float, input_layout: str = "BNSD", sparse_mode: int = 0
+                 ) -> None:
+        super().__init__()
+        if input_layout not in ("BNSD", "BSH"):
+            raise ValueError(f"CpuFlashAttentionScore: input_layout {input_layout} not supported")
+        self.head_num = int(head_num)
+        self.scale = float(scale_value)
+        self.layout = input_layout
+        self.causal = int(sparse_mode) in (2, 3)
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.bmm_pv = ops.BatchMatMul()
+        self.softmax = ops.Softmax(-1)
+        self.cast = ops.Cast()
+        self.select = ops.Select()
+        self.transpose = ops.Transpose()
+        self.reshape = ops.Reshape()
+        self.tile = ops.Tile()
+        self.expand = ops.ExpandDims()
+        self.zeros = ops.Zeros()
+
+    def _bnsd(self, x: Tensor, heads: int) -> Tensor:
+        if self.layout == "BNSD":
+            return x
+        b, s, h = x.shape
+        return self.transpose(self.reshape(x, (b, s, heads, h // heads)), (0, 2, 1, 3))
+
+    def construct(self, query: Tensor, key: Tensor, value: Tensor, real_shift: Any = None,
+                  drop_mask: Any = None, padding_mask: Any = None, attn_mask: Any = None,
+                  prefix: Any = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        n = self.head_num
+        if self.layout == "BNSD":
+            kv_heads = key.shape[1]
+        else:
+            kv_heads = key.shape[2] * n // query.shape[2]
+        q = self._bnsd(query, n)
+        k = self._bnsd(key, kv_heads)
+        v = self._bnsd(value, kv_heads)
+        b, _, s, _ = q.shape
+        skv = k.shape[2]
+        if kv_heads != n:
+            rep = n // kv_heads
+            k = self.reshape(self.tile(self.expand(k, 2), (1, 1, rep, 1, 1)), (b, n, skv, k.shape[-1]))
+            v = self.reshape(self.tile(self.expand(v, 2), (1, 1, rep, 1, 1)), (b, n, skv, v.shape[-1]))
+        scores = self.bmm_qk(self.cast(q, ms.float32), self.cast(k, ms.float32)) * self.scale
+        if self.causal or attn_mask is None:
+            mask = Tensor(np.triu(np.ones((s, skv), dtype=np.bool_), k=1))
+        else:
+            mask = self.cast(attn_mask, ms.bool_)
+            if mask.ndim == 2:
+                mask = self.reshape(mask, (1, 1, s, skv))
+        fill = ops.fill(ms.float32, scores.shape, -10000.0)
+        mask = ops.broadcast_to(mask, scores.shape)
+        scores = self.select(mask, fill, scores)
+        probs = self.softmax(scores)
+        out = self.cast(self.bmm_pv(probs, self.cast(v, ms.float32)), query.dtype)
+        if self.layout == "BSH":
+            out = self.reshape(self.transpose(out, (0, 2, 1, 3)), (b, s, -1))
+        stats = self.zeros((b, n, s, 8), ms.float32)
+        return stats, stats, self.zeros((1,), query.dtype), out
+
+
+class CpuEmbedding(nn.Cell):
+    """Stand-in for the embedding Morph of VocabParallelEmbedding (TP=1): Gather rows of the weight.
+
+    Why: its mint embedding has a CPU forward but no CPU backward; Gather's backward exists on CPU.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gather = ops.Gather()
+
+    def construct(self, input_ids: Tensor, weight: Tensor) -> Tensor:
+        return self.gather(weight, input_ids, 0)
+
+
+class CpuOneHot(nn.Cell):
+    """Stand-in for ``OneHotExt(axis)`` (PYNATIVE): the classic OneHot with the same arguments."""
+
+    def __init__(self, axis: int = -1) -> None:
+        super().__init__()
+        self.onehot = ops.OneHot(axis=axis)
+
+    def construct(self, indices: Tensor, depth: Any, on_value: Tensor, off_value: Tensor) -> Tensor:
+        return self.onehot(indices, int(depth), on_value, off_value)
+
+
+class CpuZerosLike(nn.Cell):
+    """Stand-in for ``ZerosLikeExt`` (PYNATIVE): the classic ZerosLike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.zeros_like = ops.ZerosLike()
+
+    def construct(self, x: Tensor, dtype: Any = None) -> Tensor:
+        return self.zeros_like(x)
+
+
+class _MorphFunction:
+    """PYNATIVE stand-in for ``Morph``: calls the function the Morph wraps (Morph runs only in GRAPH)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def _replace(cell: nn.Cell, name: str, new: Any) -> None:
+    cell._primitives.pop(name, None)  # noqa: SLF001 - MindSpore keeps primitive attributes here
+    cell.__dict__.pop(name, None)
+    if isinstance(new, nn.Cell):
+        setattr(cell, name, new)
+    else:
+        object.__setattr__(cell, name, new)
+
+
+def _standin_for(prim: Any, pynative: bool, owner: nn.Cell) -> Any:
+    kind = type(prim).__name__
+    if kind == "RmsNorm":
+        return CpuRmsNorm(prim.epsilon if hasattr(prim, "epsilon") else prim.eps)
+    if kind == "Outer":
+        return CpuOuter()
+    if kind == "FlashAttentionScore":
+        # the primitive keeps its layout as an enum; the owning FlashAttention cell keeps the string
+        layout = getattr(owner, "input_layout", None)
+        if not isinstance(layout, str) or float(prim.keep_prob) != 1.0 or getattr(owner, "is_sliding_layer", False):
+            raise ValueError(f"{type(owner).__name__}: the CPU attention stand-in needs layout BNSD/BSH, no "
+                             "dropout and no sliding window")
+        return CpuFlashAttentionScore(prim.head_num, prim.scale_value, layout, prim.sparse_mode)
+    if pynative and kind == "OneHotExt":
+        return CpuOneHot(int(prim.axis))
+    if pynative and kind == "ZerosLikeExt":
+        return CpuZerosLike()
+    return None
+
+
+def install_cpu_standins(net: nn.Cell, mode: str = "graph") -> dict[str, int]:
+    """Swap every primitive without a CPU kernel inside ``net`` for its stand-in; returns counts by kind."""
+    from mindspore.ops.operations import Morph
+
+    pynative = mode.lower() == "pynative"
+    counts: dict[str, int] = {}
+    for _, cell in list(net.cells_and_names()):
+        for name, prim in list(cell._primitives.items()):  # noqa: SLF001
+            if name == "embedding_morph" and isinstance(prim, Morph):
+                new: Any = CpuEmbedding()
+            elif isinstance(prim, Morph):
+                new = _MorphFunction(prim.__morph_fn__) if pynative else None
+            else:
+                new = _standin_for(prim, pynative, cell)
+            if new is None:
+                continue
+            _replace(cell, name, new)
+            key = type(prim).__name__ if name != "embedding_morph" else "Embedding"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Context, config and the model
+# ---------------------------------------------------------------------------------------------------------
+
+def set_mcore_context(mode: str = "graph", *, seed: int | None = None) -> None:
+    """CPU, the mode, and MindFormers' ``use_legacy: False`` (mcore models, the mcore training step).
+
+    MindFormers' context is a process-wide singleton that cannot be built twice (CPU affinity is set once):
+    the first call builds it, later calls only switch ``use_legacy`` on the existing one.
+    """
+    from mindformers.core.context import build_context
+    from mindformers.core.context.build_context import Context, MFContextOperator
+
+    ms_mode = {"pynative": 1, "graph": 0}[mode.lower()]
+    if Context.is_exists() and MFContextOperator.get_mf_ctx_instance() is not None:
+        MFContextOperator.get_mf_ctx_instance().use_legacy = False
+    else:
+        build_context({"use_legacy": False, "run_mode": "train", "parallel": {},
+                       "context": {"mode": ms_mode, "device_target": "CPU", "max_call_depth": 10000}})
+    ms.set_context(mode=ms_mode, device_target="CPU")
+    if ms_mode == ms.PYNATIVE_MODE:
+        ms.runtime.launch_blocking()
+    if seed is not None:
+        ms.set_seed(seed)
+        np.random.seed(seed)
+
+
+def reset_mindformers_context() -> None:
+    """Give ``use_legacy`` its default (True) back, so legacy Llama cells built later in this process take
+    MFTrainOneStepCell's legacy step (it reads the flag when a cell is built)."""
+    from mindformers.core.context.build_context import MFContextOperator
+
+    inst = MFContextOperator.get_mf_ctx_instance()
+    if inst is not None:
+        inst.use_legacy = True
+
+
+def qwen3_config(spec: McoreSpec, **overrides: Any) -> Any:
+    """A MindFormers Qwen3Config for ``spec``: float32 everywhere, no dropout, pad_token_id -1."""
+    from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+    values: dict[str, Any] = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim,
+        max_position_embeddings=spec.seq_length, seq_length=spec.seq_length, batch_size=spec.micro_batch_size,
+        rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta, tie_word_embeddings=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        # MindFormers hides keys whose token == pad_token_id from attention; Megatron never does.
+        pad_token_id=-1,
+        compute_dtype="float32", params_dtype="float32", layernorm_compute_dtype="float32",
+        softmax_compute_dtype="float32", rotary_dtype="float32")
+    values.update(overrides)
+    return Qwen3Config(**values)
+
+
+def _moe_values(spec: McoreSpec) -> dict[str, Any]:
+    return {"moe_intermediate_size": spec.moe_ffn_hidden_size, "num_experts_per_tok": spec.moe_topk,
+            "norm_topk_prob": True, "moe_router_topk_scaling_factor": 1.0, "moe_grouped_gemm": True}
+
+
+def qwen3_moe_config(spec: McoreSpec, **overrides: Any) -> Any:
+    """A MindFormers Qwen3MoeConfig for ``spec`` (every layer MoE; grouped GEMM is its only expert path)."""
+    from mindformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    base = qwen3_config(spec).to_dict()
+    values = {k: base[k] for k in _SHARED_CONFIG_KEYS if k in base}
+    values.update(_moe_values(spec), num_experts=spec.num_experts, decoder_sparse_step=1,
+                  num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim,
+                  intermediate_size=spec.ffn_hidden_size)
+    values.update(overrides)
+    return Qwen3MoeConfig(**values)
+
+
+def deepseek3_config(spec: McoreSpec, **overrides: Any) -> Any:
+    """A MindFormers DeepseekV3Config for ``spec``: MLA (mla_qkv_concat False, q/kv layernorm), MoE after
+    ``first_k_dense`` dense layers, ``shared_expert_size`` / moe width shared experts, no MTP."""
+    from mindformers.models.deepseek3.configuration_deepseek_v3 import DeepseekV3Config
+
+    base = qwen3_config(spec).to_dict()
+    values = {k: base[k] for k in _SHARED_CONFIG_KEYS if k in base}
+    values.update(_moe_values(spec), n_routed_experts=spec.num_experts,
+                  n_shared_experts=(spec.shared_expert_size // spec.moe_ffn_hidden_size) or None,
+                  first_k_dense_replace=spec.first_k_dense, num_key_value_heads=spec.num_attention_heads,
+                  intermediate_size=spec.ffn_hidden_size, kv_lora_rank=spec.kv_lora_rank,
+                  q_lora_rank=spec.q_lora_rank, qk_rope_head_dim=spec.qk_pos_emb_head_dim,
+                  qk_nope_head_dim=spec.qk_head_dim, v_head_dim=spec.v_head_dim, n_group=1, topk_group=1,
+                  num_nextn_predict_layers=0, routed_scaling_factor=1.0, mla_qkv_concat=False,
+                  qk_layernorm=True)
+    values.update(overrides)
+    return DeepseekV3Config(**values)
+
+
+_SHARED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "max_position_embeddings", "seq_length", "batch_size", "rms_norm_eps", "rope_theta",
+                       "tie_word_embeddings", "hidden_dropout", "attention_dropout", "pad_token_id",
+                       "compute_dtype", "params_dtype", "layernorm_compute_dtype", "softmax_compute_dtype",
+                       "rotary_dtype")
+
+
+def build_mcore_model(spec: McoreSpec, mode: str = "graph", *, seed: int = 0, standins: bool = True,
+                      **config_overrides: Any) -> nn.Cell:
+    """A real MindFormers mcore ``Training*ForCausalLM`` for ``spec`` with the CPU stand-ins installed.
+
+    Call :func:`set_mcore_context` first. Parameter names (``net.get_parameters()``) are Megatron's own
+    (``decoder.layers.0.self_attention.linear_qkv.weight``, ...); linear_fc1 is row-interleaved gate/up,
+    routed experts are stacked (``mlp.experts.weight1`` / ``weight2``).
+    kinds: dense (TrainingQwen3ForCausalLM, trains here), moe (TrainingQwen3MoeForCausalLM) and mla
+    (TrainingDeepseekV3ForCausalLM): the MoE kinds build (names, shapes, conversion) but their expert
+    kernels (TopkExt, GroupedMatmul, ...) have no CPU stand-in yet, so they do not run here.
+    """
+    ms.set_seed(seed)
+    if spec.kind == "dense":
+        if not spec.qk_layernorm:
+            raise ValueError("TrainingQwen3ForCausalLM always has q/k layernorm; set qk_layernorm=True")
+        from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
+
+        net = TrainingQwen3ForCausalLM(qwen3_config(spec, **config_overrides))
+    elif spec.kind == "moe":
+        from mindformers.models.qwen3_moe.modeling_qwen3_moe_train import TrainingQwen3MoeForCausalLM
+
+        net = TrainingQwen3MoeForCausalLM(qwen3_moe_config(spec, **config_overrides))
+    elif spec.kind == "mla":
+        from mindformers.models.deepseek3.modeling_deepseek_v3_train import TrainingDeepseekV3ForCausalLM
+
+        net = TrainingDeepseekV3ForCausalLM(deepseek3_config(spec, **config_overrides))
+    else:
+        raise ValueError(f"model kind {spec.kind!r}: expected one of {', '.join(MODEL_KINDS)}")
+    if standins:
+        install_cpu_standins(net, mode)
+    net.set_train(True)
+    return net
+
+
+class McoreReplayLoss(nn.Cell):
+    """The mcore model called with (input_ids, labels, loss_mask): the replay dataset's columns.
+
+    Why: training cells pass dataset columns positionally; the mcore construct takes labels 5th and
+    loss_mask 8th. ``network`` is the attribute MindFormers' ``get_real_models`` unwraps.
+    """
+
+    def __init__(self, net: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        self.network = net
+
+    def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor) -> Any:
+        return self.network(input_ids, None, None, None, labels, None, None, loss_mask)
+
+
+def build_mcore_train_cell(net: nn.Cell, *, learning_rate: float = 1e-3, weight_decay: float = 0.0,
+                           local_norm: bool = True, use_clip_grad: bool = True, max_grad_norm: float = 1.0,
+                           optimizer: nn.Optimizer | None = None) -> CPUTrainOneStepCell:
+    """MindFormers' training step (mcore path of MFTrainOneStepCell, CPU overflow check) around ``net``.
+
+    Default optimizer: ``mindformers.core.optim.AdamW`` (runs on CPU; matches torch AdamW to ~4e-7).
+    """
+    if optimizer is None:
+        from mindformers.core.optim import AdamW
+
+        optimizer = AdamW(net.trainable_params(), learning_rate=learning_rate, weight_decay=weight_decay,
+                          betas=(0.9, 0.95), eps=1e-8)
+    cell = CPUTrainOneStepCell(McoreReplayLoss(net), optimizer, local_norm=local_norm,
+                               use_clip_grad=use_clip_grad, max_grad_norm=max_grad_norm)
+    cell.set_train(True)
+    return cell
+
+
+def mcore_inputs(batch: Mapping[str, np.ndarray]) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids, labels, loss_mask) Tensors from a Megatron-style or MindFormers-style batch dict."""
+    ids = batch.get("input_ids", batch.get("tokens"))
+    if ids is None:
+        raise KeyError("batch needs input_ids (or tokens)")
+    return (Tensor(np.asarray(ids).astype(np.int32)), Tensor(np.asarray(batch["labels"]).astype(np.int32)),
+            Tensor(np.asarray(batch["loss_mask"]).astype(np.float32)))
+
+
+def forward_loss(net: nn.Cell, batch: Mapping[str, np.ndarray]) -> float:
+    """The lm loss of one batch: sum(ce * loss_mask) / sum(loss_mask), as Megatron computes it."""
+    wrapper = net.__dict__.get("_xf_replay_loss")
+    if wrapper is None:   # one wrapper per model: GRAPH compiles it once, not on every call
+        wrapper = McoreReplayLoss(net)
+        object.__setattr__(net, "_xf_replay_loss", wrapper)
+    out = wrapper(*mcore_inputs(batch))
+    return float(np.asarray(out[0].asnumpy()).reshape(-1)[0])
+
+
+def parameter_arrays(net: nn.Cell) -> dict[str, np.ndarray]:
+    """Every parameter of ``net`` by its MindFormers checkpoint name (no ``model.`` prefix), as numpy."""
+    return {p.name: p.asnumpy().copy() for p in net.get_parameters()}   # a copy: asnumpy may share memory
+
+
+def load_parameter_arrays(net: nn.Cell, arrays: Mapping[str, np.ndarray]) -> None:
+    """Copy ``arrays`` into ``net``'s parameters by name; every name and shape must match exactly."""
+    params = {p.name: p for p in net.get_parameters()}
+    missing = sorted(set(params) - set(arrays))
+    extra = sorted(set(arrays) - set(params))
+    if missing or extra:
+        raise KeyError(f"parameter names differ: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, p in params.items():
+        a = np.asarray(arrays[name])
+        if tuple(a.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: shape {a.shape} != parameter shape {tuple(p.shape)}")
+        p.set_data(Tensor(a.astype(np.float32) if a.dtype != np.float32 else a))
+
+
+def quiet_mindformers_output(path: str) -> None:
+    """Point MindFormers' ./output (logs, checkpoints) elsewhere; call before importing mindformers."""
+    os.environ.setdefault("LOCAL_DEFAULT_PATH", path)

@@ -1,0 +1,202 @@
+"""Megatron-core layouts users train with, on CPU (gloo): the dumper's view of each, written as run stores.
+
+Why one script with several layouts: every torchrun launch costs ~10 s of imports on a 2-core machine, so a
+launch runs its layouts one after the other, re-initialising Megatron's parallel state in between
+(``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
+batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
+
+one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,ckpt_ref``)
+  ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
+  fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
+  bf16      the same in bf16 (fp32 grad accumulation, Megatron's default).
+  ref4      like ref with 4 layers (the reference of vpp).
+  ref_moe   MoE (4 experts, top-2, allgather dispatcher, shared expert with gate), EP=1.
+  lm_loop   the integration (dumpers.megatron_lm.install) on a loop shaped like Megatron-LM's train()
+            (tests/megatron_lm_shape.py): 3 iterations, evaluation after iteration 2.
+  ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
+two processes (``--scenarios distopt,pp2,vpp,ep2,ckpt_tp2,ckpt_pp2``)
+  distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
+  pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
+  vpp       4 layers at PP=2 with 2 virtual stages (Megatron's interleaved schedule).
+  ep2       the MoE model at EP=2 (DP=2 for dense parameters), a ChainedOptimizer (dense + expert).
+  ckpt_tp2  the untrained model at TP=2 saved by megatron-core's dist_checkpointing (torch_dist) and in the
+            legacy layout (mp_rank_0T/model_optim_rng.pt with a pickled argparse Namespace), + step-1 loss.
+  ckpt_pp2  the same at PP=2, legacy layout (mp_rank_00_00P).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from demo import megatron_cpu as mc  # noqa: E402
+from dumpers.megatron import MegatronDumper  # noqa: E402
+from dumpers.torch_dumper import DumpConfig  # noqa: E402
+
+STEPS = 2
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
+       "moe_aux_loss_coeff": 0.0, "moe_ffn_hidden_size": 64, "moe_shared_expert_intermediate_size": 64,
+       "moe_shared_expert_gate": True, "moe_router_load_balancing_type": "none"}
+
+
+def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distopt: bool = False,
+                 loss_scale: float | None = None, grad_fp32: bool = True) -> dict:
+    """Train STEPS steps of the current layout with the dumper; micro = DP ranks whose batches this rank runs."""
+    from megatron.core.distributed import finalize_model_grads
+
+    chunks = mc.build_model_chunks(cfg, seed=1234)
+    # small buckets under the distributed optimizer: each bucket is split across DP ranks, so parameters
+    # straddle the shard boundary (one bucket happens to split between two whole parameters here)
+    ddp = [mc.wrap_ddp(c, use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_fp32,
+                       bucket_size=10000 if distopt else None) for c in chunks]
+    opt = mc.make_megatron_optimizer(ddp, lr=1e-3, clip_grad=1.0, use_distributed_optimizer=distopt,
+                                     loss_scale=loss_scale)
+    config = ddp[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = opt.scale_loss
+    dumper = MegatronDumper(ddp, opt, DumpConfig(out=out, seed_layout=True),
+                            meta={"config": {"kind": "megatron_args", "values": cfg.as_dict()}})
+    losses, norms = [], []
+    for step in range(1, STEPS + 1):
+        dumper.begin_step(step)
+        for c in ddp:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        batches = [mc.synthetic_batch(step, cfg, dp_rank=d) for d in micro]
+        reduced = mc.pipeline_forward_backward(ddp, batches, cfg, on_batch=dumper.record_batch)
+        ok, gnorm, _ = opt.step()
+        loss = mc.reduce_lm_loss(reduced)
+        losses.append(loss)
+        norms.append(gnorm)
+        dumper.end_step(loss=loss)
+    dumper.close()
+    return {"losses": losses, "grad_norms": norms, "errors": dumper.errors, "error_log": dumper.error_log,
+            "optimizer": type(opt.inner).__name__}
+
+
+def lm_loop(out: Path, cfg: mc.TinyLlamaConfig) -> dict:
+    """The documented integration: install() first, then Megatron-LM's train() runs untouched."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import megatron_lm_shape as shape
+
+    from dumpers.megatron_lm import install
+
+    integration = install(out=out, seed_layout=True, module=shape)
+    chunks = mc.build_model_chunks(cfg, seed=1234)
+    ddp = [mc.wrap_ddp(c) for c in chunks]
+    opt = mc.make_megatron_optimizer(ddp, lr=1e-3, clip_grad=1.0)
+    train_batches = [mc.synthetic_batch(s, cfg, dp_rank=d) for s in (1, 2, 3) for d in (0, 1)]
+    valid_batches = [mc.synthetic_batch(100 + s, cfg) for s in range(4)]
+    log = shape.train(shape.forward_step, ddp, opt, None, iter(train_batches), iter(valid_batches),
+                      SimpleNamespace(seq_len=cfg.seq_length, mbs=cfg.micro_batch_size))
+    integration.close()
+    dumper = integration.dumper
+    return {"log": log, "errors": dumper.errors, "error_log": dumper.error_log,
+            "train_tokens": [b["tokens"].tolist() for b in train_batches],
+            "valid_tokens": [b["tokens"].tolist() for b in valid_batches]}
+
+
+def save_legacy(root: Path, model: torch.nn.Module, info: mc.ParallelInfo, pp: int) -> None:
+    """Megatron-LM's legacy ``torch`` format: the model state_dict next to a pickled argparse Namespace."""
+    import argparse
+
+    name = f"mp_rank_{info.tp_rank:02d}" + (f"_{info.pp_rank:03d}" if pp > 1 else "")
+    (root / name).mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(swiglu=True, tensor_model_parallel_size=info.tp, pipeline_model_parallel_size=pp,
+                              num_layers=2, params_dtype=torch.float32)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": model.state_dict()},
+               root / name / "model_optim_rng.pt")
+
+
+def checkpoint(out: Path, cfg: mc.TinyLlamaConfig, info: mc.ParallelInfo, *, dist: bool) -> dict:
+    from megatron.core import dist_checkpointing
+
+    model = mc.build_model_chunks(cfg, seed=1234)[0]
+    res: dict = {}
+    if info.pp == 1:
+        with torch.no_grad():
+            res["loss"] = float(mc.forward_loss(model, mc.synthetic_batch(1, cfg)))
+    if dist:
+        (out / "torch_dist").mkdir(parents=True, exist_ok=True)
+        with mc.cpu_device_redirect():
+            dist_checkpointing.save(model.sharded_state_dict(), str(out / "torch_dist"))
+    save_legacy(out / "legacy", model, info, info.pp)
+    torch.distributed.barrier()
+    return {**res, "errors": 0, "error_log": []}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scenarios", required=True)
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    info = mc.init_megatron_cpu(tp=1, seed=1234)
+    out = Path(args.out)
+    dense = mc.TinyLlamaConfig(micro_batch_size=2)
+    moe = mc.TinyLlamaConfig(micro_batch_size=2, extra=dict(MOE))
+    deep = mc.TinyLlamaConfig(micro_batch_size=2, num_layers=4)
+    result: dict = {"rank": info.rank}
+    for scenario in args.scenarios.split(","):
+        if scenario == "ref":
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+        elif scenario == "fp16":
+            cfg16 = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="float16")
+            result[scenario] = train_layout(out / scenario, cfg16, micro=[0, 1], loss_scale=1024.0,
+                                            grad_fp32=False)
+        elif scenario == "lm_loop":
+            result[scenario] = lm_loop(out / scenario, dense)
+        elif scenario == "ckpt_ref":
+            model = mc.build_model_chunks(dense, seed=1234)[0]
+            (out / scenario).mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), out / scenario / "megatron.pt")
+            with torch.no_grad():
+                loss = float(mc.forward_loss(model, mc.synthetic_batch(1, dense)))
+            result[scenario] = {"loss": loss, "errors": 0, "error_log": []}
+        elif scenario == "ckpt_tp2":
+            info = mc.set_parallel(tp=2)
+            result[scenario] = checkpoint(out / scenario, dense, info, dist=True)
+        elif scenario == "ckpt_pp2":
+            info = mc.set_parallel(pp=2)
+            result[scenario] = checkpoint(out / scenario, dense, info, dist=False)
+        elif scenario == "ref_moe":
+            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
+        elif scenario == "distopt":
+            info = mc.set_parallel()
+            result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True)
+        elif scenario == "ref4":
+            result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
+        elif scenario == "bf16":
+            cfgb = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="bfloat16")
+            result[scenario] = train_layout(out / scenario, cfgb, micro=[0, 1])
+        elif scenario == "vpp":
+            info = mc.set_parallel(pp=2, vpp=2)
+            result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
+        elif scenario == "pp2":
+            info = mc.set_parallel(pp=2)
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+        elif scenario == "ep2":
+            info = mc.set_parallel(ep=2)
+            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank])
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        result[scenario]["info"] = mc.parallel_info().as_dict()
+    (out / f"result_{args.scenarios.replace(',', '_')}_rank{info.rank}.json").write_text(json.dumps(result))
+    mc.destroy_megatron_cpu()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

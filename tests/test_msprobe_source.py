@@ -1,0 +1,121 @@
+"""msprobe dump directories as layer-tensor sources: a real PyTorch msprobe dump of a Megatron-core GPTModel
+against a real MindSpore msprobe dump of MindFormers' LlamaForCausalLM (same converted weights and batch, one
+weight perturbed by 1e-3), both written by mindstudio-probe 26.2.0 (tests/data/msprobe/make_msprobe_dumps.py).
+The compare must pair Module.* and Cell.* names through the mapping, name layer 1 as the first departure and
+pass every other layer (no false errors from dtype spellings or layouts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from align.core.errors import BadInput
+from align.core.mapping import Mapping
+from align.sources import detect, load_run
+from align.sources.msprobe import normalise_dtype, open_msprobe, split_key
+from comparators.tensors import compare_arrays, compare_files, compare_layer_tensors
+
+DATA = Path(__file__).resolve().parent / "data" / "msprobe"
+PT, MS = DATA / "pt", DATA / "ms"
+PERTURBED = "decoder.layers.1.mlp.linear_fc2"      # Megatron's name of MindFormers' feed_forward.w2
+
+
+def _readers():
+    pytest.importorskip("torch")
+    from align.checkpoints.torch_tensors import READERS
+
+    return READERS
+
+
+def test_detected_and_opened_as_runs() -> None:
+    assert detect(PT) == detect(MS) == "msprobe"
+    pt, ms = load_run(PT), load_run(MS)
+    assert pt.meta["framework"] == "torch" and ms.meta["framework"] == "mindspore"
+    assert pt.meta["msprobe"]["steps"] == [1] and pt.meta["source"]["task"] == "tensor"
+    # a step folder or a rank folder opens too
+    assert open_msprobe(PT / "step0").array_steps() == [1]
+    assert open_msprobe(PT / "step0" / "rank0").array_ranks(1) == [0]
+
+
+def test_rows_follow_the_run_store_vocabulary() -> None:
+    rows, has_files = open_msprobe(PT).layer_rows(1)
+    assert has_files
+    fc2 = [r for r in rows if r["module"] == PERTURBED]
+    assert {r["kind"] for r in fc2} >= {"forward.input.0", "forward.output.0", "backward.grad_output.0",
+                                         "backward.grad_input.0"}
+    assert all(r["dtype"] == "float32" and Path(r["ref"]).is_file() for r in fc2)
+    out = next(r for r in fc2 if r["kind"] == "forward.output.0")
+    assert out["shape"] == "8x2x32" and out["numel"] == 512          # Megatron: [s, b, h]
+    ms_rows, _ = open_msprobe(MS).layer_rows(1)
+    w2 = next(r for r in ms_rows if r["module"] == "model.layers.1.feed_forward.w2" and r["kind"] == "forward.output.0")
+    assert w2["shape"] == "2x8x32" and w2["ref"].endswith(".npy")    # MindFormers: [b, s, h]
+    assert not any(r["module"].startswith(("Module.", "Cell.")) for r in rows + ms_rows)
+    assert split_key("Module.decoder.layers.0.mlp.MLP.forward.0") == ("decoder.layers.0.mlp", "forward", 0)
+    assert split_key("Functional.linear.3.backward") == ("Functional.linear.3", "backward", 3)
+    assert (normalise_dtype("torch.bfloat16"), normalise_dtype("Float32"), normalise_dtype("Int64")) == \
+        ("bfloat16", "float32", None)
+
+
+def test_pytorch_vs_mindspore_names_the_perturbed_layer() -> None:
+    res = compare_layer_tensors(PT, MS, Mapping.load(), readers=_readers())
+    d = res.details
+    assert d["mode"] == "tensor" and d["compared"] >= 60
+    fwd = d["first_departing_forward"]
+    assert fwd["module"] == PERTURBED and fwd["layer"] == 1 and fwd["mode"] == "tensor"
+    assert 1e-4 < fwd["value"] < 1e-2                 # the 1e-3 perturbation, not float32 noise
+    assert res.findings[0].component == PERTURBED
+    before = [r for r in d["rows"] if r["direction"] == "forward" and r["order"] < fwd["order"]]
+    assert len(before) > 20 and all(r["verdict"] == "pass" and r["rel_l2"] < 1e-5 for r in before)
+    assert not [r for r in d["rows"] if r["verdict"] == "fail"]
+
+
+def test_without_torch_reader_statistics_still_name_it() -> None:
+    res = compare_layer_tensors(PT, MS, Mapping.load(), readers=None)
+    fwd = res.details["first_departing_forward"]
+    assert fwd["module"] == PERTURBED and fwd["mode"] == "stats"
+    assert any(f.metric == "tensor_files_unread" and ".pt" in f.message for f in res.findings)
+
+
+@pytest.mark.parametrize("jobs,executor", [(2, "thread"), (2, "process")])
+def test_parallel_readers_give_the_serial_result(jobs: int, executor: str) -> None:
+    readers = _readers()
+    serial = compare_layer_tensors(PT, MS, Mapping.load(), readers=readers, jobs=1)
+    par = compare_layer_tensors(PT, MS, Mapping.load(), readers=readers, jobs=jobs, executor=executor)
+    assert par.details["rows"] == serial.details["rows"]
+    assert [f.to_json() for f in par.findings] == [f.to_json() for f in serial.findings]
+
+
+def test_npy_streamed_in_chunks_equals_whole(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 300_001)).astype(np.float32)          # several chunks, uneven tail
+    b = (a * (1 + 1e-4 * rng.standard_normal(a.shape))).astype(np.float32)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    got, want = compare_files(str(tmp_path / "a.npy"), str(tmp_path / "b.npy")), compare_arrays(a, b)
+    assert got.as_dict() == pytest.approx(want.as_dict(), rel=1e-9)
+
+
+def test_bad_dumps_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "dump"
+    shutil.copytree(MS, bad)
+    dump_json = next(bad.rglob("dump.json"))
+    dump_json.write_text('{"task": "tensor", "data": {"Cell.x')
+    with pytest.raises(BadInput) as err:
+        open_msprobe(bad).layer_rows(1)
+    assert str(dump_json) in str(err.value) and "garbled JSON" in str(err.value)
+    dump_json.write_text(json.dumps({"task": "tensor", "data": []}))
+    with pytest.raises(BadInput, match="no 'data' object"):
+        open_msprobe(bad).layer_rows(1)
+    with pytest.raises(BadInput, match="no step 3"):
+        open_msprobe(MS).layer_rows(3)
+    gone = tmp_path / "gone"
+    shutil.copytree(MS, gone)
+    victim = next(gone.rglob("Cell.model.layers.1.feed_forward.w2.Linear.forward.0.output.0.npy"))
+    victim.unlink()
+    with pytest.raises(BadInput) as err:
+        compare_layer_tensors(PT, gone, Mapping.load(), readers=_readers())
+    assert victim.name in str(err.value) and "missing" in str(err.value)
