@@ -420,7 +420,31 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
             (d / ev.name).write_bytes(data)
             tally.cli(f"import tensorboard {what}", ["import", str(d), "--out", str(d.parent / "rs")], [str(d)])
 
-    # 10. what is not a regular file, and outputs that cannot be written
+    # 10. Megatron's golden-values JSON (both layouts) and an msprobe statistics dump.json
+    golden = {"lm loss": {"start_step": 1, "end_step": 10, "step_interval": 1,
+                          "values": {str(i): 10 - i * 0.1 for i in range(1, 11)}},
+              "num-zeros": {"start_step": 0, "end_step": 10, "step_interval": 5, "values": [1.0, 2.0, "nan"]}}
+    gv_good = fresh("golden_values_dev.json", json.dumps(golden).encode())
+    for what, data in corrupt_bytes(json.dumps(golden).encode(), rng) + wrong_types(golden, rng, 25, json.dumps):
+        p = fresh("golden_values_dev.json", data)
+        tally.cli(f"import golden {what}", ["import", str(p), "--out", str(p.parent / "rs")], [str(p)])
+        tally.cli(f"report golden {what}", ["report", str(p), str(gv_good), "--out", str(p.parent / "rep"), "-q"],
+                  [str(p)])
+    dump = {"task": "statistics", "level": "L0", "framework": "pytorch", "dump_data_dir": None, "data": {
+        "Module.decoder.layers.0.mlp.MLP.forward.0": {
+            "input_args": [{"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2, 4], "Max": 1.0,
+                            "Min": -1.0, "Mean": 0.0, "Norm": 2.0, "requires_grad": False}],
+            "output": [{"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2, 4], "Max": 2.0,
+                        "Min": -2.0, "Mean": 0.1, "Norm": 3.0, "requires_grad": True}]}}}
+    for what, data in corrupt_bytes(json.dumps(dump).encode(), rng)[:5] + wrong_types(dump, rng, 25, json.dumps):
+        k += 1
+        d = tmp_path / f"case{k:04d}" / "dump"
+        (d / "step0" / "rank0").mkdir(parents=True)
+        (d / "step0" / "rank0" / "dump.json").write_bytes(data)
+        tally.cli(f"report msprobe {what}", ["report", str(d), str(d), "--out", str(d.parent / "rep"), "-q"],
+                  [str(d)])
+
+    # 11. what is not a regular file, and outputs that cannot be written
     import os
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)

@@ -278,6 +278,7 @@ class StepArrays:
     rank: int
     data: dict[str, np.ndarray] = field(default_factory=dict)
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    path: Path | None = None        # the step file, named in a bad-input message
 
     def table(self, group: str) -> pd.DataFrame | None:
         import pandas as pd
@@ -285,7 +286,7 @@ class StepArrays:
         cols = {k.split("/", 1)[1]: v for k, v in self.data.items()
                 if k.startswith(group + "/") and "/" not in k[len(group) + 1:]}
         if cols:
-            check_table(f"step {self.step}, rank {self.rank}", group, cols)
+            check_table(self.path or f"step {self.step}, rank {self.rank}", group, cols)
         return pd.DataFrame(cols) if cols else None
 
 
@@ -514,7 +515,7 @@ class RunReader:
 
     def step_arrays(self, step: int, rank: int = 0) -> StepArrays:
         data, attrs = read_h5(self.step_file(step, rank))
-        return StepArrays(step, rank, data, attrs)
+        return StepArrays(step, rank, data, attrs, self.step_file(step, rank))
 
     def iter_step_arrays(self, rank: int | None = None) -> Iterator[StepArrays]:
         for step in self.array_steps(rank):
