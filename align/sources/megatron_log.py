@@ -253,8 +253,9 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
         return None
     table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
     ncols, usecols = _layout(names)
-    # every record ends with its '|' (text after it would be a field read by no one) and has the layout's count
-    if table.count(b"|") != n * (ncols - 1) or not table.endswith(b"|"):
+    # every record ends with its '|' (text after it would be a field read by no one); the column count per
+    # record is checked by the reader (pyarrow refuses a row with more or fewer columns; pandas counts first)
+    if not table.endswith(b"|"):
         return None
     values = _read_numbers(table, ncols, usecols)
     if values is None or len(values) != n:
@@ -403,7 +404,8 @@ def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool 
         if pc.max(pc.utf8_length(pc.utf8_trim_whitespace(got.column(names[-1])))).as_py():
             return None
         return np.column_stack([got.column(c).to_numpy() for c in keep])
-    if table.count(b"|\n") + table.count(b"| \n") != table.count(b"\n") or not table.rstrip().endswith(b"|"):
+    if table.count(b"|\n") + table.count(b"| \n") != table.count(b"\n") or not table.rstrip().endswith(b"|") \
+            or table.count(b"|") != (table.count(b"\n") + 1) * (ncols - 1):   # pandas pads short rows silently
         return None
     try:
         df = pd.read_csv(io.BytesIO(table), sep="|", header=None, names=list(range(ncols)), usecols=usecols,
@@ -422,7 +424,8 @@ def parse_megatron_log(path: str | Path) -> Run:
     if not records:
         raise BadInput(f"{path}: no Megatron 'iteration N/ M |' lines found")
     fast = _fast_columns(records)
-    if fast is not None and not _uniform(raw, records, len(fast[1])):
+    pipes_ok = fast is not None and raw.count(b"|") == len(records) * (len(fast[1]) + 1)
+    if fast is not None and not pipes_ok and not _uniform(raw, records, len(fast[1]), exact=False):
         fast = None
     if fast is not None:  # every record has every field: a NaN there was printed as nan
         iters, values = fast
@@ -442,7 +445,8 @@ def parse_megatron_log(path: str | Path) -> Run:
     series = {k: make_series(iters[present], values[present], k) for k, (values, present) in columns.items()}
     if len(np.unique(iters)) != len(iters):
         notes.append("some iterations appear more than once (restart?); the last occurrence is used")
-    n_loss = raw.count(b"lm loss:")
+    # no '|' outside the records (pipes_ok) leaves no room for a record whose head is garbled
+    n_loss = 0 if pipes_ok else raw.count(b"lm loss:")
     if n_loss > len(records):  # a head garbled beyond recognition: its values have no step to go to
         notes.append(f"{n_loss - len(records)} line(s) hold 'lm loss:' without a readable "
                      "'iteration N/ M |' head; not read")
@@ -478,7 +482,7 @@ def _uniform(raw: bytes, records: list[bytes], nfields: int, exact: bool = True)
     """Cheap whole-file check that bulk reading would see every field: no line right after a record
     continues its fields (a terminal wrap that fell just after a '|'). When the file holds no '|' beyond the
     records' own, no such line can exist and the (slower) search is skipped."""
-    if raw.count(b"|") == (len(records) * (nfields + 1) if exact else b"".join(records).count(b"|")):
+    if exact and raw.count(b"|") == len(records) * (nfields + 1):
         return True
     for m in _CONTINUED.finditer(raw):
         if raw[max(0, m.start() - 256): m.start()].rstrip(b" \t").endswith(b"|"):
