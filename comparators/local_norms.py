@@ -25,6 +25,7 @@ import numpy as np
 
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
+from align.core.runstore import check_table
 
 STAGE = "step1_local_norm"
 # Relative tolerance of a local norm by compute dtype: (pass up to, warn up to); beyond is a fail.
@@ -109,6 +110,7 @@ def _read_group(path: Path, group: str) -> tuple[dict[str, np.ndarray], dict[str
                         arr = np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr],
                                        dtype=object)
                     cols[k] = arr
+            check_table(path, group, cols)
             return cols, dict(g.attrs)
     except OSError as exc:
         raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None

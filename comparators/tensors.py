@@ -342,17 +342,25 @@ def compare_files(path_a: str, path_b: str, transpose_a: bool = False, readers: 
 # ------------------------------------------------------------------------------------------------------
 
 def _read_stats(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    with h5py.File(path, "r") as h5:
-        if "tensor_stats" not in h5:
-            return [], "tensors" in h5
-        g = h5["tensor_stats"]
-        cols = {}
-        for k, ds in g.items():
-            arr = ds[...]
-            if arr.dtype.kind in ("O", "S"):
-                arr = np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr], dtype=object)
-            cols[k] = arr
-        has_tensors = "tensors" in h5
+    from align.core.runstore import check_table
+
+    try:
+        with h5py.File(path, "r") as h5:
+            if "tensor_stats" not in h5:
+                return [], "tensors" in h5
+            g = h5["tensor_stats"]
+            cols = {}
+            for k, ds in g.items():
+                if not isinstance(ds, h5py.Dataset):
+                    continue
+                arr = ds[...]
+                if arr.dtype.kind in ("O", "S"):
+                    arr = np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr], dtype=object)
+                cols[k] = arr
+            has_tensors = "tensors" in h5
+    except OSError as exc:
+        raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:80]})") from None
+    check_table(path, "tensor_stats", cols)
     n = len(cols.get("order", []))
     rows = [{k: (v[i].item() if hasattr(v[i], "item") else v[i]) for k, v in cols.items()} for i in range(n)]
     rows.sort(key=lambda r: r["order"])

@@ -88,9 +88,10 @@ def corrupt_bytes(data: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     bad_utf8 = bytearray(data)
     bad_utf8[pos:pos] = b"\xff\xfe\xc3"
     huge = b"\n".join(lines[:cut] + [b"9" * 300_000 + b" | lm loss: " + b"x" * 300_000] + lines[cut:])
+    digits = re.sub(rb"\d+", lambda m: b"9" * 40 if rng.random() < 0.02 else m.group(0), data)
     return [("flip", bytes(flipped)), ("truncate_line", b"\n".join(lines[:cut]) + b"\n"),
             ("truncate_byte", data[:pos]), ("garbage", rng.randbytes(rng.randint(1, 4096))), ("empty", b""),
-            ("nul", bytes(nul)), ("non_utf8", bytes(bad_utf8)), ("huge_line", huge)]
+            ("nul", bytes(nul)), ("non_utf8", bytes(bad_utf8)), ("huge_line", huge), ("huge_numbers", digits)]
 
 
 WRONG = [None, "garbage", -1, 0, 2.5, [1, "x"], {"k": [1]}, True, "1e999", 10 ** 400]
@@ -344,6 +345,27 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                   [target])
         tally.cli(f"check-data store {rel} {what}", ["check-data", target], [target])
 
+    # step files whose local_norm table has columns of the wrong type, shape or length
+    import h5py
+    text = h5py.string_dtype()
+    tables = {"norm_text": {"name": np.array(["a", "b"], dtype=text), "norm": np.array(["x", "y"], dtype=text)},
+              "name_int": {"name": np.array([1, 2]), "norm": np.array([1.0, 2.0])},
+              "lengths": {"name": np.array(["a"], dtype=text), "norm": np.array([1.0, 2.0])},
+              "norm_2d": {"name": np.array(["a", "b"], dtype=text), "norm": np.ones((2, 3))},
+              "no_norm": {"name": np.array(["a", "b"], dtype=text)},
+              "complex": {"name": np.array(["a", "b"], dtype=text), "norm": np.ones(2, np.complex64)}}
+    for what, cols in tables.items():
+        k += 1
+        root = tmp_path / f"case{k:04d}" / "store"
+        with RunWriter(root, meta={"framework": "megatron-core"}) as w:
+            for s in range(1, 6):
+                w.log_scalars(s, {"loss": 2.0 - s * 0.1})
+            for col, arr in cols.items():
+                w.put_array(1, f"local_norm/{col}", arr)
+            w.finish_step()
+        tally.cli(f"report table {what}", ["report", str(root), str(root), "--out", str(root.parent / "rep"),
+                                           "-q"], [str(root)])
+
     # 6. check-data on the step_N/rank_R/*.npy layout
     tok = (batches / "step_1" / "rank_0" / "tokens.npy").read_bytes()
     odd = [("strings", np.array(["a", "b"])), ("complex", np.zeros((2, 16), np.complex64)), ("scalar", np.int64(3)),
@@ -378,7 +400,51 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
         tally.cli(f"convert-weights {what}", ["convert-weights", "--to", "mindformers", str(p), "--out",
                                               str(p.parent / "out.ckpt"), "--num-heads", "2"], [str(p)])
 
-    # 9. what is not a regular file, and outputs that cannot be written
+    # 9. TensorBoard event files (torch's SummaryWriter, Megatron's tag names)
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        SummaryWriter = None
+    if SummaryWriter is not None:
+        tb = tmp_path / "tb_seed"
+        w = SummaryWriter(log_dir=str(tb))
+        for s in range(1, 21):
+            w.add_scalar("lm loss", 10 - s * 0.05, s)
+            w.add_scalar("grad-norm", 1.0, s)
+        w.close()
+        ev = next(tb.glob("events.out.tfevents.*"))
+        for what, data in corrupt_bytes(ev.read_bytes(), rng):
+            k += 1
+            d = tmp_path / f"case{k:04d}" / "tb"
+            d.mkdir(parents=True)
+            (d / ev.name).write_bytes(data)
+            tally.cli(f"import tensorboard {what}", ["import", str(d), "--out", str(d.parent / "rs")], [str(d)])
+
+    # 10. Megatron's golden-values JSON (both layouts) and an msprobe statistics dump.json
+    golden = {"lm loss": {"start_step": 1, "end_step": 10, "step_interval": 1,
+                          "values": {str(i): 10 - i * 0.1 for i in range(1, 11)}},
+              "num-zeros": {"start_step": 0, "end_step": 10, "step_interval": 5, "values": [1.0, 2.0, "nan"]}}
+    gv_good = fresh("golden_values_dev.json", json.dumps(golden).encode())
+    for what, data in corrupt_bytes(json.dumps(golden).encode(), rng) + wrong_types(golden, rng, 25, json.dumps):
+        p = fresh("golden_values_dev.json", data)
+        tally.cli(f"import golden {what}", ["import", str(p), "--out", str(p.parent / "rs")], [str(p)])
+        tally.cli(f"report golden {what}", ["report", str(p), str(gv_good), "--out", str(p.parent / "rep"), "-q"],
+                  [str(p)])
+    dump = {"task": "statistics", "level": "L0", "framework": "pytorch", "dump_data_dir": None, "data": {
+        "Module.decoder.layers.0.mlp.MLP.forward.0": {
+            "input_args": [{"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2, 4], "Max": 1.0,
+                            "Min": -1.0, "Mean": 0.0, "Norm": 2.0, "requires_grad": False}],
+            "output": [{"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2, 4], "Max": 2.0,
+                        "Min": -2.0, "Mean": 0.1, "Norm": 3.0, "requires_grad": True}]}}}
+    for what, data in corrupt_bytes(json.dumps(dump).encode(), rng)[:5] + wrong_types(dump, rng, 25, json.dumps):
+        k += 1
+        d = tmp_path / f"case{k:04d}" / "dump"
+        (d / "step0" / "rank0").mkdir(parents=True)
+        (d / "step0" / "rank0" / "dump.json").write_bytes(data)
+        tally.cli(f"report msprobe {what}", ["report", str(d), str(d), "--out", str(d.parent / "rep"), "-q"],
+                  [str(d)])
+
+    # 11. what is not a regular file, and outputs that cannot be written
     import os
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)

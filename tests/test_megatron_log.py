@@ -306,3 +306,54 @@ def test_a_few_nul_bytes_are_removed_and_noted(tmp_path):
     run = parse_megatron_log(p)
     assert run.series("loss").to_dict() == {1: 6.923337, 2: 6.923337, 3: 6.923337}
     assert any("2 NUL" in n for n in run.notes)
+
+
+def test_seconds_read_the_same_in_bulk_and_field_by_field(tmp_path):
+    lines = [f" iteration {i:>8}/     500 | elapsed time per iteration (s): 1.25 | lm loss: 7.5 |"
+             for i in range(1, 101)]
+    bulk = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n", "a.log"))
+    lines[50] = lines[50].replace("lm loss: 7.5", "lm loss: 7.5x1")
+    mixed = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n", "b.log"))
+    assert set(bulk.series("elapsed_ms")) == {1250.0} and len(bulk.series("elapsed_ms")) == 100
+    assert set(mixed.series("elapsed_ms")) == {1250.0} and len(mixed.series("elapsed_ms")) == 100
+    assert len(mixed.series("loss")) == 99
+
+
+def test_check_config_on_an_abbreviated_block_reports_unknown_not_default(tmp_path, capsys):
+    """The log says TP 8 and weight decay is not in the trimmed block: no 'tp 1' and no default 0.01."""
+    import json
+
+    import yaml
+
+    from align.cli import main
+    text = ("using world size: 8, data-parallel size: 1, context-parallel size: 1, tensor-model-parallel size: 8, "
+            "pipeline-model-parallel size: 1\n------------------------ arguments ------------------------\n"
+            "  adam_beta2 ...................................... 0.95\n  ...\n"
+            "  hidden_size ..................................... 64\n"
+            "-------------------- end of arguments ---------------------\n")
+    log = write(tmp_path, text)
+    mf = tmp_path / "mf.yaml"
+    mf.write_text(yaml.safe_dump({"optimizer": {"betas": [0.9, 0.95], "weight_decay": 0.1},
+                                  "parallel_config": {"model_parallel": 8},
+                                  "model": {"model_config": {"hidden_size": 64}}}))
+    out = tmp_path / "cc.json"
+    main(["check-config", str(log), str(mf), "--json", str(out)])
+    rows = {r["key"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["tp"]["status"] == "match" and rows["tp"]["megatron"] == 8
+    assert rows["weight_decay"]["megatron"] is None and rows["weight_decay"]["status"] == "check"
+    assert rows["adam_beta2"]["status"] == "match" and rows["hidden_size"]["status"] == "match"
+
+
+def test_text_after_the_last_separator_on_every_line_is_read(tmp_path):
+    """A fork that prints a memory figure after the record's last '|': the bulk reader must not drop it."""
+    lines = [line(i, f"{9 - i * 1e-3:.6E}") + f" mem-alloc-GB: {10 + i * 0.5:.1f} GB" for i in range(1, 201)]
+    run = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n"))
+    assert len(run.series("loss")) == 200 and run.series("mem_alloc_gb")[200] == 110.0
+
+
+@pytest.mark.parametrize("n", [3, 100])   # field by field, and the bulk reader
+def test_an_iteration_number_beyond_any_step_index_is_noted_not_wrapped(tmp_path, n):
+    lines = [line(i) for i in range(1, n)] + [line(10 ** 30)]
+    run = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n"))
+    assert list(run.series("loss").index) == list(range(1, n))   # no garbage step (a wrapped int64)
+    assert any("beyond any step index" in note for note in run.notes)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from align.core.outputs import check_out_dir
 from align.core.runstore import RunReader, RunWriter
 
 
@@ -120,8 +121,9 @@ def open_store(path: str | Path) -> Run:
 
 
 def save_run(run: Run, out: str | Path) -> Path:
-    """Write an imported run as a run store (scalars, local norms, metadata)."""
-    out = Path(out)
+    """Write an imported run as a run store (scalars, local norms, metadata); an ``out`` that is a file or a
+    dangling symlink is refused before anything is written."""
+    out = check_out_dir(out)
     meta = dict(run.meta)
     meta.setdefault("source", {"kind": run.kind, "path": run.path})
     per_rank = run.rank_scalars or {0: run.scalars}

@@ -278,13 +278,51 @@ class StepArrays:
     rank: int
     data: dict[str, np.ndarray] = field(default_factory=dict)
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    path: Path | None = None        # the step file, named in a bad-input message
 
     def table(self, group: str) -> pd.DataFrame | None:
         import pandas as pd
 
         cols = {k.split("/", 1)[1]: v for k, v in self.data.items()
                 if k.startswith(group + "/") and "/" not in k[len(group) + 1:]}
+        if cols:
+            check_table(self.path or f"step {self.step}, rank {self.rank}", group, cols)
         return pd.DataFrame(cols) if cols else None
+
+
+_TEXT, _INT, _NUM = "OSU", "iub", "fiub"
+#: Tables in step files (docs/run-store.md): required columns, and the dtype kinds each known column may have.
+TABLE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "local_norm": {"required": ("name", "norm"), "columns": {
+        "name": _TEXT, "norm": _NUM, "numel": _INT, "tp_partition_dim": _INT, "tp_rank": _INT, "tp_size": _INT}},
+    "tensor_stats": {"required": ("order", "module", "kind"), "columns": {
+        "order": _INT, "module": _TEXT, "kind": _TEXT, "dtype": _TEXT, "shape": _TEXT, "numel": _INT,
+        "max": _NUM, "min": _NUM, "mean": _NUM, "norm": _NUM, "nan": _INT, "inf": _INT}},
+}
+
+
+def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarray]) -> None:
+    """A step file's table against TABLE_SCHEMAS: required columns, one value per row, equal lengths,
+    number columns holding numbers. One-line BadInput naming the file and the column."""
+    spec = TABLE_SCHEMAS.get(group)
+    if spec is None:
+        return
+    for req in spec["required"]:
+        if req not in cols:
+            raise BadInput(f"{path}: table '{group}' has no column '{req}'")
+    n = None
+    for k, col in cols.items():
+        arr = np.asarray(col)
+        if arr.ndim != 1:
+            raise BadInput(f"{path}: key '{group}/{k}': shape {arr.shape}, expected one value per row")
+        kinds = spec["columns"].get(k)
+        if kinds is not None and (arr.dtype.kind not in kinds or arr.dtype.names is not None):
+            raise BadInput(f"{path}: key '{group}/{k}': dtype {arr.dtype} is not "
+                           f"{'text' if kinds == _TEXT else 'a number type'}")
+        if n is None:
+            n = len(arr)
+        elif len(arr) != n:
+            raise BadInput(f"{path}: key '{group}/{k}': {len(arr)} rows, other columns have {n}")
 
 
 def _decode(arr: np.ndarray) -> np.ndarray:
@@ -477,7 +515,7 @@ class RunReader:
 
     def step_arrays(self, step: int, rank: int = 0) -> StepArrays:
         data, attrs = read_h5(self.step_file(step, rank))
-        return StepArrays(step, rank, data, attrs)
+        return StepArrays(step, rank, data, attrs, self.step_file(step, rank))
 
     def iter_step_arrays(self, rank: int | None = None) -> Iterator[StepArrays]:
         for step in self.array_steps(rank):

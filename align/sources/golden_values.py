@@ -32,7 +32,11 @@ def _number(path: Path, metric: str, step: Any, v: Any) -> float:
     if isinstance(v, bool) or v is None:
         raise BadInput(f"{path}: metric {metric!r} step {step}: value {v!r} is not a number")
     if isinstance(v, (int, float)):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:   # an integer beyond the float range (issue 14)
+            raise BadInput(f"{path}: metric {metric!r} step {step}: value {str(v)[:20]}... is beyond the float "
+                           "range") from None
     if isinstance(v, str):
         try:
             return float(v)     # "nan", "inf" (what Megatron writes for a NaN step)
@@ -50,6 +54,8 @@ def _metric_points(path: Path, metric: str, entry: dict[str, Any]) -> tuple[list
                 step = int(k)
             except (TypeError, ValueError):
                 raise BadInput(f"{path}: metric {metric!r}: step key {k!r} is not an integer") from None
+            if not 0 <= step < 1 << 53:   # issue 14: no step index holds it
+                raise BadInput(f"{path}: metric {metric!r}: step key {k[:30]!r} is out of range")
             steps.append(step)
             vals.append(_number(path, metric, step, v))
         return steps, vals
@@ -59,6 +65,8 @@ def _metric_points(path: Path, metric: str, entry: dict[str, Any]) -> tuple[list
             raise BadInput(f"{path}: metric {metric!r}: a list of values needs integer start_step and "
                            f"step_interval >= 1 (got {start!r}, {interval!r})")
         steps = [start + i * interval + 1 for i in range(len(values))]
+        if steps and not (0 <= steps[0] and steps[-1] < 1 << 53):   # issue 14: no step index holds them
+            raise BadInput(f"{path}: metric {metric!r}: start_step {start} / step_interval {interval} out of range")
         return steps, [_number(path, metric, s, v) for s, v in zip(steps, values, strict=True)]
     raise BadInput(f"{path}: metric {metric!r}: 'values' is {type(values).__name__}, not an object or list")
 

@@ -40,7 +40,7 @@ def read_log(path: str | Path) -> tuple[bytes, list[str]]:
     was removed (NUL bytes a crash or a copy left in the text)."""
     p = Path(path)
     data = read_bytes(p, "log file")
-    if not data.strip():
+    if not data[:4096].strip() and data.isspace() or not data:   # (strip() would copy a large file)
         raise BadInput(f"{p}: empty file")
     if looks_binary(data[:65536]):
         raise BadInput(f"{p}: binary file (NUL or non-UTF-8 bytes), not a training log")
@@ -108,28 +108,32 @@ def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_co
     text completes the record (or the file ends). Works for one wrapped record among unwrapped ones; two
     records that each start with a record head are never merged. Returns the lines and the joins made.
     """
-    width = max((len(x) for x in lines), default=0)
+    lengths = [len(x) for x in lines]
+    width = max(lengths, default=0)
     if width < 40:
         return lines, 0
     out: list[str] = []
     joins = 0
-    i, n = 0, len(lines)
-    while i < n:
-        line = lines[i]
-        if len(line) >= width - 1 and i + 1 < n and starts_record(line):
-            buf, j = line, i
-            while (j + 1 < n and j - i < 50 and len(lines[j]) >= width - 1 and lines[j + 1].strip()
-                   and not starts_record(lines[j + 1])
-                   and (not is_complete(buf) or continues(lines[j + 1]))):
-                j += 1
-                buf += (" " if len(lines[j - 1]) == width - 1 else "") + lines[j]
-                if is_complete(buf) and len(lines[j]) < width - 1:
-                    break
-            if j > i and (is_complete(buf) or j == n - 1):
-                out.append(buf)
-                joins += j - i
-                i = j + 1
-                continue
-        out.append(line)
-        i += 1
+    n = len(lines)
+    done = 0                       # lines[:done] are already in ``out``
+    full = [i for i, k in enumerate(lengths) if k >= width - 1]
+    for i in full:
+        if i < done or i + 1 >= n or not starts_record(lines[i]):
+            continue
+        buf, j = lines[i], i
+        while (j + 1 < n and j - i < 50 and lengths[j] >= width - 1 and lines[j + 1].strip()
+               and not starts_record(lines[j + 1])
+               and (not is_complete(buf) or continues(lines[j + 1]))):
+            j += 1
+            buf += (" " if lengths[j - 1] == width - 1 else "") + lines[j]
+            if is_complete(buf) and lengths[j] < width - 1:
+                break
+        if j > i and (is_complete(buf) or j == n - 1):
+            out.extend(lines[done:i])
+            out.append(buf)
+            joins += j - i
+            done = j + 1
+    if not joins:
+        return lines, 0
+    out.extend(lines[done:])
     return out, joins

@@ -77,10 +77,6 @@ def _key(name: str) -> str:
     return re.sub(r"[^0-9a-zA-Z]+", "_", label).strip("_")
 
 
-def _is_complete(line: str) -> bool:
-    return line.rstrip().endswith("|") or "iteration" not in line
-
-
 def _fields(rest: bytes) -> tuple[list[tuple[str, str]], bool]:
     """Split the part after ``iteration N/ M |`` into (name, value) fields; the last may be cut off."""
     parts = rest.decode("utf-8", "replace").split("|")
@@ -115,6 +111,8 @@ class _Issues:
                 out.append(f"{where}: log ends mid-line; kept the complete fields, not {example[:30]!r}")
             elif kind == "cut":
                 out.append(f"{where}: line cut short; kept the complete fields, not {example[:30]!r}")
+            elif kind == "head":
+                out.append(f"{count} record(s) not read: {example}")
             elif kind == "trailing":
                 out.append(f"{where}: text after the last '|' is not a field: {example[:30]!r}")
         return out
@@ -209,6 +207,8 @@ def _parse_record(rec: bytes, issues: _Issues, at_eof: bool) -> tuple[int, dict[
     """Field by field: every readable value of the record, whatever the others hold."""
     head, _, rest = rec.partition(b"|")
     it = int(head.split(b"/")[0].strip().lstrip(b":"))
+    if it >= 1 << 53:
+        raise ValueError(f"iteration {head.split(b'/')[0].strip()[:30].decode()!r} is beyond any step index")
     parts = rest.decode("utf-8", "replace").split("|")
     values: dict[str, float] = {}
     for p in parts[:-1]:
@@ -253,13 +253,91 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
         return None
     table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
     ncols, usecols = _layout(names)
-    # every record ends with its '|' (text after it would be a field read by no one) and has the layout's count
-    if table.count(b"|") != n * (ncols - 1) or table.count(b"|\n") != n - 1 or not table.endswith(b"|"):
+    # every record ends with its '|' (text after it would be a field read by no one); the column count per
+    # record is checked by the reader (pyarrow refuses a row with more or fewer columns; pandas counts first)
+    if not table.endswith(b"|"):
         return None
     values = _read_numbers(table, ncols, usecols)
     if values is None or len(values) != n:
         return None
-    return values[:, 0].astype(np.int64), {_key(name): values[:, j + 1] for j, name in enumerate(names)}
+    cols: dict[str, np.ndarray] = {}
+    for j, name in enumerate(names):
+        unit = _UNIT.search(name)
+        sec = _seconds_key(name, unit.group(1)) if unit else None
+        cols[sec or _key(name)] = values[:, j + 1] * 1000.0 if sec else values[:, j + 1]
+    steps = _steps(values[:, 0])
+    if steps is None:
+        return None   # an iteration number no step index holds: the per-record path says which
+    return steps, cols
+
+
+_MAX_STEP = float(1 << 53)
+
+
+def _good_steps(col: np.ndarray) -> np.ndarray:
+    """Iteration numbers a step index holds exactly: whole, >= 0, below 2**53."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(col) & (col >= 0) & (col < _MAX_STEP) & (np.floor(col) == col)
+
+
+def _steps(col: np.ndarray) -> np.ndarray | None:
+    return col.astype(np.int64) if _good_steps(col).all() else None
+
+
+_NUMBER_RE2 = r"^[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|(?i:nan|inf|infinity))$"
+
+
+def _bulk_masked(records: list[bytes], names: list[str]
+                 ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray] | None:
+    """Bulk read that survives garbled values: columns read as text, a value that is not a number marks its
+    record for the field-by-field path (the returned mask is False there). pyarrow only; None without it
+    or when the records do not split into the layout's columns."""
+    if importlib.util.find_spec("pyarrow") is None or not records:
+        return None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pcsv
+
+    ncols, usecols = _layout(names)
+    table = b"\n".join(records).translate(bytes.maketrans(b":/", b"||"))
+    colnames = [str(i) for i in range(ncols)]
+    name_cols: list[tuple[str, str]] = []     # (column, the text a record of this layout has there)
+    pos = 2
+    for name in names:
+        for piece in name.split("/"):
+            name_cols.append((colnames[pos], piece.strip()))
+            pos += 1
+        pos += 1
+    keep = [colnames[i] for i in usecols] + [c for c, _ in name_cols]
+    try:
+        got = pcsv.read_csv(
+            pa.BufferReader(table), read_options=pcsv.ReadOptions(column_names=colnames),
+            parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False),
+            convert_options=pcsv.ConvertOptions(include_columns=keep, column_types=dict.fromkeys(keep, pa.string()),
+                                                null_values=[], strings_can_be_null=False))
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+    if got.num_rows != len(records):
+        return None
+    texts = [pc.utf8_trim_whitespace(got.column(colnames[i])) for i in usecols]
+    ok = np.ones(len(records), dtype=bool)
+    for t in texts:
+        ok &= pc.match_substring_regex(t, _NUMBER_RE2).to_numpy(zero_copy_only=False)
+    for c, want in name_cols:   # same names in the same places, else the record is read field by field
+        ok &= pc.equal(pc.utf8_trim_whitespace(got.column(c)), want).to_numpy(zero_copy_only=False)
+    idx = np.flatnonzero(ok)
+    picked = pa.array(idx)
+    values = [pc.cast(pc.take(t, picked), pa.float64()).to_numpy() for t in texts]
+    good = _good_steps(values[0])
+    if not good.all():   # unusable iteration numbers go to the per-record path, which notes them
+        ok[idx[~good]] = False
+        values = [v[good] for v in values]
+    cols: dict[str, np.ndarray] = {}
+    for j, name in enumerate(names):
+        unit = _UNIT.search(name)
+        sec = _seconds_key(name, unit.group(1)) if unit else None
+        cols[sec or _key(name)] = values[j + 1] * 1000.0 if sec else values[j + 1]
+    return values[0].astype(np.int64), cols, ok
 
 
 def _template(records: list[bytes]) -> list[str] | None:
@@ -299,7 +377,8 @@ def _fast_columns(records: list[bytes]) -> tuple[np.ndarray, dict[str, np.ndarra
 
 
 def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool | None = None) -> np.ndarray | None:
-    """Read the '|'-separated value columns as float64; ``None`` when any value is not a number.
+    """Read the '|'-separated value columns as float64; ``None`` when any value is not a number, or when a
+    record has text after its last '|' (the last column must be empty: that text is a field no one reads).
 
     pyarrow's multi-threaded CSV reader is 2-4x faster than pandas' C parser here; it is optional (the
     log path needs only numpy/pandas), so pandas reads when pyarrow is absent."""
@@ -307,20 +386,27 @@ def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool 
         use_arrow = importlib.util.find_spec("pyarrow") is not None
     if use_arrow:
         import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.csv as pcsv
 
         names = [str(i) for i in range(ncols)]
         keep = [names[i] for i in usecols]
+        types = {**dict.fromkeys(keep, pa.float64()), names[-1]: pa.string()}
         try:
             got = pcsv.read_csv(
                 pa.BufferReader(table),
                 read_options=pcsv.ReadOptions(column_names=names),
                 parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False),
-                convert_options=pcsv.ConvertOptions(include_columns=keep, column_types=dict.fromkeys(
-                    keep, pa.float64()), null_values=[], strings_can_be_null=False))
+                convert_options=pcsv.ConvertOptions(include_columns=[*keep, names[-1]], column_types=types,
+                                                    null_values=[], strings_can_be_null=False))
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             return None
+        if pc.max(pc.utf8_length(pc.utf8_trim_whitespace(got.column(names[-1])))).as_py():
+            return None
         return np.column_stack([got.column(c).to_numpy() for c in keep])
+    if table.count(b"|\n") + table.count(b"| \n") != table.count(b"\n") or not table.rstrip().endswith(b"|") \
+            or table.count(b"|") != (table.count(b"\n") + 1) * (ncols - 1):   # pandas pads short rows silently
+        return None
     try:
         df = pd.read_csv(io.BytesIO(table), sep="|", header=None, names=list(range(ncols)), usecols=usecols,
                          skipinitialspace=True, engine="c", dtype=np.float64, keep_default_na=False,
@@ -338,12 +424,13 @@ def parse_megatron_log(path: str | Path) -> Run:
     if not records:
         raise BadInput(f"{path}: no Megatron 'iteration N/ M |' lines found")
     fast = _fast_columns(records)
-    if fast is not None and not _uniform(raw, records, len(fast[1])):
+    pipes_ok = fast is not None and raw.count(b"|") == len(records) * (len(fast[1]) + 1)
+    if fast is not None and not pipes_ok and not _uniform(raw, records, len(fast[1]), exact=False):
         fast = None
     if fast is not None:  # every record has every field: a NaN there was printed as nan
         iters, values = fast
         columns = {k: (v, np.ones(len(v), dtype=bool)) for k, v in values.items()}
-    else:
+    elif not all(r.endswith(b"|") for r in records[:-1]) or not _uniform(raw, records, 0, exact=False):
         text = raw.decode("utf-8", "replace")
         lines, joins = rejoin_wrapped(text.split("\n"), lambda x: _RECORD_START.search(x) is not None,
                                       lambda x: x.rstrip().endswith("|"),
@@ -353,10 +440,13 @@ def parse_megatron_log(path: str | Path) -> Run:
             raw = "\n".join(lines).encode()
             records = _RECORD.findall(raw)
         columns, iters = _mixed_table(records, notes, path, not raw.endswith(b"\n"))
+    else:   # every record ends with its '|' and nothing continues one: no wrap to repair
+        columns, iters = _mixed_table(records, notes, path, not raw.endswith(b"\n"))
     series = {k: make_series(iters[present], values[present], k) for k, (values, present) in columns.items()}
     if len(np.unique(iters)) != len(iters):
         notes.append("some iterations appear more than once (restart?); the last occurrence is used")
-    n_loss = raw.count(b"lm loss:")
+    # no '|' outside the records (pipes_ok) leaves no room for a record whose head is garbled
+    n_loss = 0 if pipes_ok else raw.count(b"lm loss:")
     if n_loss > len(records):  # a head garbled beyond recognition: its values have no step to go to
         notes.append(f"{n_loss - len(records)} line(s) hold 'lm loss:' without a readable "
                      "'iteration N/ M |' head; not read")
@@ -388,11 +478,11 @@ def parse_megatron_log(path: str | Path) -> Run:
     return Run(str(path), "megatron_log", meta, series, {}, notes)
 
 
-def _uniform(raw: bytes, records: list[bytes], nfields: int) -> bool:
+def _uniform(raw: bytes, records: list[bytes], nfields: int, exact: bool = True) -> bool:
     """Cheap whole-file check that bulk reading would see every field: no line right after a record
     continues its fields (a terminal wrap that fell just after a '|'). When the file holds no '|' beyond the
     records' own, no such line can exist and the (slower) search is skipped."""
-    if raw.count(b"|") == len(records) * (nfields + 1):
+    if exact and raw.count(b"|") == len(records) * (nfields + 1):
         return True
     for m in _CONTINUED.finditer(raw):
         if raw[max(0, m.start() - 256): m.start()].rstrip(b" \t").endswith(b"|"):
@@ -402,9 +492,24 @@ def _uniform(raw: bytes, records: list[bytes], nfields: int) -> bool:
 
 def _train_iters(rec: bytes) -> int | None:
     try:
-        return int(rec.split(b"/", 1)[1].split(b"|", 1)[0])
+        total = int(rec.split(b"/", 1)[1].split(b"|", 1)[0])
     except (ValueError, IndexError):
         return None
+    return total if total < 1 << 53 else None
+
+
+def _layout_rows(records: list[bytes], names: list[str]) -> list[int]:
+    """Indices of the records (the last excepted: it may be cut) that end with '|' and split into exactly
+    the columns of ``names``' layout, counted with numpy over the whole table at once."""
+    table = b"\n".join(records[:-1]).translate(bytes.maketrans(b":/", b"||"))
+    if not table:
+        return []
+    arr = np.frombuffer(table, dtype=np.uint8)
+    ends = np.flatnonzero(arr == 10)
+    seps = np.bincount(np.searchsorted(ends, np.flatnonzero(arr == 124)), minlength=len(ends) + 1)
+    last = np.append(ends - 1, len(arr) - 1)
+    ok = (seps == _layout(names)[0] - 1) & (arr[last] == 124)
+    return np.flatnonzero(ok).tolist()
 
 
 def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
@@ -416,11 +521,7 @@ def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
     template = _template(records)
     bulk_rows: list[int] = []
     if template is not None and n > _BISECT_MIN:
-        want = [t.encode() for t in template]
-        ntrail = len(records) - 1
-        for i, rec in enumerate(records):
-            if i != ntrail and rec.rstrip().endswith(b"|") and _NAME_OF.findall(rec) == want:
-                bulk_rows.append(i)
+        bulk_rows = _layout_rows(records, template)
     in_bulk = np.zeros(n, dtype=bool)
     cols: dict[str, np.ndarray] = {}
     present: dict[str, np.ndarray] = {}
@@ -448,21 +549,31 @@ def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
         for k, v in got[1].items():
             put(idx, k, v)
 
-    if bulk_rows:
-        read_block(bulk_rows)
+    masked = _bulk_masked([records[i] for i in bulk_rows], template or []) if bulk_rows else None
+    if masked is not None:
+        idx = np.asarray(bulk_rows)[masked[2]]
+        iters[idx] = masked[0]
+        in_bulk[idx] = True
+        for k, v in masked[1].items():
+            put(idx, k, v)
+    elif bulk_rows:   # without pyarrow: names checked record by record, garbled blocks bisected
+        want = [t.encode() for t in template or []]
+        read_block([i for i in bulk_rows if _NAME_OF.findall(records[i]) == want])
     for i in np.flatnonzero(~in_bulk):
         try:
             it, values = _parse_record(records[i], issues, eof_cut and i == n - 1)
-        except ValueError:
-            continue  # the head matched the record pattern, so it holds digits; kept for safety
+        except ValueError as exc:
+            issues.add("head", "", -1, str(exc))
+            continue
         iters[i] = it
+        in_bulk[i] = True   # read (field by field)
         for k, v in values.items():
             put(np.array([i]), k, np.array([v]))
     notes.extend(issues.notes())
-    out = {k: (cols[k], present[k]) for k in cols}
+    out = {k: (cols[k][in_bulk], present[k][in_bulk]) for k in cols}
     if not any(p.any() for p in present.values()):
         raise BadInput(f"{path}: iteration lines found but no field in them is readable")
-    return out, iters
+    return out, iters[in_bulk]
 
 
 def _validation(raw: bytes, series: dict[str, pd.Series]) -> None:

@@ -208,8 +208,8 @@ def open_msprobe(path: str | Path) -> MsprobeDump:
             m = re.search(rf'"{k}"\s*:\s*"([^"]*)"', text)
             if m:
                 head[k] = m.group(1)
-    except OSError as exc:
-        raise BadInput(f"{first / DUMP_JSON}: unreadable ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:   # issue 14: a non-UTF-8 dump.json is bad input
+        raise BadInput(f"{first / DUMP_JSON}: unreadable ({exc.__class__.__name__})") from None
     return MsprobeDump(root, folders, head.get("framework", "unknown"), head.get("task", "unknown"),
                        head.get("level", "unknown"))
 
