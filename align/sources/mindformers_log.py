@@ -314,8 +314,11 @@ def parse_mindformers_log(path: str | Path) -> Run:
             continue
         if standard is None and _cut_short(line, last_field):
             cut.append(gstep)
-            last = next(reversed(values))          # the value the cut ran through may be truncated
-            if not rest.rstrip().endswith("]"):
+            # the value the cut ran through may be truncated: drop it, if it was read at all (a garbled last
+            # field was already skipped, and the field before it is whole)
+            tail_name = rest.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()
+            last = next(reversed(values))
+            if not rest.rstrip().endswith("]") and last == _key(tail_name):
                 values.pop(last)
         steps_seen += 1
         for k, v in values.items():
