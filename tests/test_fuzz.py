@@ -280,6 +280,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
         return p
 
     # 1. log importers, and `align import` on the same bytes
+    rng.seed(SEED * 100 + 1)   # per section: file bytes with timestamps must not shift later ones
     for round_ in range(6):
         for what, data in corrupt_bytes(mg, rng):
             p = fresh("train.log", data)
@@ -293,6 +294,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                       [str(p)])
 
     # 2. align report: one corrupted side against the good other side (writes figures: kept few)
+    rng.seed(SEED * 100 + 2)   # per section: file bytes with timestamps must not shift later ones
     for what, data in corrupt_bytes(mg, rng)[:6]:
         p = fresh("train.log", data)
         tally.cli(f"report megatron {what}", ["report", str(p), str(base / "mf.log"), "--out",
@@ -303,6 +305,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                                                  str(p.parent / "rep"), "-q"], [str(p)])
 
     # 3. mapping files: bytes and wrong types
+    rng.seed(SEED * 100 + 3)   # per section: file bytes with timestamps must not shift later ones
     for what, data in corrupt_bytes(preset.encode(), rng) + wrong_types(spec, rng, 40, yaml_dump):
         p = fresh("mapping.yaml", data)
         tally.cli(f"mapping show {what}", ["mapping", "show", str(p)], [str(p)])
@@ -315,6 +318,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                                             "--candidate", str(names / "c.txt")], [str(p)])
 
     # 4. check-config: the Megatron side (log, JSON) and the MindFormers YAML
+    rng.seed(SEED * 100 + 4)   # per section: file bytes with timestamps must not shift later ones
     args_json = {"args": {"hidden_size": 64, "num_attention_heads": 4, "num_layers": 2, "lr": 3e-4,
                           "tensor_model_parallel_size": 2, "swiglu": True, "adam_beta2": 0.95}}
     for what, data in corrupt_bytes(mg, rng)[:5] + wrong_types(args_json, rng, 20, json.dumps):
@@ -326,6 +330,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
         tally.cli(f"check-config yaml {what}", ["check-config", str(base / "mg.log"), str(p)], [str(p)])
 
     # 5. run stores: meta.json, scalar lines, the step file; then `align report` and `check-data` on them
+    rng.seed(SEED * 100 + 5)   # per section: file bytes with timestamps must not shift later ones
     meta = json.loads((store / "meta.json").read_text())
     scal = (store / "scalars" / "rank_00000.jsonl").read_bytes()
     h5 = next((store / "steps").rglob("rank_00000.h5"))
@@ -367,6 +372,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                                            "-q"], [str(root)])
 
     # 6. check-data on the step_N/rank_R/*.npy layout
+    rng.seed(SEED * 100 + 6)   # per section: file bytes with timestamps must not shift later ones
     tok = (batches / "step_1" / "rank_0" / "tokens.npy").read_bytes()
     odd = [("strings", np.array(["a", "b"])), ("complex", np.zeros((2, 16), np.complex64)), ("scalar", np.int64(3)),
            ("shape", np.zeros((3, 5), np.int64)), ("structured", np.zeros(3, dtype=[("a", "i4")]))]
@@ -383,6 +389,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
         tally.cli(f"check-data npy {what}", ["check-data", str(d), "--vocab-size", "100"], [str(d)])
 
     # 7. the step-1 npz the optimizer check reads
+    rng.seed(SEED * 100 + 7)   # per section: file bytes with timestamps must not shift later ones
     from comparators.optimizer_check import read_step1_file, write_step1_file
     good = tmp_path / "step1.npz"
     write_step1_file(good, {"w": np.ones((2, 2), np.float32)}, {"w": np.zeros((2, 2), np.float32)},
@@ -392,6 +399,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
         tally.call(f"step1 npz {what}", lambda p=p: read_step1_file(p), [str(p)])
 
     # 8. convert-weights on corrupted torch checkpoints
+    rng.seed(SEED * 100 + 8)   # per section: file bytes with timestamps must not shift later ones
     torch = pytest.importorskip("torch")
     pt = tmp_path / "model.pt"
     torch.save({"embedding.word_embeddings.weight": torch.ones(8, 4)}, pt)
@@ -401,6 +409,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                                               str(p.parent / "out.ckpt"), "--num-heads", "2"], [str(p)])
 
     # 9. TensorBoard event files (torch's SummaryWriter, Megatron's tag names)
+    rng.seed(SEED * 100 + 9)   # per section: file bytes with timestamps must not shift later ones
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -421,6 +430,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
             tally.cli(f"import tensorboard {what}", ["import", str(d), "--out", str(d.parent / "rs")], [str(d)])
 
     # 10. Megatron's golden-values JSON (both layouts) and an msprobe statistics dump.json
+    rng.seed(SEED * 100 + 10)   # per section: file bytes with timestamps must not shift later ones
     golden = {"lm loss": {"start_step": 1, "end_step": 10, "step_interval": 1,
                           "values": {str(i): 10 - i * 0.1 for i in range(1, 11)}},
               "num-zeros": {"start_step": 0, "end_step": 10, "step_interval": 5, "values": [1.0, 2.0, "nan"]}}
@@ -445,6 +455,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
                   [str(d)])
 
     # 11. what is not a regular file, and outputs that cannot be written
+    rng.seed(SEED * 100 + 11)   # per section: file bytes with timestamps must not shift later ones
     import os
     fifo = tmp_path / "fifo.log"
     os.mkfifo(fifo)
@@ -456,6 +467,11 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
     a_file.write_text("x")
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere")
+    mfy = fresh("mf.yaml", yaml_dump(MF_YAML).encode())
+    for out in (tmp_path, dangling):   # --json naming a folder or a dangling link
+        tally.cli(f"check-config --json {out.name}", ["check-config", str(base / "mg.log"), str(mfy), "--json",
+                                                      str(out)], [str(out)])
+        tally.cli(f"check-data --json {out.name}", ["check-data", str(batches), "--json", str(out)], [str(out)])
     for out in (a_file, dangling):
         tally.cli(f"report --out {out.name}", ["report", str(base / "mg.log"), str(base / "mf.log"), "--out",
                                                 str(out), "-q"], [str(out)])

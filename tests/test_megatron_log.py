@@ -357,3 +357,11 @@ def test_an_iteration_number_beyond_any_step_index_is_noted_not_wrapped(tmp_path
     run = parse_megatron_log(write(tmp_path, "\n".join(lines) + "\n"))
     assert list(run.series("loss").index) == list(range(1, n))   # no garbage step (a wrapped int64)
     assert any("beyond any step index" in note for note in run.notes)
+
+
+def test_validation_line_with_a_garbled_value_keeps_the_other(tmp_path):
+    text = (line(2) + "\n validation loss at iteration 2 | lm loss value: 9.876543E+00 | lm loss PPL: 1.9x4E+04 | \n"
+            " validation loss at iteration 99999999999999999999999 | lm loss value: 1.0E+00 | lm loss PPL: 2.7 | \n")
+    run = parse_megatron_log(write(tmp_path, text))
+    assert run.series("val_loss").to_dict() == {2: 9.876543} and len(run.series("val_ppl")) == 0
+    assert any("2 validation value(s) not read" in n for n in run.notes)

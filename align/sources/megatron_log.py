@@ -451,7 +451,7 @@ def parse_megatron_log(path: str | Path) -> Run:
         notes.append(f"{n_loss - len(records)} line(s) hold 'lm loss:' without a readable "
                      "'iteration N/ M |' head; not read")
 
-    _validation(raw, series)
+    _validation(raw, series, notes)
     config: dict[str, Any] = {}
     start = raw.find(_ARGS_START)
     if start >= 0:
@@ -576,28 +576,38 @@ def _mixed_table(records: list[bytes], notes: list[str], path: str | Path,
     return out, iters[in_bulk]
 
 
-def _validation(raw: bytes, series: dict[str, pd.Series]) -> None:
-    """``validation loss at iteration N | lm loss value: X | lm loss PPL: Y |``."""
-    steps, loss, ppl = [], [], []
+def _validation(raw: bytes, series: dict[str, pd.Series], notes: list[str]) -> None:
+    """``validation loss at iteration N | lm loss value: X | lm loss PPL: Y |``, field by field: a garbled
+    value skips that value (noted), a step number no index holds skips the line (noted)."""
+    cols: dict[str, tuple[list[int], list[float]]] = {"val_loss": ([], []), "val_ppl": ([], [])}
     if b"validation loss at" not in raw:
         return
+    bad: list[str] = []
     for where, rest in _VALID.findall(raw):
         m = re.search(rb"iteration\s+(\d+)", where)
         if not m:
             continue
+        step = int(m.group(1))
+        if step >= 1 << 53:
+            bad.append(f"iteration {m.group(1)[:20].decode()}...")
+            continue
         fields, _ = _fields(rest)
         d = {name: text for name, text in fields}
-        try:
-            value = float(d.get("lm loss value", "nan"))
-            perplexity = float(d.get("lm loss PPL", "nan"))
-        except ValueError:
-            continue
-        steps.append(int(m.group(1)))
-        loss.append(value)
-        ppl.append(perplexity)
-    if steps:
-        series["val_loss"] = make_series(steps, loss, "val_loss")
-        series["val_ppl"] = make_series(steps, ppl, "val_ppl")
+        for key, label in (("val_loss", "lm loss value"), ("val_ppl", "lm loss PPL")):
+            if label not in d:
+                continue
+            try:
+                value = float(d[label])
+            except ValueError:
+                bad.append(f"iteration {step} {label} {d[label][:20]!r}")
+                continue
+            cols[key][0].append(step)
+            cols[key][1].append(value)
+    for key, (steps, values) in cols.items():
+        if steps:
+            series[key] = make_series(steps, values, key)
+    if bad:
+        notes.append(f"{len(bad)} validation value(s) not read (first: {bad[0]})")
 
 
 def _is_megatron_log(path: Path, head: bytes | None) -> bool:
