@@ -61,12 +61,14 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_import(args: argparse.Namespace) -> int:
+    from align.core.outputs import check_out_dir
     from align.core.run import save_run
     from align.sources import detect, load_run
     kind = detect(args.source)
     if kind == "runstore":
         raise BadInput(f"{args.source}: already a run store")
     out = Path(args.out)
+    check_out_dir(out)
     if out.exists() and any(out.iterdir()):
         raise BadInput(f"{out}: exists and is not empty")
     run = load_run(args.source, kind)

@@ -183,3 +183,12 @@ def test_report_on_two_msprobe_dumps_names_the_perturbed_layer(tmp_path: Path) -
     # an msprobe dump against a log has nothing in common to compare: bad input, one line
     b = make_run(tmp_path / "b")
     assert main(["report", "-q", str(b), str(data / "ms"), "--out", str(tmp_path / "r2")]) == 2
+
+
+def test_import_out_that_is_a_file_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "afile").write_text("x")
+    log = tmp_path / "m.log"
+    log.write_text(" iteration        1/      10 | consumed samples:            8 | lm loss: 1.000000E+01 |\n")
+    assert main(["import", str(log), "--out", str(tmp_path / "afile")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "x"

@@ -458,6 +458,8 @@ def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[
     m = _NORM_SIZE.search(lines[i])
     try:
         sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
+        if any(not 0 <= x < 2 ** 62 for x in sizes):
+            raise ValueError("size out of range")
     except ValueError:   # a garbled size: the norms are still good, their sizes are not (issue 14)
         notes.append(f"line {i + 1}: unreadable norm_size entries; sizes dropped")
         sizes = []

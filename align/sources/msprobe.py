@@ -139,7 +139,11 @@ class MsprobeDump:
                     dtype = normalise_dtype(t.get("dtype"))
                     if dtype is None:
                         continue
-                    shape = [int(x) for x in t.get("shape") or []]
+                    raw = t.get("shape") or []
+                    if not isinstance(raw, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                            and x >= 0 for x in raw):
+                        raise BadInput(f"{path}: key '{key}': shape {str(raw)[:40]!r} is not a list of sizes")
+                    shape = list(raw)
                     name = t.get("data_name")
                     ref = None
                     if isinstance(name, str) and name and "/" not in name and name not in (".", ".."):
