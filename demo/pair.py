@@ -162,11 +162,13 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
     f = fault(inject)
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.1f} s</td></tr>" for k, v in took.items())
     fault_html = (f"<p><b>Injected fault:</b> <code>{html.escape(f.name)}</code> ({html.escape(f.what)}); "
-                  f"expected to fail at stage <code>{f.stage}</code> naming <code>{f.component}</code>.</p>"
+                  f"expected to fail at stage <code>{f.stage}</code> naming "
+                  f"<code>{f.component_for(b.model_kind)}</code>.</p>"
                   if f else "<p>No fault injected: the clean pair.</p>")
     return (
         f"{fault_html}"
-        f"<p><b>Model:</b> Llama-shaped, {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
+        f"<p><b>Model:</b> {'Llama-shaped' if b.model_kind == 'llama' else 'Qwen3-shaped (Llama + q/k layernorm)'}, "
+        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
         f"{m.num_query_groups} query groups, SwiGLU {m.ffn_hidden_size}, vocab {m.vocab_size}, seq "
         f"{m.seq_length}, micro-batch {m.micro_batch_size}, float32, on CPU.</p>"
         "<p><b>Baseline:</b> Megatron-core GPTModel (local spec) with Megatron's DDP, <code>get_megatron_optimizer"
