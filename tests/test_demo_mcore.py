@@ -2,9 +2,9 @@
 
 Why a file of its own: the legacy Llama pair (tests/test_demo.py) stays as it is; this one checks the
 candidate MindFormers 2.1.0 actually trains (``use_legacy: False``). One clean pair (with its TP=2 repeat)
-is shared; the candidate-side faults reuse its baseline-side runs. Kept to the clean pair and two faults
-(qk_swap at conversion, nan_param on the candidate's gradients) for the suite's time; the other faults were
-measured by hand (docs/demo.md).
+is shared; the candidate-side faults reuse its baseline-side runs. Kept to the clean pair and three faults
+(qk_swap at conversion, nan_param on the candidate's gradients, norm_eps in its config) for the suite's
+time; the other faults were measured by hand (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_float32_default_tolerance_flags_the_float16_attention(clean: tuple[Path
     assert any("layernorm" in str(f["component"]) for f in hits), hits
 
 
-@pytest.mark.parametrize("name", ["qk_swap", "nan_param"])
+@pytest.mark.parametrize("name", ["qk_swap", "nan_param", "norm_eps"])
 def test_dense_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[Path, dict],
                                                              tmp_path: Path) -> None:
     f = FAULTS[name]
