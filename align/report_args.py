@@ -48,6 +48,12 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layer-tolerance", action="append", default=[], metavar="DTYPE=PASS,WARN[,COS]",
                    help="layer tensors: relative error passing / warning up to, cosine passing from, per dtype "
                         "(e.g. float32=1e-5,1e-4,0.999999 for two runs on the same hardware)")
+    g.add_argument("--local-norm-rtol", default=None, metavar="PASS,WARN",
+                   help="step-1 local norms: relative difference passing / warning up to (default by dtype, "
+                        "float32 1e-4,1e-2)")
+    g.add_argument("--lr0-rtol", default=None, metavar="PASS,WARN",
+                   help="lr=0 pair: relative loss / grad-norm difference passing / warning up to (default by "
+                        "dtype, float32 1e-5,1e-4)")
     x = p.add_argument_group("speed (layer tensors)")
     x.add_argument("--jobs", type=int, default=None, metavar="N", help="parallel tensor readers")
     x.add_argument("--scheduler", default=None, metavar="ADDRESS",
@@ -71,6 +77,18 @@ def _layer_tolerance(items: list[str]) -> dict[str, tuple[float, float, float]]:
     return out
 
 
+def _pair(value: str | None, flag: str) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    try:
+        a, b = (float(v) for v in value.split(","))
+    except ValueError:
+        raise BadInput(f"{flag} {value}: expected PASS,WARN (two numbers)") from None
+    if not 0 <= a <= b:
+        raise BadInput(f"{flag} {value}: expected 0 <= PASS <= WARN")
+    return a, b
+
+
 def report_inputs(args: argparse.Namespace) -> Inputs:
     """The procedure's Inputs from `align report` arguments (also how the demo states its own command)."""
     opt = ScalarOptions(step_rtol=args.step_rtol, rtol=args.rtol, band_k=args.band_k,
@@ -80,7 +98,9 @@ def report_inputs(args: argparse.Namespace) -> Inputs:
                         tail=args.tail)
     options = Options(scalar=opt, layer_tolerance=_layer_tolerance(args.layer_tolerance), dtype=args.dtype,
                       vocab_size=args.vocab_size, eos_id=args.eos_id, pad_id=args.pad_id, jobs=args.jobs,
-                      scheduler=args.scheduler)
+                      scheduler=args.scheduler,
+                      local_norm_rtol=_pair(getattr(args, "local_norm_rtol", None), "--local-norm-rtol"),
+                      lr0_rtol=_pair(getattr(args, "lr0_rtol", None), "--lr0-rtol"))
     return Inputs(args.baseline, args.candidate, repeats=args.repeat, lr0=tuple(args.lr0) if args.lr0 else None,
                   baseline_config=args.baseline_config, candidate_config=args.candidate_config,
                   optimizer_check=args.optimizer_check, conversion=args.conversion, mapping=args.mapping,

@@ -32,12 +32,16 @@ LAYER_MODULES = ("embedding", "decoder.layers.*.input_layernorm", "decoder.layer
 
 
 def build_model(spec: Spec) -> torch.nn.Module:
-    """Megatron-core GPTModel shaped like Llama (RMSNorm, SwiGLU, RoPE, GQA, untied, no bias)."""
+    """Megatron-core GPTModel shaped like Llama (RMSNorm, SwiGLU, RoPE, GQA, untied, no bias).
+
+    ``spec.model_kind == "dense"`` adds q/k layernorm (RMSNorm over each head), the Qwen3 shape of
+    MindFormers' mcore candidate; everything else (init order, dropout, TP) is the same model."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m = spec.model
+    qk_norm = spec.model_kind == "dense"
     torch.manual_seed(spec.seed)
     tcfg = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
@@ -46,8 +50,10 @@ def build_model(spec: Spec) -> torch.nn.Module:
         add_qkv_bias=False, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=spec.tp, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
-    return GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        qk_layernorm=qk_norm)
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    return GPTModel(config=tcfg, transformer_layer_spec=layer_spec,
                     vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
                     parallel_output=True)

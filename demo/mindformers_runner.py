@@ -1,4 +1,9 @@
-"""Candidate side of the paired demo: MindFormers' LlamaForCausalLM on CPU replaying the baseline's batches.
+"""Candidate side of the paired demo: MindFormers on CPU replaying the baseline's batches.
+
+The candidate model is ``spec.model_kind``: ``llama`` = the legacy LlamaForCausalLM (MindFormers <= 1.6,
+MindSpore .ckpt weights), ``dense`` = MindFormers 2.x's mcore TrainingQwen3ForCausalLM (Megatron's own
+parameter names, safetensors weights, the ``megatron_core__mindformers_mcore_dense`` mapping; built with the
+CPU kernel stand-ins of :mod:`demo.mindformers_mcore_cpu`), both in PYNATIVE so layer hooks run.
 
 ``python -m demo.mindformers_runner SPEC.json`` (see :class:`demo.spec.Spec`). The run converts the
 baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses),
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from align.core.runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
-from demo.spec import NAN_PARAM, NAN_STEP, Spec, injects, mindformers_config, read_spec
+from demo.spec import NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 
@@ -32,6 +37,7 @@ import mindspore as ms  # noqa: E402
 from mindspore import Tensor, nn  # noqa: E402
 
 from demo import mindformers_cpu as mc  # noqa: E402
+from demo import mindformers_mcore_cpu as mcc  # noqa: E402
 from dumpers.mindformers import name_local_norms, optimizer_param_names, optimizer_param_sizes, split_outputs  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
 from dumpers.mindspore_optimizer_check import run_optimizer_check  # noqa: E402
@@ -39,6 +45,38 @@ from dumpers.mindspore_optimizer_check import run_optimizer_check  # noqa: E402
 # Layer profile cells, the MindFormers counterparts of demo.megatron_runner.LAYER_MODULES.
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
                "model.layers.*.ffn_norm", "model.layers.*.feed_forward", "model.norm_out", "lm_head")
+# The mcore model's cells carry Megatron's module names (hooked on the inner GPTModel, ``net.model``).
+LAYER_CELLS_MCORE = ("embedding", "decoder.layers.*.input_layernorm", "decoder.layers.*.self_attention",
+                     "decoder.layers.*.pre_mlp_layernorm", "decoder.layers.*.mlp", "decoder.final_layernorm",
+                     "output_layer")
+
+
+def is_mcore(spec: Spec) -> bool:
+    return spec.model_kind != "llama"
+
+
+def mcore_preset(spec: Spec) -> str:
+    """The mapping preset of an mcore candidate kind (the conversion and the report use the same one)."""
+    return mcc.MCORE_PRESETS[spec.model_kind]
+
+
+def mcore_spec(spec: Spec) -> mcc.McoreSpec:
+    """The mcore model of the run's spec (same sizes, eps and RoPE base as the Megatron baseline)."""
+    m = spec.model
+    return mcc.McoreSpec(kind=spec.model_kind, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                         num_layers=m.num_layers, num_attention_heads=m.num_heads,
+                         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+                         seq_length=m.seq_length, micro_batch_size=m.micro_batch_size, rms_norm_eps=m.norm_eps)
+
+
+def _qk_swap_rows(arr: np.ndarray, *, num_heads: int, num_query_groups: int, head_dim: int) -> np.ndarray:
+    """The qk_swap fault on a fused linear_qkv: rows of every q and k head re-permuted (RoPE halves ->
+    interleaved pairs); the v rows of each query group stay. Layout per group: [q heads | k | v]."""
+    perm = np.stack([np.arange(head_dim // 2), np.arange(head_dim // 2) + head_dim // 2], axis=1).reshape(-1)
+    per_group = num_heads // num_query_groups + 2
+    w = arr.reshape(num_query_groups, per_group, head_dim, -1).copy()
+    w[:, :per_group - 1] = w[:, :per_group - 1][:, :, perm, :]    # q heads and k, not v
+    return w.reshape(arr.shape)
 
 
 def convert(spec: Spec) -> dict[str, Any]:
@@ -47,8 +85,17 @@ def convert(spec: Spec) -> dict[str, Any]:
 
     m = spec.model
     res = convert_megatron_to_mindformers([spec.init_weights], spec.converted, num_heads=m.num_heads,
-                                          num_query_groups=m.num_query_groups)
-    if injects(spec, "conversion") == "qk_swap":
+                                          num_query_groups=m.num_query_groups,
+                                          mapping=mcore_preset(spec) if is_mcore(spec) else None)
+    if injects(spec, "conversion") == "qk_swap" and is_mcore(spec):
+        from align.checkpoints.mindformers import read_safetensors, write_safetensors
+
+        arrays, meta = read_safetensors(spec.converted)
+        arrays = {k: _qk_swap_rows(v, num_heads=m.num_heads, num_query_groups=m.num_query_groups,
+                                   head_dim=m.hidden_size // m.num_heads)
+                  if k.endswith("self_attention.linear_qkv.weight") else v for k, v in arrays.items()}
+        write_safetensors(arrays, spec.converted, metadata=meta)
+    elif injects(spec, "conversion") == "qk_swap":
         params = ms.load_checkpoint(spec.converted)
         d = m.hidden_size // m.num_heads
         perm = np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], axis=1).reshape(-1)  # halves -> pairs
@@ -73,7 +120,28 @@ def model_overrides(spec: Spec) -> dict[str, Any]:
     return mcfg
 
 
+def build_mcore_net(spec: Spec, mode: str = "pynative") -> nn.Cell:
+    """The mcore model (TrainingQwen3ForCausalLM + CPU stand-ins) loaded from the converted safetensors."""
+    from align.checkpoints.mindformers import read_safetensors
+
+    mcc.set_mcore_context(mode, seed=spec.seed)
+    net = mcc.build_mcore_model(mcore_spec(spec), mode, seed=spec.seed)
+    arrays, _ = read_safetensors(spec.converted)
+    mcc.load_parameter_arrays(net, arrays)
+    if injects(spec, "candidate") == "embedding_fp16":
+        emb = net.model.embedding.word_embeddings
+        inner = emb.construct
+
+        def low_precision(*args: Any, **kwargs: Any) -> Any:
+            return inner(*args, **kwargs).astype(ms.float16).astype(ms.float32)
+
+        emb.construct = low_precision
+    return net
+
+
 def build_net(spec: Spec) -> nn.Cell:
+    if is_mcore(spec):
+        return build_mcore_net(spec)
     net = mc.build_tiny_llama(seed=spec.seed, **model_overrides(spec))
     params = ms.load_checkpoint(spec.converted)
     not_loaded, unused = ms.load_param_into_net(net, params, strict_load=True)
@@ -125,11 +193,19 @@ class FaultyTrainOneStepCell(mc.CPUTrainOneStepCell):
             grads = grads[:i] + (grads[i] * Tensor(float("nan"), ms.float32),) + grads[i + 1:]
         return loss, grads, factor
 
+    def grads_for_mcore(self, *args: Any) -> Any:
+        loss, grads, factor = super().grads_for_mcore(*args)
+        if self.poison_index is not None:
+            i = self.poison_index
+            grads = grads[:i] + (grads[i] * Tensor(float("nan"), ms.float32),) + grads[i + 1:]
+        return loss, grads, factor
+
 
 def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell:
     wrap = mindformers_config(spec)["runner_wrapper"]
     opt = build_optimizer(net, spec)
-    cell = FaultyTrainOneStepCell(net, opt, local_norm=True, use_clip_grad=wrap["use_clip_grad"],
+    inner = mcc.McoreReplayLoss(net) if is_mcore(spec) else net
+    cell = FaultyTrainOneStepCell(inner, opt, local_norm=True, use_clip_grad=wrap["use_clip_grad"],
                                   max_grad_norm=wrap["max_grad_norm"])
     cell.set_train(True)
     return cell
@@ -140,19 +216,25 @@ def run(spec: Spec) -> dict[str, Any]:
     from dumpers.mindformers_replay import ReplaySource
 
     t0 = time.perf_counter()
-    mc.set_cpu_context("pynative", seed=spec.seed)
+    if not is_mcore(spec):
+        mc.set_cpu_context("pynative", seed=spec.seed)
     conversion = convert(spec) if spec.init_weights else None
     net = build_net(spec)
     cell = build_cell(net, spec)
     source = ReplaySource(spec.replay_dir, rank=0)
     steps = list(source.steps)[:spec.steps]
-    dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [], cells=LAYER_CELLS,
+    dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [],
+                      cells=LAYER_CELLS_MCORE if is_mcore(spec) else LAYER_CELLS,
                       tensors="full" if spec.tensor_steps else "off", nan_trace="grads",
                       meta={"config": mindformers_config(spec), "role": spec.role, "inject": spec.inject})
-    dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
+    if is_mcore(spec):   # hooks on the GPTModel inside: its cells have Megatron's module names
+        dumper = MindSporeDumper(net.model, spec.out, dcfg, framework="mindformers", name_scheme="mindformers_mcore")
+    else:
+        dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
+    inputs = mcc.mcore_inputs if is_mcore(spec) else mc.llama_inputs
     opt = cell.optimizer
     names, sizes = optimizer_param_names(opt), optimizer_param_sizes(opt)
-    nan_index = names.index(NAN_PARAM) if injects(spec, "candidate") == "nan_param" else None
+    nan_index = names.index(nan_param(spec)) if injects(spec, "candidate") == "nan_param" else None
     losses = []
     for step in steps:
         batch = source.batch(step)
@@ -160,7 +242,7 @@ def run(spec: Spec) -> dict[str, Any]:
         dumper.record_batch({"tokens": batch["input_ids"], "labels": batch["labels"],
                              "loss_mask": batch["loss_mask"]})
         cell.poison_index = nan_index if step == NAN_STEP else None
-        out = cell(*mc.llama_inputs(batch))
+        out = cell(*inputs(batch))
         vals = split_outputs(out)
         gnorm = float(np.asarray(vals["global_norm"]).reshape(-1)[0]) if "global_norm" in vals else None
         named = name_local_norms(vals["local_norm"], names, vals.get("norm_size"), sizes)
@@ -183,11 +265,13 @@ def run(spec: Spec) -> dict[str, Any]:
 
 def optimizer_check(spec: Spec) -> dict[str, Any]:
     """One candidate optimizer step on the baseline's step-1 gradients: OUT/evidence/optimizer_step1.npz."""
-    mc.set_cpu_context("pynative", seed=spec.seed)
+    if not is_mcore(spec):
+        mc.set_cpu_context("pynative", seed=spec.seed)
     net = build_net(spec)
     cell = build_cell(net, spec)
     m = spec.model
-    path = run_optimizer_check(cell.optimizer, spec.step1_file, spec.out, num_heads=m.num_heads,
+    path = run_optimizer_check(cell.optimizer, spec.step1_file, spec.out,
+                               mapping=mcore_preset(spec) if is_mcore(spec) else None, num_heads=m.num_heads,
                                num_query_groups=m.num_query_groups, train_cell=cell)
     return {"role": spec.role, "file": str(path)}
 

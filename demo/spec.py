@@ -20,6 +20,10 @@ import numpy as np
 PAD_ID = 0
 EOS_ID = 1
 
+# The candidate model of the pair: ``llama`` = MindFormers' legacy LlamaForCausalLM (MindFormers <= 1.6
+# users), ``dense`` = MindFormers 2.x mcore Qwen3-style model (q/k layernorm; the baseline gets it too).
+MODEL_KINDS = ("llama", "dense")
+
 
 @dataclass
 class Model:
@@ -63,6 +67,7 @@ class Spec:
     eos_id: int = EOS_ID
     eod_mask_loss: bool = False
     inject: str | None = None
+    model_kind: str = "llama"           # llama (legacy MindFormers Llama) | dense (MindFormers mcore Qwen3)
     # files exchanged between the runs
     init_weights: str | None = None     # baseline writes its initial state_dict here (torch.save)
     optimizer_evidence: bool = False    # baseline: write OUT/evidence/optimizer_step1.npz at step 1
@@ -94,6 +99,11 @@ class Fault:
     stage: str         # the stage that must fail
     component: str     # a substring of the failing finding's component
     what: str
+    mcore_component: str | None = None   # the component with the mcore candidate, where names differ
+
+    def component_for(self, model_kind: str) -> str:
+        """The failing component's substring for a candidate model kind (mcore names are Megatron's)."""
+        return self.mcore_component if model_kind != "llama" and self.mcore_component else self.component
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in [
@@ -114,12 +124,18 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("loss_mask_mutation", "baseline", "data_checks", "loss_mask",
           "the baseline data loader mutates its cached loss_mask in place each step"),
     Fault("nan_param", "candidate", "nan_trace", "feed_forward.w2",
-          "one parameter's gradient becomes NaN at step 3 on the candidate"),
+          "one parameter's gradient becomes NaN at step 3 on the candidate", mcore_component="mlp.linear_fc2"),
 ]}
 
 NAN_STEP = 3
 NAN_PARAM = "model.layers.1.feed_forward.w2.weight"
 NAN_PARAM_BASELINE = "decoder.layers.1.mlp.linear_fc2.weight"
+NAN_PARAM_MCORE = NAN_PARAM_BASELINE   # mcore MindFormers uses Megatron's own names
+
+
+def nan_param(spec: Spec) -> str:
+    """The candidate parameter the nan_param fault poisons, in the candidate's names."""
+    return NAN_PARAM if spec.model_kind == "llama" else NAN_PARAM_MCORE
 
 
 def fault(name: str | None) -> Fault | None:
@@ -242,11 +258,14 @@ def megatron_args(spec: Spec) -> dict[str, Any]:
         "pipeline_model_parallel_size": 1, "data_parallel_size": 1, "bf16": False, "fp16": False,
         "params_dtype": "float32", "seed": spec.seed, "optimizer": "adam", "eod_mask_loss": spec.eod_mask_loss,
         "use_distributed_optimizer": False, "attention_softmax_in_fp32": True,
+        **({"qk_layernorm": True} if spec.model_kind == "dense" else {}),
     }
 
 
 def mindformers_config(spec: Spec) -> dict[str, Any]:
     """The MindFormers YAML (as a dict) of the candidate run; the runner trains from these very values."""
+    if spec.model_kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {spec.model_kind!r}: expected one of {', '.join(MODEL_KINDS)}")
     m = spec.model
     if spec.lr_schedule == "cosine":
         lr_schedule = {"type": "CosineWithWarmUpLR", "learning_rate": spec.lr, "lr_end": spec.min_lr,
@@ -280,6 +299,41 @@ def mindformers_config(spec: Spec) -> dict[str, Any]:
             "fused_rms_norm": False, "use_rope_slice": True, "input_sliced_sig": True,
             "use_flash_attention": False, "use_past": False, "tie_word_embeddings": False,
             "qkv_has_bias": False, "checkpoint_name_or_path": ""}},
+    } if spec.model_kind == "llama" else {"use_legacy": False, **_mcore_yaml(spec, lr_schedule)}
+
+
+def _mcore_yaml(spec: Spec, lr_schedule: dict[str, Any]) -> dict[str, Any]:
+    """MindFormers 2.x (``use_legacy: False``) YAML of the mcore dense candidate: Qwen3Config keys.
+
+    pad_token_id is -1 because MindFormers hides keys whose token equals it from attention, and Megatron
+    never does (the packed data has no padding)."""
+    m = spec.model
+    return {
+        "seed": spec.seed, "run_mode": "train",
+        "runner_config": {"epochs": 1, "batch_size": m.micro_batch_size, "sink_mode": False,
+                          "gradient_accumulation_steps": 1},
+        "optimizer": {"type": "AdamW", "betas": [spec.adam_beta1, spec.adam_beta2], "eps": spec.adam_eps,
+                      "weight_decay": spec.weight_decay, "learning_rate": spec.lr},
+        "lr_schedule": lr_schedule,
+        "runner_wrapper": {"type": "CPUTrainOneStepCell", "scale_sense": 1.0, "use_clip_grad": spec.clip_grad > 0,
+                           "max_grad_norm": spec.clip_grad, "local_norm": True},
+        "parallel_config": {"data_parallel": 1, "model_parallel": 1, "pipeline_stage": 1, "micro_batch_num": 1},
+        "train_dataset": {"data_dir": spec.replay_dir, "columns": ["input_ids", "labels", "loss_mask"],
+                          "construct_args_key": ["input_ids", "labels", "loss_mask"], "batch_size": 1},
+        "train_dataset_task": {"type": "MegatronReplayDataset"},
+        "context": {"mode": 1, "device_target": "CPU"},
+        "load_ckpt_format": "safetensors",
+        "model": {"arch": {"type": "TrainingQwen3ForCausalLM"}, "model_config": {
+            "type": "Qwen3Config", "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
+            "max_position_embeddings": m.seq_length, "hidden_size": m.hidden_size,
+            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
+            "num_key_value_heads": m.num_query_groups, "head_dim": m.hidden_size // m.num_heads,
+            "intermediate_size": m.ffn_hidden_size, "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps,
+            "rope_theta": 10000.0, "hidden_act": "silu", "qk_layernorm": True, "attention_bias": False,
+            "tie_word_embeddings": False, "hidden_dropout": m.hidden_dropout,
+            "attention_dropout": m.attention_dropout, "pad_token_id": -1, "eos_token_id": spec.eos_id,
+            "compute_dtype": "float32", "params_dtype": "float32", "layernorm_compute_dtype": "float32",
+            "softmax_compute_dtype": "float32", "rotary_dtype": "float32"}},
     }
 
 

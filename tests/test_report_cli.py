@@ -181,3 +181,21 @@ def test_stores_without_local_norms_skip_that_stage(tmp_path):
     assert main(["report", str(b), str(c), "--out", str(tmp_path / "o"), "-q"]) == 0
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert s["stages"]["step1_local_norm"]["verdict"] == "skipped"
+
+
+def test_local_norm_rtol_from_the_cli(tmp_path):
+    """--local-norm-rtol PASS,WARN replaces the dtype's local-norm tolerance (5e-4 apart: warn at float32's
+    1e-4, pass at 1e-3, fail at 1e-4,2e-4); a malformed value is a one-line exit 2."""
+    near = dict(NORMS, **{"decoder.layers.0.mlp.linear_fc2.weight": 0.25 * (1 + 5e-4)})
+    b, c = _store(tmp_path / "b", NORMS), _store(tmp_path / "c", near)
+    verdicts = {}
+    for label, extra in (("default", []), ("wide", ["--local-norm-rtol", "1e-3,1e-2"]),
+                         ("tight", ["--local-norm-rtol", "1e-4,2e-4"])):
+        main(["report", str(b), str(c), "--out", str(tmp_path / label), "-q", *extra])
+        s = json.loads((tmp_path / label / "summary.json").read_text())
+        verdicts[label] = s["stages"]["step1_local_norm"]["verdict"]
+    assert verdicts == {"default": "warn", "wide": "pass", "tight": "fail"}
+    r = run_cli("report", str(b), str(c), "--out", str(tmp_path / "bad"), "-q", "--local-norm-rtol", "1e-3")
+    assert r.returncode == 2 and "--local-norm-rtol" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("report", str(b), str(c), "--out", str(tmp_path / "bad"), "-q", "--lr0-rtol", "1e-2,1e-3")
+    assert r.returncode == 2 and "--lr0-rtol" in r.stderr and not (tmp_path / "bad").exists()

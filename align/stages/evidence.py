@@ -35,6 +35,8 @@ class Options:
     pad_id: int | None = None
     jobs: int | None = None            # parallel tensor readers (layer tensors)
     scheduler: str | None = None       # a Dask scheduler address: the layer compare fans out there
+    local_norm_rtol: tuple[float, float] | None = None   # step-1 local norms (pass, warn); None: by dtype
+    lr0_rtol: tuple[float, float] | None = None          # lr=0 pair loss / grad norm (pass, warn); None: by dtype
 
 
 @dataclass

@@ -30,7 +30,8 @@ def run(ev: Evidence) -> StageResult:
         return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (optimizer order)")
     dtype, source = ev.dtype
     res = compare_local_norms(b.store if b.store is not None else b, c.store if c.store is not None else c,
-                              ev.inputs.mapping, step=step, dtype=dtype)
+                              ev.inputs.mapping, step=step, dtype=dtype,
+                              rtol=ev.options.local_norm_rtol)
     res.details["dtype_source"] = source
     return res
 

@@ -29,7 +29,7 @@ def run(ev: Evidence) -> StageResult:
         return skipped("lr0_run", "no lr=0 pair (--lr0 BASELINE CANDIDATE)")
     b, c = ev.lr0
     dtype, source = ev.dtype
-    tol = RTOL.get(dtype, RTOL["float32"])
+    tol = ev.options.lr0_rtol or RTOL.get(dtype, RTOL["float32"])
     res = StageResult("lr0_run")
     common = b.series("loss").index.intersection(c.series("loss").index)
     details: dict[str, Any] = {"steps": len(common), "dtype": dtype, "dtype_source": source, "rtol": tol}
