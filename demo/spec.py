@@ -273,20 +273,9 @@ def mindformers_config(spec: Spec) -> dict[str, Any]:
     else:
         lr_schedule = {"type": "ConstantWarmUpLR", "learning_rate": spec.lr, "warmup_steps": 0,
                        "total_steps": spec.steps}
+    common = _common_yaml(spec, lr_schedule)
     return {
-        "seed": spec.seed, "run_mode": "train",
-        "runner_config": {"epochs": 1, "batch_size": m.micro_batch_size, "sink_mode": False,
-                          "gradient_accumulation_steps": 1},
-        "optimizer": {"type": "AdamW", "betas": [spec.adam_beta1, spec.adam_beta2], "eps": spec.adam_eps,
-                      "weight_decay": spec.weight_decay, "learning_rate": spec.lr},
-        "lr_schedule": lr_schedule,
-        "runner_wrapper": {"type": "CPUTrainOneStepCell", "scale_sense": 1.0, "use_clip_grad": spec.clip_grad > 0,
-                           "max_grad_norm": spec.clip_grad, "local_norm": True},
-        "parallel_config": {"data_parallel": 1, "model_parallel": 1, "pipeline_stage": 1, "micro_batch_num": 1},
-        "train_dataset": {"data_dir": spec.replay_dir, "columns": ["input_ids", "labels", "loss_mask"],
-                          "construct_args_key": ["input_ids", "labels", "loss_mask"], "batch_size": 1},
-        "train_dataset_task": {"type": "MegatronReplayDataset"},
-        "context": {"mode": 1, "device_target": "CPU"},
+        **common,
         "model": {"arch": {"type": "LlamaForCausalLM"}, "model_config": {
             "type": "LlamaConfig", "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
             "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
@@ -299,14 +288,11 @@ def mindformers_config(spec: Spec) -> dict[str, Any]:
             "fused_rms_norm": False, "use_rope_slice": True, "input_sliced_sig": True,
             "use_flash_attention": False, "use_past": False, "tie_word_embeddings": False,
             "qkv_has_bias": False, "checkpoint_name_or_path": ""}},
-    } if spec.model_kind == "llama" else {"use_legacy": False, **_mcore_yaml(spec, lr_schedule)}
+    } if spec.model_kind == "llama" else {"use_legacy": False, **common, **_mcore_model(spec)}
 
 
-def _mcore_yaml(spec: Spec, lr_schedule: dict[str, Any]) -> dict[str, Any]:
-    """MindFormers 2.x (``use_legacy: False``) YAML of the mcore dense candidate: Qwen3Config keys.
-
-    pad_token_id is -1 because MindFormers hides keys whose token equals it from attention, and Megatron
-    never does (the packed data has no padding)."""
+def _common_yaml(spec: Spec, lr_schedule: dict[str, Any]) -> dict[str, Any]:
+    """The YAML keys both candidates share: runner, optimizer, schedule, wrapper, data, context."""
     m = spec.model
     return {
         "seed": spec.seed, "run_mode": "train",
@@ -322,6 +308,16 @@ def _mcore_yaml(spec: Spec, lr_schedule: dict[str, Any]) -> dict[str, Any]:
                           "construct_args_key": ["input_ids", "labels", "loss_mask"], "batch_size": 1},
         "train_dataset_task": {"type": "MegatronReplayDataset"},
         "context": {"mode": 1, "device_target": "CPU"},
+    }
+
+
+def _mcore_model(spec: Spec) -> dict[str, Any]:
+    """MindFormers 2.x (``use_legacy: False``) model block of the mcore dense candidate: Qwen3Config keys.
+
+    pad_token_id is -1 because MindFormers hides keys whose token equals it from attention, and Megatron
+    never does (the packed data has no padding)."""
+    m = spec.model
+    return {
         "load_ckpt_format": "safetensors",
         "model": {"arch": {"type": "TrainingQwen3ForCausalLM"}, "model_config": {
             "type": "Qwen3Config", "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
