@@ -78,6 +78,7 @@ class Evidence:
         self.repeats: list[Run] = [r for k, r in runs.items() if k.startswith("repeat")]
         self.lr0: tuple[Run, Run] | None = ((runs["lr0_baseline"], runs["lr0_candidate"])
                                             if "lr0_baseline" in runs else None)
+        self._configs: dict[str, tuple[str, dict[str, Any]] | None] = {}
 
     @classmethod
     def load(cls, inputs: Inputs, progress: Callable[[str], None] | None = None) -> Evidence:
@@ -111,7 +112,12 @@ class Evidence:
     def config(self, role: str) -> tuple[str, dict[str, Any]] | None:
         """(kind, values) of a run's config: the file named on the command line, else the snapshot the
         dumper recorded in meta.json (``{"kind", "values"}``, or the bare dict with the framework saying
-        which kind), else a Megatron log's own arguments block."""
+        which kind), else a Megatron log's own arguments block. Read once per role (several stages ask)."""
+        if role not in self._configs:
+            self._configs[role] = self._read_config(role)
+        return self._configs[role]
+
+    def _read_config(self, role: str) -> tuple[str, dict[str, Any]] | None:
         from align.sources.configs import read_megatron, read_mindformers
 
         path = self.inputs.baseline_config if role == "baseline" else self.inputs.candidate_config

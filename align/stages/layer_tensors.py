@@ -22,8 +22,13 @@ def _has_layers(run: Run) -> bool:
     return run.store is not None or run.kind == "msprobe"
 
 
-def _tensor_steps(src: Any) -> set[int]:
-    return {s for s in src.array_steps()[:SEARCH] if src.layer_rows(s, src.array_ranks(s)[0])[0]}
+def _first_tensor_step(a: Any, b: Any) -> int | None:
+    """The first step (of the first SEARCH both runs have files for) where both hold layer rows; a step's
+    rows are read only until one is found, and the comparator reads that step again in full."""
+    for s in sorted(set(a.array_steps()) & set(b.array_steps()))[:SEARCH]:
+        if all(src.layer_rows(s, src.array_ranks(s)[0])[0] for src in (a, b)):
+            return s
+    return None
 
 
 def run(ev: Evidence) -> StageResult:
@@ -32,13 +37,12 @@ def run(ev: Evidence) -> StageResult:
         return skipped("layer_tensors", "layer tensors come from run stores or msprobe dumps; "
                        f"{', '.join(r.label for r in (b, c) if not _has_layers(r))} is a log")
     srcs = [layer_source(r) for r in (b, c)]
-    steps = sorted(_tensor_steps(srcs[0]) & _tensor_steps(srcs[1]))
-    if not steps:
+    step = _first_tensor_step(*srcs)
+    if step is None:
         return skipped("layer_tensors", "no step where both runs hold layer tensors (tensor_stats / dump.json)")
     opt = ev.options
-    res = compare_layer_tensors(srcs[0], srcs[1], ev.inputs.mapping, step=steps[0],
-                                candidate_rank=srcs[1].array_ranks(steps[0])[0],
-                                rank=srcs[0].array_ranks(steps[0])[0],
+    res = compare_layer_tensors(srcs[0], srcs[1], ev.inputs.mapping, step=step,
+                                candidate_rank=srcs[1].array_ranks(step)[0], rank=srcs[0].array_ranks(step)[0],
                                 tolerances=opt.layer_tolerance or None, jobs=opt.jobs, scheduler=opt.scheduler,
                                 readers=_readers(b, c))
     unmatched = res.details.get("unmatched_baseline") or []
@@ -47,7 +51,7 @@ def run(ev: Evidence) -> StageResult:
         res.verdict = worst([f.verdict for f in res.findings])
         res.details["note"] = (f"{len(unmatched)} baseline rows (module inputs / input gradients) have no "
                                "counterpart kind in the candidate's dump; outputs and output gradients are compared")
-    res.details["step"] = steps[0]
+    res.details["step"] = step
     return res
 
 
