@@ -24,13 +24,11 @@ import numpy as np
 
 
 def _named(model: Any) -> list[tuple[str, Any]]:
+    from dumpers.megatron import strip_module_prefix
+
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    out = []
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            if p.requires_grad:
-                out.append((name[len("module."):] if name.startswith("module.") else name, p))
-    return out
+    return [(strip_module_prefix(name), p) for chunk in chunks for name, p in chunk.named_parameters()
+            if p.requires_grad]
 
 
 def _np(t: Any) -> np.ndarray:
