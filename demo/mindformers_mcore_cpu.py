@@ -15,6 +15,15 @@ classic ops that do have CPU kernels (tests/test_mindformers_mcore.py checks eac
 * the embedding ``Morph`` (its mint embedding has no CPU backward) -> Gather on the weight
 * PYNATIVE only: ``Morph`` (graph-only primitive) -> the Python function it wraps; ``OneHotExt`` ->
   ``OneHot``; ``ZerosLikeExt`` -> ``ZerosLike``.
+* MoE (router, token dispatcher, grouped experts; tests/test_mindformers_moe.py): ``TopkExt`` -> ``TopK``;
+  ``CumsumExt`` -> ``CumSum``; ``SortExt`` -> ``Sort``; ``FmodScalar`` -> ``TruncateMod``; ``IndexSelect`` ->
+  ``Gather``; ``GroupedMatmul`` -> one masked matmul per expert; ``Swiglu`` -> silu(a) * b; ``MoveTo`` ->
+  identity; the dispatcher's inline ``OneHotExt`` -> ``OneHot``. MindFormers builds SortExt, FmodScalar,
+  IndexSelect, OneHotExt and GroupedMatmul inline (no instance to swap): :func:`install_moe_module_standins`
+  rebinds those names in its token_dispatcher / ffn modules for the process.
+* PYNATIVE fixes (kernels exist, results are wrong or it crashes): MLA's shared ``SplitWithSize`` -> a split
+  per use (its PYNATIVE gradients are wrong otherwise); ``SharedExpertMLP.construct`` unpacks the MLP's three
+  outputs into two (a ValueError outside GRAPH).
 
 Nothing else of MindFormers is touched: parameters, layouts and the training step are its own.
 """
@@ -271,6 +280,163 @@ class _MorphFunction:
         return self.fn(*args)
 
 
+# --- MoE (routed experts) ------------------------------------------------------------------------------
+
+class CpuTopk(nn.Cell):
+    """Stand-in for ``TopkExt`` (the router's top-k, largest first): the classic ``TopK`` on the last axis.
+
+    Why: TopkExt has no CPU kernel; TopK has one (with a backward). Indices come back int64 as TopkExt's do.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.topk = ops.TopK(sorted=True)
+        self.cast = ops.Cast()
+
+    def construct(self, x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True  # noqa: A002
+                  ) -> tuple[Tensor, Tensor]:
+        if (dim != -1 and dim != x.ndim - 1) or not largest:
+            raise ValueError("CpuTopk: only the largest k along the last axis")
+        values, indices = self.topk(x, k)
+        return values, self.cast(indices, ms.int64)
+
+
+class CpuCumsum(nn.Cell):
+    """Stand-in for ``CumsumExt(x, dim, dtype)`` (tokens per expert, cumulated): the classic ``CumSum``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cumsum = ops.CumSum()
+        self.cast = ops.Cast()
+
+    def construct(self, x: Tensor, dim: int, dtype: Any = None) -> Tensor:
+        out = self.cumsum(x, dim)
+        return out if dtype is None else self.cast(out, dtype)
+
+
+class CpuSort(nn.Cell):
+    """Stand-in for ``SortExt(x, dim, descending)`` (tokens grouped by expert id, and the inverse order):
+    the classic ``Sort``; indices int64 as SortExt's. Ties (tokens of one expert) may come in another order
+    than on an NPU: each token is still computed by its own expert and put back by the inverse order, so the
+    MoE output is the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cast = ops.Cast()
+
+    def construct(self, x: Tensor, dim: int = -1, descending: bool = False, stable: bool = False
+                  ) -> tuple[Tensor, Tensor]:
+        values, indices = ops.Sort(axis=dim, descending=descending)(x)
+        return values, self.cast(indices, ms.int64)
+
+
+class CpuFmodScalar(nn.Cell):
+    """Stand-in for ``FmodScalar(x, n)`` (token index = sorted position mod tokens): ``TruncateMod``, which
+    is fmod (the result takes the dividend's sign), on int32 (its CPU kernel has no int64; the values are
+    token positions), cast back to x's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mod = ops.TruncateMod()
+        self.cast = ops.Cast()
+
+    def construct(self, x: Tensor, other: Any) -> Tensor:
+        if x.dtype in (ms.int64, ms.int32):
+            out = self.mod(self.cast(x, ms.int32), ops.scalar_to_tensor(other, ms.int32))
+        else:
+            out = self.mod(x, ops.scalar_to_tensor(other, x.dtype))
+        return self.cast(out, x.dtype)
+
+
+class CpuIndexSelect(nn.Cell):
+    """Stand-in for ``IndexSelect(x, dim, index)`` (permute / unpermute tokens): ``Gather`` on that axis,
+    whose backward (a scatter-add) has a CPU kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gather = ops.Gather()
+
+    def construct(self, x: Tensor, dim: int, index: Tensor) -> Tensor:
+        return self.gather(x, index, dim)
+
+
+class CpuGroupedMatmul(nn.Cell):
+    """Stand-in for ``GroupedMatmul(split_item=3, group_type=0)`` (the routed experts' fc1 and fc2).
+
+    x [M, K] holds the tokens sorted by expert; ``group_list`` the cumulated row ends per expert
+    (group_list_type 0); weight [E, K, N]. Row r of the output is x[r] @ weight[e] for the expert e whose rows
+    hold r. Computed as sum_e mask_e * (x @ weight[e]): the masked terms are exact zeros, so each row equals
+    its own expert's matmul, and the weight gradients are x_e^T dy_e.
+    """
+
+    def __init__(self, split_item: int = 3, group_type: int = 0, group_list_type: int = 0) -> None:
+        super().__init__()
+        if split_item != 3 or group_type != 0 or group_list_type != 0:
+            raise ValueError("CpuGroupedMatmul: only split_item 3, group_type 0, cumulated group_list")
+        self.bmm = ops.BatchMatMul()
+        self.cast = ops.Cast()
+
+    def construct(self, x: Any, weight: Any, bias: Any = None, scale: Any = None, offset: Any = None,
+                  antiquant_scale: Any = None, antiquant_offset: Any = None, group_list: Any = None,
+                  *args: Any) -> tuple[Tensor]:
+        xx, w = x[0], weight[0]
+        rows = ops.arange(0, xx.shape[0], 1, dtype=ms.int64).reshape(-1, 1)
+        ends = self.cast(group_list, ms.int64).reshape(1, -1)
+        starts = ops.concat((ops.zeros((1, 1), ms.int64), ends[:, :-1]), 1)
+        mask = self.cast(ops.logical_and(rows >= starts, rows < ends), xx.dtype)       # [M, E]
+        per_expert = self.bmm(ops.broadcast_to(ops.expand_dims(xx, 0), (w.shape[0],) + xx.shape), w)  # [E, M, N]
+        mask_t = ops.expand_dims(ops.transpose(mask, (1, 0)), -1)                        # [E, M, 1]
+        return (ops.reduce_sum(per_expert * mask_t, 0),)
+
+
+class CpuSwiglu(nn.Cell):
+    """Stand-in for ``Swiglu(x, dim)``: split x in halves a, b along ``dim``; silu(a) * b (a the gate half)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sigmoid = ops.Sigmoid()
+
+    def construct(self, x: Tensor, dim: int = -1) -> Tensor:
+        a, b = ops.split(x, x.shape[dim] // 2, dim)
+        return a * self.sigmoid(a) * b
+
+
+class CpuMoveTo(nn.Cell):
+    """Stand-in for ``MoveTo(x, "CPU", blocking)`` (split sizes to host): identity, a CPU run is on the host."""
+
+    def construct(self, x: Tensor, to: Any = None, blocking: Any = None) -> Tensor:
+        return x
+
+
+class CpuSplitWithSize(nn.Cell):
+    """PYNATIVE stand-in for a *shared* ``SplitWithSize`` instance (MLA splits q, kv and the compressed
+    projections with one instance each, used twice per forward): functional ``ops.split`` on every use.
+
+    Why (not a missing kernel): in PYNATIVE the MLA projection gradients come out wrong with the shared
+    instance (some flip sign; measured 30 % off at layer-0 ``linear_kv_down_proj``) while the loss is right;
+    GRAPH is right (checked with finite differences). Splitting per use gives GRAPH's gradients.
+    """
+
+    def construct(self, x: Tensor, split_size: Any, dim: int = 0) -> tuple[Tensor, ...]:
+        return ops.split(x, list(split_size), dim)
+
+
+def _shared_experts_construct(cell: nn.Cell) -> Any:
+    """PYNATIVE fix for MindFormers' shared experts (``SharedExpertMLP[Interleaved].construct``): it unpacks
+    the MLP's three outputs (output, bias, extra_loss) into two, which GRAPH tolerates and Python does not.
+    The same math with the three unpacked."""
+    parent = type(cell).__mro__[1]
+
+    def construct(hidden_states: Tensor) -> tuple[Tensor, Any]:
+        out, bias, _ = parent.construct(cell, hidden_states)
+        if cell.use_shared_expert_gate:
+            gate = cell.sigmoid(cell.shared_experts_gate(cell.cast(hidden_states, cell.router_dense_type)))
+            out = cell.mul_shared_gate(out, cell.cast(gate, cell.compute_dtype))
+        return out, bias
+
+    return construct
+
+
 def _replace(cell: nn.Cell, name: str, new: Any) -> None:
     cell._primitives.pop(name, None)  # noqa: SLF001 - MindSpore keeps primitive attributes here
     cell.__dict__.pop(name, None)
@@ -280,7 +446,7 @@ def _replace(cell: nn.Cell, name: str, new: Any) -> None:
         object.__setattr__(cell, name, new)
 
 
-def _standin_for(prim: Any, pynative: bool, owner: nn.Cell) -> Any:
+def _standin_for(prim: Any, pynative: bool, owner: nn.Cell, fix_pynative_split: bool = True) -> Any:
     kind = type(prim).__name__
     if kind == "RmsNorm":
         return CpuRmsNorm(prim.epsilon if hasattr(prim, "epsilon") else prim.eps)
@@ -293,6 +459,12 @@ def _standin_for(prim: Any, pynative: bool, owner: nn.Cell) -> Any:
             raise ValueError(f"{type(owner).__name__}: the CPU attention stand-in needs layout BNSD/BSH, no "
                              "dropout and no sliding window")
         return CpuFlashAttentionScore(prim.head_num, prim.scale_value, layout, prim.sparse_mode)
+    if kind == "TopkExt":
+        return CpuTopk()
+    if kind == "Swiglu":
+        return CpuSwiglu()
+    if pynative and kind == "SplitWithSize" and fix_pynative_split:
+        return CpuSplitWithSize()
     if pynative and kind == "OneHotExt":
         return CpuOneHot(int(prim.axis))
     if pynative and kind == "ZerosLikeExt":
@@ -300,20 +472,64 @@ def _standin_for(prim: Any, pynative: bool, owner: nn.Cell) -> Any:
     return None
 
 
-def install_cpu_standins(net: nn.Cell, mode: str = "graph") -> dict[str, int]:
-    """Swap every primitive without a CPU kernel inside ``net`` for its stand-in; returns counts by kind."""
+# The token dispatcher (a plain object, not a Cell) keeps these primitives as attributes.
+_DISPATCHER_STANDINS = {"cumsum": CpuCumsum, "sort": CpuSort, "d2h": CpuMoveTo}
+
+
+def install_moe_module_standins() -> dict[str, int]:
+    """Stand-ins for the MoE primitives MindFormers builds *inline* (``SortExt()(x)`` inside a function), so
+    there is no instance to swap: the names are rebound in the two modules that use them, for this process.
+
+    token_dispatcher: SortExt, FmodScalar, IndexSelect, OneHotExt (permute / unpermute, tokens per expert);
+    ffn: GroupedMatmul (the routed experts). Idempotent; returns the names rebound.
+    """
+    from mindformers.parallel_core.training_graph.transformer.moe import ffn, token_dispatcher
+
+    rebound = {(token_dispatcher, "SortExt"): CpuSort, (token_dispatcher, "FmodScalar"): CpuFmodScalar,
+               (token_dispatcher, "IndexSelect"): CpuIndexSelect, (token_dispatcher, "OneHotExt"): CpuOneHot,
+               (ffn, "GroupedMatmul"): CpuGroupedMatmul}
+    counts: dict[str, int] = {}
+    for (module, name), standin in rebound.items():
+        if getattr(module, name) is not standin:
+            setattr(module, name, standin)
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _install_dispatcher_standins(cell: nn.Cell, counts: dict[str, int]) -> None:
+    dispatcher = cell.__dict__.get("token_dispatcher")
+    if dispatcher is None or isinstance(dispatcher, nn.Cell):
+        return
+    for attr, standin in _DISPATCHER_STANDINS.items():
+        prim = getattr(dispatcher, attr, None)
+        if prim is not None and not isinstance(prim, nn.Cell):
+            setattr(dispatcher, attr, standin())
+            key = type(prim).__name__
+            counts[key] = counts.get(key, 0) + 1
+
+
+def install_cpu_standins(net: nn.Cell, mode: str = "graph", *, fix_pynative_split: bool = True
+                         ) -> dict[str, int]:
+    """Swap every primitive without a CPU kernel inside ``net`` for its stand-in; returns counts by kind.
+
+    ``fix_pynative_split=False`` keeps MLA's shared SplitWithSize in PYNATIVE (reproduces its wrong
+    gradients, for the test that the local-norm stage names them)."""
     from mindspore.ops.operations import Morph
 
     pynative = mode.lower() == "pynative"
     counts: dict[str, int] = {}
     for _, cell in list(net.cells_and_names()):
+        _install_dispatcher_standins(cell, counts)
+        if pynative and type(cell).__name__ in ("SharedExpertMLP", "SharedExpertMLPInterleaved"):
+            cell.construct = _shared_experts_construct(cell)
+            counts["SharedExpertMLP.construct"] = counts.get("SharedExpertMLP.construct", 0) + 1
         for name, prim in list(cell._primitives.items()):  # noqa: SLF001
             if name == "embedding_morph" and isinstance(prim, Morph):
                 new: Any = CpuEmbedding()
             elif isinstance(prim, Morph):
                 new = _MorphFunction(prim.__morph_fn__) if pynative else None
             else:
-                new = _standin_for(prim, pynative, cell)
+                new = _standin_for(prim, pynative, cell, fix_pynative_split)
             if new is None:
                 continue
             _replace(cell, name, new)
@@ -430,18 +646,20 @@ _SHARED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_at
 
 
 def build_mcore_model(spec: McoreSpec, mode: str = "graph", *, seed: int = 0, standins: bool = True,
-                      **config_overrides: Any) -> nn.Cell:
+                      fix_pynative_split: bool = True, **config_overrides: Any) -> nn.Cell:
     """A real MindFormers mcore ``Training*ForCausalLM`` for ``spec`` with the CPU stand-ins installed.
 
     Call :func:`set_mcore_context` first. Parameter names (``net.get_parameters()``) are Megatron's own
     (``decoder.layers.0.self_attention.linear_qkv.weight``, ...); linear_fc1 is row-interleaved gate/up,
     routed experts are stacked (``mlp.experts.weight1`` / ``weight2``).
-    kinds: dense (TrainingQwen3ForCausalLM, trains here), moe (TrainingQwen3MoeForCausalLM) and mla
-    (TrainingDeepseekV3ForCausalLM): the MoE kinds build (names, shapes, conversion) but their expert
-    kernels (TopkExt, GroupedMatmul, ...) have no CPU stand-in yet, so they do not run here; MLA without
-    MoE (``McoreSpec(kind="mla", num_experts=0)``) runs in both modes.
+    kinds: dense (TrainingQwen3ForCausalLM), moe (TrainingQwen3MoeForCausalLM: routed experts, alltoall
+    dispatcher with EP=1) and mla (TrainingDeepseekV3ForCausalLM: MLA, MoE with ``shared_expert_size``
+    shared experts; ``num_experts=0`` makes every layer dense); all train here in GRAPH and PYNATIVE.
+    ``fix_pynative_split=False`` keeps MLA's PYNATIVE gradient bug (see :class:`CpuSplitWithSize`).
     """
     ms.set_seed(seed)
+    if standins and spec.kind in ("moe", "mla"):
+        install_moe_module_standins()
     if spec.kind == "dense":
         if not spec.qk_layernorm:
             raise ValueError("TrainingQwen3ForCausalLM always has q/k layernorm; set qk_layernorm=True")
@@ -459,7 +677,7 @@ def build_mcore_model(spec: McoreSpec, mode: str = "graph", *, seed: int = 0, st
     else:
         raise ValueError(f"model kind {spec.kind!r}: expected one of {', '.join(MODEL_KINDS)}")
     if standins:
-        install_cpu_standins(net, mode)
+        install_cpu_standins(net, mode, fix_pynative_split=fix_pynative_split)
     net.set_train(True)
     return net
 
@@ -521,9 +739,15 @@ def parameter_arrays(net: nn.Cell) -> dict[str, np.ndarray]:
     return {p.name: p.asnumpy().copy() for p in net.get_parameters()}   # a copy: asnumpy may share memory
 
 
+_ROUTER_STATE = (".router.fi_accu", ".router.expert_load")
+
+
 def load_parameter_arrays(net: nn.Cell, arrays: Mapping[str, np.ndarray]) -> None:
-    """Copy ``arrays`` into ``net``'s parameters by name; every name and shape must match exactly."""
-    params = {p.name: p for p in net.get_parameters()}
+    """Copy ``arrays`` into ``net``'s parameters by name; every name and shape must match exactly, except the
+    MoE router's running statistics (``router.fi_accu`` / ``expert_load``: MindFormers-only state, not in a
+    Megatron checkpoint; the presets ignore them), which keep their initial zeros when absent."""
+    params = {p.name: p for p in net.get_parameters()
+              if p.name in arrays or not p.name.endswith(_ROUTER_STATE)}
     missing = sorted(set(params) - set(arrays))
     extra = sorted(set(arrays) - set(params))
     if missing or extra:
