@@ -18,8 +18,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from demo.megatron_cpu import MegatronOptimizerCPU, cpu_device_redirect, forward_loss, init_megatron_cpu, wrap_ddp
-from demo.spec import NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
+from demo.megatron_cpu import (
+    MegatronOptimizerCPU,
+    TinyLlamaConfig,
+    build_tiny_llama,
+    cpu_device_redirect,
+    forward_loss,
+    init_megatron_cpu,
+    wrap_ddp,
+)
+from demo.spec import MOE_KINDS, NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
 from dumpers.megatron import MegatronDumper, strip_module_prefix
 from dumpers.optimizer_evidence import OptimizerEvidence
 from dumpers.seed_torch import seed_everything
@@ -40,6 +48,8 @@ def build_model(spec: Spec) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if spec.model_kind in MOE_KINDS:
+        return round_attention_fp16(build_moe_model(spec)) if spec.attention_fp16 else build_moe_model(spec)
     m = spec.model
     qk_norm = spec.model_kind == "dense"
     torch.manual_seed(spec.seed)
@@ -57,6 +67,38 @@ def build_model(spec: Spec) -> torch.nn.Module:
                     vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
                     parallel_output=True)
+
+
+def build_moe_model(spec: Spec) -> torch.nn.Module:
+    """The moe / mla baseline: demo.megatron_cpu's GPTModel with the MoE (sequential experts, allgather
+    dispatcher) and MLA switches of :func:`demo.mcore_spec.megatron_extra`, from the same
+    :func:`demo.mcore_spec.mcore_spec` the MindFormers side builds from."""
+    from demo.mcore_spec import mcore_spec, megatron_config_kwargs
+
+    kwargs = megatron_config_kwargs(mcore_spec(spec))
+    if spec.tp > 1:   # megatron-core refuses MoE with TP unless sequence parallelism is on (the TP=2 repeat)
+        kwargs["extra"]["sequence_parallel"] = True
+    return build_tiny_llama(TinyLlamaConfig(**kwargs), seed=spec.seed)
+
+
+def round_attention_fp16(model: torch.nn.Module) -> torch.nn.Module:
+    """Round every core attention's q, k, v and output through float16 (forward and, by the casts' backward,
+    the gradients): what MindFormers' flash-attention path does to a float32 run. The moe repeat uses it so
+    the error band spans that precision (:func:`demo.spec.repeat_layout`)."""
+    def inputs(_module: torch.nn.Module, args: tuple) -> tuple:
+        q, k, v, *rest = args
+        return (*(t.half().float() for t in (q, k, v)), *rest)
+
+    def output(_module: torch.nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out.half().float()
+
+    hooked = [m for n, m in model.named_modules() if n.endswith("self_attention.core_attention")]
+    if not hooked:
+        raise RuntimeError("no self_attention.core_attention module to round through float16")
+    for m in hooked:
+        m.register_forward_pre_hook(inputs)
+        m.register_forward_hook(output)
+    return model
 
 
 def build_optimizer(ddp: torch.nn.Module, spec: Spec) -> MegatronOptimizerCPU:
@@ -87,6 +129,29 @@ def _named_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]
     return [(strip_module_prefix(n), p) for n, p in model.named_parameters()]
 
 
+def dp_share(arrays: dict[str, Any], dp_rank: int, dp: int) -> dict[str, Any]:
+    """This data-parallel rank's rows of the step's batch (all of it when dp is 1)."""
+    if dp == 1:
+        return arrays
+    rows = next(iter(arrays.values())).shape[0]
+    if rows % dp:
+        raise ValueError(f"micro-batch of {rows} rows cannot be split over {dp} data-parallel ranks")
+    part = rows // dp
+    return {k: v[dp_rank * part:(dp_rank + 1) * part] for k, v in arrays.items()}
+
+
+def dp_mean(loss: torch.Tensor, dp: int) -> float:
+    """The loss Megatron-LM logs: the mean over the data-parallel group (each rank's loss is a mean over the
+    same number of tokens here, so this is the whole batch's mean loss)."""
+    if dp == 1:
+        return float(loss)
+    from megatron.core import parallel_state
+
+    t = loss.clone()
+    torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return float(t) / dp
+
+
 def run(spec: Spec) -> dict[str, Any]:
     """Train ``spec.steps`` steps, dumping every step's batch, local norms and scalars; layers at 1-2."""
     t0 = time.perf_counter()
@@ -108,6 +173,7 @@ def run(spec: Spec) -> dict[str, Any]:
     meta = {**seed_info, "config": {"kind": "megatron_args", "values": megatron_args(spec)}, "role": spec.role,
             "inject": spec.inject, "threads": torch.get_num_threads(),
             "dtypes": {"params": "float32", "grads": "float32", "compute": "float32"},
+            **({"attention": "q, k, v and output rounded through float16"} if spec.attention_fp16 else {}),
             "data": {"vocab_size": spec.model.vocab_size, "eos_id": spec.eos_id, "pad_id": spec.pad_id}}
     dumper = MegatronDumper(ddp, opt, cfg, meta=meta)
     source = BatchSource(spec, mutate_cache=injects(spec, "baseline") == "loss_mask_mutation")
@@ -119,7 +185,7 @@ def run(spec: Spec) -> dict[str, Any]:
     evidence = OptimizerEvidence(ddp, spec.out) if spec.optimizer_evidence and lead else None
     losses = []
     for step in range(1, spec.steps + 1):
-        arrays = source(step)
+        arrays = dp_share(source(step), info.dp_rank, info.dp)
         batch = {k: torch.from_numpy(v) for k, v in arrays.items()}
         lr = float(opt.param_groups[0]["lr"])
         dumper.begin_step(step)
@@ -137,7 +203,7 @@ def run(spec: Spec) -> dict[str, Any]:
         _, grad_norm, _ = opt.step()
         if step == 1 and evidence is not None:
             evidence.after_step()
-        losses.append(float(loss.detach()))
+        losses.append(dp_mean(loss.detach(), info.dp))
         dumper.end_step(loss=losses[-1], lr=lr)
         sched.step(1)
     dumper.close()

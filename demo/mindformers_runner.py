@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from align.core.runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
-from demo.spec import NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
+from demo.spec import MOE_KINDS, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 
@@ -41,6 +41,7 @@ from demo import mindformers_mcore_cpu as mcc  # noqa: E402
 from dumpers.mindformers import name_local_norms, optimizer_param_names, optimizer_param_sizes, split_outputs  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
 from dumpers.mindspore_optimizer_check import run_optimizer_check  # noqa: E402
+from dumpers.steps import parse_steps  # noqa: E402
 
 # Layer profile cells, the MindFormers counterparts of demo.megatron_runner.LAYER_MODULES.
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
@@ -62,11 +63,9 @@ def mcore_preset(spec: Spec) -> str:
 
 def mcore_spec(spec: Spec) -> mcc.McoreSpec:
     """The mcore model of the run's spec (same sizes, eps and RoPE base as the Megatron baseline)."""
-    m = spec.model
-    return mcc.McoreSpec(kind=spec.model_kind, vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-                         num_layers=m.num_layers, num_attention_heads=m.num_heads,
-                         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
-                         seq_length=m.seq_length, micro_batch_size=m.micro_batch_size, rms_norm_eps=m.norm_eps)
+    from demo.mcore_spec import mcore_spec as of_spec
+
+    return of_spec(spec)
 
 
 def _qk_swap_rows(arr: np.ndarray, *, num_heads: int, num_query_groups: int, head_dim: int) -> np.ndarray:
@@ -211,6 +210,48 @@ def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell:
     return cell
 
 
+def trains_in_graph(spec: Spec) -> bool:
+    """The moe / mla candidate's main run trains in GRAPH (0.03-0.1 s a step here against ~1 s in PYNATIVE,
+    after a 15-40 s compile); its layer tensors come from a PYNATIVE copy at the tensor steps
+    (:class:`LayerCapture`). The lr = 0 run (no tensor steps, short), the optimizer check and the faults that
+    patch the candidate's Python at run time (nan_param, embedding_fp16) stay in PYNATIVE."""
+    return (spec.model_kind in MOE_KINDS and spec.role == "candidate" and bool(spec.tensor_steps)
+            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16"))
+
+
+class LayerCapture:
+    """Layer tensors of a GRAPH-trained run: a PYNATIVE twin of the model, given the GRAPH model's weights
+    before each tensor step, runs that step's forward and backward with the dumper's hooks on (GRAPH compiles
+    hooks away). Nothing of it feeds back into training: loss, local norms and the update are the GRAPH
+    step's."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.net = build_mcore_net(spec, "pynative")
+        loss = _FirstOutput(mcc.McoreReplayLoss(self.net))
+        self.grad_fn = ms.value_and_grad(loss, None, self.net.trainable_params())
+        mcc.set_mcore_context("graph")
+
+    def run(self, source_net: nn.Cell, inputs: tuple[Tensor, ...]) -> float:
+        mcc.load_parameter_arrays(self.net, mcc.parameter_arrays(source_net))
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        try:
+            loss, _ = self.grad_fn(*inputs)
+        finally:
+            ms.set_context(mode=ms.GRAPH_MODE)
+        return float(np.asarray(loss.asnumpy()).reshape(-1)[0])
+
+
+class _FirstOutput(nn.Cell):
+    """The lm loss alone (the mcore model returns lm, MTP, aux and indexer losses)."""
+
+    def __init__(self, inner: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        self.inner = inner
+
+    def construct(self, *inputs: Tensor) -> Tensor:
+        return self.inner(*inputs)[0]
+
+
 def run(spec: Spec) -> dict[str, Any]:
     """Replay every baseline step through MindFormers' training step, dumping what it computed."""
     from dumpers.mindformers_replay import ReplaySource
@@ -219,15 +260,23 @@ def run(spec: Spec) -> dict[str, Any]:
     if not is_mcore(spec):
         mc.set_cpu_context("pynative", seed=spec.seed)
     conversion = convert(spec) if spec.init_weights else None
-    net = build_net(spec)
+    graph = trains_in_graph(spec)
+    net = build_mcore_net(spec, "graph") if graph else build_net(spec)
     cell = build_cell(net, spec)
+    capture = LayerCapture(spec) if graph else None
     source = ReplaySource(spec.replay_dir, rank=0)
     steps = list(source.steps)[:spec.steps]
     dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [],
                       cells=LAYER_CELLS_MCORE if is_mcore(spec) else LAYER_CELLS,
                       tensors="full" if spec.tensor_steps else "off", nan_trace="grads",
                       meta={"config": mindformers_config(spec), "role": spec.role, "inject": spec.inject})
-    if is_mcore(spec):   # hooks on the GPTModel inside: its cells have Megatron's module names
+    if capture is not None:   # hooks on the PYNATIVE twin (hooking needs PYNATIVE at this moment)
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        dumper = MindSporeDumper(capture.net.model, spec.out, dcfg, framework="mindformers",
+                                 name_scheme="mindformers_mcore")
+        ms.set_context(mode=ms.GRAPH_MODE)
+        dumper.update_meta({"candidate_mode": "graph (layer tensors from a PYNATIVE twin at the tensor steps)"})
+    elif is_mcore(spec):   # hooks on the GPTModel inside: its cells have Megatron's module names
         dumper = MindSporeDumper(net.model, spec.out, dcfg, framework="mindformers", name_scheme="mindformers_mcore")
     else:
         dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
@@ -236,12 +285,15 @@ def run(spec: Spec) -> dict[str, Any]:
     names, sizes = optimizer_param_names(opt), optimizer_param_sizes(opt)
     nan_index = names.index(nan_param(spec)) if injects(spec, "candidate") == "nan_param" else None
     losses = []
+    capture_steps = parse_steps(spec.tensor_steps) or frozenset() if capture is not None else frozenset()
     for step in steps:
         batch = source.batch(step)
         dumper.begin_step(step)
         dumper.record_batch({"tokens": batch["input_ids"], "labels": batch["labels"],
                              "loss_mask": batch["loss_mask"]})
         cell.poison_index = nan_index if step == NAN_STEP else None
+        if capture is not None and step in capture_steps:
+            capture.run(net, inputs(batch))
         out = cell(*inputs(batch))
         vals = split_outputs(out)
         gnorm = float(np.asarray(vals["global_norm"]).reshape(-1)[0]) if "global_norm" in vals else None

@@ -30,7 +30,7 @@ from align.core.findings import EXIT
 from align.procedure import report, stderr_progress
 from align.report_args import parse_report_args, report_inputs
 from align.stages import Inputs
-from demo.spec import FAULTS, MODEL_KINDS, Spec, fault, write_spec
+from demo.spec import FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
@@ -79,8 +79,10 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None,
             cand.lr_schedule, cand.warmup_steps = "cosine", max(1, steps // 10)
         elif name == "pad_eos":
             base.pad_id = cand.pad_id = base.eos_id
-    repeat = replace(base, role="repeat", out=str(work / "repeat_tp2"), tp=2, tensor_steps="",
-                     init_weights=None, optimizer_evidence=False, result_file=str(work / "repeat.json"))
+    layout = repeat_layout(model_kind)
+    repeat = replace(base, role="repeat", out=str(work / ("repeat_tp2" if layout["tp"] > 1 else "repeat_dp2")),
+                     **layout, tensor_steps="", init_weights=None, optimizer_evidence=False,
+                     result_file=str(work / "repeat.json"))
     optcheck = replace(cand, role="optimizer_check", out=str(work / "optimizer_check"), steps=1,
                        init_weights=None, step1_file=base.out, result_file=str(work / "optcheck.json"))
     lr0_base = replace(base, role="baseline", out=str(work / "lr0_baseline"), steps=lr0_steps, lr=0.0,
@@ -97,8 +99,8 @@ def _command(specs: list[Spec], paths: list[Path]) -> list[str]:
     py = sys.executable
     if specs[0].role in ("candidate", "optimizer_check"):
         return [py, "-m", "demo.mindformers_runner", *map(str, paths)]
-    if specs[0].tp > 1:
-        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={specs[0].tp}",
+    if specs[0].tp * specs[0].dp > 1:
+        return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={specs[0].tp * specs[0].dp}",
                 "-m", "demo.megatron_runner", str(paths[0])]
     return [py, "-m", "demo.megatron_runner", str(paths[0])]
 
@@ -223,7 +225,7 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
         if prev_kind != model_kind:
             raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline is for --model {prev_kind}, "
                            f"not {model_kind}")
-        for name in ("baseline", "lr0_baseline", "repeat_tp2"):
+        for name in ("baseline", "lr0_baseline", "repeat_tp2", "repeat_dp2"):
             if (src / name).is_dir():
                 shutil.copytree(src / name, work / name, dirs_exist_ok=True)
         for name in ("megatron_init.pt", "baseline.json", "repeat.json"):

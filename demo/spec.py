@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,11 @@ PAD_ID = 0
 EOS_ID = 1
 
 # The candidate model of the pair: ``llama`` = MindFormers' legacy LlamaForCausalLM (MindFormers <= 1.6
-# users), ``dense`` = MindFormers 2.x mcore Qwen3-style model (q/k layernorm; the baseline gets it too).
-MODEL_KINDS = ("llama", "dense")
+# users), ``dense`` = MindFormers 2.x mcore Qwen3-style model (q/k layernorm; the baseline gets it too),
+# ``moe`` = mcore Qwen3-MoE-style (routed experts), ``mla`` = mcore DeepSeek-V3-style (MLA + MoE + shared
+# expert); the baseline is the same megatron-core model each time.
+MODEL_KINDS = ("llama", "dense", "moe", "mla")
+MOE_KINDS = ("moe", "mla")
 
 
 @dataclass
@@ -40,6 +43,17 @@ class Model:
     norm_eps: float = 1e-5
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # --model moe / mla only: routed experts, top-k, expert width; mla adds a shared expert and MLA's
+    # low-rank q / kv and head dims (every head its own kv group)
+    num_experts: int = 4
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int = 32
+    shared_expert_size: int = 32
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 16
+    qk_head_dim: int = 16
+    qk_pos_emb_head_dim: int = 8
+    v_head_dim: int = 16
 
 
 @dataclass
@@ -61,6 +75,8 @@ class Spec:
     seed: int = 1234
     threads: int = 1
     tp: int = 1                    # tensor parallel size (the repeat runs TP=2 under torchrun)
+    dp: int = 1                    # data parallel size (the moe / mla repeat: the batch split over 2 ranks)
+    attention_fp16: bool = False   # Megatron side: core attention's q, k, v and output rounded through float16
     tensor_steps: str = "1-2"
     model: Model = field(default_factory=Model)
     pad_id: int = PAD_ID
@@ -131,6 +147,26 @@ NAN_STEP = 3
 NAN_PARAM = "model.layers.1.feed_forward.w2.weight"
 NAN_PARAM_BASELINE = "decoder.layers.1.mlp.linear_fc2.weight"
 NAN_PARAM_MCORE = NAN_PARAM_BASELINE   # mcore MindFormers uses Megatron's own names
+
+
+def repeat_layout(model_kind: str) -> dict[str, Any]:
+    """How the baseline's repeat (the error band's source) differs from the baseline: another summation order,
+    and for moe the candidate's attention precision.
+
+    TP=2 splits the row-parallel matmuls into partial sums. megatron-core refuses MoE with TP unless sequence
+    parallelism is on, which its local (torch) norms do not support, so the moe / mla repeat runs DP=2
+    instead: each rank takes half of the same batch (equal token counts: the data has no padding) and the
+    gradients are averaged, the same mean loss summed in another order.
+
+    The moe candidate (Qwen3-MoE) computes attention in float16 even in a float32 run (MindFormers' flash-
+    attention path casts q, k, v); top-k routing flips on near ties and Adam's first steps turn that rounding
+    into loss deltas of ~1e-4 within a few steps, which a float32 repeat (deltas ~1e-7) cannot cover. Its
+    repeat therefore rounds Megatron's q, k, v and attention output through float16 too (measured: that
+    baseline variant lands within ~1e-5 of the candidate at every step), so the band spans the precision the
+    candidate computes in. The MLA candidate keeps float32 attention and a float32 repeat."""
+    if model_kind == "moe":
+        return {"tp": 1, "dp": 2, "attention_fp16": True}
+    return {"tp": 1, "dp": 2} if model_kind in MOE_KINDS else {"tp": 2, "dp": 1}
 
 
 def nan_param(spec: Spec) -> str:
@@ -258,8 +294,29 @@ def megatron_args(spec: Spec) -> dict[str, Any]:
         "pipeline_model_parallel_size": 1, "data_parallel_size": 1, "bf16": False, "fp16": False,
         "params_dtype": "float32", "seed": spec.seed, "optimizer": "adam", "eod_mask_loss": spec.eod_mask_loss,
         "use_distributed_optimizer": False, "attention_softmax_in_fp32": True,
-        **({"qk_layernorm": True} if spec.model_kind == "dense" else {}),
+        **({"qk_layernorm": True} if spec.model_kind != "llama" else {}),
+        **_megatron_moe_args(spec),
     }
+
+
+def _megatron_moe_args(spec: Spec) -> dict[str, Any]:
+    """The Megatron-LM MoE / MLA arguments of the moe and mla baselines (demo.mcore_spec.megatron_extra
+    builds the same model: allgather dispatcher, no aux loss, the expert bias not updated)."""
+    m = spec.model
+    if spec.model_kind not in MOE_KINDS:
+        return {}
+    args: dict[str, Any] = {
+        "num_experts": m.num_experts, "moe_router_topk": m.moe_topk, "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+        "moe_token_dispatcher_type": "allgather", "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False}
+    if spec.model_kind == "mla":
+        args.update({
+            "multi_latent_attention": True, "group_query_attention": False, "num_query_groups": m.num_heads,
+            "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_head_dim": m.qk_head_dim,
+            "qk_pos_emb_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim, "kv_channels": m.v_head_dim,
+            "rope_type": "rope", "moe_shared_expert_intermediate_size": m.shared_expert_size,
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_bias_update_rate": 0.0})
+    return args
 
 
 def mindformers_config(spec: Spec) -> dict[str, Any]:
@@ -317,6 +374,8 @@ def _mcore_model(spec: Spec) -> dict[str, Any]:
     pad_token_id is -1 because MindFormers hides keys whose token equals it from attention, and Megatron
     never does (the packed data has no padding)."""
     m = spec.model
+    if spec.model_kind in MOE_KINDS:
+        return _mcore_moe_model(spec)
     return {
         "load_ckpt_format": "safetensors",
         "model": {"arch": {"type": "TrainingQwen3ForCausalLM"}, "model_config": {
@@ -331,6 +390,35 @@ def _mcore_model(spec: Spec) -> dict[str, Any]:
             "compute_dtype": "float32", "params_dtype": "float32", "layernorm_compute_dtype": "float32",
             "softmax_compute_dtype": "float32", "rotary_dtype": "float32"}},
     }
+
+
+def _mcore_moe_model(spec: Spec) -> dict[str, Any]:
+    """The model block of the moe (Qwen3MoeConfig) and mla (DeepseekV3Config) candidates: the dense block's
+    shared keys plus experts (no aux loss, top-k normalised, scaling 1); mla adds MLA ranks and head dims,
+    the sigmoid router with a (not updated) expert bias, the shared expert, plain RoPE (YaRN factor 1: YaRN
+    would also scale the softmax) and no MTP."""
+    m = spec.model
+    dense = dict(_mcore_model(replace(spec, model_kind="dense"))["model"]["model_config"])
+    moe = {"num_experts_per_tok": m.moe_topk, "moe_intermediate_size": m.moe_ffn_hidden_size,
+           "norm_topk_prob": True, "moe_router_topk_scaling_factor": 1.0, "moe_grouped_gemm": True,
+           "moe_aux_loss_coeff": 0.0}
+    if spec.model_kind == "moe":
+        cfg = {**dense, "type": "Qwen3MoeConfig", "num_experts": m.num_experts, "decoder_sparse_step": 1, **moe}
+        arch = "TrainingQwen3MoeForCausalLM"
+    else:
+        dense.pop("head_dim")
+        cfg = {**dense, "type": "DeepseekV3Config", "num_key_value_heads": m.num_heads,
+               "n_routed_experts": m.num_experts, **moe,
+               "n_shared_experts": m.shared_expert_size // m.moe_ffn_hidden_size, "first_k_dense_replace": 0,
+               "moe_shared_expert_intermediate_size": m.shared_expert_size, "use_shared_expert_gating": False,
+               "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_head_dim,
+               "qk_rope_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim, "mla_qkv_concat": False,
+               "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+               "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+               "moe_router_bias_update_rate": 0.0,
+               "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": m.seq_length}}
+        arch = "TrainingDeepseekV3ForCausalLM"
+    return {"load_ckpt_format": "safetensors", "model": {"arch": {"type": arch}, "model_config": cfg}}
 
 
 def write_spec(spec: Spec, path: str | Path) -> Path:

@@ -241,3 +241,25 @@ def test_shipped_deepseek3_yaml_mla_mtp_moe_keys() -> None:
     for key in ("mtp_num_layers", "mtp_loss_scaling_factor", "moe_ffn_hidden_size", "num_layers", "init_method_std"):
         assert by_key[key].status == "match", key
     assert any(r.key == "advice.mla_softmax_scale" for r in rows)
+
+
+def test_sigmoid_router_normalised_topk_and_mla_from_kv_lora_rank() -> None:
+    """megatron-core normalises a sigmoid router's top-k probabilities (top-k > 1) as MindFormers'
+    norm_topk_prob does; an mcore YAML with kv_lora_rank is MLA even without multi_latent_attention; MLA's
+    softmax-scale advice is a match when both sides use plain RoPE (scaling 1) and a check otherwise."""
+    mg = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_experts": 4, "moe_router_topk": 2,
+          "moe_router_score_function": "sigmoid", "multi_latent_attention": True, "kv_lora_rank": 16,
+          "q_lora_rank": 32, "rope_type": "rope"}
+    mf = {"use_legacy": False, "model": {"model_config": {
+        "type": "DeepseekV3Config", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "kv_lora_rank": 16,
+        "q_lora_rank": 32, "moe_router_score_function": "sigmoid", "rope_scaling": {"type": "yarn", "factor": 1.0}}}}
+    rows = {r.key: r for r in cc.compare_configs(mg, mf)[0]}
+    for key in ("moe_norm_topk_prob", "multi_latent_attention", "kv_lora_rank", "q_lora_rank",
+                "advice.mla_softmax_scale"):
+        assert rows[key].status == "match", (key, rows[key])
+    mg.pop("rope_type")
+    mg["rotary_scaling_factor"] = 40.0
+    mf["model"]["model_config"]["rope_scaling"]["factor"] = 40.0
+    rows = {r.key: r for r in cc.compare_configs(mg, mf)[0]}
+    assert rows["advice.mla_softmax_scale"].status == "check"

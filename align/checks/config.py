@@ -157,8 +157,10 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
             "moe_token_drop_policy": g("moe_token_drop_policy"),
             "moe_router_load_balancing_type": g("moe_router_load_balancing_type"),
             "moe_router_pre_softmax": bool(g("moe_router_pre_softmax")),
-            "moe_norm_topk_prob": (not g("moe_router_pre_softmax") and g("moe_router_score_function") == "softmax"
-                                   and (g("moe_router_topk") or 0) > 1),
+            # megatron-core normalises the top-k probabilities when top-k > 1 for a sigmoid router always, for
+            # softmax unless pre-softmax (softmax over the top-k logits) (moe_utils.topk_routing_with_score_function)
+            "moe_norm_topk_prob": ((g("moe_router_topk") or 0) > 1 and (
+                g("moe_router_score_function") == "sigmoid" or not g("moe_router_pre_softmax"))),
             "moe_router_topk_scaling_factor": g("moe_router_topk_scaling_factor") or 1.0,
             "moe_router_score_function": g("moe_router_score_function"),
             "moe_router_enable_expert_bias": bool(g("moe_router_enable_expert_bias")),
@@ -172,6 +174,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         c.update({k: g(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                                     "v_head_dim")})
         c["multi_latent_attention"] = True
+        # YaRN's mscale also scales MLA's softmax (differently in each framework); plain RoPE has none
+        c["rope_scaling_factor"] = 1.0 if g("rope_type") == "rope" else g("rotary_scaling_factor")
     for key, names in {"hidden_dropout": ["hidden_dropout"], "attention_dropout": ["attention_dropout"],
                        "adam_beta1": ["adam_beta1"], "adam_beta2": ["adam_beta2"], "adam_eps": ["adam_eps"],
                        "weight_decay": ["weight_decay"], "clip_grad": ["clip_grad"],
@@ -328,10 +332,15 @@ def mcore_common(cfg: dict[str, Any]) -> dict[str, Any]:
             c[k] = None
     if c["mtp_num_layers"] is NOT_READ or not c["mtp_num_layers"]:
         c["mtp_num_layers"] = c["mtp_loss_scaling_factor"] = None
+    if c["multi_latent_attention"] is NOT_READ and c["kv_lora_rank"] is not NOT_READ:
+        c["multi_latent_attention"] = True      # kv_lora_rank exists only in MLA models (DeepSeek-V2/V3 YAMLs)
     if c["multi_latent_attention"] is not True:
         for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                   "v_head_dim"):
             c[k] = None
+    else:
+        rs = mc.get("rope_scaling")
+        c["rope_scaling_factor"] = float(rs.get("factor", 1.0)) if isinstance(rs, dict) else NOT_READ
     c["num_query_groups"] = c["num_query_groups"] if c["num_query_groups"] is not NOT_READ else c["num_heads"]
     c["vocab_size_unpadded"] = None
     c["deterministic"] = _deterministic(cfg)
@@ -623,8 +632,11 @@ def _guide_rows(mg: dict[str, Any], mf: dict[str, Any]) -> list[Row]:
                            mf.get("moe_shared_expert_gate"), "check", "shared-expert gating differs: Megatron "
                            "--moe-shared-expert-gate vs MindFormers use_shared_expert_gating"))
     if mg.get("multi_latent_attention") or mf.get("multi_latent_attention"):
-        out.append(Row("advice.mla_softmax_scale", None, None, "check", "MLA softmax scale: MindFormers uses "
-                       "mscale, Megatron mscale_all_dim; they differ unless rotary scaling is 1"))
+        a, b = mg.get("rope_scaling_factor"), mf.get("rope_scaling_factor")
+        plain = a == 1.0 and b == 1.0
+        out.append(Row("advice.mla_softmax_scale", a, b, "match" if plain else "check",
+                       "MLA softmax scale: MindFormers uses mscale, Megatron mscale_all_dim; they differ unless "
+                       "rotary scaling is 1" + (" (it is 1 on both sides)" if plain else "")))
     return out
 
 

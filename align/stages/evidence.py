@@ -158,7 +158,8 @@ class Evidence:
         return compare_scalars(self.baseline, self.candidate, self.repeats, self.options.scalar)
 
     def transform_params(self) -> Any:
-        """Heads and query groups for fused-QKV transforms, from the baseline's config when known."""
+        """Heads and query groups for fused-QKV transforms, and the routed experts for stacked-expert ones,
+        from the baseline's config when known."""
         from align.core.mapping import TransformParams
 
         cfg = self.config("baseline")
@@ -167,4 +168,6 @@ class Evidence:
         groups = vals.get("num_query_groups") if vals.get("group_query_attention", True) else heads
         if not isinstance(heads, int):
             return None
-        return TransformParams(num_heads=heads, num_query_groups=groups if isinstance(groups, int) else heads)
+        experts = vals.get("num_experts")
+        return TransformParams(num_heads=heads, num_query_groups=groups if isinstance(groups, int) else heads,
+                               num_experts=experts if isinstance(experts, int) and experts > 0 else None)
