@@ -149,13 +149,45 @@ def run_jobs(jobs: list[tuple[str, list[Spec]]], work: Path, parallel: int = 2) 
 # Report sections
 # ---------------------------------------------------------------------------------------------------------
 
+# The moe / mla pairs (demo.spec.MOE_KINDS): what each side is, and where the error band comes from.
+_MOE_PAIRS = {
+    "moe": ("Qwen3-MoE-shaped (q/k layernorm, every MLP 4 routed experts, top-2, softmax router)",
+            "MindFormers 2.x mcore TrainingQwen3MoeForCausalLM (<code>use_legacy: False</code>, stacked experts, "
+            "mapping <code>megatron_core__mindformers_mcore_moe</code>; trained in GRAPH, layer tensors from a "
+            "PYNATIVE twin at the tensor steps; CPU stand-ins for the MoE kernels MindSpore 2.10 lacks on CPU; "
+            "attention inputs cast to float16 by MindFormers' flash-attention path)",
+            "the baseline run again with data parallelism 2 (each rank half of the same batch, gradients "
+            "averaged: another summation order; megatron-core allows MoE with TP only under sequence parallelism, "
+            "which its local norms do not support) and with attention q, k, v and output rounded through float16, "
+            "the precision the candidate computes attention in: top-k routing and Adam's first steps turn that "
+            "rounding into loss deltas of ~1e-4 within a few steps, which a float32 repeat cannot cover."),
+    "mla": ("DeepSeek-V3-shaped (MLA with q/kv low-rank projections, every MLP 4 routed experts, top-2, sigmoid "
+            "router with expert bias, one shared expert)",
+            "MindFormers 2.x mcore TrainingDeepseekV3ForCausalLM (<code>use_legacy: False</code>, mapping "
+            "<code>megatron_core__mindformers_mcore_mla</code>; trained in GRAPH, layer tensors from a PYNATIVE "
+            "twin at the tensor steps; CPU stand-ins for the MoE kernels, and per-use splits that fix MLA's "
+            "PYNATIVE gradients)",
+            "the baseline run again with data parallelism 2 (each rank half of the same batch, gradients "
+            "averaged: another summation order; megatron-core allows MoE with TP only under sequence "
+            "parallelism, which its local norms do not support)."),
+}
+
+
 def _candidate_model(kind: str) -> str:
     if kind == "llama":
         return "MindFormers LlamaForCausalLM (legacy, <code>use_legacy: True</code>)"
+    if kind in _MOE_PAIRS:
+        return _MOE_PAIRS[kind][1]
     return ("MindFormers 2.x mcore TrainingQwen3ForCausalLM (<code>use_legacy: False</code>, q/k layernorm on "
             "both sides, safetensors weights, mapping <code>megatron_core__mindformers_mcore_dense</code>; "
             "CPU stand-ins for the kernels MindSpore 2.10 lacks on CPU; attention inputs cast to float16 by "
             "MindFormers' flash-attention path, hence wider float32 tolerances)")
+
+
+def _model_shape(kind: str) -> str:
+    if kind in _MOE_PAIRS:
+        return _MOE_PAIRS[kind][0]
+    return "Llama-shaped" if kind == "llama" else "Qwen3-shaped (Llama + q/k layernorm)"
 
 
 def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str | None) -> str:
@@ -167,9 +199,10 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
                   f"expected to fail at stage <code>{f.stage}</code> naming "
                   f"<code>{f.component_for(b.model_kind)}</code>.</p>"
                   if f else "<p>No fault injected: the clean pair.</p>")
+    band_html = _band_source(b.model_kind)
     return (
         f"{fault_html}"
-        f"<p><b>Model:</b> {'Llama-shaped' if b.model_kind == 'llama' else 'Qwen3-shaped (Llama + q/k layernorm)'}, "
+        f"<p><b>Model:</b> {_model_shape(b.model_kind)}, "
         f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
         f"{m.num_query_groups} query groups, SwiGLU {m.ffn_hidden_size}, vocab {m.vocab_size}, seq "
         f"{m.seq_length}, micro-batch {m.micro_batch_size}, float32, on CPU.</p>"
@@ -183,6 +216,16 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
         "schedule, CPUTrainOneStepCell (MFTrainOneStepCell with a CPU overflow check) with clipping and "
         "local norms; it replays the baseline's batches (MegatronReplayDataset's reader) and the MindSporeDumper "
         "records the same evidence.</p>"
+        f"{band_html}"
+        f"<p><b>lr = 0 pair:</b> {specs['lr0_baseline'].steps} steps each, learning rate 0 (weights never move), "
+        "loss and global grad norm compared per step.</p>"
+        f"<table><tr><th>run</th><th>wall time</th></tr>{rows}</table>")
+
+
+def _band_source(kind: str) -> str:
+    if kind in _MOE_PAIRS:
+        return f"<p><b>Error band source:</b> {_MOE_PAIRS[kind][2]}</p>"
+    return (
         "<p><b>Error band source:</b> the baseline run again with tensor parallelism 2 under torchrun "
         "(gloo). On CPU, torch is bit-deterministic for a fixed layout (a different thread count gave "
         "bit-identical losses here), so a plain re-run would give a zero band. TP=2 splits every row-parallel "
@@ -190,10 +233,7 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
         "summation order, which is the same kind of non-determinism a GPU run shows from run to run. It is honest "
         "but small, smaller than the float32 rounding between two frameworks, so the band has a floor of 8 "
         "float32 ulps of the largest baseline loss (a few ulps is what two different cross-entropy reductions "
-        "give on the same logits).</p>"
-        f"<p><b>lr = 0 pair:</b> {specs['lr0_baseline'].steps} steps each, learning rate 0 (weights never move), "
-        "loss and global grad norm compared per step.</p>"
-        f"<table><tr><th>run</th><th>wall time</th></tr>{rows}</table>")
+        "give on the same logits).</p>")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -49,3 +49,22 @@ def test_runs_with_no_step_in_common_are_bad_input():
         require_common_steps(a, b)
     assert "steps 1-5" in str(err.value) and "steps 101-105" in str(err.value) and "\n" not in str(err.value)
     require_common_steps(a, run("cand2", range(5, 9)))  # one shared step is enough
+
+
+def test_a_bias_the_repeat_shows_too_is_not_the_candidates():
+    """A repeat at the candidate's precision (the moe demo: float16-rounded attention) sits on the same side
+    of the baseline as the candidate: that offset is the baseline's own, not a candidate bias; a repeat with
+    a smaller or opposite offset leaves the bias reported."""
+    rng = np.random.default_rng(0)
+    loss = np.linspace(5.0, 4.0, 40)
+    noise = rng.normal(0, 1e-4, 40)
+    cand = loss + 1.5e-4 + noise                 # biased high: mean 1.5e-4 against a spread ~1e-4
+    shown = loss + 1.8e-4 + rng.normal(0, 1e-4, 40)
+    small = loss + 0.2e-4 + rng.normal(0, 1e-4, 40)
+
+    def warned(rep: np.ndarray) -> bool:
+        st = compare_scalars(run(loss, "b"), run(cand, "c"), [run(rep, "r")]).stages["long_run"]
+        return any(f.metric == "mean_delta_over_spread" and f.verdict != "pass" for f in st.findings)
+
+    assert not warned(shown)
+    assert warned(small) and warned(2 * loss - shown)
