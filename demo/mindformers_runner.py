@@ -3,7 +3,9 @@
 The candidate model is ``spec.model_kind``: ``llama`` = the legacy LlamaForCausalLM (MindFormers <= 1.6,
 MindSpore .ckpt weights), ``dense`` = MindFormers 2.x's mcore TrainingQwen3ForCausalLM (Megatron's own
 parameter names, safetensors weights, the ``megatron_core__mindformers_mcore_dense`` mapping; built with the
-CPU kernel stand-ins of :mod:`demo.mindformers_mcore_cpu`), both in PYNATIVE so layer hooks run.
+CPU kernel stand-ins of :mod:`demo.mindformers_mcore_cpu`), both in PYNATIVE so layer hooks run;
+``moe`` / ``mla`` = the mcore TrainingQwen3MoeForCausalLM / TrainingDeepseekV3ForCausalLM, trained in GRAPH with
+layer tensors from a PYNATIVE twin (:func:`trains_in_graph`, :class:`LayerCapture`).
 
 ``python -m demo.mindformers_runner SPEC.json`` (see :class:`demo.spec.Spec`). The run converts the
 baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses),

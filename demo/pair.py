@@ -324,6 +324,8 @@ def run_demo(args: argparse.Namespace) -> int:
     model_kind = getattr(args, "model", "llama") or "llama"
     if model_kind not in MODEL_KINDS:
         raise BadInput(f"--model {model_kind}: unknown model; known: {', '.join(MODEL_KINDS)}")
+    if args.inject == "qk_swap" and model_kind == "mla":
+        raise BadInput("--inject qk_swap: the mla model has no fused linear_qkv to permute")
     if args.steps < 3:
         raise BadInput("--steps must be at least 3 (step 1, step 2 and a long run)")
     t0 = time.perf_counter()

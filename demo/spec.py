@@ -169,8 +169,13 @@ def repeat_layout(model_kind: str) -> dict[str, Any]:
     return {"tp": 1, "dp": 2} if model_kind in MOE_KINDS else {"tp": 2, "dp": 1}
 
 
+NAN_PARAM_MOE = "decoder.layers.1.mlp.experts.weight2"   # moe / mla: the stacked experts' fc2
+
+
 def nan_param(spec: Spec) -> str:
     """The candidate parameter the nan_param fault poisons, in the candidate's names."""
+    if spec.model_kind in MOE_KINDS:
+        return NAN_PARAM_MOE
     return NAN_PARAM if spec.model_kind == "llama" else NAN_PARAM_MCORE
 
 
