@@ -213,7 +213,7 @@ def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell:
 
 
 def trains_in_graph(spec: Spec) -> bool:
-    """The moe / mla candidate's main run trains in GRAPH (0.03-0.1 s a step here against ~1 s in PYNATIVE,
+    """The moe / mla candidate's main run trains in GRAPH (0.03-0.1 s a step here, 0.5-1 s in PYNATIVE,
     after a 15-40 s compile); its layer tensors come from a PYNATIVE copy at the tensor steps
     (:class:`LayerCapture`). The lr = 0 run (no tensor steps, short), the optimizer check and the faults that
     patch the candidate's Python at run time (nan_param, embedding_fp16) stay in PYNATIVE."""

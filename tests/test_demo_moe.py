@@ -5,8 +5,8 @@ Why a file of its own: the dense and llama pairs have theirs (tests/test_demo_mc
 pair runs 6 steps (lr = 0 pair: 2) and must pass every stage it judges. The moe pair keeps its repeat (DP=2
 with float16-rounded attention: the band for a candidate that computes attention in float16); the mla pair
 skips it for time (its band then falls back to --rtol, and the band stage is skipped). Measured here, at a
-load average of ~10 on 2 cores: moe ~125 s, mla ~130 s (mostly framework start-up, two GRAPH compiles per
-candidate process and the PYNATIVE layer capture).
+load average of ~11 on 2 cores: moe 153 s, mla 121 s (mostly framework start-up, the candidate's GRAPH
+compile and its PYNATIVE layer-capture twin).
 """
 
 from __future__ import annotations
