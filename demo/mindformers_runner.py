@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from align.core.runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
-from demo.spec import NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
+from demo.spec import MCORE_LAYER_MODULES, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 
@@ -46,9 +46,7 @@ from dumpers.mindspore_optimizer_check import run_optimizer_check  # noqa: E402
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
                "model.layers.*.ffn_norm", "model.layers.*.feed_forward", "model.norm_out", "lm_head")
 # The mcore model's cells carry Megatron's module names (hooked on the inner GPTModel, ``net.model``).
-LAYER_CELLS_MCORE = ("embedding", "decoder.layers.*.input_layernorm", "decoder.layers.*.self_attention",
-                     "decoder.layers.*.pre_mlp_layernorm", "decoder.layers.*.mlp", "decoder.final_layernorm",
-                     "output_layer")
+LAYER_CELLS_MCORE = MCORE_LAYER_MODULES
 
 
 def is_mcore(spec: Spec) -> bool:

@@ -40,10 +40,11 @@ DEFAULT_LR0_STEPS = 20
 # float32 default (1e-4 / 1e-2) is meant for different hardware kernels (NPU vs GPU).
 LAYER_TOLERANCE = (1e-5, 1e-4, 0.999999)   # float32 on one CPU: (pass, warn, cosine)
 # The mcore candidate (--model dense): MindFormers' flash-attention path casts q, k and v to float16 even in a
-# float32 run (the NPU kernel takes only float16/bfloat16), so attention and everything after it differs
-# from float32 Megatron by float16 rounding: clean pair measured up to ~4e-4 relative on layer tensors and
-# ~2e-4 on step-1 local norms (docs/demo.md). Tolerances a few times those, still far below a real fault.
-MCORE_LAYER_TOLERANCE = (1e-3, 1e-2, 0.9999)
+# float32 run (the NPU kernel takes only float16/bfloat16). Its core_attention row is float16, so the layer
+# stage judges it and every later row at float16's line (comparators.tensors.judged_dtypes), and the rows
+# before it (embedding, first norm) at the float32 line above. Step-1 local norms carry the float16 attention
+# rounding too (clean pair measured up to ~2e-4 relative; docs/demo.md): a line a few times that.
+MCORE_FLOAT16_TOLERANCE = (2e-3, 2e-2, 0.999)   # rows at or after a float16 attention
 MCORE_LOCAL_NORM_RTOL = (1e-3, 1e-2)
 # lr=0 pair: the global grad norm carries the same float16 attention rounding (measured 9.4e-6 over 3 steps,
 # at float32's default pass line of 1e-5); loss agrees to ~1e-6.
@@ -255,8 +256,8 @@ def report_argv(specs: dict[str, Spec], out: Path) -> list[str]:
             "--layer-tolerance", "float32={},{},{}".format(*LAYER_TOLERANCE)]
     kind = specs["baseline"].model_kind
     if kind != "llama":
-        argv[-1] = "float32={},{},{}".format(*MCORE_LAYER_TOLERANCE)
-        argv += ["--mapping", f"megatron_core__mindformers_mcore_{kind}",
+        argv += ["--layer-tolerance", "float16={},{},{}".format(*MCORE_FLOAT16_TOLERANCE),
+                 "--mapping", f"megatron_core__mindformers_mcore_{kind}",
                  "--local-norm-rtol", "{},{}".format(*MCORE_LOCAL_NORM_RTOL),
                  "--lr0-rtol", "{},{}".format(*MCORE_LR0_RTOL)]
     if Path(specs["repeat"].out, "meta.json").is_file():

@@ -24,6 +24,15 @@ EOS_ID = 1
 # users), ``dense`` = MindFormers 2.x mcore Qwen3-style model (q/k layernorm; the baseline gets it too).
 MODEL_KINDS = ("llama", "dense")
 
+# Layer profile of the mcore pairs: the same module names on both sides (MindFormers mcore cells carry
+# Megatron's names). core_attention is listed because MindFormers' flash-attention path computes it in
+# float16 even in a float32 run: its float16 row tells the layer stage that every later row carries float16
+# rounding, while the rows before it (embedding, first norm) are still judged at float32's line.
+MCORE_LAYER_MODULES = ("embedding", "decoder.layers.*.input_layernorm",
+                       "decoder.layers.*.self_attention.core_attention", "decoder.layers.*.self_attention",
+                       "decoder.layers.*.pre_mlp_layernorm", "decoder.layers.*.mlp", "decoder.final_layernorm",
+                       "output_layer")
+
 
 @dataclass
 class Model:
