@@ -22,7 +22,7 @@ EOS_ID = 1
 
 # The candidate model of the pair: ``llama`` = MindFormers' legacy LlamaForCausalLM (MindFormers <= 1.6
 # users), ``dense`` = MindFormers 2.x mcore Qwen3-style model (q/k layernorm; the baseline gets it too).
-MODEL_KINDS = ("llama", "dense")
+MODEL_KINDS = ("dense", "llama")
 
 # Layer profile of the mcore pairs: the same module names on both sides (MindFormers mcore cells carry
 # Megatron's names). core_attention is listed because MindFormers' flash-attention path computes it in
@@ -76,7 +76,7 @@ class Spec:
     eos_id: int = EOS_ID
     eod_mask_loss: bool = False
     inject: str | None = None
-    model_kind: str = "llama"           # llama (legacy MindFormers Llama) | dense (MindFormers mcore Qwen3)
+    model_kind: str = "dense"           # dense (MindFormers mcore Qwen3) | llama (legacy MindFormers Llama)
     # files exchanged between the runs
     init_weights: str | None = None     # baseline writes its initial state_dict here (torch.save)
     optimizer_evidence: bool = False    # baseline: write OUT/evidence/optimizer_step1.npz at step 1

@@ -86,6 +86,36 @@ def test_dtype_from_meta_sets_local_norm_tolerance(tmp_path: Path) -> None:
     assert st["verdict"] == "pass" and st["dtype"] == "bfloat16"
 
 
+def mcore_yaml(**model_config: object) -> dict:
+    """A MindFormers 2.x YAML as the MindSpore dumper records it in meta.json (the bare dict)."""
+    mc = {"type": "Qwen3Config", "num_hidden_layers": 2, "num_attention_heads": 4, "compute_dtype": "float32",
+          **model_config}
+    return {"use_legacy": False, "model": {"model_config": mc}}
+
+
+@pytest.mark.parametrize("model_config,mapping,dtype", [
+    ({}, "megatron_core__mindformers_mcore_dense", "float16"),
+    ({"use_flash_attention": False}, "megatron_core__mindformers_mcore_dense", "float32"),
+    ({"num_experts": 4, "num_experts_per_tok": 2}, "megatron_core__mindformers_mcore_moe", "float16"),
+    ({"multi_latent_attention": True, "n_routed_experts": 4}, "megatron_core__mindformers_mcore_mla", "float16"),
+    ({"compute_dtype": "bfloat16"}, "megatron_core__mindformers_mcore_dense", "float32"),
+])
+def test_mcore_candidate_config_picks_mapping_and_attention_precision(tmp_path: Path, model_config: dict,
+                                                                       mapping: str, dtype: str) -> None:
+    """A MindFormers 2.x candidate needs no --mapping (its model picks the mcore preset) and no tolerance
+    flags: flash attention (on by default) computes a float32 run's attention in float16, so the local norms
+    are judged at float16. (A bf16 run records its own dtypes; this one recorded none: float32.)"""
+    from align.stages import Evidence, Inputs
+
+    b = make_run(tmp_path / "b")
+    c = make_run(tmp_path / "c", meta={"framework": "mindformers", "config": mcore_yaml(**model_config)})
+    ev = Evidence.load(Inputs(str(b), str(c)))
+    assert ev.mapping == mapping and "2.x config" in ev.mapping_source
+    assert ev.dtype[0] == dtype
+    assert Evidence.load(Inputs(str(b), str(c), mapping="x.yaml")).mapping == "x.yaml"
+    assert Evidence.load(Inputs(str(b), str(b))).mapping == "megatron_core_llama__mindformers_llama"
+
+
 def test_no_common_step_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     b = make_run(tmp_path / "b", steps=5)
     c = tmp_path / "c"

@@ -281,6 +281,29 @@ def is_mcore_yaml(cfg: dict[str, Any]) -> bool:
     return cfg.get("use_legacy") is False or any(k in mc for k in ("num_hidden_layers", "num_attention_heads"))
 
 
+def mcore_family(cfg: dict[str, Any]) -> str:
+    """dense | moe | mla: which mcore mapping preset a MindFormers 2.x YAML's model needs."""
+    c = mcore_common(cfg)
+    if c["multi_latent_attention"] is True:
+        return "mla"
+    return "moe" if c["num_experts"] not in (0, None) else "dense"
+
+
+def mindformers_attention_dtype(cfg: dict[str, Any]) -> str | None:
+    """The dtype a MindFormers 2.x model's attention computes in, when coarser than its compute dtype.
+
+    Why: the mcore flash-attention path (``use_flash_attention``, on by default) casts float32 q/k/v to
+    float16 before the kernel (the NPU kernel takes only float16/bfloat16), so a float32 run's attention,
+    and everything after it, carries float16 rounding.
+    """
+    if not is_mcore_yaml(cfg):
+        return None
+    mc = _get(cfg, "model.model_config", {}) or {}
+    if mc.get("use_flash_attention", True) is False:
+        return None
+    return "float16" if _dtype(mc.get("compute_dtype")) == "float32" else None
+
+
 def _mc(mc: dict[str, Any], key: str) -> Any:
     for alias in MCORE_ALIASES[key]:
         if alias in mc and mc[alias] is not None:

@@ -140,18 +140,50 @@ class Evidence:
 
     @cached_property
     def dtype(self) -> tuple[str, str]:
-        """(dtype, where it came from): the coarsest compute precision either run recorded; float32 when
-        neither recorded one (and the stages say so)."""
+        """(dtype, where it came from): the coarsest compute precision either run recorded, or the float16 a
+        MindFormers 2.x candidate's flash attention computes in when coarser; float32 when neither run
+        recorded one (and the stages say so)."""
+        from align.checks.config import mindformers_attention_dtype
+
         if self.options.dtype:
             return normalize(self.options.dtype), "--dtype"
         found = []
         for run in (self.baseline, self.candidate):
             d = run.meta.get("dtypes")
             if isinstance(d, dict):
-                found += [normalize(str(d[k])) for k in ("compute", "params", "grads") if d.get(k)]
+                found += [normalize(str(d[k])) for k in ("compute", "params", "grads", "attention") if d.get(k)]
+        cfg = self.config("candidate")
+        attention = mindformers_attention_dtype(cfg[1]) if cfg and cfg[0] == "mindformers_yaml" else None
+        if attention and coarsest(found + [attention]) != coarsest(found or ["float64"]):
+            return attention, (f"the candidate's MindFormers config: its flash attention computes in {attention} "
+                               "(use_flash_attention with compute_dtype float32)")
         if found:
             return coarsest(found), "recorded in the runs' meta.json (dtypes)"
         return "float32", "not recorded by either run: assumed float32"
+
+    @cached_property
+    def mapping(self) -> str:
+        """The mapping preset or file: ``--mapping``, else the one the candidate's config needs (a MindFormers
+        2.x mcore YAML: the mcore dense / MoE / MLA preset), else Megatron-core <-> MindFormers Llama."""
+        return self._mapping[0]
+
+    @cached_property
+    def _mapping(self) -> tuple[str, str]:
+        from align.checks.config import is_mcore_yaml, mcore_family
+        from align.core.mapping import DEFAULT_PRESET
+
+        if self.inputs.mapping:
+            return self.inputs.mapping, "--mapping"
+        cfg = self.config("candidate")
+        if cfg and cfg[0] == "mindformers_yaml" and is_mcore_yaml(cfg[1]):
+            return f"megatron_core__mindformers_mcore_{mcore_family(cfg[1])}", "the candidate's MindFormers 2.x config"
+        if self.candidate.meta.get("name_scheme") == "mindformers_mcore":
+            return "megatron_core__mindformers_mcore_dense", "the candidate's name scheme (mindformers_mcore)"
+        return DEFAULT_PRESET, "default"
+
+    @property
+    def mapping_source(self) -> str:
+        return self._mapping[1]
 
     @cached_property
     def scalars(self) -> ScalarComparison:
