@@ -224,7 +224,8 @@ def run(spec: Spec) -> dict[str, Any]:
     dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [],
                       cells=LAYER_CELLS_MCORE if is_mcore(spec) else LAYER_CELLS,
                       tensors="full" if spec.tensor_steps else "off", nan_trace="grads",
-                      meta={"config": mindformers_config(spec), "role": spec.role, "inject": spec.inject})
+                      meta={"config": {"kind": "mindformers_yaml", "values": mindformers_config(spec)},
+                            "role": spec.role, "inject": spec.inject})
     if is_mcore(spec):   # hooks on the GPTModel inside: its cells have Megatron's module names
         dumper = MindSporeDumper(net.model, spec.out, dcfg, framework="mindformers", name_scheme="mindformers_mcore")
     else:
