@@ -154,11 +154,12 @@ class Evidence:
                 found += [normalize(str(d[k])) for k in ("compute", "params", "grads", "attention") if d.get(k)]
         cfg = self.config("candidate")
         attention = mindformers_attention_dtype(cfg[1]) if cfg and cfg[0] == "mindformers_yaml" else None
-        if attention and coarsest(found + [attention]) != coarsest(found or ["float64"]):
+        recorded = coarsest(found) if found else None
+        if attention and attention != recorded and coarsest([*found, attention]) == attention:
             return attention, (f"the candidate's MindFormers config: its flash attention computes in {attention} "
                                "(use_flash_attention with compute_dtype float32)")
-        if found:
-            return coarsest(found), "recorded in the runs' meta.json (dtypes)"
+        if recorded:
+            return recorded, "recorded in the runs' meta.json (dtypes)"
         return "float32", "not recorded by either run: assumed float32"
 
     @cached_property
