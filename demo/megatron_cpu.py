@@ -259,7 +259,8 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
     cfg = cfg or TinyLlamaConfig()
     dtype = getattr(torch, cfg.params_dtype)
     # Layer-spec switches ride in ``extra`` too: qk_layernorm (Qwen3), num_moe_experts (MoE, sequential
-    # local experts unless moe_grouped_gemm), multi_latent_attention (DeepSeek-V3 MLA: MLATransformerConfig).
+    # local experts unless moe_grouped_gemm), multi_latent_attention (DeepSeek-V3 MLA: MLATransformerConfig);
+    # mtp_num_layers (a TransformerConfig field) also adds the MTP block on the last stage.
     extra = dict(cfg.extra)
     mla = bool(extra.pop("multi_latent_attention", False))
     grouped = bool(extra.pop("moe_grouped_gemm", False))
@@ -292,13 +293,18 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), **extra)
+    mtp_spec = None
+    if tcfg.mtp_num_layers:   # DeepSeek-V3 multi-token prediction: mtp.layers.{k}.{enorm, hnorm, eh_proj, ...}
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=False, vp_stage=vp_stage)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec,
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      parallel_output=True,
                      pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                      post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                     vp_stage=vp_stage)
+                     vp_stage=vp_stage, mtp_block_spec=mtp_spec)
     return model
 
 
