@@ -398,9 +398,15 @@ def synthetic_batch(step: int, cfg: TinyLlamaConfig, *, seed: int = 1234, dp_ran
 
 
 def forward_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Megatron's loss with a loss mask: sum(ce * mask) / sum(mask)."""
+    """Megatron's loss with a loss mask: sum(ce * mask) / sum(mask).
+
+    The mask also goes into the model, as pretrain_gpt's forward_step passes it: the MTP loss (mtp_num_layers)
+    masks with it, and without it masks nothing (an all-ones mask). The lm loss returned excludes MTP, as
+    Megatron's ``lm loss`` does; MTP's gradient joins in backward (MTPLossAutoScaler).
+    """
     per_token = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                      attention_mask=batch["attention_mask"], labels=batch["labels"])
+                      attention_mask=batch["attention_mask"], labels=batch["labels"],
+                      loss_mask=batch["loss_mask"])
     mask = batch["loss_mask"].float()
     return (per_token.float() * mask).sum() / mask.sum()
 
