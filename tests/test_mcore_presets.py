@@ -309,3 +309,26 @@ def test_qkv_concat_weights_round_trip_through_safetensors_cli(megatron_states, 
     assert sorted(back) == sorted(sd)
     for k, v in back.items():
         assert torch.equal(v, sd[k]), k
+
+
+@pytest.mark.parametrize("case", ["mla_mtp", "mla_qkv_concat"])
+def test_mtp_modules_pair_for_layer_tensors(case, megatron_states, mindformers_states) -> None:
+    """Layer tensors of the MTP layer compare too: every Megatron MTP module that holds parameters (enorm, hnorm,
+    eh_proj, transformer_layer and its attention / mlp, final_layernorm) maps to a MindFormers cell that does."""
+    m = Mapping.load(PRESET[case])
+
+    def modules(names):
+        return {n.rsplit(".", 1)[0] for n in names} | {n.split(".transformer_layer.")[0] + ".transformer_layer"
+                                                        for n in names if ".transformer_layer." in n}
+
+    meg = {n for n in modules(megatron_states[case]) if n.startswith("mtp.")}
+    mf = modules(mindformers_states[case])
+    wanted = {"mtp.layers.0", "mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.0.eh_proj",
+              "mtp.layers.0.final_layernorm", "mtp.layers.0.transformer_layer",
+              "mtp.layers.0.transformer_layer.self_attention", "mtp.layers.0.transformer_layer.mlp"}
+    prefixes = {p for n in meg for p in (n, *(n.rsplit(".", k)[0] for k in range(1, n.count("."))))}
+    for name in wanted:
+        assert name in prefixes, name
+        other = m.map_module(name)
+        assert other is not None and any(x == other or x.startswith(other + ".") for x in mf), (name, other)
+        assert m.map_module(other, "candidate") == name
