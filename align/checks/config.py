@@ -282,11 +282,30 @@ def is_mcore_yaml(cfg: dict[str, Any]) -> bool:
 
 
 def mcore_family(cfg: dict[str, Any]) -> str:
-    """dense | moe | mla: which mcore mapping preset a MindFormers 2.x YAML's model needs."""
+    """dense | moe | mla | mla_qkv_concat: which mcore mapping preset a MindFormers 2.x YAML's model needs.
+
+    MLA: ``multi_latent_attention: True``, or a DeepSeek-V3 model that does not say (DeepseekV3Config always
+    builds MLA). Its attention parameters depend on ``mla_qkv_concat``: False (the shipped DeepSeek-V3
+    pretrain/finetune YAMLs) keeps Megatron's linear_q_down_proj / linear_kv_down_proj / ..._up_proj names;
+    True, and unset (DeepseekV3Config has no such field, so MindFormers' TransformerConfig default True
+    applies), fuses them into linear_qkv / linear_qb / linear_kvb.
+    """
     c = mcore_common(cfg)
-    if c["multi_latent_attention"] is True:
-        return "mla"
+    mc = _get(cfg, "model.model_config", {}) or {}
+    deepseek = mc.get("type") == "DeepseekV3Config" or str(mc.get("model_type", "")).lower() == "deepseek_v3"
+    mla = _truth(mc.get("multi_latent_attention"))
+    if mla is True or (mla is None and deepseek):
+        return "mla" if _truth(mc.get("mla_qkv_concat", True)) is False else "mla_qkv_concat"
     return "moe" if c["num_experts"] not in (0, None) else "dense"
+
+
+def _truth(v: Any) -> bool | None:
+    """A YAML boolean, also written as a string ("False", "true"); None when it is neither."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    return None
 
 
 def mindformers_attention_dtype(cfg: dict[str, Any]) -> str | None:

@@ -165,7 +165,8 @@ class Evidence:
     @cached_property
     def mapping(self) -> str:
         """The mapping preset or file: ``--mapping``, else the one the candidate's config needs (a MindFormers
-        2.x mcore YAML: the mcore dense / MoE / MLA preset), else Megatron-core <-> MindFormers Llama."""
+        2.x mcore YAML: the mcore dense / MoE / MLA / MLA-qkv-concat preset), else Megatron-core <->
+        MindFormers Llama."""
         return self._mapping[0]
 
     @cached_property
