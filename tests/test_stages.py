@@ -113,6 +113,7 @@ def test_mcore_candidate_config_picks_mapping_and_attention_precision(tmp_path: 
     ev = Evidence.load(Inputs(str(b), str(c)))
     assert ev.mapping == mapping and "2.x config" in ev.mapping_source
     assert ev.dtype[0] == dtype
+    assert ev.update_dtype[0] == "float32"     # the optimizer check steps on given gradients: no attention
     assert Evidence.load(Inputs(str(b), str(c), mapping="x.yaml")).mapping == "x.yaml"
     assert Evidence.load(Inputs(str(b), str(b))).mapping == "megatron_core_llama__mindformers_llama"
 

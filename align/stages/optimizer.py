@@ -59,7 +59,7 @@ def run(ev: Evidence) -> StageResult:
     init_c = to_candidate_names(init, m, tp)
     rebased = {k: init_c[k].astype(np.float64) + (after_c[k].astype(np.float64) - before_c[k])
                for k in after_c if k in init_c and k in before_c}
-    dtype, source = ev.dtype
+    dtype, source = ev.update_dtype
     res = compare_updates(init, after_b, rebased, m, params=tp, dtype=dtype)
     res.details.update({"baseline_file": str(base), "candidate_file": str(cand_path), "dtype_source": source})
     return res
