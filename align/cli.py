@@ -87,11 +87,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inject", metavar="FAULT", default=None,
                    help="plant a known fault: embedding_fp16, weight_decay_all, norm_eps, dropout_on, "
                         "lr_schedule, qk_swap, pad_eos, loss_mask_mutation, nan_param")
-    p.add_argument("--model", choices=("llama", "dense", "moe", "mla"), default="llama",
-                   help="candidate model: llama = MindFormers' legacy LlamaForCausalLM (default), dense = "
-                        "MindFormers 2.x mcore Qwen3-style model (baseline with q/k layernorm to match), "
-                        "moe = mcore Qwen3-MoE-style (4 experts, top-2), mla = mcore DeepSeek-V3-style (MLA + "
-                        "MoE + shared expert)")
+    p.add_argument("--model", choices=("dense", "llama", "moe", "mla"), default="dense",
+                   help="candidate model: dense = MindFormers 2.x mcore Qwen3-style model, the one MindFormers 2.x "
+                        "trains (default; baseline with q/k layernorm to match), llama = MindFormers' legacy "
+                        "LlamaForCausalLM (MindFormers <= 1.6), moe = mcore Qwen3-MoE-style (4 experts, top-2), "
+                        "mla = mcore DeepSeek-V3-style (MLA + MoE + shared expert)")
     p.add_argument("--reuse-baseline", metavar="DIR", default=None,
                    help="reuse the baseline-side runs of an earlier demo DIR (same --steps) for a "
                         "candidate-side fault")

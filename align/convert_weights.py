@@ -146,9 +146,11 @@ def mindformers_to_numpy(path: str | Path) -> tuple[dict[str, np.ndarray], str]:
 
 def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_heads: int,
                                     num_query_groups: int | None = None, mapping: str | None = None,
-                                    scheme: str = "local", num_experts: int | None = None) -> StageResult:
+                                    scheme: str = "local", num_experts: int | None = None,
+                                    sizes: dict[str, int] | None = None) -> StageResult:
     """MindFormers weights (.safetensors with mcore names, or a legacy Llama .ckpt) -> Megatron-core
-    state_dict (TP=1) saved by torch."""
+    state_dict (TP=1) saved by torch. ``sizes``: the named sizes a fused tensor splits back by (`concat`
+    rules, e.g. ``q_down`` = q_lora_rank for MLA's linear_qkv with mla_qkv_concat)."""
     import torch
 
     m = Mapping.load(_default_mapping(mapping, path))
@@ -160,7 +162,7 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
     else:
         state, dtype = mindformers_to_numpy(path)
     params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads,
-                             num_experts=num_experts)
+                             num_experts=num_experts, sizes=dict(sizes or {}))
     # optimizer state (adam moments, step counters) lives in the same file: not weights, not converted
     weights = {k: v for k, v in state.items()
                if (m.match(k, "candidate") is not None or not _optimizer_key(k)) and not m.ignored(k, "candidate")}
@@ -196,7 +198,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", choices=["local", "te", "local+grouped", "te+grouped"], default="local",
                         help="Megatron names to write (to megatron): local/te norms, +grouped for TE grouped "
                         "GEMM experts")
+    parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
+                        help="a named size a fused tensor splits back by (to megatron), e.g. q_down=1536 "
+                        "(q_lora_rank) for megatron_core__mindformers_mcore_mla_qkv_concat")
     parser.add_argument("--json", action="store_true")
+
+
+def parse_sizes(items: Sequence[str]) -> dict[str, int]:
+    """``["q_down=1536", ...]`` -> ``{"q_down": 1536}``; a malformed item is bad input."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) <= 0:
+            raise BadInput(f"--size {item!r}: expected NAME=N with a positive integer N")
+        out[name.strip()] = int(value)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -213,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
             raise BadInput("converting to Megatron takes exactly one MindSpore checkpoint")
         res = convert_mindformers_to_megatron(args.inputs[0], args.out, num_heads=args.num_heads,
                                               num_query_groups=args.num_query_groups, mapping=args.mapping,
-                                              scheme=args.scheme, num_experts=args.num_experts)
+                                              scheme=args.scheme, num_experts=args.num_experts,
+                                              sizes=parse_sizes(getattr(args, "size", None) or []))
     if args.json:
         print(json.dumps({"verdict": res.verdict, **res.details, "findings": [f.to_json() for f in res.findings]},
                          indent=2))

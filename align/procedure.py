@@ -42,6 +42,8 @@ def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = No
     t0 = time.perf_counter()
     ev = Evidence.load(inputs, progress)
     check_comparable(ev)
+    if progress:
+        progress(f"mapping: {ev.mapping} ({ev.mapping_source})")
     stages = run_stages(ev)
     figures, sections = [], list(preface or [])
     for stage in registry():

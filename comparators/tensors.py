@@ -24,7 +24,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from align.core.dtypes import normalize
+from align.core.dtypes import coarsest, normalize
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
 
@@ -483,10 +483,11 @@ def compare_pair(task: dict[str, Any]) -> dict[str, Any]:
     results do not depend on where it ran.
     """
     ra, rb, full, transpose = task["a"], task["b"], task["full"], task["transpose"]
-    tol = tolerance(ra.get("dtype", "float32"), task.get("tolerances"))
+    judged = task.get("judged_dtype") or ra.get("dtype", "float32")
+    tol = tolerance(judged, task.get("tolerances"))
     out = {"order": int(ra["order"]), "module": ra["module"], "candidate_module": rb["module"],
            "kind": ra["kind"], "direction": _direction(ra["kind"]), "layer": _layer_of(ra["module"]),
-           "dtype": ra.get("dtype", "float32"), "shape": ra.get("shape", ""),
+           "dtype": ra.get("dtype", "float32"), "judged_dtype": normalize(judged), "shape": ra.get("shape", ""),
            "candidate_shape": rb.get("shape", ""), "step": task.get("step"), "rank": task.get("rank")}
     ref_a, ref_b = ra.get("ref"), rb.get("ref")
     mt = None
@@ -588,8 +589,31 @@ def plan_layer_tasks(baseline: Any, candidate: Any, mapping: Any = None, *, step
     full = bool(tens_a and tens_b and not stats_only)
     plan.update(unmatched=unmatched, full=full,
                 tasks=[{"a": ra, "b": rb, "full": full, "transpose": transpose, "tolerances": tolerances,
-                        "readers": readers, "step": step, "rank": rank} for ra, rb in pairs])
+                        "readers": readers, "step": step, "rank": rank, "judged_dtype": judged}
+                       for (ra, rb), judged in zip(pairs, judged_dtypes(pairs), strict=True)])
     return plan
+
+
+def judged_dtypes(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """The dtype whose noise each row pair is judged against: the coarsest computed at or upstream of it.
+
+    Why: a tensor is no more precise than the least precise computation it went through. MindFormers'
+    flash-attention path casts q/k/v to float16 even in a float32 run, so every row after the first
+    float16 attention output carries float16 rounding, while the rows before it (embedding, first norm)
+    must still meet float32's line, or a float16 embedding hides under attention's noise. Forward rows
+    look at forward rows up to themselves (either side's dtype); backward rows at the whole forward and
+    the backward rows up to themselves.
+    """
+    out, fwd, seen = [], [], []
+    for ra, rb in pairs:
+        here = [str(ra.get("dtype", "float32")), str(rb.get("dtype", "float32"))]
+        if _direction(ra["kind"]) == "forward":
+            fwd += here
+            out.append(coarsest(fwd))
+        else:
+            seen += here
+            out.append(coarsest(fwd + seen))
+    return out
 
 
 def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *, step: int = 1,
@@ -661,7 +685,7 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]]) -> StageResu
             where = "(after the forward departure, expected) " + where
         res.add(Finding(STAGE, r["verdict"], r["module"], r["metric"], r["value"], r["threshold"],
                         f"first departing {direction} tensor: {where}{r['module']} {r['kind']} "
-                        f"({r['mode']} compare, {r['dtype']}: {r['metric']} {r['value']:.3g} > {r['threshold']:g})"))
+                        f"({r['mode']} compare, {_judged(r)}: {r['metric']} {r['value']:.3g} > {r['threshold']:g})"))
     if unmatched:
         res.add(Finding(STAGE, "warn", unmatched[0].split(" ")[0], "unmatched_rows", len(unmatched), 0,
                         f"{len(unmatched)} baseline tensor rows have no counterpart (first: {unmatched[0]}); "
@@ -684,6 +708,11 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]]) -> StageResu
                    "unmatched_baseline": unmatched, "unmatched_candidate_rows": extra_b,
                    "rows": rows_out, "per_layer": _per_layer(rows_out)}
     return res
+
+
+def _judged(r: dict[str, Any]) -> str:
+    d, j = normalize(r["dtype"]), r.get("judged_dtype", normalize(r["dtype"]))
+    return d if j == d else f"{d} judged as {j}, computed upstream"
 
 
 def _brief(r: dict[str, Any] | None) -> dict[str, Any] | None:

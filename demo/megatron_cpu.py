@@ -259,7 +259,8 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
     cfg = cfg or TinyLlamaConfig()
     dtype = getattr(torch, cfg.params_dtype)
     # Layer-spec switches ride in ``extra`` too: qk_layernorm (Qwen3), num_moe_experts (MoE, sequential
-    # local experts unless moe_grouped_gemm), multi_latent_attention (DeepSeek-V3 MLA: MLATransformerConfig).
+    # local experts unless moe_grouped_gemm), multi_latent_attention (DeepSeek-V3 MLA: MLATransformerConfig);
+    # mtp_num_layers (a TransformerConfig field) also adds the MTP block on the last stage.
     extra = dict(cfg.extra)
     mla = bool(extra.pop("multi_latent_attention", False))
     grouped = bool(extra.pop("moe_grouped_gemm", False))
@@ -292,13 +293,18 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), **extra)
+    mtp_spec = None
+    if tcfg.mtp_num_layers:   # DeepSeek-V3 multi-token prediction: mtp.layers.{k}.{enorm, hnorm, eh_proj, ...}
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=False, vp_stage=vp_stage)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec,
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      parallel_output=True,
                      pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                      post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                     vp_stage=vp_stage)
+                     vp_stage=vp_stage, mtp_block_spec=mtp_spec)
     return model
 
 
@@ -392,9 +398,15 @@ def synthetic_batch(step: int, cfg: TinyLlamaConfig, *, seed: int = 1234, dp_ran
 
 
 def forward_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Megatron's loss with a loss mask: sum(ce * mask) / sum(mask)."""
+    """Megatron's loss with a loss mask: sum(ce * mask) / sum(mask).
+
+    The mask also goes into the model, as pretrain_gpt's forward_step passes it: the MTP loss (mtp_num_layers)
+    masks with it, and without it masks nothing (an all-ones mask). The lm loss returned excludes MTP, as
+    Megatron's ``lm loss`` does; MTP's gradient joins in backward (MTPLossAutoScaler).
+    """
     per_token = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                      attention_mask=batch["attention_mask"], labels=batch["labels"])
+                      attention_mask=batch["attention_mask"], labels=batch["labels"],
+                      loss_mask=batch["loss_mask"])
     mask = batch["loss_mask"].float()
     return (per_token.float() * mask).sum() / mask.sum()
 

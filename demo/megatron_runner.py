@@ -27,7 +27,17 @@ from demo.megatron_cpu import (
     init_megatron_cpu,
     wrap_ddp,
 )
-from demo.spec import MOE_KINDS, NAN_PARAM_BASELINE, NAN_STEP, BatchSource, Spec, injects, megatron_args, read_spec
+from demo.spec import (
+    MCORE_LAYER_MODULES,
+    MOE_KINDS,
+    NAN_PARAM_BASELINE,
+    NAN_STEP,
+    BatchSource,
+    Spec,
+    injects,
+    megatron_args,
+    read_spec,
+)
 from dumpers.megatron import MegatronDumper, strip_module_prefix
 from dumpers.optimizer_evidence import OptimizerEvidence
 from dumpers.seed_torch import seed_everything
@@ -167,8 +177,9 @@ def run(spec: Spec) -> dict[str, Any]:
     ddp = wrap_ddp(model)
     opt = build_optimizer(ddp, spec)
     sched = build_scheduler(opt, spec)
+    modules = LAYER_MODULES if spec.model_kind == "llama" else MCORE_LAYER_MODULES
     cfg = DumpConfig(out=spec.out, steps=None, tensor_steps=spec.tensor_steps if spec.tensor_steps else [],
-                     modules=LAYER_MODULES, tensors="full" if spec.tensor_steps else "off", seed_layout=True,
+                     modules=modules, tensors="full" if spec.tensor_steps else "off", seed_layout=True,
                      nan_trace="grads")
     meta = {**seed_info, "config": {"kind": "megatron_args", "values": megatron_args(spec)}, "role": spec.role,
             "inject": spec.inject, "threads": torch.get_num_threads(),

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from align.core.runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
-from demo.spec import MOE_KINDS, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
+from demo.spec import MCORE_LAYER_MODULES, MOE_KINDS, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 
@@ -49,9 +49,7 @@ from dumpers.steps import parse_steps  # noqa: E402
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
                "model.layers.*.ffn_norm", "model.layers.*.feed_forward", "model.norm_out", "lm_head")
 # The mcore model's cells carry Megatron's module names (hooked on the inner GPTModel, ``net.model``).
-LAYER_CELLS_MCORE = ("embedding", "decoder.layers.*.input_layernorm", "decoder.layers.*.self_attention",
-                     "decoder.layers.*.pre_mlp_layernorm", "decoder.layers.*.mlp", "decoder.final_layernorm",
-                     "output_layer")
+LAYER_CELLS_MCORE = MCORE_LAYER_MODULES
 
 
 def is_mcore(spec: Spec) -> bool:
@@ -271,7 +269,8 @@ def run(spec: Spec) -> dict[str, Any]:
     dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [],
                       cells=LAYER_CELLS_MCORE if is_mcore(spec) else LAYER_CELLS,
                       tensors="full" if spec.tensor_steps else "off", nan_trace="grads",
-                      meta={"config": mindformers_config(spec), "role": spec.role, "inject": spec.inject})
+                      meta={"config": {"kind": "mindformers_yaml", "values": mindformers_config(spec)},
+                            "role": spec.role, "inject": spec.inject})
     if capture is not None:   # hooks on the PYNATIVE twin (hooking needs PYNATIVE at this moment)
         ms.set_context(mode=ms.PYNATIVE_MODE)
         dumper = MindSporeDumper(capture.net.model, spec.out, dcfg, framework="mindformers",

@@ -24,8 +24,17 @@ EOS_ID = 1
 # users), ``dense`` = MindFormers 2.x mcore Qwen3-style model (q/k layernorm; the baseline gets it too),
 # ``moe`` = mcore Qwen3-MoE-style (routed experts), ``mla`` = mcore DeepSeek-V3-style (MLA + MoE + shared
 # expert); the baseline is the same megatron-core model each time.
-MODEL_KINDS = ("llama", "dense", "moe", "mla")
+MODEL_KINDS = ("dense", "llama", "moe", "mla")
 MOE_KINDS = ("moe", "mla")
+
+# Layer profile of the mcore pairs: the same module names on both sides (MindFormers mcore cells carry
+# Megatron's names). core_attention is listed because MindFormers' flash-attention path computes it in
+# float16 even in a float32 run: its float16 row tells the layer stage that every later row carries float16
+# rounding, while the rows before it (embedding, first norm) are still judged at float32's line.
+MCORE_LAYER_MODULES = ("embedding", "decoder.layers.*.input_layernorm",
+                       "decoder.layers.*.self_attention.core_attention", "decoder.layers.*.self_attention",
+                       "decoder.layers.*.pre_mlp_layernorm", "decoder.layers.*.mlp", "decoder.final_layernorm",
+                       "output_layer")
 
 
 @dataclass
@@ -83,7 +92,7 @@ class Spec:
     eos_id: int = EOS_ID
     eod_mask_loss: bool = False
     inject: str | None = None
-    model_kind: str = "llama"           # llama (legacy MindFormers Llama) | dense (MindFormers mcore Qwen3)
+    model_kind: str = "dense"           # dense (MindFormers mcore Qwen3) | llama (legacy MindFormers Llama)
     # files exchanged between the runs
     init_weights: str | None = None     # baseline writes its initial state_dict here (torch.save)
     optimizer_evidence: bool = False    # baseline: write OUT/evidence/optimizer_step1.npz at step 1

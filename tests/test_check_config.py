@@ -263,3 +263,13 @@ def test_sigmoid_router_normalised_topk_and_mla_from_kv_lora_rank() -> None:
     mf["model"]["model_config"]["rope_scaling"]["factor"] = 40.0
     rows = {r.key: r for r in cc.compare_configs(mg, mf)[0]}
     assert rows["advice.mla_softmax_scale"].status == "check"
+
+
+def test_mla_attention_keeps_float32_while_flash_attention_casts() -> None:
+    """MindFormers' SelfAttention casts float32 q/k/v to float16 for flash attention; MLA's own attention
+    (multi_latent_attention.py) does not, so a float32 DeepSeek-V3 run is judged at float32."""
+    qwen = {"use_legacy": False, "model": {"model_config": {"type": "Qwen3MoeConfig", "compute_dtype": "float32"}}}
+    mla = {"use_legacy": False, "model": {"model_config": {"type": "DeepseekV3Config", "compute_dtype": "float32",
+                                                           "kv_lora_rank": 16}}}
+    assert cc.mindformers_attention_dtype(qwen) == "float16"
+    assert cc.mindformers_attention_dtype(mla) is None

@@ -24,24 +24,44 @@ from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E40
 from demo import megatron_cpu as mg  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
 
+_MLA = mc.McoreSpec(kind="mla", shared_expert_size=16, first_k_dense=0)
 SPECS = {"dense": mc.McoreSpec(kind="dense"),
          "moe": mc.McoreSpec(kind="moe"),
-         "mla": mc.McoreSpec(kind="mla", shared_expert_size=16, first_k_dense=0)}
+         "mla": _MLA,
+         # DeepSeek-V3 as shipped (pretrain_deepseek3_671b.yaml): one MTP layer (num_nextn_predict_layers: 1)
+         "mla_mtp": _MLA,
+         # MindFormers' dataclass default mla_qkv_concat True: fused linear_qkv / linear_qb / linear_kvb (+ MTP)
+         "mla_qkv_concat": _MLA}
 PRESET = {k: f"megatron_core__mindformers_mcore_{k}" for k in SPECS}
+PRESET["mla_mtp"] = PRESET["mla"]
+# Per case: MindFormers config overrides, Megatron TransformerConfig extras
+MF_OVERRIDES = {"mla_mtp": {"num_nextn_predict_layers": 1},
+                "mla_qkv_concat": {"mla_qkv_concat": True, "num_nextn_predict_layers": 1}}
+MEG_EXTRA = {"mla_mtp": {"mtp_num_layers": 1}, "mla_qkv_concat": {"mtp_num_layers": 1}}
 
 
 def _params(spec: mc.McoreSpec) -> TransformParams:
     ng = spec.num_attention_heads if spec.kind == "mla" else spec.num_query_groups
-    return TransformParams(num_heads=spec.num_attention_heads, num_query_groups=ng, num_experts=spec.num_experts)
+    # the fused MLA down projection (mla_qkv_concat) splits back into q (q_lora_rank rows) and kv
+    # (kv_lora_rank + rope head dim rows)
+    sizes = {"q_down": spec.q_lora_rank, "kv_down": spec.kv_lora_rank + spec.qk_pos_emb_head_dim}
+    return TransformParams(num_heads=spec.num_attention_heads, num_query_groups=ng, num_experts=spec.num_experts,
+                           sizes=sizes if spec.kind == "mla" else {})
+
+
+def megatron_kwargs(case: str) -> dict:
+    kw = mc.megatron_config_kwargs(SPECS[case])
+    kw["extra"].update(MEG_EXTRA.get(case, {}))
+    return kw
 
 
 @pytest.fixture(scope="module")
 def megatron_states() -> dict[str, dict[str, np.ndarray]]:
     mg.init_megatron_cpu(tp=1)
     out = {}
-    for kind, spec in SPECS.items():
-        model = mg.build_tiny_llama(mg.TinyLlamaConfig(**mc.megatron_config_kwargs(spec)), seed=3)
-        out[kind] = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
+    for case in SPECS:
+        model = mg.build_tiny_llama(mg.TinyLlamaConfig(**megatron_kwargs(case)), seed=3)
+        out[case] = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()
                      if isinstance(v, torch.Tensor)}
     return out
 
@@ -50,14 +70,23 @@ def megatron_states() -> dict[str, dict[str, np.ndarray]]:
 def mindformers_states() -> dict[str, dict[str, np.ndarray]]:
     mc.set_mcore_context("pynative", seed=0)
     try:
-        return {kind: mc.parameter_arrays(mc.build_mcore_model(spec, "pynative", standins=False))
-                for kind, spec in SPECS.items()}
+        return {case: mc.parameter_arrays(mc.build_mcore_model(spec, "pynative", standins=False,
+                                                               **MF_OVERRIDES.get(case, {})))
+                for case, spec in SPECS.items()}
     finally:
         mc.reset_mindformers_context()
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
 def test_preset_maps_every_parameter_both_ways(kind, megatron_states, mindformers_states) -> None:
+    if kind in ("mla_mtp", "mla_qkv_concat"):   # the MTP layer is really there on both sides
+        assert sum(k.startswith("mtp.layers.0.") for k in megatron_states[kind]) > 20
+        assert sum(k.startswith("mtp.layers.0.") for k in mindformers_states[kind]) > 15
+    if kind == "mla_qkv_concat":   # MindFormers really built the fused attention
+        attn = [k for k in mindformers_states[kind] if ".self_attention." in k]
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in attn
+        assert "mtp.layers.0.transformer_layer.self_attention.linear_kvb.weight" in attn
+        assert not [k for k in attn if "down_proj" in k or "up_proj" in k]
     m = Mapping.load(PRESET[kind])
     meg, mf = megatron_states[kind], mindformers_states[kind]
     check = m.check(meg, mf)
@@ -230,3 +259,76 @@ def test_layout_transforms_round_trip_and_match_their_definitions() -> None:
     np.testing.assert_array_equal(mixed[0::2], gate)
     np.testing.assert_array_equal(mixed[1::2], up)
     np.testing.assert_array_equal(il.apply([mixed], "baseline", p)[0], fc1)
+
+
+def test_qkv_concat_preset_splits_what_mindformers_splits(megatron_states) -> None:
+    """linear_qkv (mla_qkv_concat True) is [q_down; kv_down]: MindFormers' MLASelfAttentionConcatenated splits
+    its output as [q_lora_rank | kv_lora_rank | qk_pos_emb_head_dim], the kv part in Megatron's own order
+    [kv_compressed | k_pos_emb]. Back to Megatron needs only q_down (kv_down is the remainder); a wrong size is
+    bad input, not a silent mis-split."""
+    from align.core.errors import BadInput
+
+    spec, meg = SPECS["mla_qkv_concat"], megatron_states["mla_qkv_concat"]
+    att = "decoder.layers.1.self_attention."
+    pair = {att + "linear_q_down_proj.weight": meg[att + "linear_q_down_proj.weight"],
+            att + "linear_kv_down_proj.weight": meg[att + "linear_kv_down_proj.weight"]}
+    m = Mapping.load(PRESET["mla_qkv_concat"])
+    to_mf, _ = m.convert(pair, "candidate", _params(spec))
+    qkv = to_mf[att + "linear_qkv.weight"]
+    q_a, kv, k_pe = np.split(qkv, [spec.q_lora_rank, spec.q_lora_rank + spec.kv_lora_rank])
+    np.testing.assert_array_equal(q_a, pair[att + "linear_q_down_proj.weight"])
+    np.testing.assert_array_equal(np.concatenate([kv, k_pe]), pair[att + "linear_kv_down_proj.weight"])
+    back, res = m.convert(to_mf, "baseline", TransformParams(sizes={"q_down": spec.q_lora_rank}))
+    assert res.verdict == "pass" and all(np.array_equal(back[k], v) for k, v in pair.items())
+    with pytest.raises(BadInput, match="linear_qkv_down: splitting needs sizes q_down, kv_down"):
+        m.convert(to_mf, "baseline", TransformParams())
+    with pytest.raises(BadInput, match="do not split"):
+        m.convert(to_mf, "baseline", TransformParams(sizes={"q_down": 24, "kv_down": 3}))
+
+
+def test_qkv_concat_weights_round_trip_through_safetensors_cli(megatron_states, tmp_path) -> None:
+    """DeepSeek-V3 with MTP -> MindFormers safetensors (mla_qkv_concat: fused linear_qkv) -> Megatron with
+    ``--size q_down=Q_LORA_RANK``: bit-identical; without --size the way back is bad input (exit 2 in the CLI)."""
+    from align.core.errors import BadInput
+
+    spec = SPECS["mla_qkv_concat"]
+    sd = {k: torch.from_numpy(v) for k, v in megatron_states["mla_qkv_concat"].items()
+          if not Mapping.load(PRESET["mla_qkv_concat"]).ignored(k, "baseline")}
+    torch.save(sd, tmp_path / "ds.pt")
+    args = ["--mapping", PRESET["mla_qkv_concat"], "--num-heads", str(spec.num_attention_heads),
+            "--num-experts", str(spec.num_experts)]
+    out = tmp_path / "ds.safetensors"
+    assert _cli(str(tmp_path / "ds.pt"), "--to", "mindformers", "--out", str(out), *args) == 0
+    with pytest.raises(BadInput, match="splitting needs sizes"):
+        _cli(str(out), "--to", "megatron", "--out", str(tmp_path / "x.pt"), *args)
+    with pytest.raises(BadInput, match="--size 'q_down'"):
+        _cli(str(out), "--to", "megatron", "--out", str(tmp_path / "x.pt"), *args, "--size", "q_down")
+    assert _cli(str(out), "--to", "megatron", "--out", str(tmp_path / "back.pt"), *args,
+                "--size", f"q_down={spec.q_lora_rank}") == 0
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sorted(back) == sorted(sd)
+    for k, v in back.items():
+        assert torch.equal(v, sd[k]), k
+
+
+@pytest.mark.parametrize("case", ["mla_mtp", "mla_qkv_concat"])
+def test_mtp_modules_pair_for_layer_tensors(case, megatron_states, mindformers_states) -> None:
+    """Layer tensors of the MTP layer compare too: every Megatron MTP module that holds parameters (enorm, hnorm,
+    eh_proj, transformer_layer and its attention / mlp, final_layernorm) maps to a MindFormers cell that does."""
+    m = Mapping.load(PRESET[case])
+
+    def modules(names):
+        return {n.rsplit(".", 1)[0] for n in names} | {n.split(".transformer_layer.")[0] + ".transformer_layer"
+                                                        for n in names if ".transformer_layer." in n}
+
+    meg = {n for n in modules(megatron_states[case]) if n.startswith("mtp.")}
+    mf = modules(mindformers_states[case])
+    wanted = {"mtp.layers.0", "mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.0.eh_proj",
+              "mtp.layers.0.final_layernorm", "mtp.layers.0.transformer_layer",
+              "mtp.layers.0.transformer_layer.self_attention", "mtp.layers.0.transformer_layer.mlp"}
+    prefixes = {p for n in meg for p in (n, *(n.rsplit(".", k)[0] for k in range(1, n.count("."))))}
+    for name in wanted:
+        assert name in prefixes, name
+        other = m.map_module(name)
+        assert other is not None and any(x == other or x.startswith(other + ".") for x in mf), (name, other)
+        assert m.map_module(other, "candidate") == name

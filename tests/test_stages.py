@@ -86,6 +86,64 @@ def test_dtype_from_meta_sets_local_norm_tolerance(tmp_path: Path) -> None:
     assert st["verdict"] == "pass" and st["dtype"] == "bfloat16"
 
 
+def mcore_yaml(**model_config: object) -> dict:
+    """A MindFormers 2.x YAML as the MindSpore dumper records it in meta.json (the bare dict)."""
+    mc = {"type": "Qwen3Config", "num_hidden_layers": 2, "num_attention_heads": 4, "compute_dtype": "float32",
+          **model_config}
+    return {"use_legacy": False, "model": {"model_config": mc}}
+
+
+@pytest.mark.parametrize("model_config,mapping,dtype", [
+    ({}, "megatron_core__mindformers_mcore_dense", "float16"),
+    ({"use_flash_attention": False}, "megatron_core__mindformers_mcore_dense", "float32"),
+    ({"num_experts": 4, "num_experts_per_tok": 2}, "megatron_core__mindformers_mcore_moe", "float16"),
+    ({"multi_latent_attention": True, "mla_qkv_concat": False, "n_routed_experts": 4},
+     "megatron_core__mindformers_mcore_mla", "float16"),
+    ({"compute_dtype": "bfloat16"}, "megatron_core__mindformers_mcore_dense", "float32"),
+])
+def test_mcore_candidate_config_picks_mapping_and_attention_precision(tmp_path: Path, model_config: dict,
+                                                                       mapping: str, dtype: str) -> None:
+    """A MindFormers 2.x candidate needs no --mapping (its model picks the mcore preset) and no tolerance
+    flags: flash attention (on by default) computes a float32 run's attention in float16, so the local norms
+    are judged at float16. (A bf16 run records its own dtypes; this one recorded none: float32.)"""
+    from align.stages import Evidence, Inputs
+
+    b = make_run(tmp_path / "b")
+    c = make_run(tmp_path / "c", meta={"framework": "mindformers", "config": mcore_yaml(**model_config)})
+    ev = Evidence.load(Inputs(str(b), str(c)))
+    assert ev.mapping == mapping and "2.x config" in ev.mapping_source
+    assert ev.dtype[0] == dtype
+    assert ev.update_dtype[0] == "float32"     # the optimizer check steps on given gradients: no attention
+    assert Evidence.load(Inputs(str(b), str(c), mapping="x.yaml")).mapping == "x.yaml"
+    assert Evidence.load(Inputs(str(b), str(b))).mapping == "megatron_core_llama__mindformers_llama"
+
+
+@pytest.mark.parametrize("model_config,family", [
+    # pretrain_deepseek3_671b.yaml as shipped
+    ({"model_type": "deepseek_v3", "multi_latent_attention": True, "mla_qkv_concat": False,
+      "num_nextn_predict_layers": 1, "mtp_loss_factor": 0.3}, "mla"),
+    # MindFormers' default: TransformerConfig.mla_qkv_concat True (DeepseekV3Config has no such field)
+    ({"multi_latent_attention": True, "n_routed_experts": 4}, "mla_qkv_concat"),
+    ({"multi_latent_attention": True, "mla_qkv_concat": True}, "mla_qkv_concat"),
+    ({"multi_latent_attention": True, "mla_qkv_concat": "False"}, "mla"),
+    ({"type": "DeepseekV3Config", "n_routed_experts": 4}, "mla_qkv_concat"),   # DeepSeek-V3 is MLA unless told
+    ({"model_type": "deepseek_v3", "multi_latent_attention": False, "n_routed_experts": 4}, "moe"),
+    ({"mla_qkv_concat": True}, "dense"),                                        # no MLA: the flag means nothing
+])
+def test_mcore_family_reads_mla_qkv_concat(tmp_path: Path, model_config: dict, family: str) -> None:
+    """DeepSeek-V3's attention names depend on mla_qkv_concat: False (shipped YAMLs) keeps Megatron's
+    linear_q_down_proj / ..._up_proj, True or unset fuses them (linear_qkv, linear_qb, linear_kvb), so the
+    report picks the preset that names them."""
+    from align.checks.config import mcore_family
+    from align.stages import Evidence, Inputs
+
+    cfg = mcore_yaml(**model_config)
+    assert mcore_family(cfg) == family
+    b = make_run(tmp_path / "b")
+    c = make_run(tmp_path / "c", meta={"framework": "mindformers", "config": cfg})
+    assert Evidence.load(Inputs(str(b), str(c))).mapping == f"megatron_core__mindformers_mcore_{family}"
+
+
 def test_no_common_step_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     b = make_run(tmp_path / "b", steps=5)
     c = tmp_path / "c"

@@ -118,3 +118,59 @@ def test_raw_file_reads_and_streamed_transpose_equal_in_memory(tmp_path: Path) -
         assert compare_datasets(f["z"], f["y"]).as_dict() == pytest.approx(want, rel=1e-6)
         assert compare_datasets(f["z"], f["c"]).as_dict() == pytest.approx(want, rel=1e-6)
         assert compare_datasets(f["x"], f["y"], transpose_a=True).as_dict() == pytest.approx(want, rel=1e-6)
+
+
+def _store(root: Path, rows: list[tuple[str, str, str, np.ndarray]]) -> Path:
+    """A run store holding ``rows`` (module, kind, dtype, array) as step 1's layer tensors, in that order."""
+    from align.core.runstore import RunWriter
+
+    with RunWriter(root, rank=0, meta={"framework": "test"}) as w:
+        w.put_table(1, "tensor_stats", {
+            "order": np.arange(len(rows)), "module": np.array([r[0] for r in rows]),
+            "kind": np.array([r[1] for r in rows]), "dtype": np.array([r[2] for r in rows]),
+            "shape": np.array(["x".join(map(str, r[3].shape)) for r in rows]),
+            "numel": np.array([r[3].size for r in rows]), "max": np.array([r[3].max() for r in rows]),
+            "min": np.array([r[3].min() for r in rows]), "mean": np.array([r[3].mean() for r in rows]),
+            "norm": np.array([np.linalg.norm(r[3]) for r in rows]), "nan": np.zeros(len(rows), int),
+            "inf": np.zeros(len(rows), int)})
+        for i, r in enumerate(rows):
+            w.put_array(1, f"tensors/{i:06d}", r[3], attrs={"module": r[0], "kind": r[1], "dtype": r[2]})
+    return root
+
+
+@pytest.mark.parametrize("embedding_error", [0.0, 2e-4])
+def test_rows_after_a_float16_computation_are_judged_at_float16(tmp_path: Path, embedding_error: float) -> None:
+    """The flash-attention case: the candidate's core attention ran in float16 (its row says so), so later
+    rows carry float16 rounding (5e-4 here) and pass at float16's line; the embedding before it is still
+    held to float32's line, so a 2e-4 embedding error fails there instead of hiding under attention noise."""
+    rng = np.random.default_rng(0)
+    mods = ["embedding", "decoder.layers.0.self_attention.core_attention", "decoder.layers.0.mlp", "output_layer"]
+    base = [rng.standard_normal(256).astype(np.float32) for _ in mods]
+
+    def noisy(a: np.ndarray, rel: float) -> np.ndarray:
+        e = rng.standard_normal(a.shape)
+        return (a + rel * np.linalg.norm(a) / np.linalg.norm(e) * e).astype(np.float32)
+
+    rows_a = [(m, "forward.output.0", "float32", a) for m, a in zip(mods, base, strict=True)]
+    rows_a.append(("decoder.layers.0.mlp", "backward.grad_output.0", "float32", base[2]))
+    rows_b = [(mods[0], "forward.output.0", "float32", noisy(base[0], embedding_error))]
+    rows_b += [(m, "forward.output.0", "float16" if "core_attention" in m else "float32", noisy(a, 5e-4))
+               for m, a in zip(mods[1:], base[1:], strict=True)]
+    rows_b.append(("decoder.layers.0.mlp", "backward.grad_output.0", "float32", noisy(base[2], 5e-4)))
+    tol = {"float32": (1e-5, 1e-4, 0.999999)}
+    res = compare_layer_tensors(_store(tmp_path / "a", rows_a), _store(tmp_path / "b", rows_b), Mapping.load(),
+                                tolerances=tol)
+    judged = {(r["module"], r["kind"]): r["judged_dtype"] for r in res.details["rows"]}
+    assert judged[("embedding", "forward.output.0")] == "float32"
+    assert judged[("decoder.layers.0.mlp", "forward.output.0")] == "float16"
+    assert judged[("decoder.layers.0.mlp", "backward.grad_output.0")] == "float16"
+    if embedding_error == 0:
+        assert res.verdict == "pass", [f.message for f in res.findings]
+    else:
+        assert res.verdict == "fail" and res.findings[0].component == "embedding"
+    # without the float16 row, the same 5e-4 after attention is judged at float32 and departs there
+    rows_b32 = [(m, k, "float32", a) for m, k, _, a in rows_b]
+    res32 = compare_layer_tensors(tmp_path / "a", _store(tmp_path / "b32", rows_b32), Mapping.load(),
+                                  tolerances=tol)
+    assert res32.verdict == "fail"
+    assert res32.findings[0].component == ("embedding" if embedding_error else mods[1])

@@ -238,12 +238,8 @@ class Rule:
             dim = int(self.transform.get("dim", 0))
             if forward:
                 return [np.ascontiguousarray(np.concatenate(arrays, axis=dim))]
-            names = list(self.transform.get("sizes") or [])
-            missing = [n for n in names if n not in params.sizes]
-            if missing or not names:
-                raise BadInput(f"rule {self.id}: splitting needs sizes {', '.join(missing or ['(none listed)'])}")
-            cuts = np.cumsum([params.sizes[n] for n in names])[:-1]
-            return [np.ascontiguousarray(a) for a in np.split(arrays[0], cuts, axis=dim)]
+            return [np.ascontiguousarray(a) for a in np.split(arrays[0], self._concat_cuts(arrays[0], params),
+                                                               axis=dim)]
         if op == "stack_experts":
             if forward:
                 return [stack_experts(arrays)]
@@ -251,6 +247,23 @@ class Rule:
                 raise BadInput(f"rule {self.id}: unstacking experts needs the number of experts (--num-experts)")
             return unstack_experts(arrays[0], int(params.num_experts))
         raise BadInput(f"rule {self.id}: unknown transform {op!r}")
+
+
+    def _concat_cuts(self, arr: np.ndarray, params: TransformParams) -> list[int]:
+        """Where a `concat` splits back: its named sizes from ``params.sizes``; one unknown size (at most) is
+        what remains of the array (e.g. MLA's fused linear_qkv needs only q_down = q_lora_rank)."""
+        dim = int(self.transform.get("dim", 0))
+        names = list(self.transform.get("sizes") or [])
+        missing = [n for n in names if n not in params.sizes]
+        if not names or len(missing) > 1:
+            raise BadInput(f"rule {self.id}: splitting needs sizes {', '.join(missing or ['(none listed)'])}")
+        known = sum(int(params.sizes[n]) for n in names if n not in missing)
+        total = int(arr.shape[dim])
+        sizes = [int(params.sizes[n]) if n not in missing else total - known for n in names]
+        if any(x <= 0 for x in sizes) or sum(sizes) != total:
+            raise BadInput(f"rule {self.id}: sizes {dict(zip(names, sizes, strict=True))} do not split "
+                           f"{total} rows on dim {dim}")
+        return [int(c) for c in np.cumsum(sizes)[:-1]]
 
 
 @dataclass
@@ -320,7 +333,8 @@ MAPPING_SCHEMA: dict[str, Any] = {
                     "op": {"enum": ["identity", "transpose", "split_qkv", "chunk", "interleave", "qkv_contiguous",
                                    "concat", "stack_experts"]},
                     "dim": {"type": "integer"}, "parts": {"type": "integer", "minimum": 1},
-                    "per_tp_shard": {"type": "boolean"}, "inverse": {"type": "boolean"}}},
+                    "per_tp_shard": {"type": "boolean"}, "inverse": {"type": "boolean"},
+                    "sizes": {"type": "array", "items": {"type": "string"}}}},
                 "tp_partition_dim": {"type": "integer", "minimum": -1},
                 "scheme": {"type": ["string", "null"]}}}},
         "ignore": {"type": ["object", "null"], "properties": {"baseline": _NAMES_OR_NONE,

@@ -139,19 +139,70 @@ class Evidence:
         return None
 
     @cached_property
-    def dtype(self) -> tuple[str, str]:
-        """(dtype, where it came from): the coarsest compute precision either run recorded; float32 when
-        neither recorded one (and the stages say so)."""
+    def update_dtype(self) -> tuple[str, str]:
+        """(dtype, where it came from) of the optimizer update: the coarsest parameter / gradient / compute
+        precision either run recorded (the optimizer check steps on the baseline's gradients, so attention's
+        precision does not enter); float32 when neither run recorded one (and the stages say so)."""
         if self.options.dtype:
             return normalize(self.options.dtype), "--dtype"
+        found = self._recorded(("compute", "params", "grads"))
+        if found:
+            return coarsest(found), "recorded in the runs' meta.json (dtypes)"
+        return "float32", "not recorded by either run: assumed float32"
+
+    @cached_property
+    def dtype(self) -> tuple[str, str]:
+        """(dtype, where it came from) of what forward and backward produce (losses, local norms): the
+        update precision, or the attention's when coarser: recorded in meta (``dtypes.attention``), or the
+        float16 a MindFormers 2.x candidate's flash attention computes a float32 run in."""
+        from align.checks.config import mindformers_attention_dtype
+
+        if self.options.dtype:
+            return normalize(self.options.dtype), "--dtype"
+        cfg = self.config("candidate")
+        attention = self._recorded(("attention",))
+        source = "recorded in the runs' meta.json (dtypes.attention)"
+        if not attention and cfg and cfg[0] == "mindformers_yaml" and mindformers_attention_dtype(cfg[1]):
+            attention = [mindformers_attention_dtype(cfg[1])]
+            source = (f"the candidate's MindFormers config: its flash attention computes in {attention[0]} "
+                      "(use_flash_attention with compute_dtype float32)")
+        update = self.update_dtype
+        if attention and coarsest([update[0], *attention]) != update[0]:
+            return coarsest(attention), source
+        return update
+
+    def _recorded(self, keys: tuple[str, ...]) -> list[str]:
         found = []
         for run in (self.baseline, self.candidate):
             d = run.meta.get("dtypes")
             if isinstance(d, dict):
-                found += [normalize(str(d[k])) for k in ("compute", "params", "grads") if d.get(k)]
-        if found:
-            return coarsest(found), "recorded in the runs' meta.json (dtypes)"
-        return "float32", "not recorded by either run: assumed float32"
+                found += [normalize(str(d[k])) for k in keys if d.get(k)]
+        return found
+
+    @cached_property
+    def mapping(self) -> str:
+        """The mapping preset or file: ``--mapping``, else the one the candidate's config needs (a MindFormers
+        2.x mcore YAML: the mcore dense / MoE / MLA / MLA-qkv-concat preset), else Megatron-core <->
+        MindFormers Llama."""
+        return self._mapping[0]
+
+    @cached_property
+    def _mapping(self) -> tuple[str, str]:
+        from align.checks.config import is_mcore_yaml, mcore_family
+        from align.core.mapping import DEFAULT_PRESET
+
+        if self.inputs.mapping:
+            return self.inputs.mapping, "--mapping"
+        cfg = self.config("candidate")
+        if cfg and cfg[0] == "mindformers_yaml" and is_mcore_yaml(cfg[1]):
+            return f"megatron_core__mindformers_mcore_{mcore_family(cfg[1])}", "the candidate's MindFormers 2.x config"
+        if self.candidate.meta.get("name_scheme") == "mindformers_mcore":
+            return "megatron_core__mindformers_mcore_dense", "the candidate's name scheme (mindformers_mcore)"
+        return DEFAULT_PRESET, "default"
+
+    @property
+    def mapping_source(self) -> str:
+        return self._mapping[1]
 
     @cached_property
     def scalars(self) -> ScalarComparison:

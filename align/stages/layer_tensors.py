@@ -41,7 +41,7 @@ def run(ev: Evidence) -> StageResult:
     if step is None:
         return skipped("layer_tensors", "no step where both runs hold layer tensors (tensor_stats / dump.json)")
     opt = ev.options
-    res = compare_layer_tensors(srcs[0], srcs[1], ev.inputs.mapping, step=step,
+    res = compare_layer_tensors(srcs[0], srcs[1], ev.mapping, step=step,
                                 candidate_rank=srcs[1].array_ranks(step)[0], rank=srcs[0].array_ranks(step)[0],
                                 tolerances=opt.layer_tolerance or None, jobs=opt.jobs, scheduler=opt.scheduler,
                                 readers=_readers(b, c))

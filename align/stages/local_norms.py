@@ -30,9 +30,9 @@ def run(ev: Evidence) -> StageResult:
         return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (optimizer order)")
     dtype, source = ev.dtype
     res = compare_local_norms(b.store if b.store is not None else b, c.store if c.store is not None else c,
-                              ev.inputs.mapping, step=step, dtype=dtype,
+                              ev.mapping, step=step, dtype=dtype,
                               rtol=ev.options.local_norm_rtol)
-    res.details["dtype_source"] = source
+    res.details.update(dtype_source=source, mapping=ev.mapping, mapping_source=ev.mapping_source)
     return res
 
 

@@ -13,7 +13,7 @@ def run(ev: Evidence) -> StageResult:
               if r.store is not None and r.has("nonfinite_grads")]
     if not stores:
         return skipped("nan_trace", "no run recorded per-step non-finite gradient counts")
-    m = Mapping.load(ev.inputs.mapping)
+    m = Mapping.load(ev.mapping)
     res = StageResult("nan_trace")
     for role, r in stores:
         sc = r.store.scalars()

@@ -54,12 +54,12 @@ def run(ev: Evidence) -> StageResult:
     if not init or not after_b:
         raise BadInput(f"{base}: no init/<name> and weight/<name> arrays")
     before_c, after_c = read_candidate_update(cand_path)
-    m = Mapping.load(ev.inputs.mapping)
+    m = Mapping.load(ev.mapping)
     tp = ev.transform_params()
     init_c = to_candidate_names(init, m, tp)
     rebased = {k: init_c[k].astype(np.float64) + (after_c[k].astype(np.float64) - before_c[k])
                for k in after_c if k in init_c and k in before_c}
-    dtype, source = ev.dtype
+    dtype, source = ev.update_dtype
     res = compare_updates(init, after_b, rebased, m, params=tp, dtype=dtype)
     res.details.update({"baseline_file": str(base), "candidate_file": str(cand_path), "dtype_source": source})
     return res
