@@ -4,9 +4,9 @@ DeepSeek-V3-style models on CPU, short clean pairs.
 Why a file of its own: the dense and llama pairs have theirs (tests/test_demo_mcore.py, test_demo.py). Each
 pair runs 6 steps (lr = 0 pair: 2) and must pass every stage it judges. The moe pair keeps its repeat (DP=2
 with float16-rounded attention: the band for a candidate that computes attention in float16); the mla pair
-skips it for time (its band then falls back to --rtol, and the band stage is skipped). Measured here, at a
-load average of ~11 on 2 cores: moe 153 s, mla 121 s (mostly framework start-up, the candidate's GRAPH
-compile and its PYNATIVE layer-capture twin).
+skips it for time (its band then falls back to --rtol, and the band stage is skipped). Measured here on 2 cores:
+moe 52 s, mla 57 s at a load average of ~4 (153 s and 121 s at ~11): mostly framework start-up, the
+candidate's GRAPH compile and its PYNATIVE layer-capture twin.
 """
 
 from __future__ import annotations
