@@ -1,7 +1,7 @@
 """`align demo --model moe` / `--model mla`: megatron-core MoE (and MLA) vs MindFormers 2.x mcore Qwen3-MoE /
 DeepSeek-V3-style models on CPU, short clean pairs.
 
-Why a file of its own: the dense and llama pairs have theirs (tests/test_demo_mcore.py, test_demo.py). Each
+Why a file of its own: the dense and llama pairs have theirs (tests/test_demo.py, test_demo_legacy.py). Each
 pair runs 6 steps (lr = 0 pair: 2) and must pass every stage it judges. The moe pair keeps its repeat (DP=2
 with float16-rounded attention: the band for a candidate that computes attention in float16); the mla pair
 skips it for time (its band then falls back to --rtol, and the band stage is skipped). Measured here on 2 cores:
