@@ -28,6 +28,10 @@ parallel reader processes), and ``ours_on_msprobe_dump``: our comparator reading
 
 Run in benchmarks/.venv-msprobe (built by benchmarks/msprobe_env.sh); without msprobe it times our side
 only. Usage: benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py [--repeats 5] [--steps 4]
+[--json FILE]. Part 1 prints (and --json writes under ``overhead``) each configuration's step time over the
+undumped step: ``overhead.ours_stats``, ``overhead.ours_full``, ``overhead.ms_stats``, ``overhead.ms_tensor``,
+each {"min", "median"} of wall time over repeats, plus "cpu_min" / "cpu_median" (CPU seconds of the training
+process, all its threads); goals: ours_full <= 2x, ours_stats <= 1.2x.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ CONFIG_DIR = HERE / "msprobe_config"
 PERTURBED_PARAM = "decoder.layers.1.mlp.linear_fc1.weight"
 PERTURBED_MODULE = PERTURBED_PARAM.rsplit(".", 1)[0]
 OURS = ("ours_stats", "ours_full")
+GOALS = {"ours_stats": 1.2, "ours_full": 2.0}   # dumped step / undumped step (issue 15)
 MSPROBE = ("ms_stats", "ms_tensor")
 
 # Runs one command and reports its wall time, CPU time and peak RSS (ru_maxrss of its process tree, largest
@@ -151,22 +156,24 @@ def worker_overhead(args: argparse.Namespace) -> dict:
     mc, cfg, model, opt = _model(args)
     out = Path(args.out)
     tool = _Tool(args.config, model, opt, out)
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for i in range(args.steps + 1):
         batch = mc.synthetic_batch(i + 1, cfg)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tool.begin(i + 1)
         loss, _ = mc.train_step(model, opt, batch)
         tool.end(loss)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if i:                       # step 1 is the warm-up
             times.append(dt)
+            cpu.append(dc)          # every thread of the process (a dumper's writer thread included)
         losses.append(loss)
     extra = tool.close()
     nbytes, nfiles = _dump_size(out)
     import resource
 
-    return {"config": args.config, "step_s": times, "losses": losses, "dump_bytes": nbytes, "dump_files": nfiles,
+    return {"config": args.config, "step_s": times, "cpu_s": cpu, "losses": losses, "dump_bytes": nbytes,
+            "dump_files": nfiles,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "params": sum(p.numel() for p in model.parameters()),
             "modules": sum(1 for _ in model.named_modules()), **extra}
@@ -271,6 +278,7 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     if not have_ms:
         configs = [c for c in configs if c not in MSPROBE]
     med: dict[str, list[float]] = {c: [] for c in configs}
+    cpu_med: dict[str, list[float]] = {c: [] for c in configs}
     ratio: dict[str, list[float]] = {c: [] for c in configs if c != "base"}
     size: dict[str, tuple[int, int]] = {}
     rss: dict[str, list[float]] = {c: [] for c in configs}
@@ -288,6 +296,7 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             if r.get("errors"):
                 print(f"  warning: our dumper reported {r['errors']} errors in {c}")
             rep_med[c] = statistics.median(r["step_s"])
+            cpu_med[c].append(statistics.median(r["cpu_s"]))
             size[c] = (r["dump_bytes"] / (args.steps + 1), r["dump_files"])
             info = {"params": r["params"], "modules": r["modules"]}
             losses[c] = r["losses"]
@@ -327,6 +336,19 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             line += (f"  {_fmt_x(ratio[c])} {statistics.median(rss[c]):9.0f}   {b / 1e6:7.2f} MB; {f:4d} files; "
                      f"{loss_note[c]}")
         print(line)
+    # The goals (issue 15): full tensors <= 2x the undumped step, statistics <= 1.2x; the same ratios for
+    # msprobe from the same run. Wall time (min over repeats / median over repeats) and CPU seconds of the
+    # training process (all its threads), each over the undumped step.
+    overhead: dict[str, dict[str, float]] = {}
+    print("\n  overhead = dumped step / undumped step (same run, alternating processes):")
+    print(f"  {'ratio':22s} {'wall min':>9s} {'wall median':>12s} {'cpu min':>8s} {'cpu median':>11s}  goal")
+    for c in ratio:
+        cmin = min(cpu_med[c]) / min(cpu_med["base"])
+        cmed = statistics.median(cpu_med[c]) / statistics.median(cpu_med["base"])
+        overhead[c] = {"min": ratio[c][0], "median": ratio[c][1], "cpu_min": cmin, "cpu_median": cmed}
+        goal = GOALS.get(c)
+        verdict = "" if goal is None else f"<= {goal}x: {'met' if ratio[c][1] <= goal else 'NOT met'} (median)"
+        print(f"  {c + '/base':22s} {ratio[c][0]:8.2f}x {ratio[c][1]:11.2f}x {cmin:7.2f}x {cmed:10.2f}x  {verdict}")
     vs = {}
     if have_ms:
         print("\n  toolkit / msprobe (step time ratio, min over min and median over median; < 1: ours is cheaper):")
@@ -336,7 +358,8 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
                   f"  added time per step (median) ours {ratio[ours][1] - 1:.2f} vs msprobe {ratio[ms][1] - 1:.2f}"
                   f" x the undumped step")
             vs[what] = r[1]
-    return {"median_ms": {c: statistics.median(v) * 1e3 for c, v in med.items()},
+    return {**overhead, "median_ms": {c: statistics.median(v) * 1e3 for c, v in med.items()},
+            "cpu_median_ms": {c: statistics.median(v) * 1e3 for c, v in cpu_med.items()},
             "ratio_to_base_median": {c: v[1] for c, v in ratio.items()},
             "ratio_to_base_min": {c: v[0] for c, v in ratio.items()}, "toolkit_over_msprobe": vs}
 
@@ -558,7 +581,7 @@ def main() -> None:
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-compare", action="store_true")
     ap.add_argument("--keep", help="work in this directory and keep it (default: a temporary one, removed)")
-    ap.add_argument("--json", help="also write the numbers to this JSON file")
+    ap.add_argument("--json", help="also write the numbers to this JSON file (overhead.<config>.min/median, ...)")
     for hidden in ("--_worker", "--_result", "--config", "--out", "--tool", "--golden", "--target"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--perturb", action="store_true", help=argparse.SUPPRESS)
