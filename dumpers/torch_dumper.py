@@ -118,9 +118,10 @@ def _stat_values(t: torch.Tensor) -> list[float] | torch.Tensor:
         return [0.0] * 6 if x.device.type == "cpu" else torch.zeros(6, dtype=torch.float32, device=x.device)
     if not x.is_floating_point():
         x = x.to(torch.float32)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32   # vector_norm refuses to narrow
     mn, mx = torch.aminmax(x)
-    total = x.sum(dtype=torch.float32)
-    norm = torch.linalg.vector_norm(x, dtype=torch.float32)
+    total = x.sum(dtype=acc)
+    norm = torch.linalg.vector_norm(x, dtype=acc)
     if x.device.type == "cpu":
         nv = norm.item()
         if math.isfinite(nv):
@@ -131,7 +132,7 @@ def _stat_values(t: torch.Tensor) -> list[float] | torch.Tensor:
         return [float(mx), float(mn), float(np.float32(total.item()) / np.float32(n)), nv, nan, inf]
     nan = torch.isnan(x).sum().float()
     inf = torch.isinf(x).sum().float()
-    return torch.stack([mx.float(), mn.float(), total / n, norm, nan, inf])
+    return torch.stack([mx.float(), mn.float(), (total / n).float(), norm.float(), nan, inf])
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
