@@ -122,6 +122,7 @@ class RunWriter:
         self._counter: dict[str, int] = {}
         self._keys: set[str] = set()                 # datasets written into the open step file
         self._groups: dict[str, h5py.Group] = {}     # groups of the open step file, by path
+        self._dsids: dict[str, Any] = {}              # low-level dataset ids written this step (link targets)
 
     # -- metadata -------------------------------------------------------------------------------------
     def update_meta(self, values: Mapping[str, Any]) -> None:
@@ -177,6 +178,7 @@ class RunWriter:
             self._counter = {}
             self._keys = set()
             self._groups = {"": self._h5}
+            self._dsids = {}
         return self._h5
 
     def _group(self, path: str) -> h5py.Group:
@@ -195,6 +197,7 @@ class RunWriter:
         slower ``key in file``."""
         if key in self._keys:
             del h5[key]
+            self._dsids.pop(key, None)
         self._keys.add(key)
         parent, _, name = key.rpartition("/")
         return self._group(parent), name
@@ -217,6 +220,7 @@ class RunWriter:
             space = h5py.h5s.create_simple(arr.shape) if arr.ndim else h5py.h5s.create(h5py.h5s.SCALAR)
             dsid = h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(arr.dtype), space)
             dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, arr)
+            self._dsids[key] = dsid       # kept open for links: opening by path costs an HDF5 name lookup
             return None
         ds = group.create_dataset(name, data=arr)
         for k, v in (attrs or {}).items():
@@ -229,8 +233,9 @@ class RunWriter:
         h5 = self._file_for(step)
         if target not in self._keys:
             raise KeyError(f"{target}: not written in step {step}")
+        obj = self._dsids.get(target) or h5py.h5o.open(h5.id, target.encode())
         group, name = self._replace(h5, key)
-        h5py.h5o.link(h5py.h5o.open(h5.id, target.encode()), group.id, name.encode())
+        h5py.h5o.link(obj, group.id, name.encode())
 
     def put_table(self, step: int, group: str, columns: Mapping[str, Any],
                   attrs: Mapping[str, Any] | None = None) -> None:
@@ -261,6 +266,7 @@ class RunWriter:
         """Close the open step file and give it its final name."""
         if self._h5 is None:
             return
+        self._dsids = {}
         self._h5.close()
         assert self._tmp is not None
         os.replace(self._tmp, self._tmp.with_suffix(""))
@@ -273,6 +279,7 @@ class RunWriter:
         Dumpers call this when a step file cannot be finished (say the disk went away), so the next
         step starts a fresh file instead of failing again on the broken one.
         """
+        self._dsids = {}
         if self._h5 is not None:
             try:
                 self._h5.close()
