@@ -194,11 +194,11 @@ class RunWriter:
         """(parent group, leaf name) for ``key``; a dataset this step already wrote there is removed.
 
         Only keys this writer wrote can exist (the file is new per step), so the set replaces HDF5's
-        slower ``key in file``."""
+        slower ``key in file``; the caller adds ``key`` to it once the dataset exists."""
         if key in self._keys:
-            del h5[key]
+            self._keys.discard(key)
             self._dsids.pop(key, None)
-        self._keys.add(key)
+            del h5[key]
         parent, _, name = key.rpartition("/")
         return self._group(parent), name
 
@@ -219,10 +219,12 @@ class RunWriter:
             arr = np.ascontiguousarray(arr)
             space = h5py.h5s.create_simple(arr.shape) if arr.ndim else h5py.h5s.create(h5py.h5s.SCALAR)
             dsid = h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(arr.dtype), space)
+            self._keys.add(key)
             dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, arr)
             self._dsids[key] = dsid       # kept open for links: opening by path costs an HDF5 name lookup
             return None
         ds = group.create_dataset(name, data=arr)
+        self._keys.add(key)
         for k, v in (attrs or {}).items():
             ds.attrs[k] = v
         return None
@@ -236,6 +238,7 @@ class RunWriter:
         obj = self._dsids.get(target) or h5py.h5o.open(h5.id, target.encode())
         group, name = self._replace(h5, key)
         h5py.h5o.link(obj, group.id, name.encode())
+        self._keys.add(key)
 
     def put_table(self, step: int, group: str, columns: Mapping[str, Any],
                   attrs: Mapping[str, Any] | None = None) -> None:
