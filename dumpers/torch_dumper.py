@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from align.core.runstore import SEED_BATCH_KEYS, RunWriter
+from align.core.runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
 from dumpers.steps import NonFiniteError, parse_steps
 
 TENSOR_MODES = ("off", "stats", "full")
@@ -54,6 +54,9 @@ class DumpConfig:
         (also forward outputs and backward gradients of the selected modules, every step).
     stop_on_nan: raise :class:`NonFiniteError` from ``end_step`` after recording the trace.
     ranks: global ranks that dump; ``None`` = all.
+    background_writes: write step files on a background thread (full tensors are then copied to host
+        memory in the hook, written while training computes; ``end_step`` waits for the step file).
+        Off: each full tensor is written in its hook straight from the tensor's memory (no copy).
     """
 
     out: str | os.PathLike
@@ -68,6 +71,7 @@ class DumpConfig:
     stop_on_nan: bool = False
     ranks: Iterable[int] | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    background_writes: bool = False
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -96,27 +100,81 @@ def _flatten_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor
     return out
 
 
-def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """[max, min, mean, L2 norm, nan count, inf count] as float32 on ``t``'s device.
+_NO_COUNTS = (0.0, 0.0)
+
+
+def _stat_values(t: torch.Tensor) -> list[float] | torch.Tensor:
+    """[max, min, mean, L2 norm, nan count, inf count] of ``t``: Python floats on CPU, else a float32
+    tensor on ``t``'s device (stacked with the step's others at ``end_step``: one transfer, no sync).
 
     Three passes over the data (aminmax, sum, norm). The nan/inf counts need two more, so on CPU, where
     reading one scalar costs nothing, they are skipped when the norm is finite (a finite L2 norm means
-    every element is finite); on an accelerator they are always computed so nothing syncs.
+    every element is finite). On CPU four scalar reads replace the stack/divide/zeros of the device path:
+    a step measures a few hundred tensors, and each torch call costs microseconds.
     """
     x = t.detach()
-    if x.numel() == 0:
-        return torch.zeros(6, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n == 0:
+        return [0.0] * 6 if x.device.type == "cpu" else torch.zeros(6, dtype=torch.float32, device=x.device)
     if not x.is_floating_point():
         x = x.to(torch.float32)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32   # vector_norm refuses to narrow
     mn, mx = torch.aminmax(x)
-    total = x.sum(dtype=torch.float32)
-    norm = torch.linalg.vector_norm(x, dtype=torch.float32)
-    if x.device.type == "cpu" and math.isfinite(float(norm)):
-        nan = inf = torch.zeros((), dtype=torch.float32)
-    else:
-        nan = torch.isnan(x).sum().float()
-        inf = torch.isinf(x).sum().float()
-    return torch.stack([mx.float(), mn.float(), total / x.numel(), norm, nan, inf])
+    total = x.sum(dtype=acc)
+    norm = torch.linalg.vector_norm(x, dtype=acc)
+    if x.device.type == "cpu":
+        nv = norm.item()
+        if math.isfinite(nv):
+            nan, inf = _NO_COUNTS
+        else:
+            nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
+        # mean as float32 division, as the device path computes it
+        return [float(mx), float(mn), float(np.float32(total.item()) / np.float32(n)), nv, nan, inf]
+    nan = torch.isnan(x).sum().float()
+    inf = torch.isinf(x).sum().float()
+    return torch.stack([mx.float(), mn.float(), (total / n).float(), norm.float(), nan, inf])
+
+
+def tensor_stats(t: torch.Tensor) -> torch.Tensor:
+    """[max, min, mean, L2 norm, nan count, inf count] as float32 on ``t``'s device."""
+    v = _stat_values(t)
+    return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float32, device=t.device)
+
+
+def _stats_matrix(values: Sequence[list[float] | torch.Tensor]) -> np.ndarray:
+    """The step's statistics as an (n, 6) float64 array; device tensors move in one transfer per device."""
+    out = np.zeros((len(values), 6), dtype=np.float64)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+        else:
+            out[i] = v
+    for idx in by_device.values():
+        out[idx] = torch.stack([values[i] for i in idx]).cpu().numpy()
+    return out
+
+
+def _host_array(t: torch.Tensor, private: bool) -> np.ndarray:
+    """``t`` as a host numpy array for a full-tensor dump (floating point as float32).
+
+    A device tensor or a dtype change makes a fresh copy anyway. A float32 CPU tensor is used in place
+    when the caller writes it before returning to the training code (``private=False``); when the write
+    happens later (background writer) it is cloned: the training code may change the tensor in place
+    after the hook (an in-place activation, a gradient accumulated into), and the dump must hold the value
+    the hook saw.
+    """
+    x = t.detach()
+    fresh = False
+    if x.is_floating_point() and x.dtype != torch.float32:
+        x = x.to(device="cpu", dtype=torch.float32)
+        fresh = True
+    elif x.device.type != "cpu":
+        x = x.to("cpu")
+        fresh = True
+    if private and not fresh:
+        x = x.clone()
+    return x.numpy(force=True)
 
 
 class TorchDumper:
@@ -138,7 +196,7 @@ class TorchDumper:
         self.errors = 0
         self.error_log: list[str] = []
         self.nan_found = False
-        self._writer: RunWriter | None = None
+        self._writer: RunWriter | BackgroundWriter | None = None
         self._handles: list[Any] = []
         self._step: int | None = None
         self._array_step = False
@@ -161,9 +219,10 @@ class TorchDumper:
             self._param_index = {id(p): i for i, (_, p, _) in enumerate(self.params)}
             self._grad_order: list[int] = []
             self._pending_batch: dict[str, list[np.ndarray]] = {}
-            self._rows: list[tuple[str, str, str, str, int, str]] = []
-            self._row_stats: list[torch.Tensor] = []
-            self._stats_cache: dict[int, tuple[Any, int, torch.Tensor]] = {}
+            self._rows: list[tuple[str, str, str, str, int]] = []
+            self._row_stats: list[list[float] | torch.Tensor] = []
+            # id(tensor) -> [weakref, version, stats, order of its full dump or None]
+            self._stats_cache: dict[int, list[Any]] = {}
             self._io_refs: dict[str, dict[str, torch.Tensor]] = {}
             self._trace_rows: list[dict[str, Any]] = []
             self._trace_tensors: list[tuple[int, str, str, str, np.ndarray]] = []
@@ -255,7 +314,8 @@ class TorchDumper:
         m.update(self._extra_meta())
         m.update(self.config.meta)
         m.update(meta or {})
-        self._writer = RunWriter(self.config.out, rank=self.rank, meta=m, rank_info=self.rank_info)
+        writer = RunWriter(self.config.out, rank=self.rank, meta=m, rank_info=self.rank_info)
+        self._writer = BackgroundWriter(writer) if self.config.background_writes else writer
 
     def _versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
@@ -366,36 +426,40 @@ class TorchDumper:
     # -- recording ------------------------------------------------------------------------------------
     def _record(self, module: str, kind: str, t: torch.Tensor) -> None:
         order = len(self._rows)
-        shape = "x".join(str(s) for s in t.shape) or "scalar"
-        self._rows.append((module, kind, _dtype_name(t.dtype), shape, t.numel(), str(t.device)))
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        self._rows.append((module, kind, _dtype_name(t.dtype), shape, t.numel()))
         if self._tensor_step and self.config.tensors != "off":
-            self._row_stats.append(self._stats_cached(t))
+            entry = self._stats_entry(t)
+            self._row_stats.append(entry[2])
+            if self.config.tensors == "full" and self._writer is not None:
+                key = f"tensors/{order:06d}"
+                if entry[3] is not None:    # the same unchanged tensor, already stored this step
+                    self._writer.link_array(self._step, key, f"tensors/{entry[3]:06d}")
+                else:
+                    private = isinstance(self._writer, BackgroundWriter)
+                    self._writer.put_array(self._step, key, _host_array(t, private))
+                    entry[3] = order
         else:  # nan tracing only: a cheap finiteness flag, in the stats' nan column
             x = t.detach()
             bad = (~torch.isfinite(x)).sum().float() if x.is_floating_point() else x.new_zeros((), dtype=
                                                                                                torch.float32)
             z = torch.zeros((), dtype=torch.float32, device=x.device)
             self._row_stats.append(torch.stack([z, z, z, z, bad, z]))
-        if self._tensor_step and self.config.tensors == "full" and self._writer is not None:
-            arr = t.detach().to("cpu", copy=True)
-            if arr.is_floating_point():
-                arr = arr.float()
-            self._writer.put_array(self._step, f"tensors/{order:06d}", arr.numpy(),
-                                   {"module": module, "kind": kind, "dtype": _dtype_name(t.dtype),
-                                    "order": order})
 
-    def _stats_cached(self, t: torch.Tensor) -> torch.Tensor:
-        """Statistics of ``t``, reused when the same unchanged tensor was already measured this step.
+    def _stats_entry(self, t: torch.Tensor) -> list[Any]:
+        """[weakref, version, statistics, full-dump order] of ``t``, reused when the same unchanged tensor
+        was already measured this step (same object, same ``_version``: no in-place change since).
 
-        A module's input is often its parent's input, and one gradient reaches several backward hooks.
+        A module's input is often its parent's input, and one gradient reaches several backward hooks:
+        measured once, and in full mode stored once (the other names are HDF5 links to it).
         """
         key = id(t)
         hit = self._stats_cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
-            return hit[2]
-        st = tensor_stats(t)
-        self._stats_cache[key] = (weakref.ref(t), t._version, st)
-        return st
+            return hit
+        entry = [weakref.ref(t), t._version, _stat_values(t), None]
+        self._stats_cache[key] = entry
+        return entry
 
     def begin_step(self, step: int) -> None:
         """Start step ``step`` (numbered from 1, like Megatron's iteration)."""
@@ -679,8 +743,7 @@ class TorchDumper:
     def _flush_tensor_rows(self, step: int) -> None:
         if not self._rows:
             return
-        stats = torch.stack([s.to("cpu") for s in self._row_stats]).numpy().astype(np.float64) \
-            if self._row_stats else np.zeros((0, 6))
+        stats = _stats_matrix(self._row_stats)
         rows = self._rows
         nonfinite = stats[:, 4] + stats[:, 5] > 0
         if nonfinite.any() and self.config.nan_trace == "all":

@@ -140,3 +140,53 @@ def test_corrupt_h5(tmp_path):
     f.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\x00" * 100)
     with pytest.raises(BadInput, match="not a readable HDF5"):
         RunReader(tmp_path / "run").step_arrays(1)
+
+
+def test_links_are_read_under_every_name(tmp_path):
+    """A tensor stored once and linked under a second name reads back under both (read_h5 walks links)."""
+    with RunWriter(tmp_path / "run") as w:
+        w.put_array(1, "tensors/000000", np.arange(6.0, dtype=np.float32).reshape(2, 3))
+        w.link_array(1, "tensors/000001", "tensors/000000")
+        w.put_array(1, "tensors/000000", np.ones(2, dtype=np.float32))   # rewritten: the link keeps the old data
+        with pytest.raises(KeyError):
+            w.link_array(1, "tensors/000002", "tensors/000099")
+        w.finish_step()
+    data = RunReader(tmp_path / "run").step_arrays(1).data
+    assert data["tensors/000001"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert data["tensors/000000"].tolist() == [1, 1] and "tensors/000002" not in data
+
+
+def test_background_writer_finishes_steps_and_flushes_on_close(tmp_path):
+    from align.core.runstore import BackgroundWriter
+
+    w = BackgroundWriter(RunWriter(tmp_path / "run"), max_bytes=1000)   # smaller than one array: bounded queue
+    for step in (1, 2):
+        w.log_scalars(step, {"loss": float(step)})
+        for i in range(5):
+            w.put_array(step, f"tensors/{i:06d}", np.full(400, step * 10 + i, dtype=np.float32))
+        w.link_array(step, "tensors/000005", "tensors/000004")
+        w.put_table(step, "tensor_stats", {"order": np.arange(6), "module": ["m"] * 6, "kind": ["k"] * 6})
+        if step == 1:
+            w.finish_step()          # returns only once the step file has its final name
+            assert (tmp_path / "run" / "steps" / "step_00000001" / "rank_00000.h5").exists()
+    w.close()                        # step 2 was still open: close finishes it
+    r = RunReader(tmp_path / "run")
+    assert r.array_steps() == [1, 2] and r.incomplete == []
+    assert list(r.scalars()["loss"]) == [1.0, 2.0]
+    d = r.step_arrays(2).data
+    assert d["tensors/000003"][0] == 23 and d["tensors/000005"][0] == 24
+
+
+def test_background_writer_reports_failures_and_keeps_going(tmp_path):
+    from align.core.runstore import BackgroundWriter, WriterErrors
+
+    w = BackgroundWriter(RunWriter(tmp_path / "run"))
+    w.put_array(1, "ok", np.zeros(3))
+    w.put_array(1, "bad", np.array([object()], dtype=object))      # refused (no pickle), on the thread
+    w.put_array(1, "after", np.ones(3))
+    with pytest.raises(WriterErrors, match="no pickle"):
+        w.finish_step()
+    w.put_array(2, "x", np.ones(2))
+    w.close()
+    r = RunReader(tmp_path / "run")
+    assert sorted(r.step_arrays(1).data) == ["after", "ok"] and r.array_steps() == [1, 2]

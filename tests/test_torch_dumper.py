@@ -169,3 +169,115 @@ def test_record_batch_with_step_moves_the_boundary(tmp_path: Path) -> None:
     assert a.data["batch/tokens"].shape == (8, 8) and a.attrs["batch/tokens"]["micro_batches"] == 2
     np.testing.assert_array_equal(a.data["batch/tokens"][4:], batch(21)["tokens"].numpy())
     assert len(a.table("local_norm")) == 5 and list(r.scalars()["tokens_per_step"]) == [64, 64]
+
+
+def test_stat_values_equal_numpy() -> None:
+    """CPU statistics (floats) and the device-path tensor agree with numpy on dtypes, views, non-finite."""
+    from dumpers.torch_dumper import _stat_values, _stats_matrix
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 48, generator=g)
+    cases = [x, x.t(), x[:, ::3], x.double(), x.half(), x.bfloat16(), torch.randint(-5, 9, (7, 5), generator=g),
+             torch.tensor([1.5]), torch.tensor([1.0, float("nan"), float("inf"), -2.0, float("-inf")])]
+    for t in cases:
+        ref = t.float().numpy().astype(np.float64)
+        finite = ref[np.isfinite(ref)]
+        want = [ref.max(), ref.min(), ref.mean(), np.linalg.norm(ref), np.isnan(ref).sum(), np.isinf(ref).sum()]
+        got = _stat_values(t)
+        assert isinstance(got, list)
+        if finite.size == ref.size:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert got[4:] == [1.0, 2.0]
+            np.testing.assert_array_equal(got[:2], want[:2])     # NaN propagates to max/min, as in numpy
+        np.testing.assert_allclose(_stats_matrix([got, tensor_stats(t)])[1], np.asarray(got, dtype=np.float32),
+                                   rtol=1e-6)
+    assert _stat_values(torch.zeros(0)) == [0.0] * 6
+
+
+class InPlaceNet(torch.nn.Module):
+    """fc's output is changed in place right after its forward hook ran (ReLU(inplace=True)), and the same
+    tensor feeds two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.a = torch.nn.Identity()
+        self.b = torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        return self.a(h) + self.b(h)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_full_dump_holds_the_value_the_hook_saw(tmp_path: Path, background: bool) -> None:
+    """No clone before a synchronous write, a clone before a queued one: either way an in-place change after
+    the hook does not reach the dump; a tensor seen twice unchanged is stored once (a link)."""
+    import h5py
+
+    torch.manual_seed(0)
+    net = InPlaceNet()
+    x = torch.randn(4, 8)
+    pre_relu = net.fc(x).detach().clone()
+    d = TorchDumper(net, None, DumpConfig(out=tmp_path, tensors="full", background_writes=background))
+    with d.step(1):
+        net(x).sum().backward()
+    d.close()
+    assert d.errors == 0, d.error_log
+    a = RunReader(tmp_path).step_arrays(1)
+    ts = a.table("tensor_stats")
+    order = {(m, k): int(o) for m, k, o in zip(ts["module"], ts["kind"], ts["order"], strict=True)}
+    fc_out = a.data[f"tensors/{order[('fc', 'forward.output.0')]:06d}"]
+    np.testing.assert_array_equal(fc_out, pre_relu.numpy())
+    assert (fc_out < 0).any()                            # the ReLU that followed did not reach the dump
+    a_in = order[("a", "forward.input.0")]
+    b_in = order[("b", "forward.input.0")]
+    np.testing.assert_array_equal(a.data[f"tensors/{a_in:06d}"], np.maximum(pre_relu.numpy(), 0))
+    with h5py.File(RunReader(tmp_path).step_file(1, 0), "r") as h5:
+        assert h5[f"tensors/{a_in:06d}"].id.get_offset() == h5[f"tensors/{b_in:06d}"].id.get_offset()
+        assert not h5[f"tensors/{a_in:06d}"].attrs            # names and kinds live in tensor_stats
+
+
+KILLED_DUMPER = """
+import sys, time, torch
+from dumpers.torch_dumper import DumpConfig, TorchDumper
+net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+d = TorchDumper(net, opt, DumpConfig(out=sys.argv[1], tensors="full", background_writes=sys.argv[2] == "1"))
+for step in range(1, 100):
+    d.begin_step(step)
+    d.record_batch({"tokens": torch.arange(8).reshape(1, 8) + step})
+    opt.zero_grad()
+    net(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    if step == 3:
+        print("ready", flush=True)
+        time.sleep(60)          # killed here, inside step 3
+    d.end_step(loss=float(step))
+"""
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_killed_mid_step_leaves_completed_steps_readable(tmp_path: Path, background: bool) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_DUMPER, str(root), "1" if background else "0"],
+                            stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[1]),
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    r = RunReader(root)
+    assert r.array_steps() == [1, 2] and list(r.scalars()["step"]) == [1, 2]
+    assert [i.step for i in r.incomplete] == [3]
+    for step in (1, 2):
+        a = r.step_arrays(step)
+        ts = a.table("tensor_stats")
+        assert len(ts) > 0 and all(f"tensors/{int(o):06d}" in a.data for o in ts["order"])
+        assert a.data["batch/tokens"][0, 0] == step
