@@ -6,10 +6,14 @@ terminal width (mid-word, no marker). We undo those before any format-specific p
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from align.core.errors import BadInput
 from align.core.schema import read_bytes
@@ -137,3 +141,127 @@ def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_co
         return lines, 0
     out.extend(lines[done:])
     return out, joins
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bulk reading with pyarrow (optional): whole files split at one separator, no Python object per line
+# ------------------------------------------------------------------------------------------------------
+
+def read_split(text: bytes, ncols: int, floats: set[int], most: int) -> tuple[Any, list[str]] | None:
+    """Read ``text`` as lines of ``ncols`` '|'-separated columns with pyarrow: column ``i`` as float64 when
+    ``i`` is in ``floats``, else as a string. Lines with another column count are handed back as text (in
+    file order, at most ``most`` of them). None without pyarrow, when a float column holds something else
+    or a line is not UTF-8, or past ``most`` other lines (then reading line by line is as cheap)."""
+    if importlib.util.find_spec("pyarrow") is None:
+        return None
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    names = [str(i) for i in range(ncols)]
+    other: list[str] = []
+
+    def handler(row: Any) -> str:
+        other.append(row.text)
+        return "skip" if len(other) < most else "error"
+
+    types = {n: (pa.float64() if i in floats else pa.string()) for i, n in enumerate(names)}
+    try:
+        table = pcsv.read_csv(
+            pa.BufferReader(text), read_options=pcsv.ReadOptions(column_names=names),
+            parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False, invalid_row_handler=handler),
+            convert_options=pcsv.ConvertOptions(column_types=types, null_values=[], strings_can_be_null=False))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError):
+        return None
+    return table, other
+
+
+def originals(raw: bytes, translated: bytes, lines: list[str]) -> list[bytes] | None:
+    """``lines`` (texts pyarrow handed back from ``translated``, a same-length translation of ``raw``) as they
+    are in ``raw``: found in order, whole lines only. None when one is not where the order says."""
+    out: list[bytes] = []
+    pos = 0
+    for text in lines:
+        b = text.encode("utf-8")
+        if pos == 0 and (translated.startswith(b + b"\n") or translated == b):
+            i = 0
+        else:
+            i = translated.find(b"\n" + b + b"\n", max(pos - 1, 0))
+            if i >= 0:
+                i += 1
+            elif translated.endswith(b"\n" + b) and len(translated) - len(b) >= pos:
+                i = len(translated) - len(b)
+            else:
+                return None
+        out.append(raw[i: i + len(b)])
+        pos = i + len(b) + 1
+    return out
+
+
+def holds(column: Any, words: tuple[bytes, ...]) -> bool:
+    """Whether any string of a pyarrow string column may hold one of ``words``, searched in the data
+    buffers (a word across two strings counts: a caller can only be sent to its careful path by it)."""
+    for chunk in column.chunks:
+        if len(chunk):
+            data = chunk.buffers()[2]
+            if data is not None:
+                text = data.to_pybytes()
+                if any(w in text for w in words):
+                    return True
+    return False
+
+
+#: byte classes for reading whole numbers with numpy: 0 other, 1 blank (Python's bytes \s), 2 digit
+_CLASS = np.zeros(256, dtype=np.uint8)
+_CLASS[list(b" \t\n\r\f\v")] = 1
+_CLASS[list(b"0123456789")] = 2
+
+
+def digit_run(block: np.ndarray) -> np.ndarray | None:
+    """The number each row of a uint8 ``block`` holds as blanks, one run of 1-15 digits, blanks; None when a
+    row holds anything else (right-aligned numbers, Python's %8d, take one matrix product)."""
+    cls = _CLASS[block]
+    if not cls.all():
+        return None
+    digit = cls == 2
+    w = block.shape[1]
+    if digit[:, -1].all():
+        if not (digit[:, 1:] >= digit[:, :-1]).all() or (w > 15 and digit.sum(axis=1).max() > 15):
+            return None
+        if w <= 18:
+            return np.where(digit, block - 48, 0).astype(np.int64) @ 10 ** np.arange(w - 1, -1, -1, dtype=np.int64)
+    starts = digit[:, 0].astype(np.int8) + (digit[:, 1:] & ~digit[:, :-1]).sum(axis=1)
+    if not (starts == 1).all() or (w > 15 and digit.sum(axis=1).max() > 15):
+        return None
+    value = np.zeros(len(block), dtype=np.int64)
+    for j in range(w):
+        value = np.where(digit[:, j], value * 10 + block[:, j].astype(np.int64) - 48, value)
+    return value
+
+
+def fixed_width_rows(column: Any, width: int) -> np.ndarray:
+    """A pyarrow string column whose strings all have ``width`` bytes, as an (n, width) uint8 matrix."""
+    blocks = []
+    for chunk in column.chunks:
+        k = len(chunk)
+        if k:
+            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32)[chunk.offset: chunk.offset + k + 1]
+            data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)
+            blocks.append(data[offsets[0]: offsets[0] + k * width].reshape(k, width))
+    return np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+
+
+def int_column(column: Any) -> np.ndarray | None:
+    """Whole numbers written as blanks and digits (``%5d``), one per string; None when a string holds
+    anything else. Strings of one width are read with numpy, others with pyarrow's regex and cast."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    lengths = pc.min_max(pc.binary_length(column))
+    lo, hi = lengths["min"].as_py(), lengths["max"].as_py()
+    if lo is None or not lo:
+        return None
+    if lo == hi:
+        return digit_run(fixed_width_rows(column, lo))
+    if not pc.all(pc.match_substring_regex(column, r"^[ \t\n\r\f\v]*[0-9]{1,15}[ \t\n\r\f\v]*$")).as_py():
+        return None
+    return pc.cast(pc.utf8_trim_whitespace(column), pa.int64()).to_numpy()

@@ -22,7 +22,16 @@ from align.core.errors import BadInput
 from align.core.run import Run, make_series
 from align.sources import Source
 from align.sources.configs import parse_arguments_block, parse_world_line
-from align.sources.logtext import clean_text, read_log, rejoin_wrapped
+from align.sources.logtext import (
+    clean_text,
+    digit_run,
+    fixed_width_rows,
+    holds,
+    originals,
+    read_log,
+    read_split,
+    rejoin_wrapped,
+)
 
 #: Megatron's field names (every label variant seen in Megatron-LM, Megatron-DeepSpeed and forks, compared
 #: lower-case with '-'/'_' read as spaces) -> the run store's scalar keys (docs/run-store.md).
@@ -680,34 +689,20 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     names = _template([m.group(1)])
     if names is None or any(w in n for n in names for w in _COUNTED):
         return None
-    import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.csv as pcsv
 
     prefix = raw[raw.rfind(b"\n", 0, m.start()) + 1: m.start()]
     head = prefix.count(b":") + prefix.count(b"|")           # the column holding '... iteration N/ M'
     name_cols = [head + 1 + 2 * j for j in range(len(names))]
     value_cols = [c + 1 for c in name_cols]
-    colnames = [str(i) for i in range(head + 2 + 2 * len(names))]
-    rejected: list[str] = []
-    most = 1000 + len(raw) // 10_000    # lines of other text read one by one before the careful path is cheaper
-
-    def handler(row: Any) -> str:
-        rejected.append(row.text)
-        return "skip" if len(rejected) < most else "error"
-
     tr = raw.translate(_TO_PIPE)
-    types = {c: pa.string() for c in colnames}
-    types.update({colnames[i]: pa.float64() for i in value_cols})
-    try:
-        table = pcsv.read_csv(
-            pa.BufferReader(tr), read_options=pcsv.ReadOptions(column_names=colnames),
-            parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False, invalid_row_handler=handler),
-            convert_options=pcsv.ConvertOptions(column_types=types, null_values=[], strings_can_be_null=False))
-    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError):
-        return None   # a value that is not a number, or a line that is not UTF-8
+    got = read_split(tr, head + 2 + 2 * len(names), set(value_cols), 1000 + len(raw) // 10_000)
+    if got is None:
+        return None   # a value that is not a number, a line that is not UTF-8, or mostly other text
+    table, rejected = got
     n = table.num_rows
     col = table.column
+    colnames = table.column_names
     if not n or pc.max(pc.binary_length(col(colnames[-1]))).as_py():     # text after the last '|'
         return None
     template = raw[m.start(): _line_end(raw, m.start())].translate(_TO_PIPE).decode("utf-8").split("|")
@@ -717,13 +712,13 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     # text before the head holds nothing the careful path would read or count (searched in the columns'
     # data buffers: a word across two rows can only send the file to the careful path, never be missed)
     words = (b"iteration", b"lm loss", *(w.encode() for w in _COUNTED))
-    if any(_holds(col(colnames[c]), words) for c in range(head)) or _holds(col(colnames[head]), words[2:]):
+    if any(holds(col(colnames[c]), words) for c in range(head)) or holds(col(colnames[head]), words[2:]):
         return None
     got = _head_numbers(col(colnames[head]))
     if got is None:
         return None
     iters, total = got
-    others = _others(raw, tr, rejected)
+    others = originals(raw, tr, rejected)
     if others is None or any(_RECORD.search(o) or _RECORD_TAIL.search(o) or _CONTINUES_B.match(o) for o in others):
         return None   # something record-like outside the bulk rows: the careful path re-joins and notes
     first_sep = re.search(rb"[:|]", prefix)
@@ -742,40 +737,6 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     n_loss = n * sum(1 for name in names if name.endswith("lm loss")) + sum(o.count(b"lm loss:") for o in others)
     return _Canonical(iters, cols, total if total < 1 << 53 else None, b"\n".join(others),
                       raw_pipes == n * (len(cols) + 1), n_loss, n)
-
-
-def _others(raw: bytes, tr: bytes, rejected: list[str]) -> list[bytes] | None:
-    """The lines pyarrow handed to the handler, as they were before ':' became '|' (same offsets). Found in
-    order, whole lines only; None when one is not where the order says (rows out of order)."""
-    out: list[bytes] = []
-    pos = 0
-    for text in rejected:
-        b = text.encode("utf-8")
-        if pos == 0 and (tr.startswith(b + b"\n") or tr == b):
-            i = 0
-        else:
-            i = tr.find(b"\n" + b + b"\n", max(pos - 1, 0))
-            if i >= 0:
-                i += 1
-            elif tr.endswith(b"\n" + b) and len(tr) - len(b) >= pos:
-                i = len(tr) - len(b)
-            else:
-                return None
-        out.append(raw[i: i + len(b)])
-        pos = i + len(b) + 1
-    return out
-
-
-def _holds(column: Any, words: tuple[bytes, ...]) -> bool:
-    """Whether any string of ``column`` may hold one of ``words`` (a match across two strings counts)."""
-    for chunk in column.chunks:
-        if len(chunk):
-            data = chunk.buffers()[2]
-            if data is not None:
-                text = data.to_pybytes()
-                if any(w in text for w in words):
-                    return True
-    return False
 
 
 def _head_numbers(heads: Any) -> tuple[np.ndarray, int] | None:
@@ -803,52 +764,16 @@ def _head_numbers(heads: Any) -> tuple[np.ndarray, int] | None:
 def _fixed_width_numbers(heads: Any, width: int, start: int, slash: int) -> np.ndarray | None:
     """Every head has the last one's shape ('iteration' and '/' at the same byte offsets, blanks and one run
     of digits between and after them): N read digit by digit with numpy, no per-line objects."""
-    blocks = []
-    for chunk in heads.chunks:
-        k = len(chunk)
-        if k:
-            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32)[chunk.offset: chunk.offset + k + 1]
-            data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)
-            blocks.append(data[offsets[0]: offsets[0] + k * width].reshape(k, width))
-    rows = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+    rows = fixed_width_rows(heads, width)
     if not (rows[:, start: start + 9] == np.frombuffer(b"iteration", dtype=np.uint8)).all() or \
             not (rows[:, slash] == ord("/")).all():
         return None
     total = rows[:, slash + 1:]
-    if not (total == total[-1]).all() and _digit_run(total) is None:   # M: the same on every line, usually
+    if not (total == total[-1]).all() and digit_run(total) is None:   # M: the same on every line, usually
         return None
-    return _digit_run(rows[:, start + 9: slash])
+    return digit_run(rows[:, start + 9: slash])
 
 
 def _line_end(raw: bytes, pos: int) -> int:
     end = raw.find(b"\n", pos)
     return len(raw) if end < 0 else end
-
-
-#: byte classes for reading numbers with numpy: 0 other, 1 blank (Python's bytes \s), 2 digit
-_CLASS = np.zeros(256, dtype=np.uint8)
-_CLASS[list(b" \t\n\r\f\v")] = 1
-_CLASS[list(b"0123456789")] = 2
-
-
-def _digit_run(block: np.ndarray) -> np.ndarray | None:
-    """The number each row of ``block`` holds as blanks, one run of 1-15 digits, blanks; None when a row
-    holds anything else."""
-    cls = _CLASS[block]
-    if not cls.all():
-        return None
-    digit = cls == 2
-    w = block.shape[1]
-    if digit[:, -1].all():   # right-aligned (Megatron's %8d): digits from the first one to the end
-        if not (digit[:, 1:] >= digit[:, :-1]).all() or (w > 15 and digit.sum(axis=1).max() > 15):
-            return None
-        places = 10 ** np.arange(w - 1, -1, -1, dtype=np.int64) if w <= 18 else None
-        if places is not None:
-            return np.where(digit, block - 48, 0).astype(np.int64) @ places
-    starts = digit[:, 0].astype(np.int8) + (digit[:, 1:] & ~digit[:, :-1]).sum(axis=1)
-    if not (starts == 1).all() or (w > 15 and digit.sum(axis=1).max() > 15):
-        return None
-    value = np.zeros(len(block), dtype=np.int64)
-    for j in range(w):
-        value = np.where(digit[:, j], value * 10 + block[:, j].astype(np.int64) - 48, value)
-    return value
