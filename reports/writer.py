@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as exc:
         raise BadInput(f"{out}: cannot write there ({exc.strerror or exc.__class__.__name__})") from None
+    pool = ThreadPoolExecutor(max_workers=1)
     try:
         data = summary(inp)
         figdir = tmp / "figures"
@@ -111,6 +113,8 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             steps = [v["step"] for v in nonfinite.details.get("first_nonfinite", {}).values()]
             nf_step = min(steps) if steps else None
         t = inp.scalar_table
+        # the CSV is written beside the figures (pyarrow's writer releases the GIL)
+        csv = pool.submit(_write_csv, t, tmp / "deltas.csv") if not t.empty else None
         if not t.empty:
             lv = long_run.verdict if long_run else "skipped"
             png = figures.loss_curves(t, labels, lv, figdir / "loss.png")
@@ -131,7 +135,6 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
                                      title="Grad norm delta", prefix="grad_norm_")
             if png:
                 figs.append(("Grad norm delta against the band", png))
-            _write_csv(t, tmp / "deltas.csv")
         ln = inp.stages.get("step1_local_norm")
         if ln is not None and ln.details.get("parameters"):
             png = figures.local_norm_chart(ln.details["parameters"], float(ln.details.get("rtol", 1e-4)),
@@ -153,6 +156,8 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             st = inp.stages.get(name)
             if st is not None and st.verdict != "skipped":
                 step_rows.append({"stage": name, "verdict": st.verdict, **st.details})
+        if csv is not None:
+            csv.result()
         page = html.render(data["verdict"], inp.runs, inp.stages, figs, step_rows, inp.extra_sections)
         (tmp / "report.html").write_text(page, encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
@@ -167,5 +172,6 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             else:
                 os.replace(src, dst)   # replaces a symlink named like the file; never writes through it
     finally:
+        pool.shutdown(wait=True)
         shutil.rmtree(tmp, ignore_errors=True)
     return data
