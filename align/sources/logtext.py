@@ -147,11 +147,12 @@ def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_co
 # Bulk reading with pyarrow (optional): whole files split at one separator, no Python object per line
 # ------------------------------------------------------------------------------------------------------
 
-def read_split(text: bytes, ncols: int, floats: set[int], most: int) -> tuple[Any, list[str]] | None:
+def read_split(text: bytes, ncols: int, floats: set[int], most: int, skip: int = 0) -> tuple[Any, list[str]] | None:
     """Read ``text`` as lines of ``ncols`` '|'-separated columns with pyarrow: column ``i`` as float64 when
-    ``i`` is in ``floats``, else as a string. Lines with another column count are handed back as text (in
-    file order, at most ``most`` of them). None without pyarrow, when a float column holds something else
-    or a line is not UTF-8, or past ``most`` other lines (then reading line by line is as cheap)."""
+    ``i`` is in ``floats``, else as a string; the first ``skip`` columns are split off but not kept. Lines
+    with another column count are handed back as text (in file order, at most ``most`` of them). None
+    without pyarrow, when a float column holds something else or a line is not UTF-8, or past ``most``
+    other lines (then reading line by line is as cheap)."""
     if importlib.util.find_spec("pyarrow") is None:
         return None
     import pyarrow as pa
@@ -169,7 +170,8 @@ def read_split(text: bytes, ncols: int, floats: set[int], most: int) -> tuple[An
         table = pcsv.read_csv(
             pa.BufferReader(text), read_options=pcsv.ReadOptions(column_names=names),
             parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False, invalid_row_handler=handler),
-            convert_options=pcsv.ConvertOptions(column_types=types, null_values=[], strings_can_be_null=False))
+            convert_options=pcsv.ConvertOptions(include_columns=names[skip:], column_types=types, null_values=[],
+                                                strings_can_be_null=False))
     except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError):
         return None
     return table, other
@@ -262,6 +264,7 @@ def int_column(column: Any) -> np.ndarray | None:
         return None
     if lo == hi:
         return digit_run(fixed_width_rows(column, lo))
-    if not pc.all(pc.match_substring_regex(column, r"^[ \t\n\r\f\v]*[0-9]{1,15}[ \t\n\r\f\v]*$")).as_py():
+    digits = pc.utf8_trim(column, " \t\n\r\f\v")           # Python's bytes \s, no other blank
+    if not pc.all(pc.ascii_is_decimal(digits)).as_py() or pc.max(pc.binary_length(digits)).as_py() > 15:
         return None
-    return pc.cast(pc.utf8_trim_whitespace(column), pa.int64()).to_numpy()
+    return pc.cast(digits, pa.int64()).to_numpy()

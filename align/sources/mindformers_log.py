@@ -39,7 +39,7 @@ import pandas as pd
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
 from align.sources import Source
-from align.sources.logtext import clean_text, holds, int_column, read_log_bytes, read_split, unwrap
+from align.sources.logtext import clean_text, int_column, read_log_bytes, read_split, unwrap
 
 # "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
 # "Epoch:[..], step:[..] tag: value" (no comma after the step bracket).
@@ -216,24 +216,22 @@ def _bulk(raw: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
         roles[c] = g
     tr = raw.translate(_TO_PIPE)
     floats = {c for c, g in roles.items() if g not in _INT_GROUPS and g not in _SUFFIX and g != _OVERFLOW}
-    got = read_split(tr, len(pieces), floats, 1000 + len(raw) // 10_000)
+    got = read_split(tr, len(pieces), floats, 1000 + len(raw) // 10_000, skip=head)
     if got is None:
         return None
     table, other = got
-    if not table.num_rows or any("Epoch" in t for t in other):
-        return None   # a step line of another layout: the regex reader takes the whole file
+    if not table.num_rows or any("Epoch" in t for t in other) or raw.count(b"Epoch:[") != table.num_rows:
+        return None   # a step line of another layout (or two on one line): the regex reader takes the file
     import pyarrow as pa
     import pyarrow.compute as pc
 
     col = table.column
-    names = table.column_names
+    names = [str(i) for i in range(len(pieces))]
     tail = m.group(0)[: m.group(0).index(b"Epoch") + 5].decode()
     for c in range(head + 1, len(pieces)):      # everything between the values, as in the first line
         if c not in roles and not pc.all(pc.equal(col(names[c]), pieces[c].decode("utf-8"))).as_py():
             return None
-    if any(holds(col(names[c]), (b"Epoch",)) for c in range(head)) or not pc.all(
-            pc.ends_with(col(names[head]), tail)).as_py() or pc.max(
-            pc.count_substring(col(names[head]), "Epoch")).as_py() != 1:
+    if not pc.all(pc.ends_with(col(names[head]), tail)).as_py():
         return None
     values: dict[int, np.ndarray] = {}
     for c, g in roles.items():
