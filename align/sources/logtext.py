@@ -6,6 +6,7 @@ terminal width (mid-word, no marker). We undo those before any format-specific p
 
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import re
 from collections import Counter
@@ -153,8 +154,8 @@ def read_split(text: bytes, ncols: int, floats: set[int], most: int, skip: int =
     with another column count are handed back as text (in file order, at most ``most`` of them). None
     without pyarrow, when a float column holds something else or a line is not UTF-8, or past ``most``
     other lines (then reading line by line is as cheap)."""
-    if importlib.util.find_spec("pyarrow") is None:
-        return None
+    if importlib.util.find_spec("pyarrow") is None or not is_utf8(text):
+        return None   # (pyarrow would hand the handler a line it cannot decode and print the error)
     import pyarrow as pa
     import pyarrow.csv as pcsv
 
@@ -175,6 +176,21 @@ def read_split(text: bytes, ncols: int, floats: set[int], most: int, skip: int =
     except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError):
         return None
     return table, other
+
+
+def is_utf8(text: bytes, chunk: int = 1 << 24) -> bool:
+    """Whether ``text`` is valid UTF-8; ASCII (the usual log) is answered in one fast pass, other text is
+    decoded a chunk at a time (memory stays bounded)."""
+    if text.isascii():
+        return True
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for i in range(0, len(text), chunk):
+            decoder.decode(text[i: i + chunk])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def originals(raw: bytes, translated: bytes, lines: list[str]) -> list[bytes] | None:
