@@ -454,3 +454,15 @@ def test_canonical_bulk_path_steps_aside_for_damaged_lines(tmp_path, monkeypatch
         fast, careful = _both(monkeypatch, p)
         _same(fast, careful)
     assert ml._read_canonical(ml.clean_text(write(tmp_path, "\n".join(cases["garbled"]) + "\n").read_bytes())) is None
+
+
+def test_digit_run_reads_padded_numbers_and_refuses_anything_else():
+    from align.sources.logtext import digit_run
+    rng = np.random.default_rng(5)
+    for width in (8, 9, 3):
+        want = rng.integers(0, 10 ** width, 1000)
+        block = np.frombuffer("".join(f"{v:{width}d}" for v in want).encode(), np.uint8).reshape(-1, width)
+        assert (digit_run(block) == want).all()
+    for bad in (b"  x5    ", b"1 2     ", b"        ", b"  -5    ", b"  \xd9\xa1    "):
+        assert digit_run(np.frombuffer(bad, np.uint8).reshape(1, 8)) is None, bad
+    assert digit_run(np.frombuffer(b"  5     ", np.uint8).reshape(1, 8)).tolist() == [5]   # blanks after
