@@ -7,6 +7,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 OUT    ?= demo_out
 PYTEST_ARGS ?=
+BENCH_OUT ?= bench_out
 
 .PHONY: env demo test lint bench clean
 
@@ -32,15 +33,18 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_logs.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) benchmarks/bench_logs.py --json $(BENCH_OUT)/logs.json
 	# msprobe side by side: its own environment (benchmarks/.venv-msprobe, never a product dependency).
 	# Without msprobe the comparison still runs our side in .venv and says why msprobe is missing.
 	@if PYTHON=$(PYTHON) bash benchmarks/msprobe_env.sh; then \
-		benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py; \
+		benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py --json $(BENCH_OUT)/msprobe.json; \
 	else \
 		echo "bench: msprobe could not be installed (reason above); timing this toolkit only"; \
-		$(PY) benchmarks/bench_vs_msprobe.py; \
+		$(PY) benchmarks/bench_vs_msprobe.py --json $(BENCH_OUT)/msprobe.json; \
 	fi
+	# issue 15: every goal side by side, from the two JSON files above
+	$(PY) benchmarks/summary.py --logs $(BENCH_OUT)/logs.json --msprobe $(BENCH_OUT)/msprobe.json
 
 clean:
 	rm -rf $(VENV) $(OUT)

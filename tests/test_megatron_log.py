@@ -168,6 +168,7 @@ def test_bulk_number_readers_agree_with_the_careful_path(tmp_path, monkeypatch, 
     fast = ml.parse_megatron_log(p)
     assert ml._fast_columns(ml._RECORD.findall(p.read_bytes())) is not None  # the bulk path did the work
     calls = []
+    monkeypatch.setattr(ml, "_read_canonical", lambda raw: None)
     monkeypatch.setattr(ml, "_fast_columns", lambda records: calls.append(1))  # force the careful path
     careful = ml.parse_megatron_log(p)
     assert calls
@@ -365,3 +366,103 @@ def test_validation_line_with_a_garbled_value_keeps_the_other(tmp_path):
     run = parse_megatron_log(write(tmp_path, text))
     assert run.series("val_loss").to_dict() == {2: 9.876543} and len(run.series("val_ppl")) == 0
     assert any("2 validation value(s) not read" in n for n in run.notes)
+
+
+# --- issue 15: the bulk path for canonical logs reads exactly what the careful path reads -------------------
+
+def _both(monkeypatch, p: Path):
+    """The run read as usual and the run read with the canonical bulk path switched off."""
+    import align.sources.megatron_log as ml
+    fast = ml.parse_megatron_log(p)
+    with monkeypatch.context() as mp:
+        mp.setattr(ml, "_read_canonical", lambda raw: None)
+        careful = ml.parse_megatron_log(p)
+    return fast, careful
+
+
+def _same(a, b) -> None:
+    assert a.notes == b.notes and a.meta == b.meta
+    assert sorted(a.scalars) == sorted(b.scalars)
+    for k, s in a.scalars.items():
+        assert s.index.equals(b.scalars[k].index), k
+        np.testing.assert_array_equal(s.to_numpy(), b.scalars[k].to_numpy(), err_msg=k)
+
+
+def _mixed_lines(stamp: bool) -> list[str]:
+    rng = np.random.default_rng(15)
+    pre = "[2024-05-01 10:12:31] " if stamp else ""
+    out = ["using world size: 2, data-parallel size: 1, tensor-model-parallel size: 2, pipeline-model-parallel "
+           "size: 1", *ARGS.splitlines(), "> building GPT model ..."]
+    for i in range(1, 301):
+        loss = "nan" if i == 40 else f"{rng.uniform(2, 10):.6E}"
+        rec = line(i, loss, gnorm="inf" if i == 41 else f"{rng.uniform(0, 3):.3f}")
+        out.append(pre + rec[rec.index("iteration"):])
+        if i % 100 == 0:
+            out += ["-" * 90, f" validation loss at iteration {i} | lm loss value: 9.876543E+00 | lm loss PPL: "
+                    "1.947352E+04 | ", "-" * 90, f"saving checkpoint at iteration {i:7d} to /ckpt in torch_dist format"]
+        if i == 150:
+            out += ["/usr/lib/python3/site-packages/torch/cuda/__init__.py:52: UserWarning: something",
+                    "Traceback (most recent call last):", '  File "x.py", line 1, in <module>', "RuntimeError: boom",
+                    "", "   "]
+    return out
+
+
+@pytest.mark.parametrize("stamp", [True, False])
+def test_canonical_bulk_path_matches_the_careful_path(tmp_path, monkeypatch, stamp):
+    import align.sources.megatron_log as ml
+    lines = _mixed_lines(stamp)
+    restart = lines[:200] + [x for x in lines[150:] if "iteration" in x and "|" in x][:30] + lines[200:]
+    for name, text in [("clean", "\n".join(lines) + "\n"), ("restart", "\n".join(restart) + "\n"),
+                       ("no_final_newline", "\n".join(lines))]:
+        p = write(tmp_path, text, f"{name}.log")
+        assert ml._read_canonical(ml.clean_text(p.read_bytes())) is not None, name   # the bulk path read it
+        fast, careful = _both(monkeypatch, p)
+        _same(fast, careful)
+        assert len(fast.series("loss")) == 300 and fast.series("val_loss").to_dict()[300] == 9.876543
+    assert any("traceback" in n for n in fast.notes)
+
+
+def test_canonical_bulk_path_steps_aside_for_damaged_lines(tmp_path, monkeypatch):
+    """Garbled values, a wrapped record, a cut last line, a swapped-in field, a record glued after other
+    text: the bulk path declines (or reads the same) and every result equals the careful path's."""
+    import align.sources.megatron_log as ml
+    lines = _mixed_lines(True)
+    recs = [i for i, x in enumerate(lines) if "| lm loss:" in x]
+    cases = {}
+    g = lines[:]
+    g[recs[10]] = g[recs[10]].replace("lm loss: ", "lm loss: 6.9x")
+    cases["garbled"] = g
+    w = lines[:]
+    k = recs[20]
+    w[k: k + 1] = [w[k][:100], w[k][100:]]
+    cases["wrapped"] = w
+    cases["cut"] = lines[: recs[-1]] + [lines[recs[-1]][:120]]
+    f = lines[:]
+    f[recs[30]] = f[recs[30]].replace("num zeros", "params norm")
+    cases["renamed"] = f
+    h = lines[:]
+    h[recs[40]] = "some text " + h[recs[40]]
+    cases["glued"] = h
+    c = lines[:]
+    c[recs[50] + 1: recs[50] + 1] = ["lm loss: 5.0 | orphan |"]
+    cases["orphan"] = c
+    a = lines[:]
+    a[recs[60]] = a[recs[60]].replace("grad norm: ", "grad norm: 1.0/")
+    cases["pair"] = a
+    for name, ls in cases.items():
+        p = write(tmp_path, "\n".join(ls) + ("" if name == "cut" else "\n"), f"{name}.log")
+        fast, careful = _both(monkeypatch, p)
+        _same(fast, careful)
+    assert ml._read_canonical(ml.clean_text(write(tmp_path, "\n".join(cases["garbled"]) + "\n").read_bytes())) is None
+
+
+def test_digit_run_reads_padded_numbers_and_refuses_anything_else():
+    from align.sources.logtext import digit_run
+    rng = np.random.default_rng(5)
+    for width in (8, 9, 3):
+        want = rng.integers(0, 10 ** width, 1000)
+        block = np.frombuffer("".join(f"{v:{width}d}" for v in want).encode(), np.uint8).reshape(-1, width)
+        assert (digit_run(block) == want).all()
+    for bad in (b"  x5    ", b"1 2     ", b"        ", b"  -5    ", b"  \xd9\xa1    "):
+        assert digit_run(np.frombuffer(bad, np.uint8).reshape(1, 8)) is None, bad
+    assert digit_run(np.frombuffer(b"  5     ", np.uint8).reshape(1, 8)).tolist() == [5]   # blanks after

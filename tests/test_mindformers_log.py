@@ -281,3 +281,43 @@ def test_line_cut_mid_value_never_keeps_a_truncated_number(tmp_path):
     assert 4 not in run.series("loss_scale").index
     assert list(run.series("loss").index) == [1, 2, 3, 4] and list(run.series("lr").index) == [1, 2, 3, 4]
     assert any("cut short" in n for n in run.notes)
+
+
+# --- issue 15: the pyarrow bulk path reads exactly what the regex path reads -------------------------------
+
+def _read_both(monkeypatch, p):
+    import align.sources.mindformers_log as mfl
+    bulk = mfl.parse_mindformers_log(p)
+    with monkeypatch.context() as mp:
+        mp.setattr(mfl, "_bulk", lambda raw: None)
+        regex = mfl.parse_mindformers_log(p)
+    assert list(bulk.scalars) == list(regex.scalars) and bulk.notes == regex.notes and bulk.meta == regex.meta
+    for k, s in bulk.scalars.items():
+        assert s.index.equals(regex.scalars[k].index), k
+        np.testing.assert_array_equal(s.to_numpy(), regex.scalars[k].to_numpy(), err_msg=k)
+    return bulk
+
+
+def test_bulk_path_matches_the_regex_path(tmp_path, monkeypatch):
+    import align.sources.mindformers_log as mfl
+    from align.examples.make_example_logs import mindformers_log
+    from align.sources.logtext import clean_text
+    p = tmp_path / "mf.log"
+    mindformers_log(p, 300, seed=3, fault="nan", fault_step=250)
+    lines = p.read_text().splitlines()
+    lm = [x.replace("], per_step_time", "], lm_loss: 4.140000, load_balancing_loss: 0.006456, per_step_time")
+          + ", train_throughput_per_npu: 2.849T" for x in lines]
+    cases = {"plain": lines, "lm_loss": lm,
+             "garbled": lines[:50] + [lines[50].replace("lr: ", "lr: 1.2.3")] + lines[51:],
+             "overflow": lines[:60] + [lines[60].replace("False", "True")] + lines[61:],
+             "ms": lines[:70] + [lines[70].replace("ms,", "5ms,")] + lines[71:],
+             "other_layout": lines[:80] + [lines[80].replace(", loss_scale: 1.0", "")] + lines[81:],
+             "wrapped": lines[:90] + [lines[90][:100], lines[90][100:]] + lines[91:],
+             "restart": lines[:200] + lines[150:]}
+    for name, ls in cases.items():
+        q = tmp_path / f"{name}.log"
+        q.write_text("\n".join(ls) + "\n")
+        _read_both(monkeypatch, q)
+        if name in ("plain", "lm_loss", "overflow", "restart"):
+            assert mfl._bulk(clean_text(q.read_bytes())) is not None, name
+    assert len(_read_both(monkeypatch, tmp_path / "plain.log").series("loss")) == 300

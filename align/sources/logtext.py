@@ -6,10 +6,15 @@ terminal width (mid-word, no marker). We undo those before any format-specific p
 
 from __future__ import annotations
 
+import codecs
+import importlib.util
 import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from align.core.errors import BadInput
 from align.core.schema import read_bytes
@@ -137,3 +142,150 @@ def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_co
         return lines, 0
     out.extend(lines[done:])
     return out, joins
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bulk reading with pyarrow (optional): whole files split at one separator, no Python object per line
+# ------------------------------------------------------------------------------------------------------
+
+def read_split(text: bytes, ncols: int, floats: set[int], most: int, skip: int = 0) -> tuple[Any, list[str]] | None:
+    """Read ``text`` as lines of ``ncols`` '|'-separated columns with pyarrow: column ``i`` as float64 when
+    ``i`` is in ``floats``, else as a string; the first ``skip`` columns are split off but not kept. Lines
+    with another column count are handed back as text (in file order, at most ``most`` of them). None
+    without pyarrow, when a float column holds something else or a line is not UTF-8, or past ``most``
+    other lines (then reading line by line is as cheap)."""
+    if importlib.util.find_spec("pyarrow") is None or not is_utf8(text):
+        return None   # (pyarrow would hand the handler a line it cannot decode and print the error)
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    names = [str(i) for i in range(ncols)]
+    other: list[str] = []
+
+    def handler(row: Any) -> str:
+        other.append(row.text)
+        return "skip" if len(other) < most else "error"
+
+    types = {n: (pa.float64() if i in floats else pa.string()) for i, n in enumerate(names)}
+    try:
+        table = pcsv.read_csv(
+            pa.BufferReader(text), read_options=pcsv.ReadOptions(column_names=names),
+            parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False, invalid_row_handler=handler),
+            convert_options=pcsv.ConvertOptions(include_columns=names[skip:], column_types=types, null_values=[],
+                                                strings_can_be_null=False))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError):
+        return None
+    return table, other
+
+
+def is_utf8(text: bytes, chunk: int = 1 << 24) -> bool:
+    """Whether ``text`` is valid UTF-8; ASCII (the usual log) is answered in one fast pass, other text is
+    decoded a chunk at a time (memory stays bounded)."""
+    if text.isascii():
+        return True
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for i in range(0, len(text), chunk):
+            decoder.decode(text[i: i + chunk])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def originals(raw: bytes, translated: bytes, lines: list[str]) -> list[bytes] | None:
+    """``lines`` (texts pyarrow handed back from ``translated``, a same-length translation of ``raw``) as they
+    are in ``raw``: found in order, whole lines only. None when one is not where the order says."""
+    out: list[bytes] = []
+    pos = 0
+    for text in lines:
+        b = text.encode("utf-8")
+        if pos == 0 and (translated.startswith(b + b"\n") or translated == b):
+            i = 0
+        else:
+            i = translated.find(b"\n" + b + b"\n", max(pos - 1, 0))
+            if i >= 0:
+                i += 1
+            elif translated.endswith(b"\n" + b) and len(translated) - len(b) >= pos:
+                i = len(translated) - len(b)
+            else:
+                return None
+        out.append(raw[i: i + len(b)])
+        pos = i + len(b) + 1
+    return out
+
+
+def holds(column: Any, words: tuple[bytes, ...]) -> bool:
+    """Whether any string of a pyarrow string column may hold one of ``words``, searched in the data
+    buffers (a word across two strings counts: a caller can only be sent to its careful path by it)."""
+    for chunk in column.chunks:
+        if len(chunk):
+            data = chunk.buffers()[2]
+            if data is not None:
+                text = data.to_pybytes()
+                if any(w in text for w in words):
+                    return True
+    return False
+
+
+def digit_run(block: np.ndarray) -> np.ndarray | None:
+    """The number each row of a uint8 ``block`` holds as blanks, one run of 1-15 digits, blanks; None when a
+    row holds anything else (right-aligned numbers, Python's %8d, take a few whole-column operations)."""
+    block = np.ascontiguousarray(block)
+    d = block - np.uint8(48)                      # digits become 0-9, everything else wraps to >= 10
+    digit = d < 10
+    if not (digit | (block == 32) | ((block >= 9) & (block <= 13))).all():
+        return None
+    w = block.shape[1]
+    if digit[:, -1].all():   # right-aligned: blanks, then digits to the end; blanks add 0 while value is 0
+        if not (digit[:, 1:] >= digit[:, :-1]).all() or (w > 15 and digit.sum(axis=1).max() > 15):
+            return None
+        d[~digit] = 0
+        if w == 8:   # one uint64 per row, eight digits combined pairwise (SWAR), low byte = first digit
+            x = d.view("<u8").ravel()
+            x = (x * np.uint64(2561)) >> np.uint64(8)
+            x = ((x & np.uint64(0x00FF00FF00FF00FF)) * np.uint64(6553601)) >> np.uint64(16)
+            x = ((x & np.uint64(0x0000FFFF0000FFFF)) * np.uint64(42949672960001)) >> np.uint64(32)
+            return x.astype(np.int64)
+        value = np.zeros(len(block), dtype=np.int64)
+        for j in range(w):
+            value *= 10
+            value += d[:, j]
+        return value
+    starts = digit[:, 0].astype(np.int8) + (digit[:, 1:] & ~digit[:, :-1]).sum(axis=1)
+    if not (starts == 1).all() or (w > 15 and digit.sum(axis=1).max() > 15):
+        return None
+    value = np.zeros(len(block), dtype=np.int64)
+    for j in range(w):
+        value = np.where(digit[:, j], value * 10 + d[:, j], value)
+    return value
+
+
+def fixed_width_rows(column: Any, width: int) -> np.ndarray:
+    """A pyarrow string column whose strings all have ``width`` bytes, as an (n, width) uint8 matrix."""
+    blocks = []
+    for chunk in column.chunks:
+        k = len(chunk)
+        if k:
+            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32)[chunk.offset: chunk.offset + k + 1]
+            data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)
+            blocks.append(data[offsets[0]: offsets[0] + k * width].reshape(k, width))
+    return np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+
+
+def int_column(column: Any) -> np.ndarray | None:
+    """Whole numbers written as blanks and digits (``%5d``), one per string; None when a string holds
+    anything else. Strings of one width are read with numpy, others with pyarrow's regex and cast."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    lengths = pc.min_max(pc.binary_length(column))
+    lo, hi = lengths["min"].as_py(), lengths["max"].as_py()
+    if lo is None or not lo:
+        return None
+    if lo == hi:
+        return digit_run(fixed_width_rows(column, lo))
+    digits = pc.utf8_trim(column, " \t\n\r\f\v")           # Python's bytes \s, no other blank
+    if not pc.all(pc.ascii_is_decimal(digits)).as_py() or pc.max(pc.binary_length(digits)).as_py() > 15:
+        return None
+    return pc.cast(digits, pa.int64()).to_numpy()

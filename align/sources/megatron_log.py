@@ -22,7 +22,16 @@ from align.core.errors import BadInput
 from align.core.run import Run, make_series
 from align.sources import Source
 from align.sources.configs import parse_arguments_block, parse_world_line
-from align.sources.logtext import clean_text, read_log, rejoin_wrapped
+from align.sources.logtext import (
+    clean_text,
+    digit_run,
+    fixed_width_rows,
+    holds,
+    originals,
+    read_log,
+    read_split,
+    rejoin_wrapped,
+)
 
 #: Megatron's field names (every label variant seen in Megatron-LM, Megatron-DeepSpeed and forks, compared
 #: lower-case with '-'/'_' read as spaces) -> the run store's scalar keys (docs/run-store.md).
@@ -420,6 +429,59 @@ def parse_megatron_log(path: str | Path) -> Run:
     """Parse one Megatron-LM log file into a Run (BadInput when it holds no iteration lines)."""
     data, notes = read_log(path)
     raw = clean_text(data)
+    canon = _read_canonical(raw)
+    if canon is not None:   # every record in the first one's layout: read in bulk (same result, faster)
+        iters = canon.iters
+        series = {k: make_series(iters, v, k, copy=False) for k, v in canon.cols.items()}
+        n_records, train_iters, counted = canon.n_records, canon.total, canon.others
+        n_loss = 0 if canon.pipes_ok else canon.n_loss
+    else:
+        raw, series, iters, n_records, train_iters, n_loss = _read_records(raw, notes, path)
+        counted = raw
+    if _repeats(iters):
+        notes.append("some iterations appear more than once (restart?); the last occurrence is used")
+    if n_loss > n_records:  # a head garbled beyond recognition: its values have no step to go to
+        notes.append(f"{n_loss - n_records} line(s) hold 'lm loss:' without a readable "
+                     "'iteration N/ M |' head; not read")
+    _validation(counted, series, notes)
+    config: dict[str, Any] = {}
+    start = raw.find(_ARGS_START)
+    if start >= 0:
+        end = raw.find(_ARGS_END, start)
+        if end < 0:
+            notes.append("arguments block not closed; read what was there")
+        config = parse_arguments_block(raw[start: end if end >= 0 else None].decode("utf-8", "replace"))
+    layout = parse_world_line(raw[: start if start >= 0 else 1 << 16].decode("utf-8", "replace"))
+    meta: dict[str, Any] = {
+        "framework": "megatron-lm",
+        "source": {"kind": "megatron_log", "path": str(path)},
+        "config": {"kind": "megatron_args", "values": config} if config else {},
+        "train_iters": train_iters,
+        "name_scheme": "megatron-core-local",
+    }
+    parallel = {k: config.get(name, layout.get(k)) for k, name in (
+        ("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+        ("dp", "data_parallel_size"), ("world_size", "world_size"))}
+    if any(v is not None for v in parallel.values()):
+        meta["parallel"] = parallel  # a size the log does not state stays None (unknown), never a default
+    n_tb = counted.count(b"Traceback (most recent call last)")
+    if n_tb:
+        notes.append(f"{n_tb} traceback(s) in the log")
+    return Run(str(path), "megatron_log", meta, series, {}, notes)
+
+
+def _repeats(iters: np.ndarray) -> bool:
+    """Whether an iteration appears twice (a restart); strictly increasing numbers need no sort."""
+    if len(iters) < 2 or (iters[1:] > iters[:-1]).all():
+        return False
+    return len(np.unique(iters)) != len(iters)
+
+
+def _read_records(raw: bytes, notes: list[str], path: str | Path
+                  ) -> tuple[bytes, dict[str, pd.Series], np.ndarray, int, int | None, int]:
+    """The careful path: records found one by one, wrapped lines re-joined, the usual layout read in bulk
+    and every other record field by field. Returns the (re-joined) text, the series, the iteration of
+    each record read, the record count, the last record's total and the 'lm loss:' count to check."""
     records = _RECORD.findall(raw)
     if not records:
         raise BadInput(f"{path}: no Megatron 'iteration N/ M |' lines found")
@@ -443,39 +505,9 @@ def parse_megatron_log(path: str | Path) -> Run:
     else:   # every record ends with its '|' and nothing continues one: no wrap to repair
         columns, iters = _mixed_table(records, notes, path, not raw.endswith(b"\n"))
     series = {k: make_series(iters[present], values[present], k) for k, (values, present) in columns.items()}
-    if len(np.unique(iters)) != len(iters):
-        notes.append("some iterations appear more than once (restart?); the last occurrence is used")
     # no '|' outside the records (pipes_ok) leaves no room for a record whose head is garbled
     n_loss = 0 if pipes_ok else raw.count(b"lm loss:")
-    if n_loss > len(records):  # a head garbled beyond recognition: its values have no step to go to
-        notes.append(f"{n_loss - len(records)} line(s) hold 'lm loss:' without a readable "
-                     "'iteration N/ M |' head; not read")
-
-    _validation(raw, series, notes)
-    config: dict[str, Any] = {}
-    start = raw.find(_ARGS_START)
-    if start >= 0:
-        end = raw.find(_ARGS_END, start)
-        if end < 0:
-            notes.append("arguments block not closed; read what was there")
-        config = parse_arguments_block(raw[start: end if end >= 0 else None].decode("utf-8", "replace"))
-    layout = parse_world_line(raw[: start if start >= 0 else 1 << 16].decode("utf-8", "replace"))
-    meta: dict[str, Any] = {
-        "framework": "megatron-lm",
-        "source": {"kind": "megatron_log", "path": str(path)},
-        "config": {"kind": "megatron_args", "values": config} if config else {},
-        "train_iters": _train_iters(records[-1]),
-        "name_scheme": "megatron-core-local",
-    }
-    parallel = {k: config.get(name, layout.get(k)) for k, name in (
-        ("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
-        ("dp", "data_parallel_size"), ("world_size", "world_size"))}
-    if any(v is not None for v in parallel.values()):
-        meta["parallel"] = parallel  # a size the log does not state stays None (unknown), never a default
-    n_tb = raw.count(b"Traceback (most recent call last)")
-    if n_tb:
-        notes.append(f"{n_tb} traceback(s) in the log")
-    return Run(str(path), "megatron_log", meta, series, {}, notes)
+    return raw, series, iters, len(records), _train_iters(records[-1]), n_loss
 
 
 def _uniform(raw: bytes, records: list[bytes], nfields: int, exact: bool = True) -> bool:
@@ -616,3 +648,132 @@ def _is_megatron_log(path: Path, head: bytes | None) -> bool:
 
 SOURCE = Source("megatron_log", 40, _is_megatron_log, parse_megatron_log,
                 "a Megatron-LM log ('iteration N/M | ... |' lines)", markers=(b"| lm loss", b"consumed samples"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The canonical fast path: one translate and one pyarrow CSV read over the whole text
+# ------------------------------------------------------------------------------------------------------
+
+_TO_PIPE = bytes.maketrans(b":", b"|")
+_RECORD_TAIL = re.compile(rb"iteration:?\s*(?:\d+\s*(?:/\s*(?:\d+\s*)?)?)?$")   # a record a newline may split
+_CONTINUES_B = re.compile(rb"^\s*[A-Za-z][^|\[\]]*?:\s*[^|]*\|")
+_WS = "[ \t\n\r\f\v]"                      # Python's bytes \s (RE2's \s lacks \v)
+_HEAD = f"iteration{_WS}*(?P<n>\\d{{1,15}}){_WS}*/{_WS}*(?P<m>\\d+){_WS}*$"
+_HEAD_B = re.compile(_HEAD.encode())
+_COUNTED = ("Traceback (most recent call last)", "validation loss at")   # what the careful path counts
+
+
+class _Canonical:
+    """What the fast path read: the records' columns, and the lines that are not records (kept for the
+    validation, traceback and 'lm loss:' counts the careful path takes over the whole text)."""
+
+    def __init__(self, iters: np.ndarray, cols: dict[str, np.ndarray], total: int | None, others: bytes,
+                 pipes_ok: bool, n_loss: int, n_records: int) -> None:
+        self.iters, self.cols, self.total, self.others = iters, cols, total, others
+        self.pipes_ok, self.n_loss, self.n_records = pipes_ok, n_loss, n_records
+
+
+def _read_canonical(raw: bytes) -> _Canonical | None:
+    """Read a log whose every record has the first record's layout in bulk, with no Python object per line:
+    ':' becomes '|' (length kept), pyarrow splits every line at '|' and reads the value columns as float64,
+    lines of another column count go to a handler and are checked for anything record-like.
+
+    ``None`` whenever the careful path could read anything differently (a garbled value, a wrapped or cut
+    record, a name out of place, separator counts that do not add up, no pyarrow): that path then reads the
+    file as before, so results are the same either way (tests compare both on mixed logs)."""
+    if importlib.util.find_spec("pyarrow") is None:
+        return None
+    m = _RECORD.search(raw)
+    if m is None or b"\n" in m.group(0) or m.group(0)[9:10] == b":":
+        return None
+    names = _template([m.group(1)])
+    if names is None or any(w in n for n in names for w in _COUNTED):
+        return None
+    import pyarrow.compute as pc
+
+    prefix = raw[raw.rfind(b"\n", 0, m.start()) + 1: m.start()]
+    head = prefix.count(b":") + prefix.count(b"|")           # the column holding '... iteration N/ M'
+    name_cols = [head + 1 + 2 * j for j in range(len(names))]
+    value_cols = [c + 1 for c in name_cols]
+    tr = raw.translate(_TO_PIPE)
+    got = read_split(tr, head + 2 + 2 * len(names), set(value_cols), 1000 + len(raw) // 10_000)
+    if got is None:
+        return None   # a value that is not a number, a line that is not UTF-8, or mostly other text
+    table, rejected = got
+    n = table.num_rows
+    col = table.column
+    colnames = table.column_names
+    if not n or pc.max(pc.binary_length(col(colnames[-1]))).as_py():     # text after the last '|'
+        return None
+    template = raw[m.start(): _line_end(raw, m.start())].translate(_TO_PIPE).decode("utf-8").split("|")
+    for c, _ in zip(name_cols, names, strict=True):      # every name in its place, spaced as in the first
+        if not pc.all(pc.equal(col(colnames[c]), template[c - head])).as_py():
+            return None
+    # text before the head holds nothing the careful path would read or count (searched in the columns'
+    # data buffers: a word across two rows can only send the file to the careful path, never be missed)
+    words = (b"iteration", b"lm loss", *(w.encode() for w in _COUNTED))
+    if any(holds(col(colnames[c]), words) for c in range(head)) or holds(col(colnames[head]), words[2:]):
+        return None
+    got = _head_numbers(col(colnames[head]))
+    if got is None:
+        return None
+    iters, total = got
+    others = originals(raw, tr, rejected)
+    if others is None or any(_RECORD.search(o) or _RECORD_TAIL.search(o) or _CONTINUES_B.match(o) for o in others):
+        return None   # something record-like outside the bulk rows: the careful path re-joins and notes
+    first_sep = re.search(rb"[:|]", prefix)
+    if first_sep is not None and first_sep.group(0) == b":" and pc.any(
+            pc.match_substring_regex(col(colnames[0]), r"^[ \t]*[A-Za-z][^|\[\]]*$")).as_py():
+        return None   # a record line that starts like a continued field: the careful path looks closer
+    # '|' in the text, counted from the layout (a record that swapped a ':' and a '|' reads as its layout,
+    # as it did before this path existed)
+    raw_pipes = n * (prefix.count(b"|") + len(names) + 1) + sum(o.count(b"|") for o in others)
+    cols: dict[str, np.ndarray] = {}
+    for c, name in zip(value_cols, names, strict=True):
+        unit = _UNIT.search(name)
+        sec = _seconds_key(name, unit.group(1)) if unit else None
+        v = col(colnames[c]).to_numpy()
+        cols[sec or _key(name)] = v * 1000.0 if sec else v if v.flags.writeable else v.copy()
+    n_loss = n * sum(1 for name in names if name.endswith("lm loss")) + sum(o.count(b"lm loss:") for o in others)
+    return _Canonical(iters, cols, total if total < 1 << 53 else None, b"\n".join(others),
+                      raw_pipes == n * (len(cols) + 1), n_loss, n)
+
+
+def _head_numbers(heads: Any) -> tuple[np.ndarray, int] | None:
+    """Iteration numbers of the head column (``... iteration N/ M``) and the last record's ``M``; None when a
+    head does not end that way. Heads of one width (Megatron pads N and M to 8) are read with numpy."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = heads[-1].as_py().encode("utf-8")
+    last = _HEAD_B.search(text)
+    if last is None:
+        return None
+    total = int(last.group("m"))
+    lengths = pc.min_max(pc.binary_length(heads))
+    if lengths["min"].as_py() == lengths["max"].as_py() == len(text):
+        got = _fixed_width_numbers(heads, len(text), last.start(), text.index(b"/", last.start()))
+        if got is not None:
+            return got, total
+    ext = pc.extract_regex(heads, _HEAD)
+    if ext.null_count:
+        return None
+    return pc.cast(pc.struct_field(ext, "n"), pa.int64()).to_numpy(), total
+
+
+def _fixed_width_numbers(heads: Any, width: int, start: int, slash: int) -> np.ndarray | None:
+    """Every head has the last one's shape ('iteration' and '/' at the same byte offsets, blanks and one run
+    of digits between and after them): N read digit by digit with numpy, no per-line objects."""
+    rows = fixed_width_rows(heads, width)
+    if not (rows[:, start: start + 9] == np.frombuffer(b"iteration", dtype=np.uint8)).all() or \
+            not (rows[:, slash] == ord("/")).all():
+        return None
+    total = rows[:, slash + 1:]
+    if not (total == total[-1]).all() and digit_run(total) is None:   # M: the same on every line, usually
+        return None
+    return digit_run(rows[:, start + 9: slash])
+
+
+def _line_end(raw: bytes, pos: int) -> int:
+    end = raw.find(b"\n", pos)
+    return len(raw) if end < 0 else end
