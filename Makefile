@@ -7,6 +7,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 OUT    ?= demo_out
 PYTEST_ARGS ?=
+TEST_JOBS ?= 2
 BENCH_OUT ?= bench_out
 
 .PHONY: env demo test lint bench clean
@@ -30,7 +31,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check align dumpers comparators reports demo tests benchmarks
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	# two workers, one test file each at a time (a file's shared runs are made once): ~9 min instead of ~12.5
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)

@@ -275,7 +275,9 @@ def test_killed_mid_step_leaves_completed_steps_readable(tmp_path: Path, backgro
     proc.wait(timeout=30)
     r = RunReader(root)
     assert r.array_steps() == [1, 2] and list(r.scalars()["step"]) == [1, 2]
-    assert [i.step for i in r.incomplete] == [3]
+    # synchronous writes have step 3's temporary file open when the kill lands; the background writer may
+    # not have reached it yet (then nothing of step 3 is on disk, which is just as readable)
+    assert [i.step for i in r.incomplete] in (([3], []) if background else ([3],))
     for step in (1, 2):
         a = r.step_arrays(step)
         ts = a.table("tensor_stats")
