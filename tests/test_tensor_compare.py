@@ -174,3 +174,50 @@ def test_rows_after_a_float16_computation_are_judged_at_float16(tmp_path: Path, 
                                   tolerances=tol)
     assert res32.verdict == "fail"
     assert res32.findings[0].component == ("embedding" if embedding_error else mods[1])
+
+
+def test_linked_tensors_are_read_once_and_judged_per_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dumper stores a tensor seen twice once (an HDF5 hard link: a module's output that is the next
+    module's input). Such rows are compared once; every row still gets its own verdict, at its own judged
+    dtype, with exactly the metrics a store without links gives."""
+    from align.core.runstore import RunWriter
+    from comparators import tensors as tc
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(4096).astype(np.float32)
+    b = (a + 5e-4 * np.linalg.norm(a) / 64 * rng.standard_normal(4096)).astype(np.float32)
+    rows = [("decoder.layers.0.self_attention.core_attention", "forward.output.0", "float16"),
+            ("decoder.layers.0.self_attention.linear_proj", "forward.input.0", "float32"),
+            ("decoder.layers.0.mlp", "forward.output.0", "float32")]
+
+    def store(root: Path, arr: np.ndarray, link: bool, first_dtype: str) -> Path:
+        with RunWriter(root, rank=0, meta={"framework": "test"}) as w:
+            w.put_table(1, "tensor_stats", {
+                "order": np.arange(3), "module": np.array([r[0] for r in rows]),
+                "kind": np.array([r[1] for r in rows]),
+                "dtype": np.array([first_dtype, "float32", "float32"]), "shape": np.array(["4096"] * 3),
+                "numel": np.full(3, 4096), "max": np.full(3, float(arr.max())), "min": np.full(3, float(arr.min())),
+                "mean": np.full(3, float(arr.mean())), "norm": np.full(3, float(np.linalg.norm(arr))),
+                "nan": np.zeros(3, int), "inf": np.zeros(3, int)})
+            w.put_array(1, "tensors/000000", arr)
+            if link:
+                w.link_array(1, "tensors/000001", "tensors/000000")
+            else:
+                w.put_array(1, "tensors/000001", arr)
+            w.put_array(1, "tensors/000002", arr)
+        return root
+
+    reads = []
+    real = tc.compare_datasets
+    monkeypatch.setattr(tc, "compare_datasets", lambda *x, **k: reads.append(1) or real(*x, **k))
+    tol = {"float32": (1e-5, 1e-4, 0.999999)}
+    linked = compare_layer_tensors(store(tmp_path / "a", a, True, "float32"), store(tmp_path / "b", b, True, "float16"),
+                                   Mapping.load(), tolerances=tol)
+    n_linked, reads[:] = len(reads), []
+    plain = compare_layer_tensors(store(tmp_path / "a2", a, False, "float32"),
+                                  store(tmp_path / "b2", b, False, "float16"), Mapping.load(), tolerances=tol)
+    assert n_linked == 2 and len(reads) == 3          # rows 0 and 1 share their stored tensors on both sides
+    strip = ("step", "rank")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in linked.details["rows"]] == \
+        [{k: v for k, v in r.items() if k not in strip} for r in plain.details["rows"]]
+    assert [r["judged_dtype"] for r in linked.details["rows"]] == ["float16"] * 3
