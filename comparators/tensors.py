@@ -24,7 +24,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from align.core.dtypes import coarsest, normalize
+from align.core.dtypes import EPS, coarsest, normalize
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
 
@@ -534,26 +534,17 @@ def run_tasks(tasks: list[dict[str, Any]], jobs: int = 1, scheduler: str | None 
     cluster whose workers see the same paths.
     """
     keys = _stored_as(tasks)
-    seen: dict[Any, int] = {}
-    unique: list[dict[str, Any]] = []
-    slot: list[int] = []
-    for t, k in zip(tasks, keys, strict=True):
-        if k is not None and k in seen:
-            slot.append(-1 - seen[k])          # a row whose tensors are links to an earlier row's
-            continue
-        if k is not None:
-            seen[k] = len(unique)
-        slot.append(len(unique))
-        unique.append(t)
-    done = _dispatch(unique, jobs, scheduler, executor)
+    first: dict[Any, int] = {}       # where the tensors are stored -> the task that reads them
+    reads = [i for i, k in enumerate(keys) if k is None or first.setdefault(k, i) == i]
+    done = dict(zip(reads, _dispatch([tasks[i] for i in reads], jobs, scheduler, executor), strict=True))
     out = []
-    for t, i in zip(tasks, slot, strict=True):
-        if i >= 0:
+    for i, (t, k) in enumerate(zip(tasks, keys, strict=True)):
+        if i in done:
             out.append(done[i])
             continue
-        r = done[-1 - i]
+        r = done[first[k]]           # a row whose tensors are links to an earlier row's: judge its metrics
         metrics = {f: r[f] for f in Metrics.__dataclass_fields__} if r.get("mode") == "tensor" else None
-        out.append(compare_pair({**t, "metrics": metrics}) if metrics else compare_pair(t))
+        out.append(compare_pair({**t, "metrics": metrics}))
     return out
 
 
@@ -661,15 +652,18 @@ def judged_dtypes(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[st
     look at forward rows up to themselves (either side's dtype); backward rows at the whole forward and
     the backward rows up to themselves.
     """
-    out, fwd, seen = [], [], []
+    out: list[str] = []
+    fwd: list[str] = []          # the coarsest floating dtype of the forward rows so far (kept, not re-scanned)
+    bwd: list[str] = []          # and of the backward rows
     for ra, rb in pairs:
-        here = [str(ra.get("dtype", "float32")), str(rb.get("dtype", "float32"))]
+        here = [d for d in (normalize(ra.get("dtype", "float32")), normalize(rb.get("dtype", "float32")))
+                if d in EPS]
         if _direction(ra["kind"]) == "forward":
-            fwd += here
+            fwd = [coarsest(fwd + here)] if fwd or here else []
             out.append(coarsest(fwd))
         else:
-            seen += here
-            out.append(coarsest(fwd + seen))
+            bwd = [coarsest(bwd + here)] if bwd or here else []
+            out.append(coarsest(fwd + bwd))
     return out
 
 

@@ -159,12 +159,13 @@ class Evidence:
 
         if self.options.dtype:
             return normalize(self.options.dtype), "--dtype"
-        cfg = self.config("candidate")
         attention = self._recorded(("attention",))
         source = "recorded in the runs' meta.json (dtypes.attention)"
-        if not attention and cfg and cfg[0] == "mindformers_yaml" and mindformers_attention_dtype(cfg[1]):
-            attention = [mindformers_attention_dtype(cfg[1])]
-            source = (f"the candidate's MindFormers config: its flash attention computes in {attention[0]} "
+        cfg = self.config("candidate")
+        from_config = mindformers_attention_dtype(cfg[1]) if cfg and cfg[0] == "mindformers_yaml" else None
+        if not attention and from_config:
+            attention = [from_config]
+            source = (f"the candidate's MindFormers config: its flash attention computes in {from_config} "
                       "(use_flash_attention with compute_dtype float32)")
         update = self.update_dtype
         if attention and coarsest([update[0], *attention]) != update[0]:
@@ -179,7 +180,7 @@ class Evidence:
                 found += [normalize(str(d[k])) for k in keys if d.get(k)]
         return found
 
-    @cached_property
+    @property
     def mapping(self) -> str:
         """The mapping preset or file: ``--mapping``, else the one the candidate's config needs (a MindFormers
         2.x mcore YAML: the mcore dense / MoE / MLA / MLA-qkv-concat preset), else Megatron-core <->
