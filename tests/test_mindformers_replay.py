@@ -143,8 +143,9 @@ def test_error_missing_rank_folder(tmp_path: Path) -> None:
 
 def test_error_pickled_npy(tmp_path: Path) -> None:
     write_megatron_batches(tmp_path, [1, 2])
-    np.save(tmp_path / "step_2" / "rank_0" / "labels.npy", np.array([{"x": 1}], dtype=object),
-            allow_pickle=True)
+    from tests.helpers.object_npy import write_object_npy
+
+    write_object_npy(tmp_path / "step_2" / "rank_0" / "labels.npy", shape=(B, S))
     _one_line_error(tmp_path, r"step_2/rank_0/labels\.npy: holds pickled objects", steps=[2])
 
 

@@ -109,8 +109,9 @@ def test_garbled_scalar_line_names_file_and_line(tmp_path):
 
 
 def test_no_pickle_anywhere(tmp_path):
-    p = tmp_path / "obj.npy"
-    np.save(p, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    from tests.helpers.object_npy import write_object_npy
+
+    p = write_object_npy(tmp_path / "obj.npy")
     with pytest.raises(BadInput, match="pickled"):
         load_npy(p)
     with RunWriter(tmp_path / "run") as w, pytest.raises(TypeError, match="no pickle"):
