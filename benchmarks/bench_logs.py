@@ -78,21 +78,18 @@ def main() -> None:
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        if "ingest_megatron" in parts:
-            big = d / "megatron_1m.log"
-            megatron_log(big, a.lines, seed=1)   # one iteration line per step: the worst case for a line count
+        # one step line per step: the worst case for a line count
+        for part, write, parse, seed, label in (
+                ("ingest_megatron", megatron_log, parse_megatron_log, 1, "Megatron-LM"),
+                ("ingest_mindformers", mindformers_log, parse_mindformers_log, 3, "MindFormers")):
+            if part not in parts:
+                continue
+            big = d / f"{part}.log"
+            write(big, a.lines, seed=seed)
             mb = big.stat().st_size / 2**20
-            res = out["ingest_megatron"] = {**timed(lambda: parse_megatron_log(big), a.repeats),
-                                            "goal_s": GOALS["ingest_megatron"], "lines": a.lines, "mb": mb}
-            line(res, f"ingest {a.lines:,} Megatron-LM lines ({mb:.0f} MB)")
-            big.unlink()
-        if "ingest_mindformers" in parts:
-            big = d / "mindformers_1m.log"
-            mindformers_log(big, a.lines, seed=3)
-            mb = big.stat().st_size / 2**20
-            res = out["ingest_mindformers"] = {**timed(lambda: parse_mindformers_log(big), a.repeats),
-                                               "goal_s": GOALS["ingest_mindformers"], "lines": a.lines, "mb": mb}
-            line(res, f"ingest {a.lines:,} MindFormers lines ({mb:.0f} MB)")
+            res = out[part] = {**timed(lambda parse=parse, big=big: parse(big), a.repeats),
+                               "goal_s": GOALS[part], "lines": a.lines, "mb": mb}
+            line(res, f"ingest {a.lines:,} {label} lines ({mb:.0f} MB)")
             big.unlink()
         if "report_logs" in parts:
             base, rep, cand = d / "b.log", d / "r.log", d / "c.log"
