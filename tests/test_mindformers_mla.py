@@ -19,10 +19,10 @@ pytest.importorskip("megatron.core")
 ms = pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
-from align.core.mapping import Mapping, TransformParams  # noqa: E402
+from align.core.mapping import Mapping  # noqa: E402
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
-from demo import megatron_cpu as mg  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
+from tests.helpers import megatron_step1 as meg_step1  # noqa: E402
 
 SPEC = mc.McoreSpec(kind="mla", num_experts=0)
 PRESET = mc.MCORE_PRESETS["mla"]
@@ -31,21 +31,8 @@ PRESET = mc.MCORE_PRESETS["mla"]
 @pytest.fixture(scope="module")
 def megatron_step1():
     """Megatron MLA: weights converted to MindFormers names, the batch, step-1 loss and gradient norms."""
-    mg.init_megatron_cpu(tp=1)
-    cfg = mg.TinyLlamaConfig(**mc.megatron_config_kwargs(SPEC))
-    model = mg.build_tiny_llama(cfg, seed=5)
-    tb = mg.synthetic_batch(1, cfg)
-    loss = mg.forward_loss(model, tb)
-    loss.backward()
-    norms = {n: float(p.grad.norm()) for n, p in model.named_parameters()}
-    m = Mapping.load(PRESET)
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    weights, res = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate",
-                             TransformParams(num_heads=SPEC.num_attention_heads,
-                                             num_query_groups=SPEC.num_attention_heads))
-    assert res.verdict == "pass"
-    batch = {k: tb[k].numpy() for k in ("tokens", "labels", "loss_mask")}
-    return weights, batch, float(loss.detach()), norms
+    meg = meg_step1.megatron_step1(SPEC, PRESET)
+    return meg.weights, meg.batch, meg.loss, {n: v for n, (v, _) in meg.norms.items()}
 
 
 class _Loss(ms.nn.Cell):

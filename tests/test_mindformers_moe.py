@@ -24,10 +24,9 @@ pytest.importorskip("mindformers")
 
 from mindspore import Tensor  # noqa: E402
 
-from align.core.mapping import Mapping, TransformParams  # noqa: E402
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
-from demo import megatron_cpu as mg  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
+from tests.helpers.megatron_step1 import megatron_step1  # noqa: E402
 
 SPECS = {"moe": mc.McoreSpec(kind="moe"), "mla": mc.McoreSpec(kind="mla", shared_expert_size=16)}
 
@@ -138,22 +137,8 @@ def _entries(norms: dict[str, tuple[float, int]]) -> dict[str, ShardNorm]:
 
 def _pair(kind: str) -> dict[str, Any]:
     spec = SPECS[kind]
-    preset = mc.MCORE_PRESETS[kind]
-    mg.init_megatron_cpu(tp=1)
-    cfg = mg.TinyLlamaConfig(**mc.megatron_config_kwargs(spec))
-    model = mg.build_tiny_llama(cfg, seed=5)
-    tb = mg.synthetic_batch(1, cfg)
-    loss = mg.forward_loss(model, tb)
-    loss.backward()
-    b_norms = {n: (float(p.grad.norm()), p.numel()) for n, p in model.named_parameters()}
-    m = Mapping.load(preset)
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    groups = spec.num_attention_heads if kind == "mla" else spec.num_query_groups
-    weights, res = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate",
-                             TransformParams(num_heads=spec.num_attention_heads, num_query_groups=groups,
-                                             num_experts=spec.num_experts))
-    assert res.verdict == "pass", [f.message for f in res.findings][:3]
-    batch = {k: tb[k].numpy() for k in ("tokens", "labels", "loss_mask")}
+    meg = megatron_step1(spec, mc.MCORE_PRESETS[kind])
+    weights, batch = meg.weights, meg.batch
     mc.set_mcore_context("graph", seed=0)
     try:
         net = mc.build_mcore_model(spec, "graph")
@@ -165,8 +150,8 @@ def _pair(kind: str) -> dict[str, Any]:
                    for p, v in zip(params, np.sqrt(out[5].asnumpy()), strict=True)}
     finally:
         mc.reset_mindformers_context()
-    return {"want": float(loss.detach()), "got": float(out[0].asnumpy().reshape(-1)[0]), "b_norms": b_norms,
-            "c_norms": c_norms, "mapping": m, "weights": weights, "batch": batch}
+    return {"want": meg.loss, "got": float(out[0].asnumpy().reshape(-1)[0]), "b_norms": meg.norms,
+            "c_norms": c_norms, "mapping": meg.mapping, "weights": weights, "batch": batch}
 
 
 @pytest.fixture(scope="module")
