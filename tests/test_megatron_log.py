@@ -463,6 +463,27 @@ def test_digit_run_reads_padded_numbers_and_refuses_anything_else():
         want = rng.integers(0, 10 ** width, 1000)
         block = np.frombuffer("".join(f"{v:{width}d}" for v in want).encode(), np.uint8).reshape(-1, width)
         assert (digit_run(block) == want).all()
-    for bad in (b"  x5    ", b"1 2     ", b"        ", b"  -5    ", b"  \xd9\xa1    "):
+    for bad in (b"  x5    ", b"1 2     ", b"        ", b"  -5    ", b"  \xd9\xa1    ", b"12  3456", b"1 234567"):
         assert digit_run(np.frombuffer(bad, np.uint8).reshape(1, 8)) is None, bad
     assert digit_run(np.frombuffer(b"  5     ", np.uint8).reshape(1, 8)).tolist() == [5]   # blanks after
+    assert digit_run(np.frombuffer(b"\t  12345", np.uint8).reshape(1, 8)).tolist() == [12345]
+
+
+def test_to_pipes_and_originals_undo_each_other():
+    """The canonical path translates ':' with numpy and finds the lines pyarrow hands back in the original
+    text: the same bytes as str.translate, every line where it is, also one that ends the file unterminated,
+    one that repeats inside a longer line, and one without any separator."""
+    from align.sources.logtext import originals, to_pipes
+    table = bytes.maketrans(b":", b"|")
+    lines = [b"a: b | c", b"x|y", b"plain text", b"a: b | c", b"k: 1 | a: b | c:", b"|", b" b | c", b"last: 1"]
+    raw = b"\n".join(lines)
+    big = raw * 50_000   # past the size where two threads translate
+    assert to_pipes(big, b":").tobytes() == big.translate(table)
+    assert to_pipes(raw, b":").tobytes() == raw.translate(table)
+    tr = raw.translate(table)
+    picked = [1, 2, 3, 4, 5, 6, 7]
+    texts = [tr.split(b"\n")[i].decode() for i in picked]
+    assert originals(raw, texts, table) == [lines[i] for i in picked]
+    assert originals(raw, [tr.split(b"\n")[0].decode()], table) == [lines[0]]
+    assert originals(raw, ["not there"], table) is None
+    assert originals(raw, [texts[1], texts[0]], table) is None     # out of order

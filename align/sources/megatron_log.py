@@ -25,12 +25,15 @@ from align.sources.configs import parse_arguments_block, parse_world_line
 from align.sources.logtext import (
     clean_text,
     digit_run,
+    first_bytes,
     fixed_width_rows,
     holds,
+    is_utf8,
     originals,
     read_log,
     read_split,
     rejoin_wrapped,
+    to_pipes,
 )
 
 #: Megatron's field names (every label variant seen in Megatron-LM, Megatron-DeepSpeed and forks, compared
@@ -695,8 +698,10 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     head = prefix.count(b":") + prefix.count(b"|")           # the column holding '... iteration N/ M'
     name_cols = [head + 1 + 2 * j for j in range(len(names))]
     value_cols = [c + 1 for c in name_cols]
-    tr = raw.translate(_TO_PIPE)
-    got = read_split(tr, head + 2 + 2 * len(names), set(value_cols), 1000 + len(raw) // 10_000)
+    if not is_utf8(raw):
+        return None
+    tr = to_pipes(raw, b":")
+    got = read_split(tr, head + 2 + 2 * len(names), set(value_cols), 1000 + len(raw) // 10_000, utf8=True)
     if got is None:
         return None   # a value that is not a number, a line that is not UTF-8, or mostly other text
     table, rejected = got
@@ -718,11 +723,11 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     if got is None:
         return None
     iters, total = got
-    others = originals(raw, tr, rejected)
+    others = originals(raw, rejected, _TO_PIPE)
     if others is None or any(_RECORD.search(o) or _RECORD_TAIL.search(o) or _CONTINUES_B.match(o) for o in others):
         return None   # something record-like outside the bulk rows: the careful path re-joins and notes
     first_sep = re.search(rb"[:|]", prefix)
-    if first_sep is not None and first_sep.group(0) == b":" and pc.any(
+    if first_sep is not None and first_sep.group(0) == b":" and _could_start_field(col(colnames[0])) and pc.any(
             pc.match_substring_regex(col(colnames[0]), r"^[ \t]*[A-Za-z][^|\[\]]*$")).as_py():
         return None   # a record line that starts like a continued field: the careful path looks closer
     # '|' in the text, counted from the layout (a record that swapped a ':' and a '|' reads as its layout,
@@ -737,6 +742,16 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     n_loss = n * sum(1 for name in names if name.endswith("lm loss")) + sum(o.count(b"lm loss:") for o in others)
     return _Canonical(iters, cols, total if total < 1 << 53 else None, b"\n".join(others),
                       raw_pipes == n * (len(cols) + 1), n_loss, n)
+
+
+_FIELD_START = np.zeros(256, dtype=bool)
+_FIELD_START[list(b" \tABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")] = True
+
+
+def _could_start_field(column: Any) -> bool:
+    """Whether a string of the column starts with a blank or a letter (as a continued field does): a cheap
+    look at first bytes before the regex (a timestamp column starts with '[' or a digit on every line)."""
+    return bool(_FIELD_START[first_bytes(column)].any())
 
 
 def _head_numbers(heads: Any) -> tuple[np.ndarray, int] | None:
