@@ -6,13 +6,14 @@ leaves DIR as it was: never a half-written report.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
 import os
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from align.core.errors import BadInput
 from align.core.findings import StageResult, worst
 from align.core.outputs import check_no_symlinks, check_out_dir
 from reports import figures, html
+from reports.render import render
 
 CONTRACT_STAGES = ("step1_loss", "step1_local_norm", "step2_loss", "long_run")
 
@@ -66,7 +68,7 @@ def _write_csv(table: pd.DataFrame, path: Path) -> None:
 
         cols = {"step": table.index.to_numpy(dtype=np.int64)}
         cols.update({f"c{i}": table[c].to_numpy(dtype=np.float64) for i, c in enumerate(table.columns)})
-        with open(path, "wb") as fh:
+        with pa.OSFile(str(path), "wb") as fh:   # arrow's own file: its writes need no GIL (figures run)
             fh.write(header.encode() + b"\n")
             pcsv.write_csv(pa.table(cols), fh, pcsv.WriteOptions(include_header=False))
         return
@@ -99,7 +101,6 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as exc:
         raise BadInput(f"{out}: cannot write there ({exc.strerror or exc.__class__.__name__})") from None
-    pool = ThreadPoolExecutor(max_workers=1)
     try:
         data = summary(inp)
         figdir = tmp / "figures"
@@ -113,39 +114,36 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             steps = [v["step"] for v in nonfinite.details.get("first_nonfinite", {}).values()]
             nf_step = min(steps) if steps else None
         t = inp.scalar_table
-        # the CSV is written beside the figures (pyarrow's writer releases the GIL)
-        csv = pool.submit(_write_csv, t, tmp / "deltas.csv") if not t.empty else None
+        jobs: list[tuple[str, Path, Callable[[Path], bytes | None]]] = []   # (title, file, draw it there)
         if not t.empty:
             lv = long_run.verdict if long_run else "skipped"
-            png = figures.loss_curves(t, labels, lv, figdir / "loss.png")
-            if png:
-                figs.append(("Loss curves", png))
-            png = figures.delta_band(t, lv, figdir / "loss_delta_band.png",
-                                     long_run.details.get("divergence_step") if long_run else None, nf_step)
-            if png:
-                figs.append(("Loss delta against the band", png))
             g = inp.stages.get("grad_norm")
             gv = g.verdict if g else "skipped"
-            png = figures.loss_curves(t, labels, gv, figdir / "grad_norm.png", title="Grad norm",
-                                      prefix="grad_norm_")
-            if png:
-                figs.append(("Grad norm curves", png))
-            png = figures.delta_band(t, gv, figdir / "grad_norm_delta_band.png",
-                                     g.details.get("divergence_step") if g else None, nf_step,
-                                     title="Grad norm delta", prefix="grad_norm_")
-            if png:
-                figs.append(("Grad norm delta against the band", png))
+            jobs += [
+                ("Loss curves", figdir / "loss.png",
+                 lambda p: figures.loss_curves(t, labels, lv, p)),
+                ("Loss delta against the band", figdir / "loss_delta_band.png",
+                 lambda p: figures.delta_band(t, lv, p, long_run.details.get("divergence_step") if long_run
+                                              else None, nf_step)),
+                ("Grad norm curves", figdir / "grad_norm.png",
+                 lambda p: figures.loss_curves(t, labels, gv, p, title="Grad norm", prefix="grad_norm_")),
+                ("Grad norm delta against the band", figdir / "grad_norm_delta_band.png",
+                 lambda p: figures.delta_band(t, gv, p, g.details.get("divergence_step") if g else None, nf_step,
+                                              title="Grad norm delta", prefix="grad_norm_"))]
         ln = inp.stages.get("step1_local_norm")
         if ln is not None and ln.details.get("parameters"):
-            png = figures.local_norm_chart(ln.details["parameters"], float(ln.details.get("rtol", 1e-4)),
-                                           ln.verdict, figdir / "local_norms.png")
-            if png:
-                figs.append(("Step-1 local norms per parameter", png))
+            jobs.append(("Step-1 local norms per parameter", figdir / "local_norms.png",
+                         lambda p: figures.local_norm_chart(ln.details["parameters"],
+                                                            float(ln.details.get("rtol", 1e-4)), ln.verdict, p)))
         lt = inp.stages.get("layer_tensors")
         if lt is not None and lt.details.get("rows"):
-            png = figures.layer_profile(lt.details["rows"], lt.verdict, figdir / "layer_profile.png")
-            if png:
-                figs.append(("Layer profile (red: beyond the dtype's tolerance)", png))
+            jobs.append(("Layer profile (red: beyond the dtype's tolerance)", figdir / "layer_profile.png",
+                         lambda p: figures.layer_profile(lt.details["rows"], lt.verdict, p)))
+        # the CSV is written beside the figures (pyarrow's writer releases the GIL)
+        figures.warm()
+        pngs = render([(path, functools.partial(draw, path)) for _, path, draw in jobs],
+                      alongside=functools.partial(_write_csv, t, tmp / "deltas.csv") if not t.empty else None)
+        figs += [(title, png) for (title, _, _), png in zip(jobs, pngs, strict=True) if png]
         for fname, title, png in inp.extra_figures:
             (figdir / fname).write_bytes(png)
             figs.append((title, png))
@@ -156,8 +154,6 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             st = inp.stages.get(name)
             if st is not None and st.verdict != "skipped":
                 step_rows.append({"stage": name, "verdict": st.verdict, **st.details})
-        if csv is not None:
-            csv.result()
         page = html.render(data["verdict"], inp.runs, inp.stages, figs, step_rows, inp.extra_sections)
         (tmp / "report.html").write_text(page, encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
@@ -172,6 +168,5 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             else:
                 os.replace(src, dst)   # replaces a symlink named like the file; never writes through it
     finally:
-        pool.shutdown(wait=True)
         shutil.rmtree(tmp, ignore_errors=True)
     return data

@@ -150,9 +150,22 @@ def _config_block(lines: list[str]) -> dict[str, Any]:
     return {}
 
 
+def _has_local_norms(raw: bytes) -> bool:
+    """Whether the log prints local norms (``norm_size:``, ``local_norm:``, ``local_norm/<name>``): one scan
+    per word, however many other 'local_norm' (a config dump's key) it holds."""
+    if b"norm_size:" in raw:
+        return True
+    at = raw.find(b"local_norm")
+    while at >= 0:
+        if raw[at + 10: at + 11] in (b":", b"/"):
+            return True
+        at = raw.find(b"local_norm", at + 10)
+    return False
+
+
 def _fast(raw: bytes, notes: list[str], meta: dict[str, Any]) -> dict[str, pd.Series] | None:
     """All step lines in MFLossMonitor's format and no local_norm output: parse them in bulk."""
-    if b"local_norm:" in raw or b"local_norm/" in raw or b"norm_size:" in raw:
+    if _has_local_norms(raw):
         return None
     bulk = _bulk(raw)
     if bulk is not None:
@@ -198,7 +211,7 @@ def _bulk(raw: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
     the regex reader: pyarrow missing, another layout, a value that is not a number, a step line the
     columns do not explain. Reads exactly what that reader reads (tests compare both)."""
     m = _FAST.search(raw)
-    if m is None or b"nan(" in raw:      # pyarrow reads 'nan(1)' as NaN, Python's float does not
+    if m is None or b"(" in raw and b"nan(" in raw:   # pyarrow reads 'nan(1)' as NaN, Python's float not
         return None
     start = raw.rfind(b"\n", 0, m.start()) + 1
     end = raw.find(b"\n", m.start())
