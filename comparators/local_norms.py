@@ -25,7 +25,7 @@ import numpy as np
 
 from align.core.errors import BadInput
 from align.core.findings import Finding, StageResult
-from align.core.runstore import check_table
+from align.core.runstore import check_table, table_columns
 
 STAGE = "step1_local_norm"
 # Relative tolerance of a local norm by compute dtype: (pass up to, warn up to); beyond is a fail.
@@ -102,14 +102,7 @@ def _read_group(path: Path, group: str) -> tuple[dict[str, np.ndarray], dict[str
             if group not in h5:
                 return None
             g = h5[group]
-            cols = {}
-            for k, ds in g.items():
-                if isinstance(ds, h5py.Dataset):
-                    arr = ds[...]
-                    if arr.dtype.kind in ("O", "S"):
-                        arr = np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr],
-                                       dtype=object)
-                    cols[k] = arr
+            cols = table_columns(g)
             check_table(path, group, cols)
             return cols, dict(g.attrs)
     except OSError as exc:

@@ -342,21 +342,13 @@ def compare_files(path_a: str, path_b: str, transpose_a: bool = False, readers: 
 # ------------------------------------------------------------------------------------------------------
 
 def _read_stats(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    from align.core.runstore import check_table
+    from align.core.runstore import check_table, table_columns
 
     try:
         with h5py.File(path, "r") as h5:
             if "tensor_stats" not in h5:
                 return [], "tensors" in h5
-            g = h5["tensor_stats"]
-            cols = {}
-            for k, ds in g.items():
-                if not isinstance(ds, h5py.Dataset):
-                    continue
-                arr = ds[...]
-                if arr.dtype.kind in ("O", "S"):
-                    arr = np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr], dtype=object)
-                cols[k] = arr
+            cols = table_columns(h5["tensor_stats"])
             has_tensors = "tensors" in h5
     except OSError as exc:
         raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:80]})") from None

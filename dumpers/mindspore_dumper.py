@@ -500,7 +500,7 @@ class MindSporeDumper:
                 cols[k] = _str_col(cols[k])
             self.writer.put_table(step, "nan_trace", cols)
             for i, (arr, module, kind) in enumerate(self._trace_tensors):
-                self.writer.put_array(step, f"nan_trace/tensors/{i}", arr,
+                self.writer.put_array(step, f"nan_trace_tensors/{i}", arr,
                                       attrs={"module": module, "kind": kind})
 
     @contextmanager

@@ -11,8 +11,8 @@ Why it looks like this:
 * Statistics are reduced on the tensor's own device and stacked, so one small transfer per step moves them.
 
 Layout written (see docs/run-store.md): scalars every step (loss, grad_norm, loss_mask_sum, token_min,
-token_max, tokens_per_step, nonfinite_grads); per selected step ``batch/*``, ``local_norm/``,
-``tensor_stats/``, ``tensors/<order>`` and ``nan_trace/``; optionally the seed layout
+token_max, tokens_per_step, nonfinite_grads); per selected step ``batch/*``, the ``local_norm``,
+``tensor_stats`` and ``nan_trace`` tables, ``tensors/<order>`` and ``nan_trace_tensors/<i>``; optionally the seed layout
 ``step_N/rank_R/<name>.npy``.
 """
 
@@ -568,7 +568,7 @@ class TorchDumper:
             bad = ~np.isfinite(norms)
             self._step_scalars["nonfinite_grads"] = int(bad.sum())
             self._norm_table = ({
-                "name": np.array(names, dtype=object).astype(str) if names else np.array([], dtype="S1"),
+                "name": names if names else np.array([], dtype="S1"),
                 "norm": norms, "numel": np.array(numels, dtype=np.int64),
                 "tp_partition_dim": np.array(parts, dtype=np.int64),
                 "tp_rank": np.array(trs, dtype=np.int64), "tp_size": np.array(tss, dtype=np.int64),
@@ -651,7 +651,7 @@ class TorchDumper:
         self._writer.put_table(step, "nan_trace", cols)
         new_row = {old: new for new, old in enumerate(order)}
         for i, (row, mod, kind, dtype, arr) in enumerate(self._trace_tensors):
-            self._writer.put_array(step, f"nan_trace/tensors/{i}", arr,
+            self._writer.put_array(step, f"nan_trace_tensors/{i}", arr,
                                    {"module": mod, "kind": kind, "dtype": dtype, "row": new_row[row]})
 
     def log(self, **scalars: Any) -> None:
@@ -758,10 +758,8 @@ class TorchDumper:
             return
         cols: dict[str, Any] = {
             "order": np.arange(len(rows), dtype=np.int64),
-            "module": np.array([r[0] for r in rows]).astype(str),
-            "kind": np.array([r[1] for r in rows]).astype(str),
-            "dtype": np.array([r[2] for r in rows]).astype(str),
-            "shape": np.array([r[3] for r in rows]).astype(str),
+            "module": [r[0] for r in rows], "kind": [r[1] for r in rows], "dtype": [r[2] for r in rows],
+            "shape": [r[3] for r in rows],
             "numel": np.array([r[4] for r in rows], dtype=np.int64)}
         for k, name in enumerate(_STAT_COLS):
             cols[name] = stats[:, k].astype(np.int64) if name in ("nan", "inf") else stats[:, k]

@@ -165,7 +165,7 @@ def test_single_nan_in_module_output(single: tuple[Path, dict]) -> None:
     t = a.table("nan_trace")
     assert (t.iloc[0]["kind"], t.iloc[0]["module"]) == ("activation", NAN_MODULE)
     assert "forward.output.0" in t.iloc[0]["detail"]
-    kept = {(v["module"], v["kind"]): k for k, v in a.attrs.items() if k.startswith("nan_trace/tensors/")}
+    kept = {(v["module"], v["kind"]): k for k, v in a.attrs.items() if k.startswith("nan_trace_tensors/")}
     assert np.isnan(a.data[kept[(NAN_MODULE, "forward.output.0")]]).sum() == 1
     assert np.isfinite(a.data[kept[(NAN_MODULE, "forward.input.0")]]).all()  # its input was clean
 

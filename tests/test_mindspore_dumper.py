@@ -132,7 +132,7 @@ def test_value_and_grad_loop_named_norms_and_nan_trace(batches: list, tmp_path: 
     assert (row["kind"], row["name"], row["module"]) == ("grad", target, "model.layers.1.attention.wv")
     assert (row["tp_rank"], row["pp_rank"], row["dp_rank"]) == (1, 0, 1)
     assert "1 nan" in row["detail"]
-    assert np.isnan(s2.data["nan_trace/tensors/0"]).sum() == 1
+    assert np.isnan(s2.data["nan_trace_tensors/0"]).sum() == 1
     sc = reader.scalars(3).set_index("step")
     assert sc.loc[1, "nonfinite_grads"] == 0 and sc.loc[2, "nonfinite_grads"] == 1
     info = reader.rank_info(3)

@@ -40,6 +40,54 @@ def test_round_trip(tmp_path):
     assert math.isnan(run.series("grad_norm")[2])  # a NaN the run logged stays a NaN, it is not dropped
 
 
+def test_a_table_is_one_compound_dataset_and_the_older_column_groups_still_read(tmp_path):
+    """put_table writes one HDF5 object per table (text as UTF-8, attributes on it); every reader takes it
+    and the layout stores written before it hold (a group of one dataset per column) alike."""
+    import h5py
+
+    from comparators.local_norms import read_local_norms
+    from comparators.tensors import _read_stats
+
+    names = ["embedding.word_embeddings.weight", "décodeur.couche.0.poids"]
+    stats = {"order": np.arange(2), "module": ["m.a", "m.b"], "kind": ["forward.output.0"] * 2,
+             "dtype": ["float32", "bfloat16"], "shape": ["2x3", "4"], "numel": np.array([6, 4]),
+             "max": np.array([1.0, 2.0]), "min": np.array([0.0, -1.0]), "mean": np.array([0.5, 0.1]),
+             "norm": np.array([3.0, 4.0]), "nan": np.array([0, 1]), "inf": np.array([0, 0])}
+    for layout in ("compound", "groups"):
+        root = tmp_path / layout
+        with RunWriter(root) as w:
+            w.log_scalars(1, {"loss": 1.0})
+            norms = {"name": np.array(names), "norm": np.array([1.5, 2.5]), "numel": np.array([8, 4])}
+            if layout == "compound":
+                w.put_table(1, "local_norm", norms, attrs={"global_norm": 2.9})
+                w.put_table(1, "tensor_stats", stats)
+                w.put_table(1, "empty", {"name": np.array([], dtype=str), "x": np.array([], dtype=np.int64)})
+            else:
+                for k, v in norms.items():
+                    w.put_array(1, f"local_norm/{k}", v)
+                w._file_for(1)["local_norm"].attrs["global_norm"] = 2.9
+                for k, v in stats.items():
+                    w.put_array(1, f"tensor_stats/{k}", np.asarray(v))
+            w.finish_step()
+        f = RunReader(root).step_file(1)
+        with h5py.File(f, "r") as h5:
+            assert isinstance(h5["local_norm"], h5py.Dataset if layout == "compound" else h5py.Group)
+        sa = RunReader(root).step_arrays(1)
+        assert sa.table("local_norm")["name"].tolist() == names
+        assert sa.attrs["local_norm"]["global_norm"] == 2.9
+        assert sa.table("tensor_stats")["dtype"].tolist() == ["float32", "bfloat16"]
+        got, info = read_local_norms(root)
+        assert sorted(got) == sorted(names) and got[names[1]].shards == {0: pytest.approx(2.5)}
+        rows, _ = _read_stats(f)
+        assert [(r["module"], r["nan"], r["shape"]) for r in rows] == [("m.a", 0, "2x3"), ("m.b", 1, "4")]
+        if layout == "compound":
+            assert sa.table("empty") is None or sa.table("empty").empty
+    with RunWriter(tmp_path / "bad") as w, pytest.raises(TypeError, match="no pickle"):
+        w.put_table(1, "local_norm", {"name": np.array([object()], dtype=object), "norm": np.array([1.0])})
+    with RunWriter(tmp_path / "bad2") as w, pytest.raises(ValueError, match="differ in length"):
+        w.put_table(1, "local_norm", {"name": ["a", "b"], "norm": np.array([1.0])})
+
+
 def test_lowest_rank_wins_and_sparse_keys(tmp_path):
     for rank in (0, 1):
         with RunWriter(tmp_path / "run", rank=rank) as w:

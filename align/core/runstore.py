@@ -242,21 +242,23 @@ class RunWriter:
 
     def put_table(self, step: int, group: str, columns: Mapping[str, Any],
                   attrs: Mapping[str, Any] | None = None) -> None:
-        """Store equal-length columns under ``group`` (e.g. named local norms, tensor statistics)."""
-        lengths = {k: len(v) for k, v in columns.items()}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"{group}: columns differ in length: {lengths}")
-        for name, col in columns.items():
-            values = list(col) if not isinstance(col, np.ndarray) else col
-            if not isinstance(values, np.ndarray) and values and isinstance(values[0], str):
-                arr = np.array(values, dtype=h5py.string_dtype())
-            else:
-                arr = np.asarray(values)
-            self.put_array(step, f"{group}/{name}", arr)
-        if attrs:
-            g = self._file_for(step)[group]
-            for k, v in attrs.items():
-                g.attrs[k] = v
+        """Store equal-length columns as one compound dataset ``group`` (one field per column; text as
+        UTF-8 bytes), ``attrs`` on it: one HDF5 object per table instead of one per column, which is most
+        of a statistics dump's write time. Readers (``table_columns``) also take the older layout, a group
+        of one dataset per column."""
+        h5 = self._file_for(step)
+        rec = _records(group, columns)
+        parent, name = self._replace(h5, group)
+        if len(rec):
+            space = h5py.h5s.create_simple(rec.shape)
+            dsid = h5py.h5d.create(parent.id, name.encode(), h5py.h5t.py_create(rec.dtype), space)
+            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, rec)
+            ds = h5py.Dataset(dsid)
+        else:
+            ds = parent.create_dataset(name, data=rec)
+        self._keys.add(group)
+        for k, v in (attrs or {}).items():
+            ds.attrs[k] = v
 
     def next_index(self, step: int, counter: str) -> int:
         """A per-step counter, so tensors keep execution order across calls."""
@@ -307,6 +309,57 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _records(group: str, columns: Mapping[str, Any]) -> np.ndarray:
+    """Columns as one numpy record array: numbers as they are, text as UTF-8 bytes (no object arrays:
+    nothing here could need a pickle)."""
+    fields: list[tuple[str, np.ndarray]] = []
+    for name, col in columns.items():
+        if isinstance(col, np.ndarray):
+            arr = col
+        else:
+            col = list(col)
+            try:   # text straight to ASCII bytes, the usual name (numpy's cast, no loop in Python)
+                arr = np.array(col, dtype="S") if col and all(isinstance(x, str) for x in col) else np.asarray(col)
+            except UnicodeEncodeError:
+                arr = np.array(col, dtype=object)
+        if arr.dtype.kind == "O":
+            if not all(isinstance(x, str | bytes) for x in arr.ravel()):
+                raise TypeError(f"{group}/{name}: object arrays are not stored (no pickle)")
+            arr = np.array([x if isinstance(x, bytes) else x.encode("utf-8") for x in arr.ravel()],
+                           dtype=bytes).reshape(arr.shape)
+        elif arr.dtype.kind == "U":
+            try:
+                arr = arr.astype("S")          # ASCII (the usual name): numpy's own cast, no loop
+            except UnicodeEncodeError:
+                arr = np.char.encode(arr, "utf-8")
+        if arr.dtype.kind == "S" and arr.dtype.itemsize == 0:
+            arr = arr.astype("S1")
+        if arr.dtype.kind not in "biufS":
+            raise TypeError(f"{group}/{name}: dtype {arr.dtype} is not a table column type")
+        fields.append((name, arr))
+    lengths = {k: len(v) for k, v in fields}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{group}: columns differ in length: {lengths}")
+    n = len(fields[0][1]) if fields else 0
+    rec = np.empty(n, dtype=[(k, v.dtype.newbyteorder("=") if v.dtype.kind in "iuf" else v.dtype, v.shape[1:])
+                             for k, v in fields])
+    for k, v in fields:
+        rec[k] = v
+    return rec
+
+
+def table_columns(obj: h5py.Group | h5py.Dataset) -> dict[str, np.ndarray]:
+    """A table's columns, text decoded to str: a compound dataset (one field per column, as ``put_table``
+    writes it) or a group of one dataset per column (older stores)."""
+    if isinstance(obj, h5py.Dataset):
+        if obj.dtype.names is None:
+            return {}
+        rec = obj[...]
+        return {k: _decode(rec[k]) for k in obj.dtype.names}
+    return {k: _decode(ds[()] if ds.shape == () else ds[...]) for k, ds in obj.items()
+            if isinstance(ds, h5py.Dataset)}
 
 
 class WriterErrors(RuntimeError):
@@ -520,7 +573,9 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
                     if obj is None:        # a dangling soft link
                         continue
                     key = prefix + name
-                    if isinstance(obj, h5py.Dataset):
+                    if isinstance(obj, h5py.Dataset) and obj.dtype.names is not None:   # a table
+                        data.update({f"{key}/{k}": v for k, v in table_columns(obj).items()})
+                    elif isinstance(obj, h5py.Dataset):
                         data[key] = _decode(obj[()] if obj.shape == () else obj[...])
                     if obj.attrs:
                         attrs[key] = {k: obj.attrs[k] for k in obj.attrs}
