@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import math
 import os
 import warnings
@@ -82,25 +83,37 @@ class DumpConfig:
             self.modules = (self.modules,)
 
 
+@functools.lru_cache(maxsize=64)
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _flatten_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Tensors inside nested tuples/lists/dicts, with a positional label."""
-    out: list[tuple[str, torch.Tensor]] = []
+def _flatten_tensors(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Tensors inside nested tuples/lists/dicts, in order (a hook's inputs or outputs)."""
+    if out is None:
+        out = []
     if isinstance(obj, torch.Tensor):
-        out.append((prefix, obj))
+        out.append(obj)
     elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            out.extend(_flatten_tensors(item, f"{prefix}.{i}" if prefix else str(i)))
+        for item in obj:
+            _flatten_tensors(item, out)
     elif isinstance(obj, Mapping):
-        for k, item in obj.items():
-            out.extend(_flatten_tensors(item, f"{prefix}.{k}" if prefix else str(k)))
+        for item in obj.values():
+            _flatten_tensors(item, out)
     return out
 
 
 _NO_COUNTS = (0.0, 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_name(shape: torch.Size) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind(what: str, i: int) -> str:
+    return f"{what}.{i}"
 
 
 def _stat_values(t: torch.Tensor) -> list[float] | torch.Tensor:
@@ -114,22 +127,28 @@ def _stat_values(t: torch.Tensor) -> list[float] | torch.Tensor:
     """
     x = t.detach()
     n = x.numel()
+    cpu = not x.is_cuda and x.device.type == "cpu"
     if n == 0:
-        return [0.0] * 6 if x.device.type == "cpu" else torch.zeros(6, dtype=torch.float32, device=x.device)
-    if not x.is_floating_point():
-        x = x.to(torch.float32)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32   # vector_norm refuses to narrow
-    mn, mx = torch.aminmax(x)
-    total = x.sum(dtype=acc)
-    norm = torch.linalg.vector_norm(x, dtype=acc)
-    if x.device.type == "cpu":
+        return [0.0] * 6 if cpu else torch.zeros(6, dtype=torch.float32, device=x.device)
+    if x.dtype is torch.float32:   # the usual case: no dtype argument (each one costs a dispatch detour)
+        mn, mx = torch.aminmax(x)
+        total = x.sum()
+        norm = torch.linalg.vector_norm(x)
+    else:
+        if not x.is_floating_point():
+            x = x.to(torch.float32)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32   # vector_norm refuses to narrow
+        mn, mx = torch.aminmax(x)
+        total = x.sum(dtype=acc)
+        norm = torch.linalg.vector_norm(x, dtype=acc)
+    if cpu:
         nv = norm.item()
-        if math.isfinite(nv):
+        if nv - nv == 0.0:   # finite (inf - inf and nan - nan are nan)
             nan, inf = _NO_COUNTS
         else:
             nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         # mean as float32 division, as the device path computes it
-        return [float(mx), float(mn), float(np.float32(total.item()) / np.float32(n)), nv, nan, inf]
+        return [mx.item(), mn.item(), float(np.float32(total.item()) / np.float32(n)), nv, nan, inf]
     nan = torch.isnan(x).sum().float()
     inf = torch.isinf(x).sum().float()
     return torch.stack([mx.float(), mn.float(), (total / n).float(), norm.float(), nan, inf])
@@ -223,6 +242,8 @@ class TorchDumper:
             self._row_stats: list[list[float] | torch.Tensor] = []
             # id(tensor) -> [weakref, version, stats, order of its full dump or None]
             self._stats_cache: dict[int, list[Any]] = {}
+            # id(tensor) -> (weakref, [(module, kind), ...]) of the tensors whose gradients are awaited
+            self._grad_targets: dict[int, tuple[Any, list[tuple[str, str]]]] = {}
             self._io_refs: dict[str, dict[str, torch.Tensor]] = {}
             self._trace_rows: list[dict[str, Any]] = []
             self._trace_tensors: list[tuple[int, str, str, str, np.ndarray]] = []
@@ -373,14 +394,14 @@ class TorchDumper:
             if not self._capturing():
                 return None
             try:
-                items = _flatten_tensors(args) + _flatten_tensors(kwargs)
-                for i, (_, t) in enumerate(items):
-                    self._record(name, f"forward.input.{i}", t)
+                items = _flatten_tensors(kwargs, _flatten_tensors(args)) if kwargs else _flatten_tensors(args)
+                for i, t in enumerate(items):
+                    self._record(name, _kind("forward.input", i), t)
                     if t.requires_grad:
-                        t.register_hook(self._grad_hook(name, f"backward.grad_input.{i}"))
+                        self._on_grad(t, name, _kind("backward.grad_input", i))
                 if keep and self.config.nan_trace == "all":
                     self._io_refs.setdefault(name, {}).update(
-                        {f"forward.input.{i}": t.detach() for i, (_, t) in enumerate(items)})
+                        {f"forward.input.{i}": t.detach() for i, t in enumerate(items)})
             except Exception as exc:
                 self._fail(f"forward pre-hook {name}", exc)
             return None
@@ -392,27 +413,38 @@ class TorchDumper:
                 return None
             try:
                 items = _flatten_tensors(output)
-                for i, (_, t) in enumerate(items):
-                    self._record(name, f"forward.output.{i}", t)
+                for i, t in enumerate(items):
+                    self._record(name, _kind("forward.output", i), t)
                     if t.requires_grad:
-                        t.register_hook(self._grad_hook(name, f"backward.grad_output.{i}"))
+                        self._on_grad(t, name, _kind("backward.grad_output", i))
                 if keep and self.config.nan_trace == "all":
                     self._io_refs.setdefault(name, {}).update(
-                        {f"forward.output.{i}": t.detach() for i, (_, t) in enumerate(items)})
+                        {f"forward.output.{i}": t.detach() for i, t in enumerate(items)})
             except Exception as exc:
                 self._fail(f"forward hook {name}", exc)
             return None
         return hook
 
-    def _grad_hook(self, name: str, kind: str):  # noqa: ANN202
+    def _on_grad(self, t: torch.Tensor, name: str, kind: str) -> None:
+        """Record ``t``'s gradient as ``name``/``kind`` in backward. One tensor hook per tensor, however many
+        modules saw it (a module's output is the next one's input): the hook records every (name, kind) in
+        the order they were asked for, as one hook each would have, for half the hook registrations."""
+        got = self._grad_targets.get(id(t))
+        if got is not None and got[0]() is t:
+            got[1].append((name, kind))
+            return
+        targets = [(name, kind)]
+        self._grad_targets[id(t)] = (weakref.ref(t), targets)
+
         def hook(grad: torch.Tensor) -> None:
-            try:
-                if self._capturing() and grad is not None:
-                    self._record(name, kind, grad)
-            except Exception as exc:
-                self._fail(f"backward hook {name}", exc)
+            for n, k in targets:
+                try:
+                    if self._capturing() and grad is not None:
+                        self._record(n, k, grad)
+                except Exception as exc:
+                    self._fail(f"backward hook {n}", exc)
             return None
-        return hook
+        t.register_hook(hook)
 
     def _grad_order_hook(self, index: int):  # noqa: ANN202
         def hook(param: torch.Tensor) -> None:
@@ -426,7 +458,7 @@ class TorchDumper:
     # -- recording ------------------------------------------------------------------------------------
     def _record(self, module: str, kind: str, t: torch.Tensor) -> None:
         order = len(self._rows)
-        shape = "x".join(map(str, t.shape)) or "scalar"
+        shape = _shape_name(t.shape)
         self._rows.append((module, kind, _dtype_name(t.dtype), shape, t.numel()))
         if self._tensor_step and self.config.tensors != "off":
             entry = self._stats_entry(t)
@@ -475,6 +507,7 @@ class TorchDumper:
             self._rows.clear()
             self._row_stats.clear()
             self._stats_cache.clear()
+            self._grad_targets.clear()
             self._io_refs.clear()
             self._trace_rows.clear()
             self._trace_tensors.clear()
@@ -705,6 +738,7 @@ class TorchDumper:
         self._rows.clear()
         self._row_stats.clear()
         self._stats_cache.clear()
+        self._grad_targets.clear()
         self._trace_rows.clear()
         self._trace_tensors.clear()
         self._grads_used = {}

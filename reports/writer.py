@@ -139,8 +139,8 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
         if lt is not None and lt.details.get("rows"):
             jobs.append(("Layer profile (red: beyond the dtype's tolerance)", figdir / "layer_profile.png",
                          lambda p: figures.layer_profile(lt.details["rows"], lt.verdict, p)))
+        figures.warm()   # before the fork: the child inherits the built figure
         # the CSV is written beside the figures (pyarrow's writer releases the GIL)
-        figures.warm()
         pngs = render([(path, functools.partial(draw, path)) for _, path, draw in jobs],
                       alongside=functools.partial(_write_csv, t, tmp / "deltas.csv") if not t.empty else None)
         figs += [(title, png) for (title, _, _), png in zip(jobs, pngs, strict=True) if png]
