@@ -11,7 +11,7 @@ import importlib.util
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -313,28 +313,25 @@ def digit_run(block: np.ndarray) -> np.ndarray | None:
     return value
 
 
-def fixed_width_rows(column: Any, width: int) -> np.ndarray:
-    """A pyarrow string column whose strings all have ``width`` bytes, as an (n, width) uint8 matrix."""
-    blocks = []
+def _chunk_buffers(column: Any) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(strings, offsets, data bytes) of each non-empty chunk of a pyarrow string column, without copies."""
     for chunk in column.chunks:
         k = len(chunk)
         if k:
             offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32)[chunk.offset: chunk.offset + k + 1]
-            data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)
-            blocks.append(data[offsets[0]: offsets[0] + k * width].reshape(k, width))
+            yield k, offsets, np.frombuffer(chunk.buffers()[2], dtype=np.uint8)
+
+
+def fixed_width_rows(column: Any, width: int) -> np.ndarray:
+    """A pyarrow string column whose strings all have ``width`` bytes, as an (n, width) uint8 matrix."""
+    blocks = [data[offsets[0]: offsets[0] + k * width].reshape(k, width)
+              for k, offsets, data in _chunk_buffers(column)]
     return np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
 
 
 def first_bytes(column: Any) -> np.ndarray:
     """The first byte of every non-empty string of a pyarrow string column, read from its buffers."""
-    out = []
-    for chunk in column.chunks:
-        k = len(chunk)
-        if k:
-            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32)[chunk.offset: chunk.offset + k + 1]
-            data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)
-            starts = offsets[:-1][offsets[1:] > offsets[:-1]]
-            out.append(data[starts])
+    out = [data[offsets[:-1][offsets[1:] > offsets[:-1]]] for _, offsets, data in _chunk_buffers(column)]
     return np.concatenate(out) if out else np.zeros(0, dtype=np.uint8)
 
 
