@@ -30,9 +30,10 @@ Run in benchmarks/.venv-msprobe (built by benchmarks/msprobe_env.sh); without ms
 only. Usage: benchmarks/.venv-msprobe/bin/python benchmarks/bench_vs_msprobe.py [--repeats 5] [--steps 4]
 [--json FILE]. Part 1 prints (and --json writes under ``overhead``) each configuration's step time over the
 undumped step: ``overhead.ours_stats``, ``overhead.ours_full``, ``overhead.ms_stats``, ``overhead.ms_tensor``,
-each {"min", "median"} of wall time over repeats, plus "cpu_min" / "cpu_median" (CPU seconds of the training
-process, all its threads) and "best_step" / "cpu_best_step" (fastest single step); ``overhead.steps`` holds
-every timed step; goals: ours_full <= 2x, ours_stats <= 1.2x.
+each {"min", "median"} of wall time over repeats, "paired_median" (the median of each repeat's own ratio, the
+one the goals are judged on) and "paired" (those ratios), plus "cpu_min" / "cpu_median" (CPU seconds of the
+training process, all its threads) and "best_step" / "cpu_best_step" (fastest single step); ``overhead.steps``
+holds every timed step; goals: ours_full <= 2x, ours_stats <= 1.2x.
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     cpu_med: dict[str, list[float]] = {c: [] for c in configs}
     every: dict[str, dict[str, list[float]]] = {c: {"wall": [], "cpu": []} for c in configs}   # every timed step
     ratio: dict[str, list[float]] = {c: [] for c in configs if c != "base"}
+    paired: dict[str, list[float]] = {c: [] for c in ratio}    # per repeat: this step / that repeat's base
     size: dict[str, tuple[int, int]] = {}
     rss: dict[str, list[float]] = {c: [] for c in configs}
     info: dict = {}
@@ -307,10 +309,14 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             rss[c].append(r["peak_rss_mb"])
         for c in configs:
             med[c].append(rep_med[c])
+        for c in paired:
+            paired[c].append(rep_med[c] / rep_med["base"])
         print(f"  repeat {rep + 1}/{args.repeats} (order {', '.join(order)}): "
               + ", ".join(f"{c} {rep_med[c] * 1e3:.0f} ms" for c in configs), flush=True)
-    # Ratios of the min over repeats and of the median over repeats (robust to one slow repeat of one
-    # configuration, which a per-repeat ratio is not on a shared machine).
+    # Ratios of the min over repeats and of the median over repeats, and the median of the per-repeat
+    # ratios: a repeat runs every configuration back to back, so its own ratio cancels the machine's drift
+    # between repeats (seen here: the undumped step's median 191 ms in one repeat, 225 ms in another), which
+    # the unpaired min / median do not; its median still ignores one disturbed repeat. The goal is judged on it.
     for c in ratio:
         ratio[c] = [min(med[c]) / min(med["base"]), statistics.median(med[c]) / statistics.median(med["base"])]
     loss_note = {}
@@ -347,18 +353,20 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     print("\n  overhead = dumped step / undumped step (same run, alternating processes); min / median over repeats "
           "of each process's median step;\n  best step = fastest single step of all repeats (the least disturbed by "
           "other work on a shared machine); cpu = CPU seconds of the process")
-    print(f"  {'ratio':22s} {'wall min':>9s} {'wall median':>12s} {'cpu min':>8s} {'cpu median':>11s} "
+    print("  paired = median over repeats of (this configuration's step / the undumped step of the same repeat)")
+    print(f"  {'ratio':22s} {'paired':>7s} {'wall min':>9s} {'wall median':>12s} {'cpu min':>8s} {'cpu median':>11s} "
           f"{'best step':>10s} {'cpu best':>9s}  goal")
     for c in ratio:
         cmin = min(cpu_med[c]) / min(cpu_med["base"])
         cmed = statistics.median(cpu_med[c]) / statistics.median(cpu_med["base"])
         best = min(every[c]["wall"]) / min(every["base"]["wall"])
         cbest = min(every[c]["cpu"]) / min(every["base"]["cpu"])
-        overhead[c] = {"min": ratio[c][0], "median": ratio[c][1], "cpu_min": cmin, "cpu_median": cmed,
-                       "best_step": best, "cpu_best_step": cbest}
+        pmed = statistics.median(paired[c])
+        overhead[c] = {"min": ratio[c][0], "median": ratio[c][1], "paired_median": pmed, "paired": paired[c],
+                       "cpu_min": cmin, "cpu_median": cmed, "best_step": best, "cpu_best_step": cbest}
         goal = GOALS.get(c)
-        verdict = "" if goal is None else f"<= {goal}x: {'met' if ratio[c][1] <= goal else 'NOT met'} (median)"
-        print(f"  {c + '/base':22s} {ratio[c][0]:8.2f}x {ratio[c][1]:11.2f}x {cmin:7.2f}x {cmed:10.2f}x "
+        verdict = "" if goal is None else f"<= {goal}x: {'met' if pmed <= goal else 'NOT met'} (paired)"
+        print(f"  {c + '/base':22s} {pmed:6.2f}x {ratio[c][0]:8.2f}x {ratio[c][1]:11.2f}x {cmin:7.2f}x {cmed:10.2f}x "
               f"{best:9.2f}x {cbest:8.2f}x  {verdict}")
     vs = {}
     if have_ms:
