@@ -127,7 +127,7 @@ def _stat_values(t: torch.Tensor) -> list[float] | torch.Tensor:
     """
     x = t.detach()
     n = x.numel()
-    cpu = not x.is_cuda and x.device.type == "cpu"
+    cpu = x.device.type == "cpu"
     if n == 0:
         return [0.0] * 6 if cpu else torch.zeros(6, dtype=torch.float32, device=x.device)
     if x.dtype is torch.float32:   # the usual case: no dtype argument (each one costs a dispatch detour)
