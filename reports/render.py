@@ -38,32 +38,39 @@ def render(jobs: list[Job], alongside: Callable[[], None] | None = None) -> list
     """Every job's PNG, in order; each job has also written its file (or none, for no figure).
     ``alongside`` (work that lets go of the GIL, such as a CSV write) runs in a thread meanwhile, started
     after the fork so the child never inherits it; its exception is raised here."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        if not _can_fork(jobs):
-            side = pool.submit(alongside) if alongside else None
-            out = [draw() for _, draw in jobs]
-        else:
-            out = _forked(jobs, pool, alongside)
-            side = None
-        if side is not None:
-            side.result()
-    return out
-
-
-def _forked(jobs: list[Job], pool: ThreadPoolExecutor, alongside: Callable[[], None] | None
-            ) -> list[bytes | None]:
-    child = [i % 2 == 1 for i in range(len(jobs))]   # every second figure; the CSV writer runs here
+    child = [_can_fork(jobs) and i % 2 == 1 for i in range(len(jobs))]   # every second figure; the CSV here
     theirs = [j for j, c in zip(jobs, child, strict=True) if c]
+    pid = _start_child(theirs) if theirs else None
+    if pid is None:
+        child, theirs = [False] * len(jobs), []
+    t = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            side = pool.submit(alongside) if alongside else None
+            mine = [draw() for (_, draw), c in zip(jobs, child, strict=True) if not c]
+            if side is not None:
+                side.result()
+    except BaseException:
+        if pid is not None:
+            _wait(pid, deadline=0.0)
+        raise
+    if pid is None:
+        return mine
+    done = _wait(pid, deadline=time.perf_counter() + max(CHILD_GRACE_S, 10 * (time.perf_counter() - t)))
+    got = [(p.read_bytes() if p.is_file() else None) if done else draw() for p, draw in theirs]
+    mine_it, got_it = iter(mine), iter(got)
+    return [next(got_it) if c else next(mine_it) for c in child]
+
+
+def _start_child(theirs: list[Job]) -> int | None:
+    """Fork a child that draws ``theirs`` into their files and exits; its pid, or None when fork fails (then
+    everything is drawn here)."""
     for path, _ in theirs:
         path.unlink(missing_ok=True)
     try:
         pid = os.fork()
     except OSError:
-        side = pool.submit(alongside) if alongside else None
-        out = [draw() for _, draw in jobs]
-        if side is not None:
-            side.result()
-        return out
+        return None
     if pid == 0:   # the child: draw, then leave without running the parent's exit handlers
         code = 0
         try:
@@ -72,19 +79,7 @@ def _forked(jobs: list[Job], pool: ThreadPoolExecutor, alongside: Callable[[], N
         except BaseException:   # noqa: BLE001 - any failure: the parent draws these again
             code = 1
         os._exit(code)
-    t = time.perf_counter()
-    try:
-        side = pool.submit(alongside) if alongside else None
-        mine = [draw() for (_, draw), c in zip(jobs, child, strict=True) if not c]
-        if side is not None:
-            side.result()
-    except BaseException:
-        _wait(pid, deadline=0.0)
-        raise
-    done = _wait(pid, deadline=time.perf_counter() + max(CHILD_GRACE_S, 10 * (time.perf_counter() - t)))
-    got = [(p.read_bytes() if p.is_file() else None) if done else draw() for p, draw in theirs]
-    mine_it, got_it = iter(mine), iter(got)
-    return [next(got_it) if c else next(mine_it) for c in child]
+    return pid
 
 
 def _wait(pid: int, deadline: float) -> bool:

@@ -119,6 +119,7 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
             lv = long_run.verdict if long_run else "skipped"
             g = inp.stages.get("grad_norm")
             gv = g.verdict if g else "skipped"
+            figures.warm()   # before the fork: the child inherits the built curve figure
             jobs += [
                 ("Loss curves", figdir / "loss.png",
                  lambda p: figures.loss_curves(t, labels, lv, p)),
@@ -139,7 +140,6 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
         if lt is not None and lt.details.get("rows"):
             jobs.append(("Layer profile (red: beyond the dtype's tolerance)", figdir / "layer_profile.png",
                          lambda p: figures.layer_profile(lt.details["rows"], lt.verdict, p)))
-        figures.warm()   # before the fork: the child inherits the built figure
         # the CSV is written beside the figures (pyarrow's writer releases the GIL)
         pngs = render([(path, functools.partial(draw, path)) for _, path, draw in jobs],
                       alongside=functools.partial(_write_csv, t, tmp / "deltas.csv") if not t.empty else None)
