@@ -219,7 +219,7 @@ def test_2x_bulk_and_line_by_line_paths_agree(tmp_path, name):
     import align.sources.mindformers_log as mfl
 
     text = (MF2 / f"{name}.log").read_text()
-    assert mfl._fast(text.encode(), [], {}) is not None        # these files take the bulk path
+    assert mfl._bulk(text.encode()) is not None        # these files take the bulk path
     fast = parse_mindformers_log(MF2 / f"{name}.log")
     q = tmp_path / "odd.log"      # one odd line sends the whole file down the careful path
     q.write_text(text + "x - INFO - { Epoch:[  1/  1], step:[    9/    4], loss:[oops/1.0]\n")
@@ -313,11 +313,50 @@ def test_bulk_path_matches_the_regex_path(tmp_path, monkeypatch):
              "ms": lines[:70] + [lines[70].replace("ms,", "5ms,")] + lines[71:],
              "other_layout": lines[:80] + [lines[80].replace(", loss_scale: 1.0", "")] + lines[81:],
              "wrapped": lines[:90] + [lines[90][:100], lines[90][100:]] + lines[91:],
-             "restart": lines[:200] + lines[150:]}
+             "restart": lines[:200] + lines[150:],
+             # the config dict MindFormers pprints: read into meta on both paths
+             "config": ["{'seed': 1,", " 'runner_config': {'epochs': 1}}"] + lines,
+             # words the careful reader acts on, hidden in the text before a step head with the column
+             # count unchanged: the bulk reader must see them (it does not scan the file for them)
+             "epoch_in_prefix": lines[:40] + [lines[40].replace("core/callback/callback.py:747]",
+                                                                "core/Epoch:[callback.py]")] + lines[41:],
+             "norm_size_in_prefix": lines[:40] + [lines[40].replace("core/", "norm_size/")] + lines[41:],
+             "local_norm_line": lines[:40] + ["2024 - INFO - local_norm: [1.0 2.0]"] + lines[40:]}
     for name, ls in cases.items():
         q = tmp_path / f"{name}.log"
         q.write_text("\n".join(ls) + "\n")
         _read_both(monkeypatch, q)
-        if name in ("plain", "lm_loss", "overflow", "restart"):
-            assert mfl._bulk(clean_text(q.read_bytes())) is not None, name
+        bulk = mfl._bulk(clean_text(q.read_bytes()))
+        if name in ("plain", "lm_loss", "overflow", "restart", "config"):
+            assert bulk is not None, name
+        if name.endswith("_prefix"):
+            assert bulk is None, name
+            seps = [sum(x.count(c) for c in ",:[]/") for x in (lines[40], ls[40])]
+            assert seps[0] == seps[1], name            # a row like the others: only the prefix check sees it
+            with monkeypatch.context() as mp:
+                mp.setattr(mfl, "any_ends_with", lambda column, words: False)
+                assert mfl._bulk(clean_text(q.read_bytes())) is not None, name
+    assert mfl._bulk(clean_text((tmp_path / "local_norm_line.log").read_bytes())) is None
+    assert _read_both(monkeypatch, tmp_path / "config.log").meta["config"] == {"seed": 1,
+                                                                              "runner_config": {"epochs": 1}}
     assert len(_read_both(monkeypatch, tmp_path / "plain.log").series("loss")) == 300
+
+
+def test_any_ends_with_agrees_with_str_endswith():
+    """The buffer reader behind the bulk path's prefix check: chunked columns, slices, empty strings."""
+    import random
+
+    import pyarrow as pa
+
+    from align.sources.logtext import any_ends_with
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        strs = ["".join(rng.choice("Epochnrm_sizelca") for _ in range(rng.randint(0, 11)))
+                for _ in range(rng.randint(1, 12))]
+        words = [b"Epoch", b"norm_size", b"local_norm", b"h"][: rng.randint(1, 4)]
+        cut = rng.randint(0, len(strs))
+        column = pa.chunked_array([pa.array(strs[:cut], pa.string()), pa.array(strs[cut:], pa.string())])
+        skip = rng.randint(0, len(strs) - 1)
+        expected = any(x.encode().endswith(w) for x in strs[skip:] for w in words)
+        assert any_ends_with(column.slice(skip), words) == expected, (strs, skip, words)

@@ -39,7 +39,7 @@ import pandas as pd
 from align.core.errors import BadInput
 from align.core.run import Run, make_series
 from align.sources import Source
-from align.sources.logtext import clean_text, int_column, read_log_bytes, read_split, unwrap
+from align.sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split, unwrap
 
 # "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
 # "Epoch:[..], step:[..] tag: value" (no comma after the step bracket).
@@ -163,13 +163,29 @@ def _has_local_norms(raw: bytes) -> bool:
     return False
 
 
-def _fast(raw: bytes, notes: list[str], meta: dict[str, Any]) -> dict[str, pd.Series] | None:
-    """All step lines in MFLossMonitor's format and no local_norm output: parse them in bulk."""
-    if _has_local_norms(raw):
-        return None
+def _fast(raw: bytes, path: str | Path, notes: list[str]) -> tuple[dict[str, pd.Series], dict[str, Any]] | None:
+    """All step lines in MFLossMonitor's format and no local_norm output: parse them in bulk. Returns the
+    series and the run's meta, or None for the careful line-by-line path."""
     bulk = _bulk(raw)
     if bulk is not None:
-        return _series(bulk, notes, meta)
+        cols, config = bulk
+    else:
+        cols, config = _regex_rows(raw), _has_config_block(raw)
+        if cols is None:
+            return None
+    meta = _meta(path, raw.decode("utf-8", "replace").split("\n") if config else [])
+    return _series(cols, notes, meta), meta
+
+
+def _has_config_block(raw: bytes) -> bool:
+    """A line starts with "{'": the config dict MindFormers pprints (read only when there)."""
+    return raw.startswith(b"{'") or b"\n{'" in raw
+
+
+def _regex_rows(raw: bytes) -> dict[str, tuple[list[int], list[float]]] | None:
+    """The step columns by one regex over the whole file (without pyarrow, or a layout it cannot split)."""
+    if _has_local_norms(raw):
+        return None
     rows = _FAST.findall(raw)
     if not rows or len(rows) != raw.count(b"Epoch:["):
         return None
@@ -195,7 +211,7 @@ def _fast(raw: bytes, notes: list[str], meta: dict[str, Any]) -> dict[str, pd.Se
         steps, vals = out.setdefault(key, ([], []))
         steps.extend(gstep[have].tolist())
         vals.extend(values.tolist())
-    return _series(out, notes, meta)
+    return out
 
 
 _TO_PIPE = bytes.maketrans(b",:[]/", b"|||||")
@@ -203,13 +219,17 @@ _SEPARATORS = frozenset(b",:[]/")
 _INT_GROUPS = (1, 2, 3)          # epoch, step, steps per epoch
 _SUFFIX = {11: b"ms", 17: b"T"}  # per_step_time: 561ms, train_throughput_per_npu: 2.849T
 _OVERFLOW = 13
+# a line that is not a step row (pyarrow hands it back, separators as '|') and sends the file to the careful
+# reader: a step line of another layout, local norms (MFLossMonitor's or TrainingStateMonitor's)
+_OTHER_LINE = re.compile(r"Epoch|norm_size\||local_norm\|")
 
 
-def _bulk(raw: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] | None:
     """Every step line in the first one's layout (MFLossMonitor's format): read in one pass with pyarrow
-    (',', ':', '[', ']' and '/' all separate columns), no Python object per line. None sends the file to
-    the regex reader: pyarrow missing, another layout, a value that is not a number, a step line the
-    columns do not explain. Reads exactly what that reader reads (tests compare both)."""
+    (',', ':', '[', ']' and '/' all separate columns), no Python object per line. Returns the columns and
+    whether a config dict is printed. None sends the file to the regex reader: pyarrow missing, another
+    layout, a value that is not a number, a step line the columns do not explain, local norms. Reads
+    exactly what that reader reads (tests compare both)."""
     m = _FAST.search(raw)
     if m is None or b"(" in raw and b"nan(" in raw:   # pyarrow reads 'nan(1)' as NaN, Python's float not
         return None
@@ -229,17 +249,24 @@ def _bulk(raw: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
         roles[c] = g
     tr = raw.translate(_TO_PIPE)
     floats = {c for c, g in roles.items() if g not in _INT_GROUPS and g not in _SUFFIX and g != _OVERFLOW}
-    got = read_split(tr, len(pieces), floats, 1000 + len(raw) // 10_000, skip=head)
+    got = read_split(tr, len(pieces), floats, 1000 + len(raw) // 10_000)
     if got is None:
         return None
     table, other = got
-    if not table.num_rows or any("Epoch" in t for t in other) or raw.count(b"Epoch:[") != table.num_rows:
-        return None   # a step line of another layout (or two on one line): the regex reader takes the file
+    if not table.num_rows or any(_OTHER_LINE.search(t) for t in other):
+        return None   # a step line of another layout (or two on one line), local norms: the careful reader
     import pyarrow as pa
     import pyarrow.compute as pc
 
     col = table.column
     names = [str(i) for i in range(len(pieces))]
+    # What the text before the step head (time stamp, logger) may not hold, so that a row is a step line and
+    # nothing else: these words end a column there ('Epoch:[', 'norm_size:' ...), and "{'" starts a line
+    # (the config dict). Checked on the columns instead of scanning the whole file for each word.
+    if pc.any(pc.starts_with(col(names[0]), "{'")).as_py():
+        return None
+    if any(any_ends_with(col(names[c]), (b"Epoch", b"norm_size", b"local_norm")) for c in range(head)):
+        return None
     tail = m.group(0)[: m.group(0).index(b"Epoch") + 5].decode()
     for c in range(head + 1, len(pieces)):      # everything between the values, as in the first line
         if c not in roles and not pc.all(pc.equal(col(names[c]), pieces[c].decode("utf-8"))).as_py():
@@ -274,7 +301,7 @@ def _bulk(raw: bytes) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
     for idx, key in _FAST_KEYS.items():
         if idx + 1 in values:
             out[key] = (gstep, values[idx + 1])
-    return out
+    return out, any(t.startswith("{'") for t in other)
 
 
 class _Skips:
@@ -363,11 +390,9 @@ def parse_mindformers_log(path: str | Path) -> Run:
     """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
     raw = clean_text(read_log_bytes(path))
     notes: list[str] = []
-    meta = _meta(path, raw.decode("utf-8", "replace").split("\n") if raw.startswith(b"{'") or b"\n{'" in raw
-                 else [])
-    fast = _fast(raw, notes, meta)
+    fast = _fast(raw, path, notes)
     if fast is not None:
-        return Run(str(path), "mindformers_log", meta, fast, {}, notes)
+        return Run(str(path), "mindformers_log", fast[1], fast[0], {}, notes)
     text_lines = raw.decode("utf-8", "replace").split("\n")
     if any(not _is_complete(x) for x in text_lines[:-1]):
         text_lines, joins = unwrap(text_lines, _is_complete)
