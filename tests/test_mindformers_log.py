@@ -360,3 +360,21 @@ def test_any_ends_with_agrees_with_str_endswith():
         skip = rng.randint(0, len(strs) - 1)
         expected = any(x.encode().endswith(w) for x in strs[skip:] for w in words)
         assert any_ends_with(column.slice(skip), words) == expected, (strs, skip, words)
+
+
+def test_bulk_path_reads_a_file_of_many_blocks_like_the_regex_path(tmp_path, monkeypatch):
+    """pyarrow reads the file a block (1 MB) at a time, each translated as it is read: lines across block
+    ends and other lines between blocks read as the regex path reads them."""
+    import align.sources.mindformers_log as mfl
+    from align.examples.make_example_logs import mindformers_log
+    from align.sources.logtext import clean_text
+    p = tmp_path / "big.log"
+    mindformers_log(p, 12_000, seed=5)
+    lines = p.read_text().splitlines()
+    for at in (4000, 8001, 11_999):
+        lines.insert(at, "2024-05-01 12:00:00,000 - mindformers[x.py:1] - INFO - checkpoint saved: /a/b, [ok]")
+    p.write_text("\n".join(lines) + "\n")
+    assert p.stat().st_size > 2 << 20
+    assert mfl._bulk(clean_text(p.read_bytes())) is not None
+    run = _read_both(monkeypatch, p)
+    assert list(run.series("loss").index) == list(range(1, 12_001))

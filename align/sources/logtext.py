@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import importlib.util
+import io
 import re
 import threading
 from collections import Counter
@@ -149,14 +150,34 @@ def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_co
 # Bulk reading with pyarrow (optional): whole files split at one separator, no Python object per line
 # ------------------------------------------------------------------------------------------------------
 
-def read_split(text: bytes | np.ndarray, ncols: int, floats: set[int], most: int, skip: int = 0,
-               utf8: bool | None = None) -> tuple[Any, list[str]] | None:
+class _Translating(io.RawIOBase):
+    """``raw`` read through ``bytes.translate(table)`` a block at a time: pyarrow's reader thread translates
+    the next block while its workers parse the last ones (the whole file translated first costs ~30 ms a
+    100k lines more, all of it holding the GIL)."""
+
+    def __init__(self, raw: bytes, table: bytes) -> None:
+        super().__init__()
+        self._raw, self._table, self._pos = raw, table, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        piece = self._raw[self._pos: self._pos + len(buf)].translate(self._table)
+        buf[: len(piece)] = piece
+        self._pos += len(piece)
+        return len(piece)
+
+
+def read_split(text: bytes | np.ndarray, ncols: int, floats: set[int], most: int, utf8: bool | None = None,
+               translate: bytes | None = None) -> tuple[Any, list[str]] | None:
     """Read ``text`` as lines of ``ncols`` '|'-separated columns with pyarrow: column ``i`` as float64 when
-    ``i`` is in ``floats``, else as a string; the first ``skip`` columns are split off but not kept. Lines
-    with another column count are handed back as text (in file order, at most ``most`` of them). None
-    without pyarrow, when a float column holds something else or a line is not UTF-8, or past ``most``
-    other lines (then reading line by line is as cheap). ``utf8``: the caller already knows whether the text
-    is UTF-8 (a numpy ``text``, translated from bytes it checked)."""
+    ``i`` is in ``floats``, else as a string. Lines with another column count are handed back as text (in
+    file order, at most ``most`` of them). None without pyarrow, when a float column holds something else or
+    a line is not UTF-8, or past ``most`` other lines (then reading line by line is as cheap). ``utf8``: the
+    caller already knows whether the text is UTF-8 (a numpy ``text``, translated from bytes it checked).
+    ``translate``: a ``bytes.translate`` table (ASCII to ASCII) that the bytes ``text`` are read through;
+    the lines handed back are translated too."""
     if importlib.util.find_spec("pyarrow") is None or not (is_utf8(text) if utf8 is None else utf8):
         return None   # (pyarrow would hand the handler a line it cannot decode and print the error)
     import pyarrow as pa
@@ -171,10 +192,11 @@ def read_split(text: bytes | np.ndarray, ncols: int, floats: set[int], most: int
 
     types = {n: (pa.float64() if i in floats else pa.string()) for i, n in enumerate(names)}
     try:
+        source = _Translating(text, translate) if translate is not None else pa.BufferReader(pa.py_buffer(text))
         table = pcsv.read_csv(
-            pa.BufferReader(pa.py_buffer(text)), read_options=pcsv.ReadOptions(column_names=names),
+            source, read_options=pcsv.ReadOptions(column_names=names),
             parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False, invalid_row_handler=handler),
-            convert_options=pcsv.ConvertOptions(include_columns=names[skip:], column_types=types, null_values=[],
+            convert_options=pcsv.ConvertOptions(column_types=types, null_values=[],
                                                 strings_can_be_null=False))
     except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError):
         return None

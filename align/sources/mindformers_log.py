@@ -247,9 +247,8 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
         if pieces[c].strip() != m.group(g) + _SUFFIX.get(g, b""):
             return None
         roles[c] = g
-    tr = raw.translate(_TO_PIPE)
     floats = {c for c, g in roles.items() if g not in _INT_GROUPS and g not in _SUFFIX and g != _OVERFLOW}
-    got = read_split(tr, len(pieces), floats, 1000 + len(raw) // 10_000)
+    got = read_split(raw, len(pieces), floats, 1000 + len(raw) // 10_000, translate=_TO_PIPE)
     if got is None:
         return None
     table, other = got
