@@ -121,13 +121,14 @@ def _kind(what: str, i: int) -> str:
 #: (measured against float64, torch 2.13), beyond float32's compare tolerance. Rows of this many elements
 #: stay under 1e-6, and their norms add up exactly enough.
 NORM_BLOCK = 1 << 16
+_BLOCKED_ABOVE = 4 * NORM_BLOCK     # smaller CPU tensors: torch's own kernel is accurate enough (< 1e-6)
 
 
 def l2_norm(x: torch.Tensor) -> torch.Tensor:
     """The L2 norm of ``x`` (float32 or float64) as a 0-d tensor, accurate on CPU at any size: per row of
     ``NORM_BLOCK`` elements, then over the rows (one kernel more, only for large CPU tensors)."""
     n = x.numel()
-    if n <= 4 * NORM_BLOCK or x.device.type != "cpu":
+    if n <= _BLOCKED_ABOVE or x.device.type != "cpu":
         return torch.linalg.vector_norm(x)
     flat = x.reshape(-1)
     m = n // NORM_BLOCK
@@ -616,9 +617,10 @@ class TorchDumper:
             norms = np.zeros(len(names), dtype=np.float64)
             for _, items in by_device.items():
                 gs = [g if g.dtype in (torch.float32, torch.float64) else g.float() for _, g in items]
-                got = torch._foreach_norm(gs)
-                if gs and gs[0].device.type == "cpu":     # large ones again, accurately (see NORM_BLOCK)
-                    got = [l2_norm(g) if g.numel() > 4 * NORM_BLOCK else v for g, v in zip(gs, got, strict=True)]
+                big = [gs[0].device.type == "cpu" and g.numel() > _BLOCKED_ABOVE for g in gs]   # see l2_norm
+                small = [g for g, b in zip(gs, big, strict=True) if not b]
+                rest = iter(torch._foreach_norm(small) if small else [])
+                got = [l2_norm(g) if b else next(rest) for g, b in zip(gs, big, strict=True)]
                 vals = torch.stack([n.float() for n in got]).cpu().numpy()
                 for (j, _), v in zip(items, vals, strict=True):
                     norms[j] = float(v)
