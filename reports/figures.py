@@ -167,23 +167,58 @@ def _bar_colours(values: list[float], pass_tol: float, warn_tol: float | None = 
             else COLOURS["pass"] for v in values]
 
 
-def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Path) -> bytes | None:
-    """Relative difference of every parameter's step-1 gradient norm, names on the axis, grouped by layer."""
-    if not parameters:
-        return None
+#: At most this many parameters in the local-norm chart: the largest differences, kept in layer order (a
+#: 48-layer MoE model has ~600 parameters: a bar each would make a 130-inch figure no one can read).
+MAX_NORM_BARS = 60
+#: At most this many module names under a layer-profile panel (one per bar up to it, then every k-th bar):
+#: more do not fit at 7 pt, and each rotated label costs drawing time (600 bars a panel took 16 s).
+MAX_BAR_LABELS = 40
+
+
+def _norm_diff(p: dict) -> float:
+    """A parameter's relative norm difference; missing or NaN counts as the largest."""
+    v = float(p["rel_diff"]) if p.get("rel_diff") is not None else float("inf")
+    return v if not np.isnan(v) else float("inf")
+
+
+def named_bars(n: int) -> list[int]:
+    """Which of ``n`` bars get their name under a layer-profile panel: all up to ``MAX_BAR_LABELS``, else
+    one in k, evenly, from the first."""
+    return list(range(0, n, -(-n // MAX_BAR_LABELS) if n else 1))
+
+
+def chart_parameters(parameters: list[dict]) -> list[dict]:
+    """The local-norm chart's rows: the ``MAX_NORM_BARS`` largest differences (all when fewer), ordered by
+    layer: embedding first, then layer by layer, the rest last, by name within each."""
     def order(p: dict) -> tuple:
         layer = p.get("layer")
         return (-1 if layer is None and p.get("kind") == "embedding" else 10**6 if layer is None else layer,
                 p["name"])
-    rows = sorted(parameters, key=order)
-    vals = [float(p["rel_diff"]) if p.get("rel_diff") is not None else float("inf") for p in rows]
+    return sorted(sorted(parameters, key=_norm_diff, reverse=True)[:MAX_NORM_BARS], key=order)
+
+
+def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Path) -> bytes | None:
+    """Relative difference of every parameter's step-1 gradient norm, names on the axis, grouped by layer
+    (the ``MAX_NORM_BARS`` largest when there are more)."""
+    if not parameters:
+        return None
+    shown_of = len(parameters)
+    rows = chart_parameters(parameters)
+    vals = [_norm_diff(p) for p in rows]
     shown = [max(v, 1e-12) if np.isfinite(v) else 1e3 for v in vals]
-    fig, ax = _figure((9, max(2.5, 0.22 * len(rows) + 1)))
+    names = [p["name"] for p in rows]
+    # fixed margins instead of tight_layout (which draws the figure once more to measure it): ~0.55 em a
+    # character of the 7 pt names
+    names_in = max(len(n) for n in names) * 0.55 * 7 / 72 + 0.2
+    height = max(2.5, 0.22 * len(rows) + 1)
+    width = 6.5 + names_in
+    fig, ax = _figure((width, height))
+    fig.subplots_adjust(left=names_in / width, right=0.98, top=1 - 0.45 / height, bottom=0.55 / height)
     y = np.arange(len(rows))
     ax.barh(y, shown, color=_bar_colours(vals, rtol))
     ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
     ax.set_yticks(y)
-    ax.set_yticklabels([p["name"] for p in rows], fontsize=7)
+    ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("relative difference of the gradient norm (candidate vs baseline)")
@@ -191,16 +226,14 @@ def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Pa
     for i in range(1, len(rows)):
         if layers[i] != layers[i - 1]:
             ax.axhline(i - 0.5, color="#bbbbbb", lw=0.6)
-    ax.set_title(f"Step-1 local norms per parameter, grouped by layer  [{verdict.upper()}]",
-                 color=COLOURS.get(verdict, "k"))
+    what = "per parameter" if shown_of == len(rows) else f"of the {len(rows)} largest of {shown_of} parameters"
+    fig.suptitle(f"Step-1 local norms {what}, grouped by layer  [{verdict.upper()}]",
+                 color=COLOURS.get(verdict, "k"), y=1 - 0.08 / height, va="top")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
-    return _save(fig, path, tight=True)
+    return _save(fig, path)
 
 
-#: At most this many module names under a layer-profile panel (one per bar up to it, then every k-th bar):
-#: more do not fit at 7 pt, and each rotated label costs drawing time (600 bars a panel took 16 s).
-MAX_BAR_LABELS = 40
 
 
 def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
@@ -211,8 +244,7 @@ def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
     for direction in ("forward", "backward"):
         sel = [r for r in rows if r.get("direction") == direction]
         names = [str(r["module"]).replace("decoder.layers.", "L").replace("self_attention", "attn") for r in sel]
-        every = -(-len(sel) // MAX_BAR_LABELS) if sel else 1
-        panels.append((direction, sel, list(range(0, len(sel), every)), names))
+        panels.append((direction, sel, named_bars(len(sel)), names))
     longest = max((len(names[i]) for _, _, ticks, names in panels for i in ticks), default=0)
     # fixed margins instead of tight_layout (which draws the figure once more to measure it): the labels are
     # rotated 70 degrees, about 0.55 em a character at 7 pt

@@ -92,3 +92,43 @@ def test_a_child_that_fails_or_hangs_leaves_its_figures_to_the_parent(tmp_path, 
     pid = forking[-1]
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)   # reaped: no zombie left behind
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")   # IHDR width, height
+
+
+def test_charts_of_a_large_model_stay_readable(tmp_path):
+    """600 parameters / modules (a 48-layer MoE model): the local-norm chart keeps the 60 largest differences
+    in layer order (the failing ones among them), the layer profile names one bar in k; both figures stay
+    a few inches, not 130."""
+    from reports import figures
+
+    params = [{"name": "embedding.word_embeddings.weight", "kind": "embedding", "layer": None, "rel_diff": 1e-9}]
+    params += [{"name": f"decoder.layers.{i // 12}.p{i % 12}.weight", "kind": "x", "layer": i // 12,
+                "rel_diff": 1e-7 * (1 + (i * 7919) % 1000)} for i in range(600)]
+    params += [{"name": "output_layer.weight", "kind": "output", "layer": None, "rel_diff": None},
+               {"name": "decoder.layers.3.p0.weight", "kind": "x", "layer": 3, "rel_diff": float("nan")}]
+    rows = figures.chart_parameters(params)
+    assert len(rows) == figures.MAX_NORM_BARS
+    assert {"output_layer.weight", "decoder.layers.3.p0.weight"} <= {r["name"] for r in rows}
+    smallest_kept = min(figures._norm_diff(r) for r in rows)
+    assert sum(figures._norm_diff(p) > smallest_kept for p in params) < figures.MAX_NORM_BARS
+    layers = [-1 if r["layer"] is None and r["kind"] == "embedding" else 10**6 if r["layer"] is None
+              else r["layer"] for r in rows]
+    assert layers == sorted(layers)
+    assert figures.chart_parameters(params[:10]) == sorted(params[:10], key=lambda p: (
+        -1 if p["layer"] is None else p["layer"], p["name"]))
+    png = figures.local_norm_chart(params, 1e-4, "fail", tmp_path / "ln.png")
+    assert _png_size(png)[1] <= (0.22 * figures.MAX_NORM_BARS + 1) * figures.DPI + 1
+
+    assert figures.named_bars(7) == list(range(7)) and figures.named_bars(0) == []
+    assert figures.named_bars(figures.MAX_BAR_LABELS) == list(range(figures.MAX_BAR_LABELS))
+    for n in (41, 599, 600):
+        named = figures.named_bars(n)
+        k = named[1]
+        assert named == list(range(0, n, k)) and len(named) <= figures.MAX_BAR_LABELS and n - named[-1] <= k
+    bars = [{"direction": d, "module": f"decoder.layers.{i // 12}.mlp.linear_fc1", "value": 1e-6, "verdict": "pass",
+             "threshold": 1e-4, "metric": "rel_l2"} for d in ("forward", "backward") for i in range(600)]
+    png = figures.layer_profile(bars, "pass", tmp_path / "lp.png")
+    assert _png_size(png)[1] < 8 * figures.DPI
