@@ -79,10 +79,8 @@ def envelope(x: np.ndarray, y: np.ndarray, points: int = MAX_POINTS) -> tuple[np
     return np.asarray(x)[idx], np.asarray(y, dtype=np.float64)[idx]
 
 
-def _save(fig: Figure, path: Path | None, tight: bool = False) -> bytes:
+def _save(fig: Figure, path: Path | None) -> bytes:
     buf = io.BytesIO()
-    if tight:
-        fig.tight_layout()
     fig.savefig(buf, format="png", dpi=DPI, pil_kwargs={"compress_level": 1})   # 1/4 of level 6's time
     data = buf.getvalue()
     if path is not None:
@@ -175,6 +173,12 @@ MAX_NORM_BARS = 60
 MAX_BAR_LABELS = 40
 
 
+def _text_inches(chars: int, points: float = 7) -> float:
+    """About how wide ``chars`` characters of DejaVu Sans are: margins are set from it instead of by
+    tight_layout, which draws the figure once more to measure it."""
+    return chars * 0.55 * points / 72
+
+
 def _norm_diff(p: dict) -> float:
     """A parameter's relative norm difference; missing or NaN counts as the largest."""
     v = float(p["rel_diff"]) if p.get("rel_diff") is not None else float("inf")
@@ -207,9 +211,7 @@ def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Pa
     vals = [_norm_diff(p) for p in rows]
     shown = [max(v, 1e-12) if np.isfinite(v) else 1e3 for v in vals]
     names = [p["name"] for p in rows]
-    # fixed margins instead of tight_layout (which draws the figure once more to measure it): ~0.55 em a
-    # character of the 7 pt names
-    names_in = max(len(n) for n in names) * 0.55 * 7 / 72 + 0.2
+    names_in = _text_inches(max(len(n) for n in names)) + 0.2
     height = max(2.5, 0.22 * len(rows) + 1)
     width = 6.5 + names_in
     fig, ax = _figure((width, height))
@@ -234,8 +236,6 @@ def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Pa
     return _save(fig, path)
 
 
-
-
 def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
     """Per-module error at one step in execution order, forward then backward: where the runs part."""
     if not rows:
@@ -246,9 +246,7 @@ def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
         names = [str(r["module"]).replace("decoder.layers.", "L").replace("self_attention", "attn") for r in sel]
         panels.append((direction, sel, named_bars(len(sel)), names))
     longest = max((len(names[i]) for _, _, ticks, names in panels for i in ticks), default=0)
-    # fixed margins instead of tight_layout (which draws the figure once more to measure it): the labels are
-    # rotated 70 degrees, about 0.55 em a character at 7 pt
-    labels_in = longest * 0.55 * 7 / 72 * 0.94 + 0.15
+    labels_in = _text_inches(longest) * 0.94 + 0.15    # names rotated 70 degrees
     height = 2.9 + labels_in
     fig, axes = _figure((11, height), ncols=2, sharey=True)
     fig.subplots_adjust(left=0.07, right=0.99, top=1 - 0.6 / height, bottom=(0.3 + labels_in) / height,
