@@ -260,7 +260,13 @@ def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
         vals = [max(float(r["value"]), 1e-12) if np.isfinite(float(r["value"])) else 1e3 for r in sel]
         colours = [COLOURS.get(r.get("verdict"), "#666666") for r in sel]
         ax.bar(range(len(sel)), vals, color=colours)
-        ax.axhline(float(sel[0]["threshold"]), color="grey", ls="--", lw=0.8, label="tolerance")
+        limits = [float(r["threshold"]) for r in sel]    # each module judged at its own dtype's line
+        if len(set(limits)) == 1:
+            ax.axhline(limits[0], color="grey", ls="--", lw=0.8, label="tolerance")
+        else:
+            x = np.arange(len(sel))
+            ax.hlines(limits, x - 0.45, x + 0.45, colors="grey", linestyles="--", lw=0.8,
+                      label="tolerance (each module's dtype)")
         ax.set_yscale("log")
         ax.set_xticks(ticks)
         ax.set_xticklabels([names[i] for i in ticks], rotation=70, fontsize=7, rotation_mode="anchor",
