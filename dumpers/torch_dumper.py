@@ -526,17 +526,10 @@ class TorchDumper:
                 self._tensor_steps is None or self._step in self._tensor_steps) and self._array_step
             self._grad_order.clear()
             self._pending_batch.clear()
-            self._rows.clear()
-            self._row_stats.clear()
-            self._stats_cache.clear()
-            self._grad_targets.clear()
-            self._io_refs.clear()
-            self._trace_rows.clear()
-            self._trace_tensors.clear()
+            self._release_step_refs()
             self._norms_recorded = False
             self._norm_table = None
             self._hook_norms = []
-            self._grads_used = {}
             self._step_scalars = {}
         except Exception as exc:
             self._fail("begin_step", exc)
@@ -760,6 +753,14 @@ class TorchDumper:
         except Exception as exc:
             self._fail("finish_step", exc)
             self._drop_open_step()
+        self._release_step_refs()
+        self._step = None
+        if self.nan_found and self.config.stop_on_nan:
+            raise NonFiniteError(f"non-finite values at step {step} ({self._step_scalars.get('nan_trace')}); "
+                                 f"see {self.config.out}")
+
+    def _release_step_refs(self) -> None:
+        """Forget the step's rows and every tensor reference it held (at its start and at its end)."""
         self._io_refs.clear()
         self._rows.clear()
         self._row_stats.clear()
@@ -768,10 +769,6 @@ class TorchDumper:
         self._trace_rows.clear()
         self._trace_tensors.clear()
         self._grads_used = {}
-        self._step = None
-        if self.nan_found and self.config.stop_on_nan:
-            raise NonFiniteError(f"non-finite values at step {step} ({self._step_scalars.get('nan_trace')}); "
-                                 f"see {self.config.out}")
 
     def _drop_open_step(self) -> None:
         if self._writer is not None:

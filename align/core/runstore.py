@@ -358,8 +358,7 @@ def table_columns(obj: h5py.Group | h5py.Dataset) -> dict[str, np.ndarray]:
             return {}
         rec = obj[...]
         return {k: _decode(rec[k]) for k in obj.dtype.names}
-    return {k: _decode(ds[()] if ds.shape == () else ds[...]) for k, ds in obj.items()
-            if isinstance(ds, h5py.Dataset)}
+    return {k: _dataset_value(ds) for k, ds in obj.items() if isinstance(ds, h5py.Dataset)}
 
 
 class WriterErrors(RuntimeError):
@@ -553,6 +552,11 @@ def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarr
             raise BadInput(f"{path}: key '{group}/{k}': {len(arr)} rows, other columns have {n}")
 
 
+def _dataset_value(ds: h5py.Dataset) -> Any:
+    """A dataset's value, text decoded (a scalar dataset as its value, not a 0-d array)."""
+    return _decode(ds[()] if ds.shape == () else ds[...])
+
+
 def _decode(arr: np.ndarray) -> np.ndarray:
     if arr.dtype.kind in ("O", "S"):
         return np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr.ravel()],
@@ -576,7 +580,7 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
                     if isinstance(obj, h5py.Dataset) and obj.dtype.names is not None:   # a table
                         data.update({f"{key}/{k}": v for k, v in table_columns(obj).items()})
                     elif isinstance(obj, h5py.Dataset):
-                        data[key] = _decode(obj[()] if obj.shape == () else obj[...])
+                        data[key] = _dataset_value(obj)
                     if obj.attrs:
                         attrs[key] = {k: obj.attrs[k] for k in obj.attrs}
                     if isinstance(obj, h5py.Group):
