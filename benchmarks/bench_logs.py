@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from align.examples.make_example_logs import curves, megatron_log, mindformers_log
 from align.procedure import report
-from align.sources.megatron_log import parse_megatron_log
-from align.sources.mindformers_log import parse_mindformers_log
 from align.stages import Inputs
+from demo.example_logs import curves, megatron_log, mindformers_log
+from sources.megatron_log import parse_megatron_log
+from sources.mindformers_log import parse_mindformers_log
 
 GOALS = {"ingest_megatron": 1.5, "ingest_mindformers": 1.5, "report_logs": 1.0, "report_golden": 1.0}
 

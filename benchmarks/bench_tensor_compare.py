@@ -29,7 +29,7 @@ TENSOR = 4 * 1024 * 2048          # elements per tensor (32 MiB of float32): a [
 
 
 def generate(root: Path, gb: float) -> int:
-    from align.core.runstore import RunWriter
+    from runstore import RunWriter
 
     n = max(1, int(gb * 1e9 // (TENSOR * 4)) + 1)
     rng = np.random.default_rng(0)
@@ -60,8 +60,8 @@ def measure(root: Path, threads: int, executor: str = "thread") -> dict:
     of the largest reader process when readers are processes)."""
     import resource
 
-    from align.core.mapping import Mapping
     from comparators.tensors import compare_layer_tensors
+    from mapping import Mapping
 
     nbytes = sum(f.stat().st_size for s in ("base", "cand") for f in (root / s / "steps").rglob("*.h5"))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -204,12 +204,12 @@ def worker_dump(args: argparse.Namespace) -> dict:
 
 
 def worker_compare_ours(args: argparse.Namespace) -> dict:
-    from align.core.mapping import Mapping
     from comparators.tensors import compare_layer_tensors
+    from mapping import Mapping
 
     readers = None
     if args.torch_readers:     # our comparator on msprobe's own .pt dump (same files msprobe compares)
-        from align.checkpoints.torch_tensors import READERS as readers
+        from checkpoints.torch_tensors import READERS as readers
     t0 = time.perf_counter()
     res = compare_layer_tensors(args.golden, args.target, Mapping.load(), step=1, threads=args.compare_threads,
                                 jobs=args.compare_jobs or None, executor=args.compare_executor, readers=readers)
@@ -447,7 +447,7 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             ms_bytes += sum(f.stat().st_size for f in steps[0].rglob("dump_tensor_data/*") if f.is_file())
     env = _env(args.compare_threads)
     ms_exe = str(Path(sys.executable).parent / "msprobe")
-    startup = {"ours": _measured([sys.executable, "-c", "import align.core.mapping, comparators.tensors"], env, ROOT)}
+    startup = {"ours": _measured([sys.executable, "-c", "import mapping, comparators.tensors"], env, ROOT)}
     if have_ms:
         startup["msprobe"] = _measured([ms_exe, "compare", "-h"], env, ROOT)
     # Timed: ours and msprobe on the same thread budget; also ours at the product's default (2 threads),
@@ -511,7 +511,7 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     startup["ours_2threads"] = startup[jobs_variant] = startup["ours"]
     if have_ms:
         startup["ours_on_msprobe_dump"] = _measured(
-            [sys.executable, "-c", "import align.core.mapping, comparators.tensors, torch"], env, ROOT)
+            [sys.executable, "-c", "import mapping, comparators.tensors, torch"], env, ROOT)
     print(f"\n  dumps: one training step, micro-batch {args.compare_batch}, full tensors; candidate = "
           f"{PERTURBED_PARAM} x (1 + 1e-3 N(0,1))")
     print(f"  tensor bytes, both sides: ours {ours_bytes / 1e6:.0f} MB (HDF5, every name; {ours_disk / 1e6:.0f} MB on "

@@ -23,9 +23,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from align.core.errors import BadInput
-from align.core.findings import Finding, StageResult
-from align.core.runstore import check_table, table_columns
+from core.errors import BadInput
+from core.findings import Finding, StageResult
+from runstore import check_table, table_columns
 
 STAGE = "step1_local_norm"
 # Relative tolerance of a local norm by compute dtype: (pass up to, warn up to); beyond is a fail.
@@ -116,7 +116,7 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
     DP replicas hold the same reduced gradient: the first rank seen for a (name, tp_rank) wins; rows with
     ``dp_shard == 1`` are parts of a reduce-scattered gradient and are combined over ``dp_rank``.
     """
-    from align.core.runstore import RunReader
+    from runstore import RunReader
 
     if getattr(run, "store", False) is None and hasattr(run, "local_norm_table"):
         return _norms_from_table(run, step)
@@ -192,7 +192,7 @@ def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, s
                         dtype: str = "float32", rtol: tuple[float, float] | None = None,
                         top: int = 20) -> StageResult:
     """Compare two runs' step-``step`` local norms; details name the worst parameters by baseline name."""
-    from align.core.mapping import Mapping
+    from mapping import Mapping
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
     pass_tol, warn_tol = rtol or RTOL.get(dtype, RTOL["float32"])

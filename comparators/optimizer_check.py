@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from align.core.errors import BadInput
-from align.core.findings import Finding, StageResult, skipped
-from align.core.runstore import read_step1_file, write_step1_file  # noqa: F401  (the evidence file format)
+from core.errors import BadInput
+from core.findings import Finding, StageResult, skipped
+from runstore import read_step1_file, write_step1_file  # noqa: F401  (the evidence file format)
 
 STAGE = "optimizer"
 # Relative update difference: (pass up to, warn up to); beyond is a fail. float32: both optimizers compute
@@ -47,7 +47,7 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
     """StageResult("optimizer"): per parameter, does the candidate's update equal the baseline's?
 
     ``before`` and ``after_baseline`` use baseline names; ``after_candidate`` uses candidate names and is
-    converted through ``mapping`` (an ``align.core.mapping.Mapping``, a preset name or path; None = same names).
+    converted through ``mapping`` (an ``mapping.Mapping``, a preset name or path; None = same names).
     ``params`` is the mapping's ``TransformParams`` (heads and query groups for fused QKV).
     A baseline parameter without a candidate counterpart is a finding, never silently dropped.
     """
@@ -139,7 +139,7 @@ def _to_baseline_names(after_candidate: MappingABC[str, np.ndarray], mapping: An
                        ) -> tuple[dict[str, np.ndarray], StageResult | None]:
     if mapping is None:
         return dict(after_candidate), None
-    from align.core.mapping import Mapping, TransformParams
+    from mapping import Mapping, TransformParams
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
     if params is not None and not isinstance(params, TransformParams):
@@ -154,7 +154,7 @@ def to_candidate_names(arrays: MappingABC[str, np.ndarray], mapping: Any = None,
     Raises ``BadInput`` when a baseline name maps to nothing: feeding a partial gradient set to an optimizer
     would update the rest with stale zeros.
     """
-    from align.core.mapping import Mapping, TransformParams
+    from mapping import Mapping, TransformParams
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
     if params is not None and not isinstance(params, TransformParams):

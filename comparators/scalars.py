@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from align.core.errors import BadInput
-from align.core.findings import Finding, StageResult, skipped
-from align.core.run import Run
+from core.errors import BadInput
+from core.findings import Finding, StageResult, skipped
+from runstore.run import Run
 
 
 @dataclass

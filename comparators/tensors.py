@@ -24,9 +24,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from align.core.dtypes import EPS, coarsest, normalize
-from align.core.errors import BadInput
-from align.core.findings import Finding, StageResult
+from core.dtypes import EPS, coarsest, normalize
+from core.errors import BadInput
+from core.findings import Finding, StageResult
 
 STAGE = "layer_tensors"
 DASK_CONNECT_TIMEOUT = "20s"   # how long to wait for a --scheduler address before saying it is unreachable
@@ -232,7 +232,7 @@ def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = Fal
 # Tensor files: HDF5 datasets (run store), .npy (msprobe MindSpore), any suffix with a reader (.pt)
 # ------------------------------------------------------------------------------------------------------
 
-Readers = dict  # suffix (".pt") -> callable(path) -> np.ndarray; see align.checkpoints.torch_tensors.READERS
+Readers = dict  # suffix (".pt") -> callable(path) -> np.ndarray; see checkpoints.torch_tensors.READERS
 
 
 def _flat_chunks(parts: Iterator[np.ndarray], n: int = CHUNK) -> Iterator[np.ndarray]:
@@ -272,7 +272,7 @@ class _Npy:
         self.size = int(np.prod(shape)) if shape else 1
 
     def full(self) -> np.ndarray:
-        from align.core.runstore import load_npy
+        from runstore import load_npy
 
         return np.asarray(load_npy(self.path), dtype=np.float32)
 
@@ -342,7 +342,7 @@ def compare_files(path_a: str, path_b: str, transpose_a: bool = False, readers: 
 # ------------------------------------------------------------------------------------------------------
 
 def _read_stats(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    from align.core.runstore import check_table, table_columns
+    from runstore import check_table, table_columns
 
     try:
         with h5py.File(path, "r") as h5:
@@ -382,8 +382,8 @@ class StoreLayers:
 
 def layer_source(run: Any) -> Any:
     """Whatever holds layer tensors (run-store path / RunReader / Run, msprobe dump path / Run) -> source."""
-    from align.core.runstore import RunReader
-    from align.sources.msprobe import MsprobeDump, is_msprobe_dump, open_msprobe
+    from runstore import RunReader
+    from sources.msprobe import MsprobeDump, is_msprobe_dump, open_msprobe
 
     if isinstance(run, (MsprobeDump, StoreLayers)):
         return run
@@ -611,7 +611,7 @@ def plan_layer_tasks(baseline: Any, candidate: Any, mapping: Any = None, *, step
                      tolerances: dict[str, tuple[float, float, float]] | None = None,
                      readers: Readers | None = None) -> dict[str, Any]:
     """Pair the rows of one step and rank: the work items (one per tensor pair) and what was left out."""
-    from align.core.mapping import Mapping
+    from mapping import Mapping
 
     m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
     src_a, src_b = layer_source(baseline), layer_source(candidate)
@@ -671,7 +671,7 @@ def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *,
     ...) and the occurrence count of that (module, kind) in execution order. ``jobs`` parallel readers
     (``executor`` "thread" or "process"; default ``threads``), or ``scheduler``: a Dask scheduler address.
     ``readers``: suffix -> loader for tensor files numpy cannot stream (msprobe's .pt: pass
-    ``align.checkpoints.torch_tensors.READERS``); without one those rows compare by statistics.
+    ``checkpoints.torch_tensors.READERS``); without one those rows compare by statistics.
     """
     plan = plan_layer_tasks(baseline, candidate, mapping, step=step, rank=rank, candidate_rank=candidate_rank,
                             stats_only=stats_only, tolerances=tolerances, readers=readers)
@@ -737,7 +737,7 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]]) -> StageResu
     if unread:
         res.add(Finding(STAGE, "warn", unread[0]["module"], "tensor_files_unread", len(unread), 0,
                         f"{len(unread)} rows compared by statistics only: {unread[0]['tensor_unread']} "
-                        "(msprobe .pt needs torch: readers=align.checkpoints.torch_tensors.READERS)"))
+                        "(msprobe .pt needs torch: readers=checkpoints.torch_tensors.READERS)"))
     extra_b = plan["rows_b"] - len(rows_out)
     if not first and rows_out:
         res.add(Finding(STAGE, "pass", None, "rows_within_tolerance", len(rows_out), None,

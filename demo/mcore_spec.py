@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MODEL_KINDS = ("dense", "moe", "mla")
-# The mapping preset (align/core/presets) of each kind against a megatron-core baseline.
+# The mapping preset (mapping/presets) of each kind against a megatron-core baseline.
 MCORE_PRESETS = {k: f"megatron_core__mindformers_mcore_{k}" for k in MODEL_KINDS}
 
 

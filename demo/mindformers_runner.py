@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from align.core.runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
 from demo.spec import MCORE_LAYER_MODULES, MOE_KINDS, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
+from runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 
@@ -80,14 +80,14 @@ def _qk_swap_rows(arr: np.ndarray, *, num_heads: int, num_query_groups: int, hea
 
 def convert(spec: Spec) -> dict[str, Any]:
     """Megatron initial weights -> MindSpore checkpoint; the qk_swap fault re-permutes q/k rows per head."""
-    from align.convert_weights import convert_megatron_to_mindformers
+    from checkpoints.convert import convert_megatron_to_mindformers
 
     m = spec.model
     res = convert_megatron_to_mindformers([spec.init_weights], spec.converted, num_heads=m.num_heads,
                                           num_query_groups=m.num_query_groups,
                                           mapping=mcore_preset(spec) if is_mcore(spec) else None)
     if injects(spec, "conversion") == "qk_swap" and is_mcore(spec):
-        from align.checkpoints.mindformers import read_safetensors, write_safetensors
+        from checkpoints.mindformers import read_safetensors, write_safetensors
 
         arrays, meta = read_safetensors(spec.converted)
         arrays = {k: _qk_swap_rows(v, num_heads=m.num_heads, num_query_groups=m.num_query_groups,
@@ -121,7 +121,7 @@ def model_overrides(spec: Spec) -> dict[str, Any]:
 
 def build_mcore_net(spec: Spec, mode: str = "pynative") -> nn.Cell:
     """The mcore model (TrainingQwen3ForCausalLM + CPU stand-ins) loaded from the converted safetensors."""
-    from align.checkpoints.mindformers import read_safetensors
+    from checkpoints.mindformers import read_safetensors
 
     mcc.set_mcore_context(mode, seed=spec.seed)
     net = mcc.build_mcore_model(mcore_spec(spec), mode, seed=spec.seed)

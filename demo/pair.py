@@ -25,11 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from align.core.errors import BadInput
-from align.core.findings import EXIT
 from align.procedure import report, stderr_progress
-from align.report_args import parse_report_args, report_inputs
+from align.procedure.arguments import parse_report_args, report_inputs
 from align.stages import Inputs
+from core.errors import BadInput
+from core.findings import EXIT
 from demo.spec import FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -333,7 +333,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_example_logs(args: argparse.Namespace) -> int:
     """The log-only example: bundled Megatron-LM / MindFormers logs, no framework needed."""
-    from align.examples.make_example_logs import write_examples
+    from demo.example_logs import write_examples
 
     out = Path(args.out)
     paths = write_examples(out / "inputs")

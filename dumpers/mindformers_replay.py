@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from align.core.errors import BadInput
-from align.core.runstore import STEP_DIR, RunReader, read_seed_batch, seed_steps
+from core.errors import BadInput
+from runstore import STEP_DIR, RunReader, read_seed_batch, seed_steps
 
 # MindFormers column name -> Megatron batch name.
 COLUMN_SOURCES = {

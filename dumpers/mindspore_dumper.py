@@ -30,8 +30,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from align.core.runstore import RunWriter
 from dumpers.steps import NonFiniteError, parse_steps
+from runstore import RunWriter
 
 TENSOR_MODES = ("off", "stats", "full")
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)

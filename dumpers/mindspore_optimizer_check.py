@@ -59,8 +59,8 @@ def run_optimizer_check(optimizer: Any, baseline_file: str | Path, out: str | Pa
     (``evidence/optimizer_step1.npz`` of the baseline run, or that file), convert them to candidate names
     through the mapping, step ``optimizer`` once and write ``OUT/evidence/optimizer_step1.npz`` with the
     weights before and after. ``align report --optimizer-check OUT`` reads it."""
-    from align.core.mapping import Mapping, TransformParams
-    from align.core.runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, atomic_file, read_step1_file
+    from mapping import Mapping, TransformParams
+    from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, atomic_file, read_step1_file
 
 
     src = Path(baseline_file)

@@ -64,7 +64,7 @@ class OptimizerEvidence:
         if self.error or not self._grad:
             return None
         try:
-            from align.core.runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, write_step1_file
+            from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, write_step1_file
 
             after = {name: _np(p) for name, p in self.params if name in self._grad}
             path = self.run_dir / EVIDENCE_DIR / OPTIMIZER_EVIDENCE

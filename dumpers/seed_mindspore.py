@@ -53,7 +53,7 @@ def seed_everything(seed: int = 1234, deterministic: bool = True, set_env: bool 
 
 
 def record(writer: Any, info: dict[str, Any]) -> None:
-    """Merge the record into the run's meta.json (``writer`` is an align.core.runstore.RunWriter; rank 0 only,
+    """Merge the record into the run's meta.json (``writer`` is an runstore.RunWriter; rank 0 only,
     as every rank seeds alike and meta.json belongs to rank 0)."""
     if getattr(writer, "rank", 0) != 0:
         return

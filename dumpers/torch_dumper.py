@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from align.core.runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
 from dumpers.steps import NonFiniteError, parse_steps
+from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
 
 TENSOR_MODES = ("off", "stats", "full")
 NAN_MODES = ("off", "grads", "all")

@@ -7,7 +7,7 @@ import math
 from html import escape
 from typing import Any
 
-from align.core.findings import StageResult
+from core.findings import StageResult
 
 COLOURS = {"pass": "#1a7f37", "warn": "#b35900", "fail": "#c62828", "skipped": "#666666"}
 

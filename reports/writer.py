@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from align.core.errors import BadInput
-from align.core.findings import StageResult, worst
-from align.core.outputs import check_no_symlinks, check_out_dir
+from core.errors import BadInput
+from core.findings import StageResult, worst
+from core.outputs import check_no_symlinks, check_out_dir
 from reports import figures, html
 from reports.render import render
 

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from align.checks import config as cc
-from align.core.errors import BadInput
-from align.sources.configs import parse_arguments_block
+from align.cli import check_config
+from core.errors import BadInput
+from sources.configs import parse_arguments_block, read_megatron
 
 # A subset of a real Llama-2-7B-style Megatron-LM run's arguments (names as in megatron/training/arguments.py).
 MEGATRON_ARGS = {
@@ -75,9 +76,9 @@ def _run(tmp_path: Path, mg_text: str, mf: dict, name: str = "train.log") -> dic
     (tmp_path / name).write_text(mg_text)
     (tmp_path / "llama.yaml").write_text(yaml.safe_dump(mf))
     p = argparse.ArgumentParser()
-    cc.add_arguments(p)
+    check_config.add_arguments(p)
     out = tmp_path / "out.json"
-    rc = cc.run(p.parse_args([str(tmp_path / name), str(tmp_path / "llama.yaml"), "--json", str(out)]))
+    rc = check_config.run(p.parse_args([str(tmp_path / name), str(tmp_path / "llama.yaml"), "--json", str(out)]))
     report = json.loads(out.read_text())
     report["rc"] = rc
     return report
@@ -140,11 +141,11 @@ torchrun --nproc_per_node $GPUS_PER_NODE pretrain_gpt.py "${GPT_ARGS[@]}"
 
 def test_json_arguments_and_bad_input(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps({"args": MEGATRON_ARGS}))
-    args, kind = cc.read_megatron(tmp_path / "a.json")
+    args, kind = read_megatron(tmp_path / "a.json")
     assert kind == "json" and args["hidden_size"] == 4096
     (tmp_path / "x.txt").write_text("nothing here\n")
     with pytest.raises(BadInput):
-        cc.read_megatron(tmp_path / "x.txt")
+        read_megatron(tmp_path / "x.txt")
 
 
 # --- MindFormers 2.x (mcore) YAMLs as shipped in the mindformers 2.1.0 wheel (tests/data/configs/README.md) ----
@@ -157,9 +158,9 @@ def _rows(report: dict) -> dict[str, dict]:
 
 def _check(script: str, yaml_name: str, tmp_path: Path) -> dict:
     p = argparse.ArgumentParser()
-    cc.add_arguments(p)
+    check_config.add_arguments(p)
     out = tmp_path / "out.json"
-    rc = cc.run(p.parse_args([str(CONFIGS / script), str(CONFIGS / yaml_name), "--json", str(out)]))
+    rc = check_config.run(p.parse_args([str(CONFIGS / script), str(CONFIGS / yaml_name), "--json", str(out)]))
     report = json.loads(out.read_text())
     report["rc"] = rc
     return report

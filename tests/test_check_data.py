@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from align.checks import data as cd
-from align.core.runstore import RunWriter
+from align.cli import check_data
+from runstore import RunWriter
 
 VOCAB, EOS, SEQ, MBS = 100, 2, 32, 4
 
@@ -62,9 +63,9 @@ def _write_store(root: Path, batches) -> Path:
 
 def _cli(path: Path, *extra: str) -> tuple[int, dict]:
     p = argparse.ArgumentParser()
-    cd.add_arguments(p)
+    check_data.add_arguments(p)
     out = path.parent / "data.json"
-    rc = cd.run(p.parse_args([str(path), "--vocab-size", str(VOCAB), "--eos-id", str(EOS), *extra,
+    rc = check_data.run(p.parse_args([str(path), "--vocab-size", str(VOCAB), "--eos-id", str(EOS), *extra,
                               "--json", str(out)]))
     return rc, json.loads(out.read_text())
 

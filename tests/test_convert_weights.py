@@ -22,7 +22,8 @@ pytest.importorskip("megatron.core")
 ms = pytest.importorskip("mindspore")
 mc = pytest.importorskip("demo.mindformers_cpu")
 
-from align import convert_weights as cw  # noqa: E402
+from align.cli import convert_weights as convert_verb  # noqa: E402
+from checkpoints import convert as cw  # noqa: E402
 from demo.megatron_cpu import TinyLlamaConfig, build_tiny_llama, forward_loss, init_megatron_cpu, synthetic_batch  # noqa: E402
 
 CFG = TinyLlamaConfig()
@@ -39,8 +40,8 @@ def megatron(tmp_path_factory):
 
 def _cli(*argv: str) -> int:
     p = argparse.ArgumentParser()
-    cw.add_arguments(p)
-    return cw.run(p.parse_args(list(argv)))
+    convert_verb.add_arguments(p)
+    return convert_verb.run(p.parse_args(list(argv)))
 
 
 def test_round_trip_bit_identical(megatron) -> None:

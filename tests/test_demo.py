@@ -93,7 +93,7 @@ def test_workflow_report_block_gives_the_demo_verdicts(clean: tuple[Path, dict])
 
 def test_report_on_two_logs_says_what_to_capture(tmp_path: Path) -> None:
     from align.cli import main
-    from align.examples.make_example_logs import write_examples
+    from demo.example_logs import write_examples
 
     paths = write_examples(tmp_path / "in")
     assert main(["report", "-q", str(paths["baseline"]), str(paths["candidate"]), "--out",
@@ -180,7 +180,7 @@ def test_judged_at_float32_the_float16_attention_shows(clean: tuple[Path, dict],
 
 
 def test_reuse_of_a_baseline_of_another_model_is_refused(clean: tuple[Path, dict], tmp_path: Path) -> None:
-    from align.core.errors import BadInput
+    from core.errors import BadInput
 
     with pytest.raises(BadInput, match="--model dense"):
         paired_demo(tmp_path / "x", steps=STEPS, lr0_steps=LR0_STEPS, inject="qk_swap", reuse_baseline=clean[0],

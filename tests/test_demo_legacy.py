@@ -80,7 +80,7 @@ def test_legacy_fault_fails_at_its_stage_naming_its_component(name: str, clean: 
 
 
 def test_reuse_of_a_baseline_of_another_model_is_refused(clean: tuple[Path, dict], tmp_path: Path) -> None:
-    from align.core.errors import BadInput
+    from core.errors import BadInput
 
     with pytest.raises(BadInput, match="--model llama"):
         paired_demo(tmp_path / "x", steps=STEPS, lr0_steps=LR0_STEPS, inject="qk_swap", reuse_baseline=clean[0],

@@ -25,11 +25,11 @@ import pytest
 import yaml
 
 from align.cli import main
-from align.core.errors import BadInput
-from align.core.mapping import DEFAULT_PRESET, PRESET_DIR
-from align.core.runstore import RunWriter
-from align.sources.megatron_log import parse_megatron_log
-from align.sources.mindformers_log import parse_mindformers_log
+from core.errors import BadInput
+from mapping import DEFAULT_PRESET, PRESET_DIR
+from runstore import RunWriter
+from sources.megatron_log import parse_megatron_log
+from sources.mindformers_log import parse_mindformers_log
 
 SEED = 14
 DATA = Path(__file__).parent / "data"
@@ -499,7 +499,7 @@ def _megatron_fields(line: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("garbage", GARBAGE)
 def test_megatron_line_with_one_field_garbled_keeps_the_others(tmp_path, garbage):
-    from align.sources.megatron_log import _key
+    from sources.megatron_log import _key
     line = REAL.format(it=7, cs=112, loss=6.5, g=1.25)
     fields = _megatron_fields(line)
     good = parse_megatron_log(_write(tmp_path / "good.log", line))

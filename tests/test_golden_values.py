@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from align.cli import main
-from align.core.errors import BadInput
-from align.sources import detect, load_run
+from core.errors import BadInput
+from sources import detect, load_run
 
 
 def golden(path, losses, start=1, interval=1, grad_nan_step=None, extra=True):

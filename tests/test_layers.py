@@ -12,37 +12,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (module prefix, rank): a module may import its own unit or a unit of strictly lower rank.
+# The stack, bottom up, by folder: a module may import modules of its own folder and of folders of strictly
+# lower rank. Each folder that holds modules is placed here (a sub-folder not listed takes its parent's place),
+# so a new folder must say where it stands.
 LAYERS: list[tuple[str, int]] = [
-    ("align.core", 0),             # errors, findings, run store, runs, mapping + presets
-    ("align.sources", 1),          # files users already have: logs, TensorBoard, configs
-    ("dumpers", 1),                # code that runs inside a training process
-    ("comparators", 2),            # numpy/pandas comparisons -> findings
-    ("reports", 3),                # findings -> html, figures, summary.json
-    ("align.checks", 4),           # config checklist, data checks
-    ("align.checkpoints", 4),      # framework tensor / checkpoint files (frameworks imported lazily)
-    ("align.convert_weights", 5),  # checkpoint conversion through the mapping (reads align.checkpoints)
-    ("align.examples", 4),
-    ("align.stages", 5),           # the stage registry: one file per stage
-    ("align.procedure", 6),        # runs the registry, writes the report
-    ("align.report_args", 6),      # `align report` arguments -> procedure Inputs (CLI and demo)
-    ("demo", 7),                   # makes runs, then calls the procedure
-    ("align.cli", 8),
-    ("align.__main__", 9),
-    ("align", 8),                  # the package's own __init__
+    ("core", 0),              # errors, findings, dtypes, atomic outputs, the registry helper
+    ("runstore", 1),          # the one format: writer, reader, a run in memory
+    ("mapping", 2),           # the name-mapping engine and its transforms
+    ("sources", 4),           # files users already have -> runs (logs, TensorBoard, msprobe, golden values)
+    ("checkpoints", 4),       # framework checkpoint / tensor files (frameworks imported lazily), conversion
+    ("dumpers", 4),           # code that runs inside a training process
+    ("comparators", 5),       # numpy/pandas comparisons -> findings
+    ("reports", 6),           # findings -> html, figures, summary.json
+    ("align/checks", 7),      # config checklist, data checks
+    ("align/stages", 8),      # the stage registry: one file per stage
+    ("align/procedure", 9),   # runs the registry, writes the report; `align report` arguments
+    ("demo", 10),             # makes runs, then calls the procedure
+    ("align/cli", 11),        # one module per verb, the demo's among them
+    ("align", 12),            # `python -m align`
 ]
-PACKAGES = ("align", "dumpers", "comparators", "reports", "demo")
+PACKAGES = ("core", "runstore", "mapping", "sources", "checkpoints", "dumpers", "comparators", "reports", "align",
+            "demo")
 FRAMEWORKS = ("torch", "mindspore", "mindformers", "megatron")
-# Layers a user with only logs installs: no framework import at all, not even a lazy one, except where a
-# checkpoint format is read or written (convert_weights, imported only by that command).
-FRAMEWORK_FREE = ("align.core", "align.sources", "align.checks", "align.stages", "align.procedure", "align.report_args",
-                  "comparators", "reports")
+# Folders a user with only logs installs: no framework import at all, not even a lazy one (checkpoints/ and
+# dumpers/ read or run the frameworks; the CLI reaches them only inside a verb's run()).
+FRAMEWORK_FREE = ("core", "runstore", "mapping", "sources", "comparators", "reports", "align/checks", "align/stages",
+                  "align/procedure", "align/cli")
 
 
-def unit_of(module: str) -> tuple[str, int] | None:
+def unit_of(folder: str) -> tuple[str, int] | None:
+    """The listed folder that holds ``folder`` (itself or its nearest listed parent), with its rank."""
     best = None
     for prefix, rank in LAYERS:
-        if module == prefix or module.startswith(prefix + "."):
+        if folder == prefix or folder.startswith(prefix + "/"):
             if best is None or len(prefix) > len(best[0]):
                 best = (prefix, rank)
     return best
@@ -83,31 +85,73 @@ def project_modules() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
+def folder_of(module: str, root: Path = ROOT) -> str | None:
+    """The folder that holds ``module`` (a package is its own folder); None outside the project."""
+    path = root.joinpath(*module.split("."))
+    if path.is_dir():
+        return path.relative_to(root).as_posix()
+    if path.with_suffix(".py").is_file():
+        return path.parent.relative_to(root).as_posix()
+    return None
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one folder (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
 def violations(files: list[Path], root: Path = ROOT) -> list[str]:
     bad = []
-    edges: dict[str, set[str]] = {}
+    edges: dict[str, set[str]] = {}     # folder -> folders it imports (every folder its own node)
     for path in files:
         mod = module_name(path, root)
-        src = unit_of(mod)
-        assert src is not None, f"{mod}: not in LAYERS; place it in a layer"
+        folder = path.parent.relative_to(root).as_posix()
+        src = unit_of(folder)
+        assert src is not None, f"{folder}/: not in LAYERS; place it in the stack"
         for target, line in imports_of(path, root):
             top = target.split(".")[0]
             where = f"{path.relative_to(root)}:{line}"
             if top in FRAMEWORKS and src[0].startswith(FRAMEWORK_FREE):
                 bad.append(f"{where}: {mod} imports framework {target}")
-            if top not in PACKAGES:
+            dst_folder = folder_of(target, root) if top in PACKAGES else None
+            if dst_folder is None:
                 continue
-            dst = unit_of(target)
+            if dst_folder != folder:
+                edges.setdefault(folder, set()).add(dst_folder)
+            dst = unit_of(dst_folder)
             if dst is None or dst[0] == src[0]:
                 continue
-            edges.setdefault(src[0], set()).add(dst[0])
             if dst[1] >= src[1]:
-                bad.append(f"{where}: {mod} (layer {src[1]}) imports {target} (layer {dst[1]}): upward")
-    # cycles between units (possible only among units of one rank, but checked for any)
-    for a, outs in edges.items():
-        for b in outs:
-            if a in edges.get(b, set()):
-                bad.append(f"cycle: {a} <-> {b}")
+                bad.append(f"{where}: {mod} ({src[0]}/, rank {src[1]}) imports {target} ({dst[0]}/, rank {dst[1]}): "
+                           "not below it")
+    bad += [f"folder cycle: {' <-> '.join(c)}" for c in cycles(edges)]
     return bad
 
 
@@ -116,15 +160,25 @@ def test_every_import_points_down() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_every_folder_is_placed() -> None:
+    folders = {p.parent.relative_to(ROOT).as_posix() for p in project_modules()}
+    assert not [f for f in sorted(folders) if unit_of(f) is None]
+
+
 def test_an_upward_import_is_caught(tmp_path: Path) -> None:
-    """The checker itself: a comparator importing the procedure must fail it."""
-    fake_root = tmp_path
-    (fake_root / "comparators").mkdir()
-    (fake_root / "align" / "core").mkdir(parents=True)
-    (fake_root / "comparators" / "bad.py").write_text("from align.procedure import report\n")
-    (fake_root / "align" / "core" / "ok.py").write_text("import numpy\n")
-    (fake_root / "align" / "core" / "fw.py").write_text("def f():\n    import torch\n")
-    bad = violations(sorted(fake_root.rglob("*.py")), fake_root)
-    assert any("comparators.bad" in b and "upward" in b for b in bad), bad
+    """The checker itself: a comparator importing the procedure, a framework in the ground floor, and two
+    sub-folders of one place importing each other must all fail it."""
+    root = tmp_path
+    for d in ("comparators", "align/procedure", "core", "sources/a", "sources/b"):
+        (root / d).mkdir(parents=True)
+        (root / d / "__init__.py").write_text("")
+    (root / "comparators" / "bad.py").write_text("from align.procedure import report\n")
+    (root / "core" / "ok.py").write_text("import numpy\n")
+    (root / "core" / "fw.py").write_text("def f():\n    import torch\n")
+    (root / "sources" / "a" / "x.py").write_text("from sources.b import y\n")
+    (root / "sources" / "b" / "y.py").write_text("from sources.a import x\n")
+    bad = violations(sorted(root.rglob("*.py")), root)
+    assert any("comparators.bad" in b and "not below" in b for b in bad), bad
     assert any("framework torch" in b for b in bad), bad
-    assert not any("align.core.ok" in b for b in bad)
+    assert any(b == "folder cycle: sources/a <-> sources/b" for b in bad), bad
+    assert not any("core.ok" in b for b in bad)

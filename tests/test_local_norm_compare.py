@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.mapping import Mapping
-from align.core.runstore import RunWriter
 from comparators.local_norms import compare_local_norms
+from mapping import Mapping
+from runstore import RunWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "helpers" / "megatron_local_norm_worker.py"
@@ -43,7 +43,7 @@ def test_tp2_against_tp1_compares_cleanly(runs: Path) -> None:
 
 def test_naive_shard_sum_would_not_match(runs: Path, tmp_path: Path) -> None:
     """Guard on the test itself: treating TP=2 shards as duplicated (rank 0 only) must fail."""
-    from align.core.runstore import RunReader
+    from runstore import RunReader
 
     r = RunReader(runs / "tp2")
     t = r.step_arrays(1, 0).table("local_norm")
@@ -77,7 +77,7 @@ def test_mindformers_names_fused_parts_and_worst_named_by_baseline(runs: Path) -
 
 
 def test_unmapped_and_missing_reported_not_dropped(runs: Path, tmp_path: Path) -> None:
-    from align.core.runstore import RunReader
+    from runstore import RunReader
 
     t = RunReader(runs / "mf").step_arrays(1, 0).table("local_norm")
     keep = t[t["name"] != "model.layers.0.attention.wk.weight"]

@@ -8,9 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from align.core import mapping as mp
-from align.core.errors import BadInput
-from align.core.mapping import Mapping, TransformParams
+import mapping as mp
+from align.cli import mapping as mapping_verb
+from core.errors import BadInput
+from mapping import Mapping, TransformParams
 
 L = 2
 
@@ -163,13 +164,13 @@ def test_custom_yaml_mapping_with_regex_and_transpose(tmp_path) -> None:
 
 def test_cli_show_and_check(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser()
-    mp.add_arguments(parser)
-    assert mp.run(parser.parse_args(["show", "megatron_core_llama__mindformers_llama"])) == 0
+    mapping_verb.add_arguments(parser)
+    assert mapping_verb.run(parser.parse_args(["show", "megatron_core_llama__mindformers_llama"])) == 0
     out = capsys.readouterr().out
     assert "linear_qkv" in out and "split_qkv" in out and "model.layers.{layer}.attention.wq.weight" in out
     (tmp_path / "b.txt").write_text("\n".join(megatron_names(ddp=True)))
     (tmp_path / "c.json").write_text(json.dumps(mindformers_names()[:-1]))
-    rc = mp.run(parser.parse_args(["check", "--baseline", str(tmp_path / "b.txt"),
+    rc = mapping_verb.run(parser.parse_args(["check", "--baseline", str(tmp_path / "b.txt"),
                                    "--candidate", str(tmp_path / "c.json"), "--json"]))
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and report["verdict"] == "fail"

@@ -19,10 +19,10 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
-from align.core.mapping import Mapping, TransformParams  # noqa: E402
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
 from demo import megatron_cpu as mg  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
+from mapping import Mapping, TransformParams  # noqa: E402
 
 _MLA = mc.McoreSpec(kind="mla", shared_expert_size=16, first_k_dense=0)
 SPECS = {"dense": mc.McoreSpec(kind="dense"),
@@ -182,18 +182,18 @@ def test_local_norms_of_stacked_experts_compare_through_the_mapping(megatron_sta
 def _cli(*argv: str) -> int:
     import argparse
 
-    from align import convert_weights as cw
+    from align.cli import convert_weights as convert_verb
 
     p = argparse.ArgumentParser()
-    cw.add_arguments(p)
-    return cw.run(p.parse_args(list(argv)))
+    convert_verb.add_arguments(p)
+    return convert_verb.run(p.parse_args(list(argv)))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_moe_weights_round_trip_through_safetensors(dtype, megatron_states, tmp_path) -> None:
     """Megatron MoE state_dict -> MindFormers safetensors (stacked experts) -> Megatron: bit-identical,
     bfloat16 included (stored as BF16, read back exactly)."""
-    from align.checkpoints.mindformers import read_safetensors
+    from checkpoints.mindformers import read_safetensors
 
     spec = SPECS["moe"]
     sd = {k: torch.from_numpy(v) for k, v in megatron_states["moe"].items()}
@@ -216,7 +216,7 @@ def test_moe_weights_round_trip_through_safetensors(dtype, megatron_states, tmp_
 
 
 def test_truncated_safetensors_is_bad_input(megatron_states, tmp_path) -> None:
-    from align.core.errors import BadInput
+    from core.errors import BadInput
 
     spec = SPECS["dense"]
     torch.save({k: torch.from_numpy(v) for k, v in megatron_states["dense"].items()}, tmp_path / "d.pt")
@@ -233,7 +233,7 @@ def test_layout_transforms_round_trip_and_match_their_definitions() -> None:
     """qkv_contiguous = [q; k; v] of Megatron's per-group layout (MindFormers'
     use_contiguous_weight_layout_attention); concat splits back by named sizes (MLA's fused q/kv down
     projections); interleave with TP=2 interleaves each shard's [gate; up] halves as a whole."""
-    from align.core.mapping import Rule, merge_qkv, split_qkv
+    from mapping import Rule, merge_qkv, split_qkv
 
     rng = np.random.default_rng(0)
     p = TransformParams(num_heads=4, num_query_groups=2, tp=2, sizes={"q": 3, "kv": 5})
@@ -266,7 +266,7 @@ def test_qkv_concat_preset_splits_what_mindformers_splits(megatron_states) -> No
     its output as [q_lora_rank | kv_lora_rank | qk_pos_emb_head_dim], the kv part in Megatron's own order
     [kv_compressed | k_pos_emb]. Back to Megatron needs only q_down (kv_down is the remainder); a wrong size is
     bad input, not a silent mis-split."""
-    from align.core.errors import BadInput
+    from core.errors import BadInput
 
     spec, meg = SPECS["mla_qkv_concat"], megatron_states["mla_qkv_concat"]
     att = "decoder.layers.1.self_attention."
@@ -289,7 +289,7 @@ def test_qkv_concat_preset_splits_what_mindformers_splits(megatron_states) -> No
 def test_qkv_concat_weights_round_trip_through_safetensors_cli(megatron_states, tmp_path) -> None:
     """DeepSeek-V3 with MTP -> MindFormers safetensors (mla_qkv_concat: fused linear_qkv) -> Megatron with
     ``--size q_down=Q_LORA_RANK``: bit-identical; without --size the way back is bad input (exit 2 in the CLI)."""
-    from align.core.errors import BadInput
+    from core.errors import BadInput
 
     spec = SPECS["mla_qkv_concat"]
     sd = {k: torch.from_numpy(v) for k, v in megatron_states["mla_qkv_concat"].items()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.runstore import SEED_BATCH_KEYS, RunReader
+from runstore import SEED_BATCH_KEYS, RunReader
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")

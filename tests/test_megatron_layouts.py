@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.runstore import RunReader
+from runstore import RunReader
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -225,7 +225,7 @@ def test_megatron_lm_loop_integration_records_training_iterations_only(stores) -
     assert r.meta["framework"] == "megatron-core" and r.meta["dtypes"]["params"] == "float32"
 
 
-# -- Megatron checkpoints (align.checkpoints.megatron, align convert-weights) ------------------------------
+# -- Megatron checkpoints (checkpoints.megatron, align convert-weights) ------------------------------
 
 TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
@@ -248,7 +248,7 @@ def _local_names(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def test_checkpoint_readers_merge_tp_and_pp_bit_identical(stores) -> None:
-    from align.checkpoints.megatron import read_megatron_checkpoint
+    from checkpoints.megatron import read_megatron_checkpoint
 
     out, results = stores
     ref = _ref_state(out)
@@ -267,15 +267,15 @@ def test_convert_weights_from_torch_dist_tp2_step1_loss_equals_megatron(stores, 
 
     ms = pytest.importorskip("mindspore")
     mf = pytest.importorskip("demo.mindformers_cpu")
-    from align import convert_weights as cw
+    from align.cli import convert_weights as convert_verb
     from demo.megatron_cpu import TinyLlamaConfig, synthetic_batch
 
     out, results = stores
     cfg = TinyLlamaConfig(micro_batch_size=2)
     parser = argparse.ArgumentParser()
-    cw.add_arguments(parser)
+    convert_verb.add_arguments(parser)
     ckpt = tmp_path / "mf.ckpt"
-    assert cw.run(parser.parse_args([str(out / "ckpt_tp2" / "torch_dist"), "--to", "mindformers", "--out",
+    assert convert_verb.run(parser.parse_args([str(out / "ckpt_tp2" / "torch_dist"), "--to", "mindformers", "--out",
                                      str(ckpt), "--num-heads", str(cfg.num_attention_heads),
                                      "--num-query-groups", str(cfg.num_query_groups)])) == 0
     mf.set_cpu_context("pynative", seed=0)
@@ -301,8 +301,8 @@ def test_checkpoint_readers_refuse_unsafe_pickles_with_one_line(stores, tmp_path
 
     import torch
 
-    from align.checkpoints.megatron import read_megatron_checkpoint
-    from align.core.errors import BadInput
+    from checkpoints.megatron import read_megatron_checkpoint
+    from core.errors import BadInput
 
     bad = tmp_path / "legacy" / "mp_rank_00"
     bad.mkdir(parents=True)

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.errors import BadInput
-from align.sources.configs import parse_arguments_block
-from align.sources.megatron_log import parse_megatron_log
+from core.errors import BadInput
+from sources.configs import parse_arguments_block
+from sources.megatron_log import parse_megatron_log
 
 # Verbatim from a Megatron-LM run (DESIGN.md).
 REAL = ("[2024-05-01 10:12:31] iteration      250/    1000 | consumed samples:         4000 | elapsed time per "
@@ -158,7 +158,7 @@ def test_bulk_number_readers_agree_with_the_careful_path(tmp_path, monkeypatch, 
     """pyarrow (when installed) and pandas read the same numbers, NaN included, as the field-by-field path."""
     if use_arrow:
         pytest.importorskip("pyarrow")
-    import align.sources.megatron_log as ml
+    import sources.megatron_log as ml
     real = ml._read_numbers
     monkeypatch.setattr(ml, "_read_numbers", lambda t, n, u: real(t, n, u, use_arrow))
     rng = np.random.default_rng(1)
@@ -284,7 +284,7 @@ def test_arguments_block_with_elided_lines_and_abbreviation(tmp_path):
     assert block["adam_beta2"] == 0.95 and block.abbreviated
     run = parse_megatron_log(write(tmp_path, text))
     assert run.meta["parallel"] == {"tp": 8, "pp": 1, "dp": 8, "world_size": 64}
-    from align.sources.configs import read_megatron
+    from sources.configs import read_megatron
     args, kind = read_megatron(write(tmp_path, text, "args.log"))
     common, _ = megatron_common(args)
     assert common["tp"] == 8                       # from the 'using world size' line, not the default 1
@@ -372,7 +372,7 @@ def test_validation_line_with_a_garbled_value_keeps_the_other(tmp_path):
 
 def _both(monkeypatch, p: Path):
     """The run read as usual and the run read with the canonical bulk path switched off."""
-    import align.sources.megatron_log as ml
+    import sources.megatron_log as ml
     fast = ml.parse_megatron_log(p)
     with monkeypatch.context() as mp:
         mp.setattr(ml, "_read_canonical", lambda raw: None)
@@ -409,7 +409,7 @@ def _mixed_lines(stamp: bool) -> list[str]:
 
 @pytest.mark.parametrize("stamp", [True, False])
 def test_canonical_bulk_path_matches_the_careful_path(tmp_path, monkeypatch, stamp):
-    import align.sources.megatron_log as ml
+    import sources.megatron_log as ml
     lines = _mixed_lines(stamp)
     restart = lines[:200] + [x for x in lines[150:] if "iteration" in x and "|" in x][:30] + lines[200:]
     for name, text in [("clean", "\n".join(lines) + "\n"), ("restart", "\n".join(restart) + "\n"),
@@ -425,7 +425,7 @@ def test_canonical_bulk_path_matches_the_careful_path(tmp_path, monkeypatch, sta
 def test_canonical_bulk_path_steps_aside_for_damaged_lines(tmp_path, monkeypatch):
     """Garbled values, a wrapped record, a cut last line, a swapped-in field, a record glued after other
     text: the bulk path declines (or reads the same) and every result equals the careful path's."""
-    import align.sources.megatron_log as ml
+    import sources.megatron_log as ml
     lines = _mixed_lines(True)
     recs = [i for i, x in enumerate(lines) if "| lm loss:" in x]
     cases = {}
@@ -457,7 +457,7 @@ def test_canonical_bulk_path_steps_aside_for_damaged_lines(tmp_path, monkeypatch
 
 
 def test_digit_run_reads_padded_numbers_and_refuses_anything_else():
-    from align.sources.logtext import digit_run
+    from sources.logtext import digit_run
     rng = np.random.default_rng(5)
     for width in (8, 9, 3):
         want = rng.integers(0, 10 ** width, 1000)
@@ -473,7 +473,7 @@ def test_to_pipes_and_originals_undo_each_other():
     """The canonical path translates ':' with numpy and finds the lines pyarrow hands back in the original
     text: the same bytes as str.translate, every line where it is, also one that ends the file unterminated,
     one that repeats inside a longer line, and one without any separator."""
-    from align.sources.logtext import originals, to_pipes
+    from sources.logtext import originals, to_pipes
     table = bytes.maketrans(b":", b"|")
     lines = [b"a: b | c", b"x|y", b"plain text", b"a: b | c", b"k: 1 | a: b | c:", b"|", b" b | c", b"last: 1"]
     raw = b"\n".join(lines)

@@ -121,8 +121,8 @@ def graph_run(tmp_path_factory: pytest.TempPathFactory, batches: Path, weights: 
 
 @pytest.mark.timeout(300)
 def test_msrun_run_mindformer_yaml_replays_batches_and_dumps_named_norms(graph_run: Path, batches: Path) -> None:
-    from align.core.runstore import RunReader
-    from align.sources import load_run
+    from runstore import RunReader
+    from sources import load_run
 
     reader = RunReader(graph_run / "run")
     assert reader.ranks == [0, 1] and reader.array_steps() == [1, 2, 3]
@@ -161,7 +161,7 @@ def test_pynative_rerun_of_steps_1_2_captures_layers_and_matches_graph(graph_run
     """The documented debug path: the same YAML with context.mode 1 captures layer statistics of steps 1-2.
     Launched on one worker here (rank 0's batches), so step 1 (forward and its loss) is the GRAPH run's rank 0;
     re-run with the GRAPH run's parallel layout to compare step 2 as well."""
-    from align.core.runstore import RunReader
+    from runstore import RunReader
 
     config = launch_yaml(tmp_path, batches, steps=2, mode="pynative",
                          dumper={"tensors": "stats", "cells": ["model.layers.*"], "backward": False},

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.errors import BadInput
-from align.sources.mindformers_log import parse_mindformers_log
+from core.errors import BadInput
+from sources.mindformers_log import parse_mindformers_log
 
 DATA = Path(__file__).parent / "data"
 REAL = DATA / "mindformers_train.log"
@@ -71,7 +71,7 @@ def test_no_step_lines(tmp_path):
 
 
 def test_bulk_and_line_by_line_paths_agree(tmp_path):
-    from align.examples.make_example_logs import mindformers_log
+    from demo.example_logs import mindformers_log
     p = tmp_path / "a.log"
     mindformers_log(p, 50, seed=3)
     fast = parse_mindformers_log(p)
@@ -160,8 +160,8 @@ def test_older_lines(name, decimals):
 
 
 def test_msrun_worker_logs_open_as_one_run(tmp_path):
-    from align.core.run import open_store, save_run
-    from align.sources import detect, load_run
+    from runstore.run import open_store, save_run
+    from sources import detect, load_run
 
     root = MF2 / "msrun_log"
     assert detect(root) == "mindformers_log" and detect(MF2) == "mindformers_log"
@@ -182,7 +182,7 @@ def test_msrun_worker_logs_open_as_one_run(tmp_path):
 
 
 def test_empty_worker_dir(tmp_path):
-    from align.sources.mindformers_log import parse_mindformers_dir
+    from sources.mindformers_log import parse_mindformers_dir
 
     (tmp_path / "worker_0.log").write_text("nothing\n")
     with pytest.raises(BadInput, match="none of 1 worker logs"):
@@ -191,9 +191,9 @@ def test_empty_worker_dir(tmp_path):
 
 def test_step1_local_norms_compare_by_name_from_a_mindformers_log(tmp_path):
     """Megatron-core names on both sides (MindFormers 2.x mcore keeps them): one perturbed norm is named."""
-    from align.core.run import open_store
-    from align.core.runstore import RunWriter
     from align.stages import Evidence, Inputs, run_stages
+    from runstore import RunWriter
+    from runstore.run import open_store
 
     names, norms = EXPECTED["names"], np.array(EXPECTED["dense"]["norms"][0], dtype=np.float64)
     norms[2] *= 1.05                                        # linear_qkv departs by 5%
@@ -216,7 +216,7 @@ def test_step1_local_norms_compare_by_name_from_a_mindformers_log(tmp_path):
 
 @pytest.mark.parametrize("name", ["moe_mtp", "sink"])
 def test_2x_bulk_and_line_by_line_paths_agree(tmp_path, name):
-    import align.sources.mindformers_log as mfl
+    import sources.mindformers_log as mfl
 
     text = (MF2 / f"{name}.log").read_text()
     assert mfl._bulk(text.encode()) is not None        # these files take the bulk path
@@ -286,7 +286,7 @@ def test_line_cut_mid_value_never_keeps_a_truncated_number(tmp_path):
 # --- issue 15: the pyarrow bulk path reads exactly what the regex path reads -------------------------------
 
 def _read_both(monkeypatch, p):
-    import align.sources.mindformers_log as mfl
+    import sources.mindformers_log as mfl
     bulk = mfl.parse_mindformers_log(p)
     with monkeypatch.context() as mp:
         mp.setattr(mfl, "_bulk", lambda raw: None)
@@ -299,9 +299,9 @@ def _read_both(monkeypatch, p):
 
 
 def test_bulk_path_matches_the_regex_path(tmp_path, monkeypatch):
-    import align.sources.mindformers_log as mfl
-    from align.examples.make_example_logs import mindformers_log
-    from align.sources.logtext import clean_text
+    import sources.mindformers_log as mfl
+    from demo.example_logs import mindformers_log
+    from sources.logtext import clean_text
     p = tmp_path / "mf.log"
     mindformers_log(p, 300, seed=3, fault="nan", fault_step=250)
     lines = p.read_text().splitlines()
@@ -348,7 +348,7 @@ def test_any_ends_with_agrees_with_str_endswith():
 
     import pyarrow as pa
 
-    from align.sources.logtext import any_ends_with
+    from sources.logtext import any_ends_with
 
     rng = random.Random(1)
     for _ in range(3000):
@@ -365,9 +365,9 @@ def test_any_ends_with_agrees_with_str_endswith():
 def test_bulk_path_reads_a_file_of_many_blocks_like_the_regex_path(tmp_path, monkeypatch):
     """pyarrow reads the file a block (1 MB) at a time, each translated as it is read: lines across block
     ends and other lines between blocks read as the regex path reads them."""
-    import align.sources.mindformers_log as mfl
-    from align.examples.make_example_logs import mindformers_log
-    from align.sources.logtext import clean_text
+    import sources.mindformers_log as mfl
+    from demo.example_logs import mindformers_log
+    from sources.logtext import clean_text
     p = tmp_path / "big.log"
     mindformers_log(p, 12_000, seed=5)
     lines = p.read_text().splitlines()

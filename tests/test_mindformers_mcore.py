@@ -176,11 +176,11 @@ def test_dense_model_trains_with_mindformers_step_in_graph(dense_graph, train_ce
 def _cli(*argv: str) -> int:
     import argparse
 
-    from align import convert_weights as cw
+    from align.cli import convert_weights as convert_verb
 
     p = argparse.ArgumentParser()
-    cw.add_arguments(p)
-    return cw.run(p.parse_args(list(argv)))
+    convert_verb.add_arguments(p)
+    return convert_verb.run(p.parse_args(list(argv)))
 
 
 def _load_with_mindformers(net, path) -> dict[str, np.ndarray]:
@@ -204,8 +204,8 @@ def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, train_
     attention.py), as the NPU kernel needs. Measured here: attention inputs differ from Megatron's by 3.7e-4
     of their scale (float16 rounding), logits by ~5e-5, step-1 local norms by up to 1.9e-4 (layer 0
     q_layernorm); the loss still agrees to 2.3e-7."""
-    from align.core.mapping import Mapping
     from comparators.local_norms import ShardNorm, compare_norm_entries
+    from mapping import Mapping
     torch = pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     from demo import megatron_cpu as mg
@@ -221,7 +221,7 @@ def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, train_
 
     original = mc.parameter_arrays(dense_graph)
     try:
-        from align.checkpoints.mindformers import read_safetensors
+        from checkpoints.mindformers import read_safetensors
 
         loaded = _load_with_mindformers(dense_graph, out)
         written, _ = read_safetensors(out)

@@ -19,9 +19,9 @@ pytest.importorskip("megatron.core")
 ms = pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
-from align.core.mapping import Mapping  # noqa: E402
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
+from mapping import Mapping  # noqa: E402
 from tests.helpers import megatron_step1 as meg_step1  # noqa: E402
 
 SPEC = mc.McoreSpec(kind="mla", num_experts=0)

@@ -25,10 +25,10 @@ pytest.importorskip("megatron.core")
 ms = pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
-from align.core.mapping import Mapping, TransformParams  # noqa: E402
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
 from demo import megatron_cpu as mg  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
+from mapping import Mapping, TransformParams  # noqa: E402
 
 SPEC = mc.McoreSpec(kind="mla", num_experts=0)
 MTP_FACTOR = 0.3          # pretrain_deepseek3_671b.yaml: mtp_loss_factor 0.3 (Megatron: mtp_loss_scaling_factor)

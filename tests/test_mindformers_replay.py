@@ -13,11 +13,11 @@ import pytest
 
 mc = pytest.importorskip("demo.mindformers_cpu")
 
-from align.core.errors import BadInput  # noqa: E402
-from align.core.runstore import RunReader  # noqa: E402
+from core.errors import BadInput  # noqa: E402
 from dumpers.mindformers import MindFormersDumperCallback, dump_mindformers_step  # noqa: E402
 from dumpers.mindformers_replay import MegatronReplayDataset  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
+from runstore import RunReader  # noqa: E402
 from tests.helpers.numpy_reference import numpy_masked_ce  # noqa: E402
 
 B, S, V = 2, 16, 64

@@ -11,9 +11,9 @@ mc = pytest.importorskip("demo.mindformers_cpu")
 
 import mindspore as ms  # noqa: E402
 
-from align.core.runstore import RunReader  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper, NonFiniteError  # noqa: E402
 from dumpers.seed_mindspore import record, seed_everything  # noqa: E402
+from runstore import RunReader  # noqa: E402
 
 B, S, V = 2, 16, 64
 

@@ -70,7 +70,7 @@ def worker(data: Path, out: Path) -> dict:
     cb_dumper = MindSporeDumper(net2, out / "model_train")
     ms.train.Model(norm_cell).train(1, MegatronReplayDataset(data_dir=str(data)), dataset_sink_mode=False,
                                     callbacks=[DumperCallback(cb_dumper)])
-    from align.core.runstore import RunReader
+    from runstore import RunReader
 
     reader = RunReader(out / "model_train")
     table = reader.step_arrays(2).table("local_norm")

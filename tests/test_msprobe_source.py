@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.errors import BadInput
-from align.core.mapping import Mapping
-from align.sources import detect, load_run
-from align.sources.msprobe import normalise_dtype, open_msprobe, split_key
 from comparators.tensors import compare_arrays, compare_files, compare_layer_tensors
+from core.errors import BadInput
+from mapping import Mapping
+from sources import detect, load_run
+from sources.msprobe import normalise_dtype, open_msprobe, split_key
 
 DATA = Path(__file__).resolve().parent / "data" / "msprobe"
 PT, MS = DATA / "pt", DATA / "ms"
@@ -26,7 +26,7 @@ PERTURBED = "decoder.layers.1.mlp.linear_fc2"      # Megatron's name of MindForm
 
 def _readers():
     pytest.importorskip("torch")
-    from align.checkpoints.torch_tensors import READERS
+    from checkpoints.torch_tensors import READERS
 
     return READERS
 

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 ms = pytest.importorskip("mindspore")
 mc = pytest.importorskip("demo.mindformers_cpu")
 
-from align import convert_weights as cw  # noqa: E402
+from checkpoints import convert as cw  # noqa: E402
 from comparators import optimizer_check as oc  # noqa: E402
 from demo.megatron_cpu import TinyLlamaConfig, build_tiny_llama, forward_loss, init_megatron_cpu, synthetic_batch  # noqa: E402
 from dumpers.mindspore_optimizer_check import optimizer_step_with_grads  # noqa: E402

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from align.cli import main
-from align.examples.make_example_logs import write_examples
+from demo.example_logs import write_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,7 +147,7 @@ def test_import_then_report_on_stores(tmp_path):
 
 
 def _store(root, norms, with_norms=True):
-    from align.core.runstore import RunWriter
+    from runstore import RunWriter
     names = list(norms)
     with RunWriter(root, meta={"framework": "megatron-core", "name_scheme": "megatron-core-local"}) as w:
         for step in range(1, 6):

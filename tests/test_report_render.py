@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from align.examples.make_example_logs import megatron_log, mindformers_log
 from align.procedure import report
 from align.stages import Inputs
+from demo.example_logs import megatron_log, mindformers_log
 from reports import render
 
 

@@ -13,10 +13,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from align.core.errors import BadInput
-from align.core.run import open_store, save_run
-from align.core.runstore import RunReader, RunWriter, load_npy, read_seed_batch
-from align.sources import load_run
+from core.errors import BadInput
+from runstore import RunReader, RunWriter, load_npy, read_seed_batch
+from runstore.run import open_store, save_run
+from sources import load_run
 
 
 def test_round_trip(tmp_path):
@@ -99,7 +99,7 @@ def test_lowest_rank_wins_and_sparse_keys(tmp_path):
 
 
 def test_imported_log_saves_and_reopens_identically(tmp_path):
-    from align.examples.make_example_logs import write_examples
+    from demo.example_logs import write_examples
     paths = write_examples(tmp_path / "ex", steps=40, fault="nan", fault_step=30)
     run = load_run(paths["candidate"])
     save_run(run, tmp_path / "store")
@@ -110,7 +110,7 @@ def test_imported_log_saves_and_reopens_identically(tmp_path):
 
 KILLER = textwrap.dedent("""
     import sys, time, numpy as np
-    from align.core.runstore import RunWriter
+    from runstore import RunWriter
     w = RunWriter(sys.argv[1], rank=0)
     for step in range(1, 1000):
         w.log_scalars(step, {"loss": 1.0 / step})
@@ -206,7 +206,7 @@ def test_links_are_read_under_every_name(tmp_path):
 
 
 def test_background_writer_finishes_steps_and_flushes_on_close(tmp_path):
-    from align.core.runstore import BackgroundWriter
+    from runstore import BackgroundWriter
 
     w = BackgroundWriter(RunWriter(tmp_path / "run"), max_bytes=1000)   # smaller than one array: bounded queue
     for step in (1, 2):
@@ -227,7 +227,7 @@ def test_background_writer_finishes_steps_and_flushes_on_close(tmp_path):
 
 
 def test_background_writer_reports_failures_and_keeps_going(tmp_path):
-    from align.core.runstore import BackgroundWriter, WriterErrors
+    from runstore import BackgroundWriter, WriterErrors
 
     w = BackgroundWriter(RunWriter(tmp_path / "run"))
     w.put_array(1, "ok", np.zeros(3))

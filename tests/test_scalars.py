@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from align.core.run import Run, make_series
 from comparators.scalars import ScalarOptions, band_floor, compare_scalars
+from runstore.run import Run, make_series
 
 
 def run(values, name):
@@ -37,9 +37,9 @@ def test_a_real_shift_still_fails_and_the_floor_can_be_turned_off():
 
 def test_runs_with_no_step_in_common_are_bad_input():
     """Issue 14: a baseline of steps 1-5 and a candidate of steps 101-105 share nothing: exit 2, not pass."""
-    from align.core.errors import BadInput
-    from align.core.run import Run, make_series
     from comparators.scalars import require_common_steps
+    from core.errors import BadInput
+    from runstore.run import Run, make_series
 
     def run(path: str, steps: range) -> Run:
         return Run(path, "runstore", {}, {"loss": make_series(list(steps), [2.0] * len(steps), "loss")})

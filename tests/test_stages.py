@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from align.cli import main
-from align.core.runstore import RunWriter
 from align.stages import registry
+from runstore import RunWriter
 
 GUIDE_ORDER = ["checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors",
                "step2_loss", "optimizer", "lr0_run", "band", "long_run", "divergence_data", "grad_norm",
@@ -213,10 +213,10 @@ def test_extending_doc_source_example_is_detected(tmp_path: Path, monkeypatch: p
     import importlib.util
     import re
 
-    import align.sources as sources
+    import sources as sources
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
-    code = re.search(r"```python\n(# align/sources/csv_losses.py.*?)```", text, re.S).group(1)
+    code = re.search(r"```python\n(# sources/csv_losses.py.*?)```", text, re.S).group(1)
     (tmp_path / "csv_losses.py").write_text(code)
     spec = importlib.util.spec_from_file_location("csv_losses_example", tmp_path / "csv_losses.py")
     mod = importlib.util.module_from_spec(spec)

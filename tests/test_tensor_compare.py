@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.mapping import Mapping
 from comparators.tensors import compare_arrays, compare_layer_tensors, tolerance
+from mapping import Mapping
 
 
 def test_metrics_on_known_arrays() -> None:
@@ -122,7 +122,7 @@ def test_raw_file_reads_and_streamed_transpose_equal_in_memory(tmp_path: Path) -
 
 def _store(root: Path, rows: list[tuple[str, str, str, np.ndarray]]) -> Path:
     """A run store holding ``rows`` (module, kind, dtype, array) as step 1's layer tensors, in that order."""
-    from align.core.runstore import RunWriter
+    from runstore import RunWriter
 
     with RunWriter(root, rank=0, meta={"framework": "test"}) as w:
         w.put_table(1, "tensor_stats", {
@@ -180,8 +180,8 @@ def test_linked_tensors_are_read_once_and_judged_per_row(tmp_path: Path, monkeyp
     """The dumper stores a tensor seen twice once (an HDF5 hard link: a module's output that is the next
     module's input). Such rows are compared once; every row still gets its own verdict, at its own judged
     dtype, with exactly the metrics a store without links gives."""
-    from align.core.runstore import RunWriter
     from comparators import tensors as tc
+    from runstore import RunWriter
 
     rng = np.random.default_rng(1)
     a = rng.standard_normal(4096).astype(np.float32)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from align.core.mapping import Mapping
-from align.core.runstore import RunWriter
 from comparators.tensors import compare_layer_tensors, compare_layer_tensors_all
+from mapping import Mapping
+from runstore import RunWriter
 
 distributed = pytest.importorskip("distributed", reason="dask[distributed] is not installed (the dask extra)")
 MSPROBE = Path(__file__).resolve().parent / "data" / "msprobe"
@@ -80,7 +80,7 @@ def test_msprobe_pair_on_the_cluster(client) -> None:
 
 def test_scheduler_address_unreachable_is_bad_input(tmp_path: Path, monkeypatch) -> None:
     import comparators.tensors as ct
-    from align.core.errors import BadInput
+    from core.errors import BadInput
 
     monkeypatch.setattr(ct, "DASK_CONNECT_TIMEOUT", "1s")
     base = _store(tmp_path / "b", False)

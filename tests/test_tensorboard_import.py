@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from align.core.errors import BadInput
-from align.sources import detect, load_run
+from core.errors import BadInput
+from sources import detect, load_run
 
 torch_tb = pytest.importorskip("torch.utils.tensorboard")
 

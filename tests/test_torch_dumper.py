@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from align.core.runstore import RunReader  # noqa: E402
 from dumpers.seed_torch import seed_everything  # noqa: E402
 from dumpers.torch_dumper import DumpConfig, NonFiniteError, TorchDumper, parse_steps, tensor_stats  # noqa: E402
+from runstore import RunReader  # noqa: E402
 
 
 class Net(torch.nn.Module):

@@ -10,13 +10,13 @@ import threading
 import pytest
 import yaml
 
-from align.core.errors import BadInput
-from align.core.mapping import DEFAULT_PRESET, PRESET_DIR, Mapping
-from align.core.run import open_store
-from align.core.runstore import RunWriter
-from align.sources import detect
-from align.sources.configs import read_megatron, read_mindformers
+from core.errors import BadInput
+from mapping import DEFAULT_PRESET, PRESET_DIR, Mapping
 from reports.writer import ReportInput, write_report
+from runstore import RunWriter
+from runstore.run import open_store
+from sources import detect
+from sources.configs import read_megatron, read_mindformers
 
 
 def _one_line(exc: pytest.ExceptionInfo, *parts: str) -> str:

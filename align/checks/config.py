@@ -12,15 +12,11 @@ Megatron-LM's defaults (marked as such).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from align.core.findings import Finding, StageResult
-from align.core.outputs import write_text_output
-from align.sources.configs import read_megatron, read_mindformers
+from core.findings import Finding, StageResult
 
 STAGE = "config"
 # Megatron-LM defaults for the arguments this check reads (megatron/training/arguments.py).
@@ -702,25 +698,5 @@ def format_table(rows: list[Row]) -> str:
 # CLI
 # ------------------------------------------------------------------------------------------------------
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`align check-config MEGATRON MINDFORMERS_YAML [--json OUT|-]`."""
-    parser.add_argument("megatron", help="Megatron log (arguments block), launch script, or JSON arguments")
-    parser.add_argument("mindformers", help="MindFormers YAML config")
-    parser.add_argument("--json", metavar="OUT", help="write machine-readable results to OUT ('-' = stdout)")
 
 
-def run(args: argparse.Namespace) -> int:
-    mg_args, kind = read_megatron(args.megatron)
-    rows, res = compare_configs(mg_args, read_mindformers(args.mindformers))
-    payload = {"verdict": res.verdict, "megatron_source": kind, **res.details,
-               "findings": [f.to_json() for f in res.findings]}
-    if args.json == "-":
-        print(json.dumps(payload, indent=2, default=str))
-    else:
-        print(format_table(rows))
-        c = res.details["counts"]
-        print(f"\n{c['match']} match, {c['mismatch']} mismatch, {c['check']} to check by hand, "
-              f"{c['not read']} not read -> {res.verdict}")
-        if args.json:
-            write_text_output(args.json, json.dumps(payload, indent=2, default=str))
-    return 1 if res.verdict == "fail" else 0

@@ -10,17 +10,14 @@ layout ``step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy``; one step 
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from align.core.errors import BadInput
-from align.core.findings import Finding, StageResult
-from align.core.outputs import write_text_output
+from core.errors import BadInput
+from core.findings import Finding, StageResult
 
 STAGE = "data"
 
@@ -48,7 +45,7 @@ def check_batch(where: str | Path, batch: dict[str, Any]) -> dict[str, np.ndarra
 
 def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
     """(step, rank, {tokens, labels, loss_mask, ...}) from a run store or the seed layout."""
-    from align.core import runstore
+    import runstore
 
     p = Path(path)
     if not p.is_dir():
@@ -172,29 +169,8 @@ def _trend(res: StageResult, steps: list[dict[str, Any]]) -> None:
                         "is probably being modified in place"))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`align check-data PATH [--vocab-size V] [--eos-id E] [--pad-id P] [--json OUT|-]`."""
-    parser.add_argument("path", help="run store, or a step_N/rank_R/*.npy batch dump")
-    parser.add_argument("--vocab-size", type=int, help="ids must lie in [0, vocab)")
-    parser.add_argument("--eos-id", type=int, help="EOD / eos token id")
-    parser.add_argument("--pad-id", type=int, help="pad token id")
-    parser.add_argument("--ignore-index", type=int, default=-100, help="label value that means 'no target'")
-    parser.add_argument("--json", metavar="OUT", help="write findings as JSON to OUT ('-' = stdout)")
 
 
-def run(args: argparse.Namespace) -> int:
-    res = check_batches(iter_batches(args.path), vocab_size=args.vocab_size, eos_id=args.eos_id,
-                        pad_id=args.pad_id, ignore_index=args.ignore_index)
-    payload = {"verdict": res.verdict, **res.details, "findings": [f.to_json() for f in res.findings]}
-    if args.json == "-":
-        print(json.dumps(payload, indent=2))
-    else:
-        for f in res.findings:
-            print(f"{f.verdict.upper():4} {f.message}")
-        print(f"check-data: {res.verdict} ({res.details['batches']} batches)")
-        if args.json:
-            write_text_output(args.json, json.dumps(payload, indent=2))
-    return 1 if res.verdict == "fail" else 0
 
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask")

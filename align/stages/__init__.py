@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from align.core.findings import StageResult
-from align.core.registry import collect
 from align.stages.evidence import Evidence, Inputs, Options
+from core.findings import StageResult
+from core.registry import collect
 
 __all__ = ["Evidence", "Inputs", "Options", "Stage", "registry", "run_stages"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from align.core.findings import Finding, StageResult, skipped
 from align.stages import Stage
 from align.stages.evidence import Evidence
 from comparators.scalars import band_floor
+from core.findings import Finding, StageResult, skipped
 
 
 def run(ev: Evidence) -> StageResult:

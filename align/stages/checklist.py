@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from align.checks.config import compare_configs
-from align.core.findings import Finding, StageResult, skipped
 from align.stages import Stage
 from align.stages.evidence import Evidence
+from core.findings import Finding, StageResult, skipped
 from reports.html import table
 
 

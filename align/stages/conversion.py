@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from align.core.errors import BadInput
-from align.core.findings import Finding, StageResult, skipped
-from align.core.runstore import CONVERSION_EVIDENCE
 from align.stages import Stage
 from align.stages.evidence import Evidence
+from core.errors import BadInput
+from core.findings import Finding, StageResult, skipped
+from runstore import CONVERSION_EVIDENCE
 
 
 def read_conversion(path: Path) -> dict:

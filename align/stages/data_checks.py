@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from align.checks.data import check_batches, compare_batches, iter_batches
-from align.core.errors import BadInput
-from align.core.findings import StageResult, skipped
 from align.stages import Stage
 from align.stages.evidence import Evidence
+from core.errors import BadInput
+from core.findings import StageResult, skipped
 
 
 def data_ids(ev: Evidence) -> dict[str, Any]:

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from align.checks.data import BATCH_KEYS, batch_digest
-from align.core.findings import Finding, StageResult, skipped
-from align.core.run import Run
 from align.stages import Stage
 from align.stages.evidence import Evidence
+from core.findings import Finding, StageResult, skipped
 from reports.html import table
+from runstore.run import Run
 
 BEFORE, AFTER = 3, 2     # steps shown before and after the divergence step
 

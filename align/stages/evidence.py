@@ -16,12 +16,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from align.core.dtypes import coarsest, normalize
-from align.core.errors import BadInput
-from align.core.run import Run
-from align.core.runstore import EVIDENCE_DIR
-from align.sources import detect, load_run
 from comparators.scalars import ScalarComparison, ScalarOptions, compare_scalars
+from core.dtypes import coarsest, normalize
+from core.errors import BadInput
+from runstore import EVIDENCE_DIR
+from runstore.run import Run
+from sources import detect, load_run
 
 
 @dataclass
@@ -128,7 +128,7 @@ class Evidence:
         return self._configs[role]
 
     def _read_config(self, role: str) -> tuple[str, dict[str, Any]] | None:
-        from align.sources.configs import read_megatron, read_mindformers
+        from sources.configs import read_megatron, read_mindformers
 
         path = self.inputs.baseline_config if role == "baseline" else self.inputs.candidate_config
         if path is not None:
@@ -200,7 +200,7 @@ class Evidence:
     @cached_property
     def _mapping(self) -> tuple[str, str]:
         from align.checks.config import is_mcore_yaml, mcore_family
-        from align.core.mapping import DEFAULT_PRESET
+        from mapping import DEFAULT_PRESET
 
         if self.inputs.mapping:
             return self.inputs.mapping, "--mapping"
@@ -222,7 +222,7 @@ class Evidence:
     def transform_params(self) -> Any:
         """Heads and query groups for fused-QKV transforms, and the routed experts for stacked-expert ones,
         from the baseline's config when known."""
-        from align.core.mapping import TransformParams
+        from mapping import TransformParams
 
         cfg = self.config("baseline")
         vals = cfg[1] if cfg else {}

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.core.findings import StageResult, skipped, worst
-from align.core.run import Run
 from align.stages import Stage
 from align.stages.evidence import Evidence
 from comparators.tensors import compare_layer_tensors, layer_source
+from core.findings import StageResult, skipped, worst
 from reports.html import table
+from runstore.run import Run
 
 SEARCH = 20
 # Row kinds one dumper records and the other may not (the MindSpore dumper records outputs and output
@@ -62,7 +62,7 @@ def _readers(*runs: Run) -> Any:
 
     if not any(r.kind == "msprobe" for r in runs) or importlib.util.find_spec("torch") is None:
         return None
-    from align.checkpoints.torch_tensors import READERS
+    from checkpoints.torch_tensors import READERS
 
     return READERS
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from align.core.findings import StageResult, skipped
-from align.core.run import Run
 from align.stages import Stage
 from align.stages.evidence import Evidence
 from comparators.local_norms import compare_local_norms
+from core.findings import StageResult, skipped
+from runstore.run import Run
 
 SEARCH = 20   # steps looked at for the first one both runs recorded local norms at
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from align.core.findings import Finding, StageResult, skipped
 from align.stages import Stage
 from align.stages.evidence import Evidence
+from core.findings import Finding, StageResult, skipped
 from reports.figures import lr0_pair
 
 # Relative agreement of the lr=0 pair: (pass up to, warn up to) by compute dtype. float32 across frameworks

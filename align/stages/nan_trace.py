@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from align.core.findings import Finding, StageResult, skipped
-from align.core.mapping import Mapping
 from align.stages import Stage
 from align.stages.evidence import Evidence
+from core.findings import Finding, StageResult, skipped
+from mapping import Mapping
 
 
 def run(ev: Evidence) -> StageResult:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from align.core.errors import BadInput
-from align.core.findings import StageResult, skipped
-from align.core.mapping import Mapping
-from align.core.runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE
 from align.stages import Stage
 from align.stages.evidence import Evidence
 from comparators.optimizer_check import compare_updates, read_step1_file, to_candidate_names
+from core.errors import BadInput
+from core.findings import StageResult, skipped
+from mapping import Mapping
+from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE
 
 
 def read_candidate_update(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -3,9 +3,9 @@ learning-rate schedule, first non-finite value (comparators.scalars computes the
 
 from __future__ import annotations
 
-from align.core.findings import StageResult
 from align.stages import Stage
 from align.stages.evidence import Evidence
+from core.findings import StageResult
 
 
 def _from_scalars(name: str):

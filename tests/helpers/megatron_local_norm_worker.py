@@ -15,8 +15,6 @@ from pathlib import Path
 import numpy as np
 from megatron.core import parallel_state
 
-from align.core.mapping import Mapping, TransformParams
-from align.core.runstore import RunWriter
 from demo.megatron_cpu import (
     TinyLlamaConfig,
     build_tiny_llama,
@@ -25,6 +23,8 @@ from demo.megatron_cpu import (
     init_megatron_cpu,
     synthetic_batch,
 )
+from mapping import Mapping, TransformParams
+from runstore import RunWriter
 
 SCALED = "model.layers.1.feed_forward.w2.weight"
 

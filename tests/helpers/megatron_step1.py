@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from align.core.mapping import Mapping, TransformParams
 from demo import megatron_cpu as mg
 from demo import mindformers_mcore_cpu as mc
+from mapping import Mapping, TransformParams
 
 
 @dataclass

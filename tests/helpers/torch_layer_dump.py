@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from align.core.runstore import RunWriter
+from runstore import RunWriter
 
 
 def _first_tensor(x: Any) -> torch.Tensor | None:

@@ -90,6 +90,7 @@ def make_ms(out: Path) -> None:
     mindspore_processor.mint = MintWithoutNorm()
 
     from align.convert_weights import convert_megatron_to_mindformers
+
     from demo import mindformers_cpu as mc
 
     warnings.simplefilter("ignore")

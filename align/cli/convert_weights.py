@@ -1,0 +1,71 @@
+"""`align convert-weights`: Megatron-core <-> MindFormers checkpoints through the mapping."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from core.errors import BadInput
+
+HELP = "Megatron-core <-> MindFormers checkpoint conversion"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`align convert-weights --to mindformers IN.pt [IN_tp1.pt ...] --out OUT.ckpt --num-heads N ...`."""
+    parser.add_argument("inputs", nargs="+", help="Megatron state_dict .pt (one per TP rank, in rank order), "
+                        "a Megatron checkpoint folder (torch_dist or mp_rank_* files), or one MindFormers "
+                        ".safetensors (mcore) / .ckpt (legacy Llama)")
+    parser.add_argument("--to", choices=["mindformers", "megatron"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-heads", type=int, required=True)
+    parser.add_argument("--num-query-groups", type=int, help="GQA groups (default: MHA, = heads)")
+    parser.add_argument("--mapping", help="preset name or YAML mapping file")
+    parser.add_argument("--num-experts", type=int, help="routed experts per MoE layer (to megatron, MoE presets)")
+    parser.add_argument("--scheme", choices=["local", "te", "local+grouped", "te+grouped"], default="local",
+                        help="Megatron names to write (to megatron): local/te norms, +grouped for TE grouped "
+                        "GEMM experts")
+    parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
+                        help="a named size a fused tensor splits back by (to megatron), e.g. q_down=1536 "
+                        "(q_lora_rank) for megatron_core__mindformers_mcore_mla_qkv_concat")
+    parser.add_argument("--json", action="store_true")
+
+
+def parse_sizes(items: Sequence[str]) -> dict[str, int]:
+    """``["q_down=1536", ...]`` -> ``{"q_down": 1536}``; a malformed item is bad input."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) <= 0:
+            raise BadInput(f"--size {item!r}: expected NAME=N with a positive integer N")
+        out[name.strip()] = int(value)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from checkpoints.convert import convert_megatron_to_mindformers, convert_mindformers_to_megatron
+
+    for p in args.inputs:
+        folder = args.to == "mindformers" and len(args.inputs) == 1 and Path(p).is_dir()
+        if not (Path(p).is_file() or folder):
+            raise BadInput(f"{p}: no such file")
+    if args.to == "mindformers":
+        res = convert_megatron_to_mindformers(args.inputs, args.out, num_heads=args.num_heads,
+                                              num_query_groups=args.num_query_groups, mapping=args.mapping,
+                                              num_experts=args.num_experts)
+    else:
+        if len(args.inputs) != 1:
+            raise BadInput("converting to Megatron takes exactly one MindSpore checkpoint")
+        res = convert_mindformers_to_megatron(args.inputs[0], args.out, num_heads=args.num_heads,
+                                              num_query_groups=args.num_query_groups, mapping=args.mapping,
+                                              scheme=args.scheme, num_experts=args.num_experts,
+                                              sizes=parse_sizes(getattr(args, "size", None) or []))
+    if args.json:
+        print(json.dumps({"verdict": res.verdict, **res.details, "findings": [f.to_json() for f in res.findings]},
+                         indent=2))
+    else:
+        for f in res.findings:
+            print(f"{f.verdict.upper():4} {f.message}")
+        print(f"wrote {res.details['tensors']} tensors to {res.details['out']} ({res.verdict})")
+    return 1 if res.verdict == "fail" else 0

@@ -1,0 +1,31 @@
+"""`align demo`: the paired Megatron-core vs MindFormers experiment on CPU, then the same report."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "run the paired Megatron-core vs MindFormers experiment (CPU) and report"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="demo_out", metavar="DIR")
+    p.add_argument("--steps", type=int, default=300, metavar="N", help="steps of the long pair (default 300)")
+    p.add_argument("--lr0-steps", type=int, default=20, metavar="N", help="steps of the lr=0 pair (default 20)")
+    p.add_argument("--inject", metavar="FAULT", default=None,
+                   help="plant a known fault: embedding_fp16, weight_decay_all, norm_eps, dropout_on, "
+                        "lr_schedule, qk_swap, pad_eos, loss_mask_mutation, nan_param")
+    p.add_argument("--model", choices=("dense", "llama", "moe", "mla"), default="dense",
+                   help="candidate model: dense = MindFormers 2.x mcore Qwen3-style model, the one MindFormers 2.x "
+                        "trains (default; baseline with q/k layernorm to match), llama = MindFormers' legacy "
+                        "LlamaForCausalLM (MindFormers <= 1.6), moe = mcore Qwen3-MoE-style (4 experts, top-2), "
+                        "mla = mcore DeepSeek-V3-style (MLA + MoE + shared expert)")
+    p.add_argument("--reuse-baseline", metavar="DIR", default=None,
+                   help="reuse the baseline-side runs of an earlier demo DIR (same --steps) for a "
+                        "candidate-side fault")
+    p.add_argument("--example-logs", action="store_true",
+                   help="compare the bundled example logs instead (no framework needed)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from demo.pair import run_demo
+    return run_demo(args)

@@ -1,0 +1,36 @@
+"""`align import SOURCE --out RUN_DIR`: a log, TensorBoard folder, golden values or msprobe dump as a run store."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from core.errors import BadInput
+
+HELP = "turn a Megatron/MindFormers log, TensorBoard dir, golden values or msprobe dump into a run store"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from sources import sources
+    parser.description = "SOURCE is detected: " + "; ".join(s.describe for s in sources() if s.kind != "runstore")
+    parser.add_argument("source", metavar="SOURCE")
+    parser.add_argument("--out", required=True, metavar="RUN_DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    from core.outputs import check_out_dir
+    from runstore.run import save_run
+    from sources import detect, load_run
+    kind = detect(args.source)
+    if kind == "runstore":
+        raise BadInput(f"{args.source}: already a run store")
+    out = Path(args.out)
+    check_out_dir(out)
+    if out.exists() and any(out.iterdir()):
+        raise BadInput(f"{out}: exists and is not empty")
+    loaded = load_run(args.source, kind)
+    save_run(loaded, out)
+    print(f"{args.source} ({kind}): {len(loaded.steps)} steps -> {out}")
+    for note in loaded.notes:
+        print(f"  note: {note}")
+    return 0

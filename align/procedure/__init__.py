@@ -1,0 +1,73 @@
+"""The procedure: load the evidence, run every stage of the registry in the guide's order, write the report.
+
+`align report` (the user's runs) and `align demo` (the runs the demo makes) both end here, so a stage
+computed for one is computed for the other.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from align.stages import Evidence, Inputs, registry, run_stages
+from comparators.scalars import require_common_steps
+from core.errors import BadInput
+from reports.writer import ReportInput, write_report
+
+
+def check_comparable(ev: Evidence) -> None:
+    """Refuse runs that cannot be compared at all, with one line: no loss, no local norms and no layer
+    tensors, or two runs with no step in common (a pass there would be a lie)."""
+    b, c = ev.baseline, ev.candidate
+    tensors_only = [r.kind == "msprobe" for r in (b, c)]
+    if all(tensors_only):
+        return
+    if any(tensors_only):
+        raise BadInput(f"{ev.inputs.baseline if tensors_only[0] else ev.inputs.candidate}: an msprobe dump "
+                       "holds layer tensors only; compare it with another msprobe dump or a run store")
+    for r, path in ((b, ev.inputs.baseline), (c, ev.inputs.candidate)):
+        if not r.has("loss") and not r.local_norm_steps(limit=1):
+            raise BadInput(f"{path}: no loss values and no local norms to compare")
+    require_common_steps(b, c)
+
+
+def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = None,
+           preface: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Compare and write ``out/report.html`` and ``out/summary.json``; returns summary.json's content.
+
+    ``preface``: (title, html) sections shown before the stages' own (the demo describes its pair there).
+    """
+    t0 = time.perf_counter()
+    ev = Evidence.load(inputs, progress)
+    check_comparable(ev)
+    if progress:
+        progress(f"mapping: {ev.mapping} ({ev.mapping_source})")
+    stages = run_stages(ev)
+    figures, sections = [], list(preface or [])
+    for stage in registry():
+        res = stages.get(stage.name)
+        if res is None or res.verdict == "skipped":
+            continue
+        if stage.figure is not None:
+            fig = stage.figure(res)
+            if fig:
+                figures.append(fig)
+        if stage.section is not None:
+            body = stage.section(res)
+            if body:
+                sections.append((stage.title, body))
+    runs = [{"role": role, "path": r.path, "kind": r.kind, "steps": len(r.steps), "notes": r.notes}
+            for role, r in ev.runs.items()]
+    if progress:
+        progress(f"compared in {time.perf_counter() - t0:.2f} s; writing {out}")
+    data = write_report(ReportInput(runs, stages, ev.scalars.table, extra_figures=figures,
+                                    extra_sections=sections), out)
+    if progress:
+        progress(f"done in {time.perf_counter() - t0:.2f} s")
+    return data
+
+
+def stderr_progress(msg: str) -> None:
+    print(f"align: {msg}", file=sys.stderr, flush=True)

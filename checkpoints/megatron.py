@@ -1,0 +1,312 @@
+"""Megatron checkpoints as users have them -> one TP=1, PP=1 megatron-core state_dict (name -> numpy).
+
+Two on-disk formats, both read without an unrestricted unpickle:
+
+* ``torch_dist`` (Megatron's default, torch.distributed.checkpoint): a folder with ``.metadata`` and
+  ``__R_I.distcp`` shards. Names are the checkpoint's own: the local spec's norms are stored under the TE
+  names (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), which the mappings know.
+  Tensors are stored whole-global (TP shards, the gated fc1 halves and the layers, stacked on a leading
+  axis, are offsets of one global tensor), so reading the global tensors *is* the TP merge. The
+  ``.metadata`` file is a pickle: it is read by an unpickler that admits only the checkpoint metadata
+  classes, ``torch.Size`` and dtype/layout constants; tensor bytes go through
+  ``torch.load(weights_only=True)`` (torch's own reader).
+* legacy ``torch``: ``[iter_N/]mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt``, one file per TP / PP / EP rank,
+  holding a pickled ``argparse.Namespace`` (``args``) next to the weights. It is loaded with
+  ``weights_only=True`` plus an explicit allow-list (Namespace, numpy arrays for the RNG state, Megatron's
+  own enums); a file needing anything else is refused with one line naming the class. Shards are merged:
+  TP by each parameter's partition dim (gated fc1 as [gate; up] of the whole), PP by renumbering stage-local
+  layers, EP by renumbering local experts.
+
+torch is imported inside the functions (align/ stays importable with numpy alone).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core.errors import BadInput
+
+LEGACY_FILE = "model_optim_rng.pt"
+_MP_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
+_LAYER = re.compile(r"^(.*?decoder\.layers)\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(.*\.local_experts)\.(\d+)\.(.*)$")
+# Column-parallel weights split dim 0, row-parallel dim 1 (megatron-core local and TE spec names).
+_TP_DIM = [
+    (re.compile(r"(^|\.)(linear_qkv|linear_fc1|linear_q_proj|linear_q_up_proj|linear_kv_up_proj)"
+                r"\.(weight|bias)$"), 0),
+    (re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$"), 0),
+    (re.compile(r"(^|\.)(linear_proj|linear_fc2)\.weight$"), 1),
+]
+
+# torch.distributed.checkpoint metadata: the classes a Megatron torch_dist .metadata may hold.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")
+_TORCH_NAMES = {"Size", "strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format",
+                "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+                "float8_e4m3fn", "float8_e5m2"}
+_BUILTINS = {"set", "frozenset", "slice", "tuple", "list", "dict"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what torch.distributed.checkpoint writes into ``.metadata``."""
+
+    def __init__(self, fh: Any, where: Path) -> None:
+        super().__init__(fh)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        ok = (module in _DCP_MODULES and not name.startswith("__")) or \
+            (module == "torch" and name in _TORCH_NAMES) or (module == "builtins" and name in _BUILTINS) or \
+            (module == "collections" and name == "OrderedDict") or \
+            (module == "torch.serialization" and name == "_get_layout")  # layout name -> torch.layout
+        if not ok:
+            raise BadInput(f"{self.where}: checkpoint metadata holds {module}.{name}, outside the allow-list "
+                           "of torch.distributed.checkpoint metadata; not loaded")
+        return getattr(importlib.import_module(module), name)
+
+
+def _dcp_reader(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            data = (path / ".metadata").read_bytes()
+            metadata = _MetadataUnpickler(io.BytesIO(data), path / ".metadata").load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def is_torch_dist(path: str | Path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def read_torch_dist(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Global model tensors of a ``torch_dist`` checkpoint folder, unstacked to per-layer names."""
+    import torch
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root = Path(path)
+    reader = _dcp_reader(root)
+    try:
+        meta = reader.read_metadata()
+    except BadInput:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"{root / '.metadata'}: not a torch.distributed.checkpoint metadata file "
+                       f"({type(exc).__name__})") from None
+    state: dict[str, Any] = {}
+    for key, md in meta.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or key.startswith(("optimizer.", "rng_state")):
+            continue
+        if key.endswith("_extra_state") or ".optimizer." in key:
+            continue
+        state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    if not state:
+        raise BadInput(f"{root}: torch_dist checkpoint holds no model tensors")
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            load(state, storage_reader=_dcp_reader(root), no_dist=True)
+    except BadInput:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"{root}: torch_dist shards unreadable ({type(exc).__name__}: {exc})") from None
+    out: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for key, t in state.items():
+        for name, part in _unstack(key, t):
+            dtypes[name] = str(part.dtype).replace("torch.", "")
+            out[name] = (part.float() if part.dtype == torch.bfloat16 else part).numpy().copy()
+    return out, dtypes
+
+
+def _unstack(key: str, t: Any) -> list[tuple[str, Any]]:
+    """``decoder.layers.X`` (layers on a leading axis) -> ``decoder.layers.{i}.X``; experts likewise."""
+    m = re.match(r"^(.*?decoder\.layers)\.(?!\d+\.)(.*)$", key)
+    if not m:
+        return [(key, t)]
+    out = []
+    for i in range(t.shape[0]):
+        name = f"{m.group(1)}.{i}.{m.group(2)}"
+        e = re.match(r"^(.*\.experts)\.experts\.(.*)$", name)   # SequentialMLP: experts on the next axis
+        if e:
+            out.extend((f"{e.group(1)}.local_experts.{j}.{e.group(2)}", t[i][j]) for j in range(t.shape[1]))
+        else:
+            out.append((name, t[i]))
+    return out
+
+
+# -- legacy torch format -------------------------------------------------------------------------------------
+
+_ALLOWED_GLOBAL_PREFIXES = ("argparse.Namespace", "numpy.core.multiarray._reconstruct",
+                            "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+                            "numpy.dtypes.", "megatron.core.enums.", "megatron.core.transformer.enums.",
+                            "megatron.training.enums.", "torch.")
+
+
+def _resolve(qualname: str) -> Any:
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_legacy_file(path: str | Path) -> dict[str, Any]:
+    """One ``model_optim_rng.pt`` with ``weights_only=True`` and the explicit allow-list above."""
+    import torch
+    import torch.serialization as ser
+
+    p = Path(path)
+    try:
+        unsafe = ser.get_unsafe_globals_in_checkpoint(str(p))
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"{p}: not a torch checkpoint ({type(exc).__name__})") from None
+    refused = [g for g in unsafe if not g.startswith(_ALLOWED_GLOBAL_PREFIXES)]
+    if refused:
+        raise BadInput(f"{p}: holds {', '.join(refused[:3])}, outside the allow-list for a safe load; "
+                       "save the model state_dict alone (torch.save(model.state_dict(), ...))")
+    try:
+        with ser.safe_globals([_resolve(g) for g in unsafe]):
+            obj = torch.load(str(p), map_location="cpu", weights_only=True)
+    except BadInput:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"{p}: not loadable with weights_only=True ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise BadInput(f"{p}: expected a dict with 'model', got {type(obj).__name__}")
+    return obj
+
+
+def _legacy_files(root: Path) -> list[tuple[tuple[int, int, int], Path]]:
+    out = []
+    for d in sorted(root.iterdir()):
+        m = _MP_DIR.match(d.name)
+        if m and (d / LEGACY_FILE).is_file():
+            out.append(((int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0)), d / LEGACY_FILE))
+    return out
+
+
+def find_legacy_root(path: str | Path) -> Path | None:
+    """The folder holding ``mp_rank_*`` (the path itself, or the newest ``iter_*`` inside it)."""
+    p = Path(path)
+    if _legacy_files(p):
+        return p
+    latest = p / "latest_checkpointed_iteration.txt"
+    if latest.is_file():
+        text = latest.read_text().strip()
+        cand = p / ("release" if text == "release" else f"iter_{int(text):07d}")
+        if _legacy_files(cand):
+            return cand
+    iters = sorted(d for d in p.glob("iter_*") if d.is_dir() and _legacy_files(d))
+    return iters[-1] if iters else None
+
+
+def _tp_dim(name: str) -> int:
+    for pat, dim in _TP_DIM:
+        if pat.search(name):
+            return dim
+    return -1
+
+
+def _model_chunks(obj: Mapping[str, Any], where: Path) -> list[dict[str, Any]]:
+    if isinstance(obj.get("model"), Mapping):
+        return [dict(obj["model"])]
+    chunks = [dict(obj[k]) for k in sorted((k for k in obj if re.fullmatch(r"model\d+", str(k))),
+                                           key=lambda k: int(k[5:]))]
+    if not chunks:
+        raise BadInput(f"{where}: no 'model' state_dict inside")
+    return chunks
+
+
+def _n_layers(sd: Mapping[str, Any]) -> int:
+    return len({m.group(2) for k in sd for m in [_LAYER.match(k)] if m})
+
+
+def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
+                ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Merge every ``mp_rank_*`` file into one TP=1 / PP=1 / global-expert state_dict."""
+    import torch
+
+    root = find_legacy_root(path)
+    if root is None:
+        raise BadInput(f"{path}: no mp_rank_XX[_YYY]/{LEGACY_FILE} files (legacy Megatron checkpoint)")
+    files = _legacy_files(root)
+    tp = max(k[0] for k, _ in files) + 1
+    pp = max(k[1] for k, _ in files) + 1
+    loaded: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    for key, f in files:
+        obj = load_legacy_file(f)
+        if gated_fc1 is None and obj.get("args") is not None:
+            gated_fc1 = bool(getattr(obj["args"], "swiglu", False))
+        loaded[key] = [{k: v for k, v in c.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+                       for c in _model_chunks(obj, f)]
+    n_chunks = len(next(iter(loaded.values())))
+    # layers per (pp stage, chunk): from the first TP/EP rank of each stage; global offset in
+    # Megatron's interleaved order (chunk-major, then stage)
+    per = [[_n_layers(loaded[(0, s, 0)][c]) for c in range(n_chunks)] for s in range(pp)]
+    offsets: dict[tuple[int, int], int] = {}
+    acc = 0
+    for c in range(n_chunks):
+        for s in range(pp):
+            offsets[(s, c)] = acc
+            acc += per[s][c]
+    merged: dict[str, list[tuple[int, Any]]] = {}
+    for (t, s, e), chunks in loaded.items():
+        for c, sd in enumerate(chunks):
+            n_local = len({m.group(2) for k in sd for m in [_EXPERT.match(k)] if m})
+            for k, v in sd.items():
+                name = k
+                m = _LAYER.match(name)
+                if m:
+                    name = f"{m.group(1)}.{int(m.group(2)) + offsets[(s, c)]}.{m.group(3)}"
+                m = _EXPERT.match(name)
+                if m and n_local:
+                    name = f"{m.group(1)}.{int(m.group(2)) + e * n_local}.{m.group(3)}"
+                merged.setdefault(name, []).append((t, v))
+    out: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for name, parts in merged.items():
+        parts = [v for _, v in sorted(parts, key=lambda x: x[0])]
+        parts = list({id(v): v for v in parts}.values())
+        dim = _tp_dim(name) if len(parts) == tp and tp > 1 else -1
+        if dim < 0:
+            full = parts[0]
+        elif gated_fc1 and re.search(r"(^|\.)linear_fc1\.(weight|bias)$", name):
+            halves = [p.chunk(2, dim=0) for p in parts]   # each TP shard is [gate_r; up_r]
+            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        else:
+            full = torch.cat(parts, dim=dim)
+        dtypes[name] = str(full.dtype).replace("torch.", "")
+        out[name] = (full.float() if full.dtype == torch.bfloat16 else full).numpy().copy()
+    return out, dtypes
+
+
+def read_megatron_checkpoint(path: str | Path, *, gated_fc1: bool | None = None
+                             ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A Megatron checkpoint folder (torch_dist or legacy, an ``iter_N`` or the save root) -> TP=1 numpy."""
+    p = Path(path)
+    if not p.is_dir():
+        raise BadInput(f"{p}: not a checkpoint folder")
+    if is_torch_dist(p):
+        return read_torch_dist(p)
+    latest = p / "latest_checkpointed_iteration.txt"
+    if latest.is_file():
+        text = latest.read_text().strip()
+        cand = p / ("release" if text == "release" else f"iter_{int(text):07d}")
+        if is_torch_dist(cand):
+            return read_torch_dist(cand)
+    return read_legacy(p, gated_fc1=gated_fc1)

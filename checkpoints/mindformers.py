@@ -1,0 +1,157 @@
+"""MindFormers 2.x checkpoints as safetensors: the format mcore MindFormers loads (``load_ckpt_format:
+safetensors``), with Megatron's parameter names (``decoder.layers.0.mlp.linear_fc1.weight``, ...).
+
+Why not MindSpore's own writer: safetensors is plain data (a JSON header and raw little-endian arrays), so
+numpy and the ``safetensors`` package write it without mindspore installed, and nothing can execute on load.
+Writing goes through the ``safetensors`` package (``save_file``, or ``serialize_file`` for bfloat16, which
+numpy lacks); reading parses the header itself so bfloat16 tensors come back as exact float32.
+Files appear atomically (temporary name, then rename): a failed write leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from core.errors import BadInput
+
+_NP_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def float32_to_bfloat16_bits(arr: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even; exact for bfloat16 values."""
+    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(arr)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def write_safetensors(arrays: Mapping[str, np.ndarray], path: str | os.PathLike, *, dtype: str | None = None,
+                      metadata: Mapping[str, str] | None = None) -> Path:
+    """Write ``arrays`` (name -> numpy) to ``path``. ``dtype`` bfloat16 / float16 / float32 casts the floating
+    tensors (bfloat16 stored as BF16); None keeps each array's own dtype."""
+    path = Path(path)
+    if dtype == "bfloat16":
+        return _write_raw(arrays, path, metadata)
+    try:
+        from safetensors.numpy import save_file
+    except ImportError as exc:   # pragma: no cover - a dependency of the checkpoints extra
+        raise BadInput(f"{path}: writing safetensors needs the 'safetensors' package") from exc
+    meta = {"format": "np", "producer": "xf-align", **dict(metadata or {})}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    cast = {"float16": np.float16, "float32": np.float32}.get(dtype or "")
+
+    def prepared(a: np.ndarray) -> np.ndarray:
+        a = np.asarray(a)
+        if cast is not None and np.issubdtype(a.dtype, np.floating):
+            a = a.astype(cast)
+        return np.ascontiguousarray(a)
+
+    try:
+        save_file({n: prepared(a) for n, a in arrays.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _write_raw(arrays: Mapping[str, np.ndarray], path: Path, metadata: Mapping[str, str] | None) -> Path:
+    """The safetensors layout written directly, floating tensors as BF16 (numpy has no bfloat16): an 8-byte
+    little-endian header length, the JSON header (padded to 8 bytes), then each tensor's bytes in order."""
+    codes = {np.dtype(v).name: k for k, v in _NP_DTYPES.items()}
+    header: dict[str, object] = {"__metadata__": {"format": "np", "producer": "xf-align", **dict(metadata or {})}}
+    blobs, pos = [], 0
+    for name in sorted(arrays):
+        a = np.asarray(arrays[name])
+        if np.issubdtype(a.dtype, np.floating):
+            st, raw = "BF16", float32_to_bfloat16_bits(a.astype(np.float32)).astype("<u2").tobytes()
+        elif a.dtype.name in codes:
+            st, raw = codes[a.dtype.name], np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()
+        else:
+            raise BadInput(f"{path}: tensor {name!r} has dtype {a.dtype}, which safetensors cannot hold")
+        header[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [pos, pos + len(raw)]}
+        blobs.append(raw)
+        pos += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for b in blobs:
+                f.write(b)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str], int]:
+    """(tensor entries, metadata, offset of the data section) of a safetensors file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise BadInput(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER:
+                raise BadInput(f"{path}: not a safetensors file (header length {n} is implausible)")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BadInput(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise BadInput(f"{path}: not a safetensors file (header is not an object)")
+    meta = header.pop("__metadata__", None) or {}
+    return header, meta, 8 + n
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """name -> numpy array (bfloat16 as exact float32), and name -> stored dtype ("bfloat16", "float32", ...)."""
+    path = Path(path)
+    header, _meta, start = read_safetensors_header(path)
+    size = path.stat().st_size
+    arrays, dtypes = {}, {}
+    with open(path, "rb") as f:
+        for name, e in header.items():
+            try:
+                st, shape, (lo, hi) = e["dtype"], [int(x) for x in e["shape"]], e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise BadInput(f"{path}: tensor {name!r} has a malformed header entry") from None
+            if not 0 <= lo <= hi or start + hi > size:
+                raise BadInput(f"{path}: tensor {name!r} lies outside the file (truncated?)")
+            f.seek(start + lo)
+            raw = f.read(hi - lo)
+            if st == "BF16":
+                a = bfloat16_bits_to_float32(np.frombuffer(raw, dtype="<u2"))
+                dtypes[name] = "bfloat16"
+            elif st in _NP_DTYPES:
+                a = np.frombuffer(raw, dtype=np.dtype(_NP_DTYPES[st]).newbyteorder("<")).astype(_NP_DTYPES[st])
+                dtypes[name] = np.dtype(_NP_DTYPES[st]).name
+            else:
+                raise BadInput(f"{path}: tensor {name!r} has dtype {st}, which this reader does not know")
+            if a.size != int(np.prod(shape)):
+                raise BadInput(f"{path}: tensor {name!r} holds {a.size} values, its shape {shape} needs "
+                               f"{int(np.prod(shape))}")
+            arrays[name] = a.reshape(shape)
+    return arrays, dtypes

@@ -1,0 +1,62 @@
+"""Where results go: checks on an output folder or file before anything is written.
+
+An ``--out`` that is a file or a dangling symlink is refused (writing would fail half-way, or land where
+the link points); inside the output folder, a symlinked sub-folder is refused rather than written through
+(figures must not end up in someone else's folder).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from core.errors import BadInput
+
+
+def check_out_dir(out: str | os.PathLike) -> Path:
+    """``out`` as a Path when it can be (or already is) an output folder; BadInput otherwise."""
+    p = Path(out)
+    if p.is_symlink() and not p.exists():
+        raise BadInput(f"{p}: output is a dangling symlink (to {os.readlink(p)})")
+    if p.exists() and not p.is_dir():
+        raise BadInput(f"{p}: output exists and is not a directory")
+    parent = p.parent
+    while not parent.exists():
+        if parent.is_symlink():
+            raise BadInput(f"{parent}: output's parent is a dangling symlink")
+        parent = parent.parent
+    if not parent.is_dir():
+        raise BadInput(f"{parent}: output's parent is not a directory")
+    return p
+
+
+def check_no_symlinks(out: str | os.PathLike, relpaths: Iterable[str | os.PathLike]) -> None:
+    """Refuse when a folder on the way to any of ``relpaths`` inside ``out`` is a symlink."""
+    root = Path(out)
+    seen: set[Path] = set()
+    for rel in relpaths:
+        parts = Path(rel).parts
+        cur = root
+        for part in parts[:-1]:
+            cur = cur / part
+            if cur in seen:
+                continue
+            seen.add(cur)
+            if cur.is_symlink():
+                raise BadInput(f"{cur}: is a symlink inside the output folder; refusing to write through it")
+            if cur.exists() and not cur.is_dir():
+                raise BadInput(f"{cur}: exists inside the output folder and is not a directory")
+
+
+def write_text_output(path: str | os.PathLike, text: str) -> None:
+    """Write a result file the user named (``--json OUT``); one-line BadInput when that cannot be done."""
+    p = Path(path)
+    if p.is_symlink() and not p.exists():
+        raise BadInput(f"{p}: output is a dangling symlink")
+    if p.is_dir():
+        raise BadInput(f"{p}: output is a directory, expected a file name")
+    try:
+        p.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise BadInput(f"{p}: cannot write ({exc.strerror or exc.__class__.__name__})") from None

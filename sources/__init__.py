@@ -1,0 +1,93 @@
+"""Files users already have, opened as runs: one module per source kind, one dispatch table.
+
+``detect(path)`` asks each source, in ``order``, whether ``path`` is its kind (directories by their layout,
+files by their first 4 MiB); ``load_run(path)`` calls the matching loader. A module here that defines
+``SOURCE`` (or ``SOURCES``) is a source kind: adding one is adding a file (docs/extending.md). The table is
+built on first use, so importing one source module stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from core.errors import BadInput
+from core.registry import collect
+from runstore.schema import regular_file
+from sources.logtext import looks_binary
+
+if TYPE_CHECKING:   # runstore.run needs pandas; the tensor compare imports this package without it
+    from runstore.run import Run
+
+HEAD = 4 << 20      # bytes of a file the detectors see
+CHUNK = 16 << 20    # bytes per read when a long preamble hides the markers
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source kind. ``matches(path, head)``: ``head`` is None for a directory, else the file's first 4 MiB.
+    ``markers``: byte strings that identify the kind anywhere in a file whose head has none (a log that starts
+    with a long preamble). ``describe`` names the kind in the error for a path no source claims."""
+
+    kind: str
+    order: int
+    matches: Callable[[Path, bytes | None], bool]
+    load: Callable[[Path], Run]
+    describe: str
+    markers: tuple[bytes, ...] = ()
+
+
+_TABLE: list[Source] | None = None
+
+
+def sources() -> list[Source]:
+    global _TABLE
+    if _TABLE is None:
+        found: list[Source] = collect(__name__, __path__, "SOURCE", "SOURCES")
+        _TABLE = sorted(found, key=lambda s: s.order)
+    return _TABLE
+
+
+def kinds() -> list[str]:
+    return list(dict.fromkeys(s.kind for s in sources()))
+
+
+def detect(path: str | Path) -> str:
+    """The source kind of ``path``; BadInput for anything else, FIFOs and devices included."""
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"{p}: no such file or directory")
+    if p.is_dir():
+        for s in sources():
+            if s.matches(p, None):
+                return s.kind
+        known = "; ".join(s.describe for s in sources())
+        raise BadInput(f"{p}: directory is neither a run store nor another known layout ({known})")
+    regular_file(p, "training log")   # a FIFO would block here, a device never end
+    with open(p, "rb") as fh:
+        head = fh.read(HEAD)
+    if not head.strip() and p.stat().st_size < HEAD:
+        raise BadInput(f"{p}: empty file")
+    if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or looks_binary(head[:65536]):
+        raise BadInput(f"{p}: binary file, not a training log")
+    for s in sources():
+        if s.matches(p, head):
+            return s.kind
+    if p.stat().st_size > HEAD:
+        with open(p, "rb") as fh:
+            for chunk in iter(lambda: fh.read(CHUNK), b""):
+                for s in sources():
+                    if any(m in chunk for m in s.markers):
+                        return s.kind
+    raise BadInput(f"{p}: not a recognised run (" + "; ".join(s.describe for s in sources()) + ")")
+
+
+def load_run(path: str | Path, kind: str | None = None) -> Run:
+    """Load any supported source as a Run; ``kind`` overrides detection."""
+    kind = kind or detect(path)
+    for s in sources():
+        if s.kind == kind:
+            return s.load(Path(path))
+    raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(kinds())})")

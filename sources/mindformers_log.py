@@ -1,0 +1,624 @@
+"""MindFormers training logs -> Run.
+
+Reads what MindFormers prints, from its own format strings (mindformers/core/callback/callback.py):
+
+* MFLossMonitor step lines, 2.x (``loss`` is lm + aux + MTP, the separate losses follow when
+  ``print_separate_loss`` is on, ``train_throughput_per_npu`` ends mcore lines; sink mode prints
+  ``loss: X`` without the ``[step/avg]`` brackets)::
+
+    { Epoch:[  1/  1], step:[    2/    6], loss:[4.146456/4.156389], lm_loss: 4.140000, load_balancing_loss:
+    0.006456, per_step_time: 373ms, lr: 0.0005, overflow cond: False, loss_scale: 1.0, global_norm:
+    [1.507098], train_throughput_per_npu: 2.849T
+
+* 1.x lines (``loss: %5.3f`` in sink mode, no global_norm) and 0.x lines without the brace
+  (``Epoch:[..], step:[..], loss:[a/b], time:12.345 ms, lr:0.0001, overflow cond: False, loss_scale: 1.0``);
+* with ``local_norm=True`` the ``norm_size: (...)`` + ``local_norm:`` + ``[...]`` blocks printed just before
+  the step they belong to: squared sums, unnamed, in the optimizer's order, kept as ``#<index>``;
+* TrainingStateMonitor (``monitor_config.local_norm_format: log``) lines
+  ``Epoch:[  1/  1], step:[    1/    4] local_norm/<param name>: <value>``: L2 norms *with names*, which
+  replace the unnamed blocks of that step, so step-1 local norms compare by name from a log alone.
+
+When the line holds ``lm_loss`` the run's ``loss`` series is that LM loss (what Megatron's ``lm loss`` is)
+and MindFormers' printed total goes to ``total_loss``; a note and ``meta["loss_key"]`` say so. A field that
+cannot be read (``loss_scale: unavailable``, a garbled number) is skipped and noted; the step's other
+fields are kept. The config that MindFormers pprints at start-up is read as a literal when present.
+A directory of msrun worker logs (``output/msrun_log/worker_N.log``) is read by :func:`parse_mindformers_dir`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from core.errors import BadInput
+from runstore.run import Run, make_series
+from sources import Source
+from sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split, unwrap
+
+# "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
+# "Epoch:[..], step:[..] tag: value" (no comma after the step bracket).
+_STEP = re.compile(r"(\{ ?)?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\](,?)(.*)$")
+_MONITOR = re.compile(r"^\s*([A-Za-z_][\w\-]*(?:/\S*)?):\s*(.*?)\s*$")
+_FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]:]*\]?|[^,]*)\s*(?:,|$)")  # '[' never spans a ':'
+_NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
+_END = re.compile(r"(\]|\d+(?:\.\d+)?T|loss_scale: ?\S+|global_norm: ?[-+\w.]+)\s*$")
+# The line as MFLossMonitor prints it (MindFormers 1.x-2.x, with the optional 2.x fields); a file whose step
+# lines all match is parsed in bulk, anything else takes the careful line-by-line path.
+_FAST = re.compile(
+    rb"\{ ?Epoch:\[\s*(\d+)/\s*\d+\],\s*step:\[\s*(\d+)/\s*(\d+)\],"
+    rb"\s*loss:(?:\[\s*([^/\],]+)/\s*([^\],]+)\]|\s*([^,\s\[]+)),"
+    rb"(?:\s*lm_loss:\s*([^,\s]+),)?(?:\s*load_balancing_loss:\s*([^,\s]+),)?"
+    rb"(?:\s*mtp_loss:\s*([^,\s]+),)?(?:\s*indexer_loss:\s*([^,\s]+),)?"
+    rb"\s*per_step_time:\s*([0-9.]+)ms,(?:\s*lr:\s*([^,\s]+),)?\s*overflow cond:\s*(True|False),"
+    rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*(?:\[\s*([^\]\s,]+)\s*\]|([^,\s\[]+))"
+    rb"(?:,\s*train_throughput_per_npu:\s*([0-9.]+)T)?[ \t]*$", re.M)
+_FAST_LINE = re.compile(_FAST.pattern.decode())      # the same line, one at a time (careful path)
+# group index (after epoch, step, steps-per-epoch) -> key; loss and global_norm come bracketed or not
+_FAST_KEYS = {3: "loss", 4: "loss_avg", 5: "loss", 6: "lm_loss", 7: "load_balancing_loss", 8: "mtp_loss",
+              9: "indexer_loss", 10: "per_step_time_ms", 11: "lr", 12: "overflow", 13: "loss_scale",
+              14: "grad_norm", 15: "grad_norm", 16: "throughput_tflops_per_npu"}
+
+FIELDS = {
+    "loss": "loss",
+    "per_step_time": "per_step_time_ms",
+    "time": "per_step_time_ms",            # 0.x: "time:12.345 ms"
+    "lr": "lr",
+    "overflow cond": "overflow",
+    "loss_scale": "loss_scale",
+    "global_norm": "grad_norm",
+    "lm_loss": "lm_loss",
+    "load_balancing_loss": "load_balancing_loss",
+    "mtp_loss": "mtp_loss",
+    "indexer_loss": "indexer_loss",
+    "train_throughput_per_npu": "throughput_tflops_per_npu",
+}
+LM_LOSS_NOTE = ("loss = MindFormers' lm_loss (comparable with Megatron's 'lm loss'); MindFormers' printed "
+                "loss (lm + aux + MTP) is total_loss")
+
+
+def _number(text: str) -> float:
+    t = text.strip()
+    if t in ("True", "False"):
+        return float(t == "True")
+    for unit in ("ms", "T"):
+        if t.endswith(unit):
+            t = t[: -len(unit)].strip()
+            break
+    return float(t)
+
+
+def _ends_complete(line: str) -> bool:
+    """The step line ends with its last field's whole value (only the tail is looked at)."""
+    tail = line.rstrip()
+    return tail.endswith("]") or bool(_END.search(tail[-80:]))
+
+
+def _last_field(lines: list[str]) -> str | None:
+    """The field that ends this run's step lines (all lines of a run share MFLossMonitor's format)."""
+    counts: Counter[str] = Counter()
+    for ln in lines:
+        if "Epoch:[" in ln and "], step:[" in ln and "loss" in ln:
+            counts[ln.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()] += 1
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _cut_short(line: str, last_field: str | None) -> bool:
+    """A step line that stops before its run's last field, or inside that field's value."""
+    if not _ends_complete(line):
+        return True
+    if last_field is None:
+        return False
+    name, _, value = line.rstrip().rsplit(",", 1)[-1].partition(":")
+    value = value.strip()
+    if name.strip() != last_field or not value:
+        return True
+    return last_field == "train_throughput_per_npu" and not value.endswith("T")
+
+
+def _is_complete(line: str) -> bool:
+    at = line.find("Epoch:[")
+    if at < 0:
+        return "local_norm" not in line and "norm_size" not in line or line.rstrip().endswith(")")
+    m = _STEP.search(line, max(0, at - 2))
+    if m and not m.group(6):   # TrainingStateMonitor "tag: value"
+        return bool(re.search(r"[\d\]]\s*$", line))
+    return _ends_complete(line)
+
+
+def _config_block(lines: list[str]) -> dict[str, Any]:
+    """The dict MindFormers pprints before training, read as a Python literal (never evaluated)."""
+    for i, line in enumerate(lines):
+        if not line.startswith("{'"):
+            continue
+        depth, buf = 0, []
+        for j in range(i, min(len(lines), i + 5000)):
+            buf.append(lines[j])
+            depth += lines[j].count("{") - lines[j].count("}")
+            if depth <= 0:
+                break
+        try:
+            value = ast.literal_eval("\n".join(buf))
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return {}
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _has_local_norms(raw: bytes) -> bool:
+    """Whether the log prints local norms (``norm_size:``, ``local_norm:``, ``local_norm/<name>``): one scan
+    per word, however many other 'local_norm' (a config dump's key) it holds."""
+    if b"norm_size:" in raw:
+        return True
+    at = raw.find(b"local_norm")
+    while at >= 0:
+        if raw[at + 10: at + 11] in (b":", b"/"):
+            return True
+        at = raw.find(b"local_norm", at + 10)
+    return False
+
+
+def _fast(raw: bytes, path: str | Path, notes: list[str]) -> tuple[dict[str, pd.Series], dict[str, Any]] | None:
+    """All step lines in MFLossMonitor's format and no local_norm output: parse them in bulk. Returns the
+    series and the run's meta, or None for the careful line-by-line path."""
+    bulk = _bulk(raw)
+    if bulk is not None:
+        cols, config = bulk
+    else:
+        cols, config = _regex_rows(raw), _has_config_block(raw)
+        if cols is None:
+            return None
+    meta = _meta(path, raw.decode("utf-8", "replace").split("\n") if config else [])
+    return _series(cols, notes, meta), meta
+
+
+def _has_config_block(raw: bytes) -> bool:
+    """A line starts with "{'": the config dict MindFormers pprints (read only when there)."""
+    return raw.startswith(b"{'") or b"\n{'" in raw
+
+
+def _regex_rows(raw: bytes) -> dict[str, tuple[list[int], list[float]]] | None:
+    """The step columns by one regex over the whole file (without pyarrow, or a layout it cannot split)."""
+    if _has_local_norms(raw):
+        return None
+    rows = _FAST.findall(raw)
+    if not rows or len(rows) != raw.count(b"Epoch:["):
+        return None
+    cols = list(zip(*rows, strict=True))
+    try:
+        epoch = np.array(cols[0]).astype(np.int64)
+        step = np.array(cols[1]).astype(np.int64)
+        per_epoch = np.array(cols[2]).astype(np.int64)
+    except ValueError:
+        return None
+    gstep = (epoch - 1) * per_epoch + step
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for idx, key in _FAST_KEYS.items():
+        col = np.array(cols[idx])
+        have = col != b""
+        if not have.any():
+            continue
+        try:
+            values = (col[have] == b"True").astype(np.float64) if key == "overflow" else \
+                col[have].astype(np.float64)
+        except ValueError:
+            return None  # an unreadable value: the careful path skips just that value and notes it
+        steps, vals = out.setdefault(key, ([], []))
+        steps.extend(gstep[have].tolist())
+        vals.extend(values.tolist())
+    return out
+
+
+_TO_PIPE = bytes.maketrans(b",:[]/", b"|||||")
+_SEPARATORS = frozenset(b",:[]/")
+_INT_GROUPS = (1, 2, 3)          # epoch, step, steps per epoch
+_SUFFIX = {11: b"ms", 17: b"T"}  # per_step_time: 561ms, train_throughput_per_npu: 2.849T
+_OVERFLOW = 13
+# a line that is not a step row (pyarrow hands it back, separators as '|') and sends the file to the careful
+# reader: a step line of another layout, local norms (MFLossMonitor's or TrainingStateMonitor's)
+_OTHER_LINE = re.compile(r"Epoch|norm_size\||local_norm\|")
+
+
+def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] | None:
+    """Every step line in the first one's layout (MFLossMonitor's format): read in one pass with pyarrow
+    (',', ':', '[', ']' and '/' all separate columns), no Python object per line. Returns the columns and
+    whether a config dict is printed. None sends the file to the regex reader: pyarrow missing, another
+    layout, a value that is not a number, a step line the columns do not explain, local norms. Reads
+    exactly what that reader reads (tests compare both)."""
+    m = _FAST.search(raw)
+    if m is None or b"(" in raw and b"nan(" in raw:   # pyarrow reads 'nan(1)' as NaN, Python's float not
+        return None
+    start = raw.rfind(b"\n", 0, m.start()) + 1
+    end = raw.find(b"\n", m.start())
+    line = raw[start: end if end >= 0 else len(raw)]
+    seps = np.cumsum([0] + [c in _SEPARATORS for c in line])      # separators before each offset
+    pieces = line.translate(_TO_PIPE).split(b"|")
+    head = int(seps[m.start() - start])
+    roles: dict[int, int] = {}
+    for g in range(1, len(m.groups()) + 1):
+        if m.group(g) is None:
+            continue
+        c = int(seps[m.start(g) - start])
+        if pieces[c].strip() != m.group(g) + _SUFFIX.get(g, b""):
+            return None
+        roles[c] = g
+    floats = {c for c, g in roles.items() if g not in _INT_GROUPS and g not in _SUFFIX and g != _OVERFLOW}
+    got = read_split(raw, len(pieces), floats, 1000 + len(raw) // 10_000, translate=_TO_PIPE)
+    if got is None:
+        return None
+    table, other = got
+    if not table.num_rows or any(_OTHER_LINE.search(t) for t in other):
+        return None   # a step line of another layout (or two on one line), local norms: the careful reader
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = table.column
+    names = [str(i) for i in range(len(pieces))]
+    # What the text before the step head (time stamp, logger) may not hold, so that a row is a step line and
+    # nothing else: these words end a column there ('Epoch:[', 'norm_size:' ...), and "{'" starts a line
+    # (the config dict). Checked on the columns instead of scanning the whole file for each word.
+    if pc.any(pc.starts_with(col(names[0]), "{'")).as_py():
+        return None
+    if any(any_ends_with(col(names[c]), (b"Epoch", b"norm_size", b"local_norm")) for c in range(head)):
+        return None
+    tail = m.group(0)[: m.group(0).index(b"Epoch") + 5].decode()
+    for c in range(head + 1, len(pieces)):      # everything between the values, as in the first line
+        if c not in roles and not pc.all(pc.equal(col(names[c]), pieces[c].decode("utf-8"))).as_py():
+            return None
+    if not pc.all(pc.ends_with(col(names[head]), tail)).as_py():
+        return None
+    values: dict[int, np.ndarray] = {}
+    for c, g in roles.items():
+        x = col(names[c])
+        if g in _INT_GROUPS:
+            v = int_column(x)
+        elif g == _OVERFLOW:
+            t = pc.utf8_trim_whitespace(x)
+            if not pc.all(pc.is_in(t, pa.array(["True", "False"]))).as_py():
+                return None
+            v = pc.equal(t, "True").to_numpy(zero_copy_only=False).astype(np.float64)
+        elif g in _SUFFIX:
+            unit = _SUFFIX[g].decode()
+            if not pc.all(pc.match_substring_regex(x, f"^[ \t\n\r\f\v]*[0-9.]+{unit}[ \t\n\r\f\v]*$")).as_py():
+                return None
+            try:
+                v = pc.cast(pc.utf8_rtrim(pc.utf8_trim_whitespace(x), unit), pa.float64()).to_numpy()
+            except pa.ArrowInvalid:
+                return None   # '1.2.3ms'
+        else:
+            v = x.to_numpy()
+        if v is None:
+            return None
+        values[g] = v if v.flags.writeable else v.copy()
+    gstep = (values[1] - 1) * values[3] + values[2]
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for idx, key in _FAST_KEYS.items():
+        if idx + 1 in values:
+            out[key] = (gstep, values[idx + 1])
+    return out, any(t.startswith("{'") for t in other)
+
+
+class _Skips:
+    """Unreadable values, grouped per field so a value missing at every step is one note, not 100k."""
+
+    def __init__(self) -> None:
+        self.by_field: dict[str, list[Any]] = {}
+
+    def add(self, field: str, step: int, value: str) -> None:
+        entry = self.by_field.setdefault(field, [0, [], value[:30]])
+        entry[0] += 1
+        if len(entry[1]) < 5:
+            entry[1].append(step)
+
+    def notes(self) -> list[str]:
+        out = []
+        for field, (count, steps, example) in self.by_field.items():
+            where = ("step " if count == 1 else "steps ") + ", ".join(str(s) for s in steps) + (
+                ", ..." if count > len(steps) else "")
+            out.append(f"{field!r}: unreadable value {example!r} at {count} step(s) ({where}); value skipped, "
+                       "the steps' other fields kept")
+        return out
+
+
+def _split_fields(rest: str) -> list[tuple[str, str]]:
+    """``name: value, name:[a/b], ...`` -> pairs; plain string splits (fast), the regex when a bracket holds
+    a comma."""
+    parts = rest.split(",")
+    if any(p.count("[") != p.count("]") for p in parts):
+        return [(fm.group(1).strip(), fm.group(2).strip()) for fm in _FIELD.finditer(rest)]
+    out = []
+    for part in parts:
+        name, sep, value = part.partition(":")
+        if sep:
+            out.append((name.strip(), value.strip()))
+    return out
+
+
+def _key(name: str) -> str:
+    key = FIELDS.get(name)
+    if key is None:
+        key = FIELDS[name] = re.sub(r"\W+", "_", name).strip("_").lower()
+    return key
+
+
+def _read_standard(line: str, start: int) -> dict[str, float] | None:
+    """A line in MFLossMonitor's exact format, read with one regex; None sends it to the field reader."""
+    m = _FAST_LINE.search(line, start)
+    if m is None:
+        return None
+    groups = m.groups()
+    values: dict[str, float] = {}
+    try:
+        for idx, key in _FAST_KEYS.items():
+            g = groups[idx]
+            if g:
+                values[key] = float(g == "True") if key == "overflow" else float(g)
+    except ValueError:
+        return None
+    return values
+
+
+def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for name, value in _split_fields(rest):
+        if not name:
+            continue
+        key = _key(name)
+        try:
+            if value.startswith("["):
+                parts = [p for p in value[1:].rstrip("]").replace("/", " ").replace(",", " ").split() if p]
+                if not parts or not value.endswith("]"):      # empty, or cut before its closing bracket
+                    skips.add(name, gstep, value)
+                    continue
+                values[key] = _number(parts[0])
+                if key == "loss" and len(parts) > 1:
+                    values["loss_avg"] = _number(parts[1])
+            else:
+                values[key] = _number(value)
+        except ValueError:
+            skips.add(name, gstep, value)
+    return values
+
+
+def parse_mindformers_log(path: str | Path) -> Run:
+    """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
+    raw = clean_text(read_log_bytes(path))
+    notes: list[str] = []
+    fast = _fast(raw, path, notes)
+    if fast is not None:
+        return Run(str(path), "mindformers_log", fast[1], fast[0], {}, notes)
+    text_lines = raw.decode("utf-8", "replace").split("\n")
+    if any(not _is_complete(x) for x in text_lines[:-1]):
+        text_lines, joins = unwrap(text_lines, _is_complete)
+        if joins:
+            notes.append(f"re-joined {joins} lines wrapped by a terminal")
+
+    last_field = _last_field(text_lines)
+    cols: dict[str, tuple[list[int], list[float]]] = {}
+    local_norms: dict[int, pd.DataFrame] = {}
+    named: dict[int, tuple[list[str], list[float]]] = {}
+    other_tags: dict[str, int] = {}
+    skips = _Skips()
+    pending_norm: tuple[list[int], list[float]] | None = None
+    steps_seen = 0
+    cut: list[int] = []
+    i = 0
+    n = len(text_lines)
+    while i < n:
+        line = text_lines[i]
+        if "norm_size:" in line:
+            pending_norm, i = _norm_block(text_lines, i, notes)
+            continue
+        at = line.find("Epoch:[")
+        i += 1
+        m = _STEP.search(line, max(0, at - 2)) if at >= 0 else None
+        if not m:
+            continue
+        epoch, per_epoch, step = int(m.group(2)), int(m.group(5)), int(m.group(4))
+        gstep = (epoch - 1) * per_epoch + step
+        rest = m.group(7)
+        if not m.group(6):
+            _monitor_line(rest, gstep, named, other_tags, skips)
+            continue
+        standard = _read_standard(line, max(0, at - 2))     # matched through the end of the line: whole
+        values = standard or _read_fields(rest, gstep, skips)
+        if not values:
+            skips.add("step line", gstep, rest.strip())
+            pending_norm = None
+            continue
+        if standard is None and _cut_short(line, last_field):
+            cut.append(gstep)
+            # the value the cut ran through may be truncated: drop it, if it was read at all (a garbled last
+            # field was already skipped, and the field before it is whole)
+            tail_name = rest.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()
+            last = next(reversed(values))
+            if not rest.rstrip().endswith("]") and last == _key(tail_name):
+                values.pop(last)
+        steps_seen += 1
+        for k, v in values.items():
+            entry = cols.setdefault(k, ([], []))
+            entry[0].append(gstep)
+            entry[1].append(v)
+        if pending_norm is not None:
+            sizes, sq = pending_norm
+            local_norms[gstep] = pd.DataFrame({
+                "name": [f"#{j}" for j in range(len(sq))],
+                "norm": np.sqrt(np.asarray(sq, dtype=np.float64)),
+                "numel": np.asarray(sizes, dtype=np.int64) if sizes else np.full(len(sq), -1, np.int64),
+            })
+            pending_norm = None
+    if steps_seen == 0 and not named:
+        raise BadInput(f"{path}: no MindFormers '{{ Epoch:[..], step:[..], loss:[..] ...' lines found")
+    if cut:
+        notes.append(f"{len(cut)} step line(s) cut short (steps {', '.join(map(str, cut[:5]))}"
+                     f"{', ...' if len(cut) > 5 else ''}); the field at the cut dropped, the others kept")
+    notes.extend(skips.notes())
+    for step, (names, norms) in named.items():
+        if step in local_norms:
+            notes.append(f"step {step}: named TrainingStateMonitor local norms used instead of the unnamed "
+                         "local_norm block")
+        local_norms[step] = pd.DataFrame({"name": names, "norm": np.asarray(norms, dtype=np.float64),
+                                          "numel": np.full(len(names), -1, np.int64)})
+    if other_tags:
+        shown = ", ".join(f"{t} ({c})" for t, c in list(other_tags.items())[:5])
+        notes.append(f"TrainingStateMonitor tags not read: {shown}")
+    meta = _meta(path, text_lines)
+    if named:
+        meta["name_scheme"] = "mindformers"
+    series = _series(cols, notes, meta)
+    return Run(str(path), "mindformers_log", meta, series, local_norms, notes)
+
+
+def _series(cols: dict[str, tuple[list[int], list[float]]], notes: list[str],
+            meta: dict[str, Any]) -> dict[str, pd.Series]:
+    """Per-key series; with ``lm_loss`` present, ``loss`` becomes the LM loss and the total ``total_loss``."""
+    if "lm_loss" in cols and "loss" in cols:
+        cols["total_loss"] = cols.pop("loss")
+        if "loss_avg" in cols:
+            cols["total_loss_avg"] = cols.pop("loss_avg")
+        cols["loss"] = cols["lm_loss"]
+        meta["loss_key"] = "lm_loss"
+        notes.append(LM_LOSS_NOTE)
+    elif "loss" in cols:
+        meta["loss_key"] = "loss"
+    return {k: make_series(st, v, k) for k, (st, v) in cols.items()}
+
+
+def _monitor_line(rest: str, gstep: int, named: dict[int, tuple[list[str], list[float]]],
+                  other_tags: dict[str, int], skips: _Skips) -> None:
+    """``local_norm/<name>: value`` from TrainingStateMonitor; other tags are counted, not read."""
+    mm = _MONITOR.match(rest)
+    if not mm:
+        return
+    tag, value = mm.group(1), mm.group(2)
+    if not tag.startswith("local_norm/"):
+        head = tag.split("/", 1)[0]
+        other_tags[head] = other_tags.get(head, 0) + 1
+        return
+    try:
+        parts = value.strip("[] ").replace(",", " ").split()
+        norm = _number(parts[0]) if len(parts) == 1 else float("nan")
+    except (ValueError, IndexError):
+        norm = float("nan")
+    if not np.isfinite(norm) and not re.fullmatch(r"\[?\s*-?(nan|inf)\s*\]?", value.strip(), re.I):
+        skips.add(tag, gstep, value)
+        return
+    names, norms = named.setdefault(gstep, ([], []))
+    names.append(tag[len("local_norm/"):])
+    norms.append(norm)
+
+
+def parse_mindformers_dir(path: str | Path) -> Run:
+    """msrun's ``worker_N.log`` files (one per rank, ``output/msrun_log``) as one run.
+
+    ``scalars`` and ``local_norms`` come from the lowest rank that logged a loss (every rank prints the
+    MFLossMonitor line); ``rank_scalars`` keeps each rank's series, and each rank's named local norms are
+    kept with a ``rank`` column, since TP shards differ by rank.
+    """
+    root = Path(path)
+    logs = worker_logs(root)
+    if not logs:
+        raise BadInput(f"{root}: no msrun worker logs (worker_N.log) in it or in its msrun_log/")
+    runs: dict[int, Run] = {}
+    notes: list[str] = []
+    for rank, f in logs:
+        try:
+            runs[rank] = parse_mindformers_log(f)
+        except BadInput as exc:
+            notes.append(f"{f.name}: {exc}".replace(str(f) + ": ", ""))
+            continue
+        notes.extend(f"{f.name}: {note}" for note in runs[rank].notes)
+    if not runs:
+        raise BadInput(f"{root}: none of {len(logs)} worker logs holds MindFormers step lines")
+    main = next((r for r in sorted(runs) if runs[r].has("loss")), min(runs))
+    first = runs[main]
+    meta = dict(first.meta)
+    meta["source"] = {"kind": "mindformers_log", "path": str(root), "workers": len(logs)}
+    meta["parallel"] = {"world_size": len(logs)}
+    local: dict[int, pd.DataFrame] = {}
+    for step in sorted({s for r in runs.values() for s in r.local_norms}):
+        frames = [runs[r].local_norms[step].assign(rank=r) for r in sorted(runs) if step in runs[r].local_norms]
+        local[step] = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    notes.insert(0, f"{len(runs)} msrun worker log(s); scalars from rank {main}")
+    run = Run(str(root), "mindformers_log", meta, dict(first.scalars), local, notes)
+    run.rank_scalars = {r: dict(x.scalars) for r, x in sorted(runs.items())}
+    return run
+
+
+def worker_logs(path: Path) -> list[tuple[int, Path]]:
+    """(rank, file) of ``worker_N.log`` in ``path`` or ``path/msrun_log``, by rank."""
+    for folder in (path, path / "msrun_log"):
+        found = []
+        for f in folder.glob("worker_*.log") if folder.is_dir() else []:
+            m = re.fullmatch(r"worker_(\d+)\.log", f.name)
+            if m and f.is_file():
+                found.append((int(m.group(1)), f))
+        if found:
+            return sorted(found)
+    return []
+
+
+def _meta(path: str | Path, text_lines: list[str]) -> dict[str, Any]:
+    return {
+        "framework": "mindformers",
+        "source": {"kind": "mindformers_log", "path": str(path)},
+        "config": _config_block(text_lines),
+        "name_scheme": "index",
+    }
+
+
+def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[int], list[float]] | None, int]:
+    """Read ``norm_size: (...)`` / ``local_norm:`` / ``[...]`` starting at line ``i``."""
+    m = _NORM_SIZE.search(lines[i])
+    try:
+        sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
+        if any(not 0 <= x < 2 ** 62 for x in sizes):
+            raise ValueError("size out of range")
+    except ValueError:   # a garbled size: the norms are still good, their sizes are not (issue 14)
+        notes.append(f"line {i + 1}: unreadable norm_size entries; sizes dropped")
+        sizes = []
+    j = i + 1
+    while j < len(lines) and "local_norm:" not in lines[j] and j < i + 3:
+        j += 1
+    if j >= len(lines) or "local_norm:" not in lines[j]:
+        return None, i + 1
+    after = lines[j].split("local_norm:", 1)[1]
+    buf = after
+    k = j + 1
+    while "]" not in buf and k < len(lines) and k < j + 100000:
+        buf += " " + lines[k]
+        k += 1
+    body = buf.strip()
+    if not body.startswith("[") or "]" not in body:
+        notes.append(f"line {j + 1}: local_norm block not closed; ignored")
+        return None, k
+    try:
+        values = [float(x) for x in body[1:body.index("]")].replace(",", " ").split()]
+    except ValueError:
+        notes.append(f"line {j + 1}: unreadable local_norm values; ignored")
+        return None, k
+    if sizes and len(sizes) != len(values):
+        notes.append(f"line {j + 1}: norm_size has {len(sizes)} entries but local_norm {len(values)}; "
+                     "sizes dropped")
+        sizes = []
+    return (sizes, values), k
+
+
+def _is_mindformers_log(path: Path, head: bytes | None) -> bool:
+    if head is None:
+        return any(path.glob("worker_*.log")) or any((path / "msrun_log").glob("worker_*.log"))
+    return b"Epoch:[" in head or b"local_norm:" in head
+
+
+def _load(path: Path) -> Run:
+    return parse_mindformers_dir(path) if path.is_dir() else parse_mindformers_log(path)
+
+
+SOURCE = Source("mindformers_log", 30, _is_mindformers_log, _load,
+                "a MindFormers log ('Epoch:[..], step:[..]' lines) or a folder of msrun worker_N.log files",
+                markers=(b"Epoch:[",))
