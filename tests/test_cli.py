@@ -1,0 +1,43 @@
+"""The `align` command's verb table: every verb listed in --help, help texts built from the source table, and
+a verb whose optional extra is missing saying which extra to install (exit 2, one line)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from align.cli import VERBS, build_parser, main
+from sources import sources
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_every_verb_is_listed(capsys) -> None:
+    text = _help(["--help"], capsys)
+    assert all(f" {verb} " in text for verb in VERBS), text
+
+
+@pytest.mark.parametrize("verb", ["report", "import"])
+def test_run_kinds_come_from_the_source_table(verb, capsys) -> None:
+    text = _help([verb, "--help"], capsys)
+    described = [s.describe for s in sources() if not (verb == "import" and s.kind == "runstore")]
+    flat = "".join(text.split())         # argparse wraps lines, also after a hyphen
+    assert described and all("".join(d.split()) in flat for d in described), text
+
+
+def test_a_missing_extra_names_the_extra(tmp_path, monkeypatch, capsys) -> None:
+    pt = tmp_path / "model.pt"
+    pt.write_bytes(b"not read: torch is missing")
+    monkeypatch.setitem(sys.modules, "torch", None)     # `import torch` now raises ModuleNotFoundError
+    rc = main(["convert-weights", "--to", "mindformers", str(pt), "--out", str(tmp_path / "out.safetensors"),
+               "--num-heads", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "align convert-weights" in err[0] and "pip install 'xf-align[torch]'" in err[0], err
+    assert not (tmp_path / "out.safetensors").exists()
