@@ -1,1 +1,2 @@
-"""The foundation: errors, findings, the run store, runs, name mapping and its presets. Imports nothing above it."""
+"""The ground floor: errors, findings and verdicts, dtypes, atomic outputs, and the one registry helper every
+extension seam uses. Imports nothing of the project."""
