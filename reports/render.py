@@ -17,7 +17,20 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure a stage hands the report, drawn only when the report is written: its title on the page, its
+    file name under figures/, and the function that draws it into the path it is given and returns the PNG
+    (None: no figure, and no file)."""
+
+    title: str
+    file: str
+    draw: Callable[[Path], bytes | None]
+
 
 #: A figure to draw: its file, and the function that draws it there and returns the PNG (None: no figure).
 Job = tuple[Path, Callable[[], bytes | None]]

@@ -1,5 +1,7 @@
 """Findings -> DIR/report.html, DIR/summary.json, DIR/deltas.csv, DIR/figures/*.png.
 
+The writer names no stage: the caller hands it the stages' results, the figures they declared (drawn here,
+half in a forked child: reports.render), the rows of the step table and the stages summary.json always lists.
 Everything is written into a fresh temporary folder beside DIR and moved in at the end, so a failure
 leaves DIR as it was: never a half-written report.
 """
@@ -13,7 +15,6 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,18 +25,19 @@ import pandas as pd
 from core.errors import BadInput
 from core.findings import StageResult, worst
 from core.outputs import check_no_symlinks, check_out_dir
-from reports import figures, html
-from reports.render import render
-
-CONTRACT_STAGES = ("step1_loss", "step1_local_norm", "step2_loss", "long_run")
+from reports import html
+from reports.render import Figure, render
 
 
 @dataclass
 class ReportInput:
     runs: list[dict[str, Any]]                  # role, path, kind, steps, notes
     stages: dict[str, StageResult]
-    scalar_table: pd.DataFrame = field(default_factory=pd.DataFrame)
-    extra_figures: list[tuple[str, str, bytes]] = field(default_factory=list)   # (file, title, png)
+    scalar_table: pd.DataFrame = field(default_factory=pd.DataFrame)   # -> deltas.csv
+    figures: list[Figure] = field(default_factory=list)                # drawn in this order on the page
+    step_rows: list[dict[str, Any]] = field(default_factory=list)      # stage, step, baseline, candidate, ...
+    # stages summary.json always lists (a skipped entry when absent), each with these keys (null when absent)
+    contract: dict[str, tuple[str, ...]] = field(default_factory=dict)
     extra_sections: list[tuple[str, str]] = field(default_factory=list)         # (title, html body)
     extra_tables: dict[str, pd.DataFrame] = field(default_factory=dict)         # file name -> table
 
@@ -78,12 +80,12 @@ def _write_csv(table: pd.DataFrame, path: Path) -> None:
 
 def summary(inp: ReportInput) -> dict[str, Any]:
     stages = dict(inp.stages)
-    for name in CONTRACT_STAGES:
+    for name in inp.contract:
         stages.setdefault(name, StageResult(name, "skipped", {"reason": "no data for this stage"}))
     out_stages = {name: st.to_json() for name, st in stages.items()}
-    lr = out_stages["long_run"]
-    for key in ("steps", "outside_band_fraction", "mean_delta", "divergence_step"):
-        lr.setdefault(key, None)
+    for name, keys in inp.contract.items():
+        for key in keys:
+            out_stages[name].setdefault(key, None)
     return _clean({
         "verdict": overall_verdict(inp.stages),
         "stages": out_stages,
@@ -105,56 +107,14 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
         data = summary(inp)
         figdir = tmp / "figures"
         figdir.mkdir()
-        figs: list[tuple[str, bytes]] = []
-        labels = {r["role"]: f"{r['role']}: {Path(r['path']).name}" for r in inp.runs}
-        long_run = inp.stages.get("long_run")
-        nonfinite = inp.stages.get("nonfinite")
-        nf_step = None
-        if nonfinite is not None:
-            steps = [v["step"] for v in nonfinite.details.get("first_nonfinite", {}).values()]
-            nf_step = min(steps) if steps else None
         t = inp.scalar_table
-        jobs: list[tuple[str, Path, Callable[[Path], bytes | None]]] = []   # (title, file, draw it there)
-        if not t.empty:
-            lv = long_run.verdict if long_run else "skipped"
-            g = inp.stages.get("grad_norm")
-            gv = g.verdict if g else "skipped"
-            figures.warm()   # before the fork: the child inherits the built curve figure
-            jobs += [
-                ("Loss curves", figdir / "loss.png",
-                 lambda p: figures.loss_curves(t, labels, lv, p)),
-                ("Loss delta against the band", figdir / "loss_delta_band.png",
-                 lambda p: figures.delta_band(t, lv, p, long_run.details.get("divergence_step") if long_run
-                                              else None, nf_step)),
-                ("Grad norm curves", figdir / "grad_norm.png",
-                 lambda p: figures.loss_curves(t, labels, gv, p, title="Grad norm", prefix="grad_norm_")),
-                ("Grad norm delta against the band", figdir / "grad_norm_delta_band.png",
-                 lambda p: figures.delta_band(t, gv, p, g.details.get("divergence_step") if g else None, nf_step,
-                                              title="Grad norm delta", prefix="grad_norm_"))]
-        ln = inp.stages.get("step1_local_norm")
-        if ln is not None and ln.details.get("parameters"):
-            jobs.append(("Step-1 local norms per parameter", figdir / "local_norms.png",
-                         lambda p: figures.local_norm_chart(ln.details["parameters"],
-                                                            float(ln.details.get("rtol", 1e-4)), ln.verdict, p)))
-        lt = inp.stages.get("layer_tensors")
-        if lt is not None and lt.details.get("rows"):
-            jobs.append(("Layer profile (red: beyond the dtype's tolerance)", figdir / "layer_profile.png",
-                         lambda p: figures.layer_profile(lt.details["rows"], lt.verdict, p)))
         # the CSV is written beside the figures (pyarrow's writer releases the GIL)
-        pngs = render([(path, functools.partial(draw, path)) for _, path, draw in jobs],
+        pngs = render([(figdir / f.file, functools.partial(f.draw, figdir / f.file)) for f in inp.figures],
                       alongside=functools.partial(_write_csv, t, tmp / "deltas.csv") if not t.empty else None)
-        figs += [(title, png) for (title, _, _), png in zip(jobs, pngs, strict=True) if png]
-        for fname, title, png in inp.extra_figures:
-            (figdir / fname).write_bytes(png)
-            figs.append((title, png))
+        figs = [(f.title, png) for f, png in zip(inp.figures, pngs, strict=True) if png]
         for fname, table in inp.extra_tables.items():
             table.to_csv(tmp / fname, index=False)
-        step_rows = []
-        for name in ("step1_loss", "step2_loss"):
-            st = inp.stages.get(name)
-            if st is not None and st.verdict != "skipped":
-                step_rows.append({"stage": name, "verdict": st.verdict, **st.details})
-        page = html.render(data["verdict"], inp.runs, inp.stages, figs, step_rows, inp.extra_sections)
+        page = html.render(data["verdict"], inp.runs, inp.stages, figs, inp.step_rows, inp.extra_sections)
         (tmp / "report.html").write_text(page, encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
         files = sorted(tmp.rglob("*"))

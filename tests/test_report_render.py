@@ -58,6 +58,43 @@ def test_forked_figures_are_the_serial_figures(tmp_path, forking, monkeypatch):
     assert html == (tmp_path / "serial" / "report.html").read_text()
 
 
+
+def test_the_writer_draws_what_it_is_handed_in_order_and_names_no_stage(tmp_path, forking):
+    """The stages declare figures, step rows and summary.json's fixed entries; the writer only renders them."""
+    import ast
+    import json
+    import re
+
+    from align.stages import registry
+    from reports.render import Figure
+    from reports.writer import ReportInput, write_report
+
+    def draw(i: int):
+        def at(path: Path) -> bytes | None:
+            if i == 2:
+                return None   # no figure: no file, no image
+            data = f"png {i}".encode()
+            path.write_bytes(data)
+            return data
+        return at
+
+    figs = [Figure(f"title {i}", f"f{i}.png", draw(i)) for i in (3, 0, 2, 1)]
+    row = {"stage": "s", "verdict": "pass", "step": 1, "baseline": 2.0, "candidate": 2.0}
+    data = write_report(ReportInput([], {}, figures=figs, step_rows=[row], contract={"x": ("a", "b")}),
+                        tmp_path / "r")
+    assert forking
+    assert sorted(p.name for p in (tmp_path / "r" / "figures").iterdir()) == ["f0.png", "f1.png", "f3.png"]
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert re.findall(r'<img alt="([^"]*)"', page) == ["title 3", "title 0", "title 1"]
+    assert "<h2>Step 1 and step 2</h2>" in page
+    assert data["stages"] == {"x": {"verdict": "skipped", "reason": "no data for this stage", "a": None, "b": None}}
+    assert json.loads((tmp_path / "r" / "summary.json").read_text()) == data
+    names = {s.name for s in registry()}
+    for module in ("writer.py", "html.py", "render.py"):   # figures.py draws columns: "band" is one
+        text = (Path(__file__).resolve().parent.parent / "reports" / module).read_text()
+        strings = {n.value for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Constant)}
+        assert not names & strings, module
+
 def _jobs(tmp_path: Path, parent: int, child_does: str) -> list[render.Job]:
     def job(i: int) -> render.Job:
         path = tmp_path / f"f{i}.png"

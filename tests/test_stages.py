@@ -188,7 +188,10 @@ def test_extending_doc_stage_example_runs(tmp_path: Path) -> None:
     import importlib.util
     import re
 
-    from align.stages import Evidence, Inputs, Stage
+    import pandas as pd
+
+    from align.stages import Evidence, FigureContext, Inputs, Stage
+    from core.findings import skipped
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
     code = re.search(r"```python\n(# align/stages/loss_scale.py.*?)```", text, re.S).group(1)
@@ -206,6 +209,13 @@ def test_extending_doc_stage_example_runs(tmp_path: Path) -> None:
                 w.log_scalars(s, {"loss_scale": v})
     res = mod.STAGE.run(Evidence.load(Inputs(str(b), str(c))))
     assert res.verdict == "warn" and res.findings[0].value == 4
+    # its figure, declared now and drawn when asked (as the report's writer does)
+    ctx = FigureContext(pd.DataFrame(), {"baseline": "baseline: b", "candidate": "candidate: c"}, {"loss_scale": res})
+    assert mod.STAGE.figures(skipped("loss_scale", "none"), ctx) == []
+    (fig,) = mod.STAGE.figures(res, ctx)
+    assert fig.file == "loss_scale.png" and not (tmp_path / fig.file).exists()
+    png = fig.draw(tmp_path / fig.file)
+    assert png.startswith(b"\x89PNG") and (tmp_path / fig.file).read_bytes() == png
 
 
 def test_extending_doc_source_example_is_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from align.stages import Evidence, Inputs, registry, run_stages
+from align.stages import Evidence, FigureContext, Inputs, registry, run_stages
 from comparators.scalars import require_common_steps
 from core.errors import BadInput
 from reports.writer import ReportInput, write_report
@@ -45,25 +46,30 @@ def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = No
     if progress:
         progress(f"mapping: {ev.mapping} ({ev.mapping_source})")
     stages = run_stages(ev)
-    figures, sections = [], list(preface or [])
+    runs = [{"role": role, "path": r.path, "kind": r.kind, "steps": len(r.steps), "notes": r.notes}
+            for role, r in ev.runs.items()]
+    ctx = FigureContext(ev.scalars.table, {r["role"]: f"{r['role']}: {Path(r['path']).name}" for r in runs},
+                        stages)
+    figures, sections, step_rows = [], list(preface or []), []
+    for stage in sorted(registry(), key=lambda s: s.order if s.figure_order is None else s.figure_order):
+        res = stages.get(stage.name)
+        if res is not None and stage.figures is not None:
+            figures += stage.figures(res, ctx)
     for stage in registry():
         res = stages.get(stage.name)
         if res is None or res.verdict == "skipped":
             continue
-        if stage.figure is not None:
-            fig = stage.figure(res)
-            if fig:
-                figures.append(fig)
+        if stage.step_row is not None:
+            step_rows.append(stage.step_row(res))
         if stage.section is not None:
             body = stage.section(res)
             if body:
                 sections.append((stage.title, body))
-    runs = [{"role": role, "path": r.path, "kind": r.kind, "steps": len(r.steps), "notes": r.notes}
-            for role, r in ev.runs.items()]
+    contract = {s.name: s.summary_keys for s in registry() if s.summary_keys is not None}
     if progress:
         progress(f"compared in {time.perf_counter() - t0:.2f} s; writing {out}")
-    data = write_report(ReportInput(runs, stages, ev.scalars.table, extra_figures=figures,
-                                    extra_sections=sections), out)
+    data = write_report(ReportInput(runs, stages, ev.scalars.table, figures=figures, step_rows=step_rows,
+                                    contract=contract, extra_sections=sections), out)
     if progress:
         progress(f"done in {time.perf_counter() - t0:.2f} s")
     return data

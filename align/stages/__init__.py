@@ -10,12 +10,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
 
 from align.stages.evidence import Evidence, Inputs, Options
 from core.findings import StageResult
 from core.registry import collect
+from reports.render import Figure
 
-__all__ = ["Evidence", "Inputs", "Options", "Stage", "registry", "run_stages"]
+__all__ = ["Evidence", "Figure", "FigureContext", "Inputs", "Options", "Stage", "registry", "run_stages"]
+
+
+@dataclass(frozen=True)
+class FigureContext:
+    """What a stage's figures may draw beyond its own result: the per-step scalar table (``delta``, ``band``,
+    ``outside``, ... by step; empty when the runs have none), a label per run role (``"baseline:
+    FILE"``) and every stage's result (a figure may mark another stage's finding)."""
+
+    table: pd.DataFrame
+    labels: dict[str, str]
+    stages: dict[str, StageResult]
 
 
 @dataclass(frozen=True)
@@ -24,7 +39,13 @@ class Stage:
 
     ``order`` places it in the guide's sequence; ``needs`` says in words what evidence it reads; ``capture``
     says what to do to get that evidence when it is missing (shown on a skipped stage); ``run`` computes
-    it; ``section`` renders an optional HTML body and ``figure`` an optional (file, title, png)."""
+    it. For the report, all optional: ``section`` renders an HTML body (not for a skipped result);
+    ``figures`` declares figures (:class:`Figure`: title, file, draw), drawn only when the report is
+    written; it is asked for every result, a skipped one too, and returns none where there is nothing to
+    draw; ``figure_order`` places them among the others (default ``order``: the whole run's curves come
+    first); ``step_row`` gives a row of the step-1 / step-2 table (not for a skipped result); a tuple of
+    ``summary_keys`` makes summary.json always list the stage (skipped when it did not run) with those keys
+    (null when absent)."""
 
     name: str
     order: int
@@ -33,7 +54,10 @@ class Stage:
     capture: str
     run: Callable[[Evidence], StageResult]
     section: Callable[[StageResult], str] | None = None
-    figure: Callable[[StageResult], tuple[str, str, bytes] | None] | None = None
+    figures: Callable[[StageResult, FigureContext], list[Figure]] | None = None
+    figure_order: int | None = None
+    step_row: Callable[[StageResult], dict[str, Any]] | None = None
+    summary_keys: tuple[str, ...] | None = None
 
 
 _REGISTRY: list[Stage] | None = None

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.stages import Stage
+from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.tensors import compare_layer_tensors, layer_source
 from core.findings import StageResult, skipped, worst
+from reports.figures import layer_profile
 from reports.html import table
 from runstore.run import Run
 
@@ -75,10 +76,18 @@ def section(res: StageResult) -> str:
     return table([{k: r.get(k) for k in keys} for r in rows])
 
 
+def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
+    rows = res.details.get("rows")
+    if not rows:
+        return []
+    return [Figure("Layer profile (red: beyond the dtype's tolerance)", "layer_profile.png",
+                   lambda p: layer_profile(rows, res.verdict, p))]
+
+
 STAGE = Stage(
     name="layer_tensors", order=60, title="Layer profile (step 1, forward then backward)",
     needs="layer tensor statistics or full tensors of the same step in both run stores",
     capture="MegatronDumper / TorchDumper DumpConfig(tensor_steps=[1, 2], modules=[...]); MindSporeDumper "
             "DumpConfig(tensor_steps=[1, 2], cells=[...]) in PYNATIVE (re-run steps 1-2 in PYNATIVE when "
             "training runs in GRAPH mode)",
-    run=run, section=section)
+    run=run, section=section, figures=figures, figure_order=4)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from align.stages import Stage
+from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.local_norms import compare_local_norms
 from core.findings import StageResult, skipped
+from reports.figures import local_norm_chart
 from runstore.run import Run
 
 SEARCH = 20   # steps looked at for the first one both runs recorded local norms at
@@ -36,10 +37,19 @@ def run(ev: Evidence) -> StageResult:
     return res
 
 
+def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
+    params = res.details.get("parameters")
+    if not params:
+        return []
+    rtol = float(res.details.get("rtol", 1e-4))
+    return [Figure("Step-1 local norms per parameter", "local_norms.png",
+                   lambda p: local_norm_chart(params, rtol, res.verdict, p))]
+
+
 STAGE = Stage(
     name="step1_local_norm", order=50, title="Step-1 local norms (backward)",
     needs="named per-parameter gradient norms of the same step in both runs",
     capture="MegatronDumper / MindSporeDumper record them every step; from MindFormers alone, "
             "monitor_config: {monitor_on: True, local_norm_format: [log]} logs them by name "
             "(TrainingStateMonitor); MFLossMonitor's unnamed local_norm arrays need the dumper's names",
-    run=run)
+    run=run, figures=figures, figure_order=3, summary_keys=())

@@ -6,9 +6,10 @@ is data, one that is constant is the model."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-from align.stages import Stage
+from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from core.findings import Finding, StageResult, skipped
 from reports.figures import lr0_pair
@@ -56,10 +57,18 @@ def run(ev: Evidence) -> StageResult:
     return res
 
 
-def figure(res: StageResult) -> tuple[str, str, bytes] | None:
+def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
     rows = res.details.get("table") or []
-    png = lr0_pair(rows) if rows else None
-    return ("lr0_pair.png", "lr = 0 pair: loss per step and its delta", png) if png else None
+    if not rows:
+        return []
+
+    def draw(path: Path) -> bytes | None:
+        png = lr0_pair(rows)
+        if png:
+            path.write_bytes(png)
+        return png
+
+    return [Figure("lr = 0 pair: loss per step and its delta", "lr0_pair.png", draw)]
 
 
 STAGE = Stage(
@@ -67,4 +76,4 @@ STAGE = Stage(
     needs="a baseline and a candidate run with learning rate 0 (loss and grad norm per step)",
     capture="run both sides again with lr 0 (Megatron --lr 0 --min-lr 0; MindFormers lr_schedule "
             "learning_rate: 0) for ~20 steps on the same batches, then --lr0 BASELINE_LR0 CANDIDATE_LR0",
-    run=run, figure=figure)
+    run=run, figures=figures)

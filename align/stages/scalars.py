@@ -3,9 +3,12 @@ learning-rate schedule, first non-finite value (comparators.scalars computes the
 
 from __future__ import annotations
 
-from align.stages import Stage
+from typing import Any
+
+from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from core.findings import StageResult
+from reports import figures
 
 
 def _from_scalars(name: str):
@@ -15,19 +18,51 @@ def _from_scalars(name: str):
     return run
 
 
+def step_row(res: StageResult) -> dict[str, Any]:
+    """The step-1 / step-2 table's row: step, baseline, candidate, abs and rel delta, threshold."""
+    return {"stage": res.name, "verdict": res.verdict, **res.details}
+
+
+def first_nonfinite_step(ctx: FigureContext) -> int | None:
+    """The first step either run logged a non-finite loss or grad norm at (the nonfinite stage's result)."""
+    nf = ctx.stages.get("nonfinite")
+    steps = [v["step"] for v in nf.details.get("first_nonfinite", {}).values()] if nf is not None else []
+    return min(steps) if steps else None
+
+
+def _curves(title: str, file: str, prefix: str = ""):
+    """A stage's two figures over the whole run: both runs' curves (repeats in grey), then the delta against
+    the band with the divergence step and the first non-finite step marked; none without a scalar table."""
+    def curves(res: StageResult, ctx: FigureContext) -> list[Figure]:
+        t = ctx.table
+        if t.empty:
+            return []
+        figures.warm()   # before the writer forks: its child inherits the built curve figure
+        v, div, nf = res.verdict, res.details.get("divergence_step"), first_nonfinite_step(ctx)
+        return [Figure(f"{title} curves", f"{file}.png",
+                       lambda p: figures.loss_curves(t, ctx.labels, v, p, title=title, prefix=prefix)),
+                Figure(f"{title} delta against the band", f"{file}_delta_band.png",
+                       lambda p: figures.delta_band(t, v, p, div, nf, title=f"{title} delta", prefix=prefix))]
+    curves.__name__ = f"{file}_figures"
+    return curves
+
+
 LOSS = ("a loss per step in both runs (a run store, a Megatron-LM or MindFormers log, TensorBoard, "
         "golden-values JSON)")
 STAGES = [
     Stage("step1_loss", 40, "Step-1 loss (forward)", LOSS,
-          "log or dump step 1 of both runs from the same weights and the same batch", _from_scalars("step1_loss")),
+          "log or dump step 1 of both runs from the same weights and the same batch", _from_scalars("step1_loss"),
+          step_row=step_row, summary_keys=()),
     Stage("step2_loss", 70, "Step-2 loss (first optimizer update)", LOSS,
-          "run at least 2 steps on both sides", _from_scalars("step2_loss")),
+          "run at least 2 steps on both sides", _from_scalars("step2_loss"), step_row=step_row, summary_keys=()),
     Stage("long_run", 110, "Long run against the error band", LOSS + "; the band needs --repeat",
           "train both runs for the same steps; repeat the baseline without determinism and pass it with "
-          "--repeat", _from_scalars("long_run")),
+          "--repeat", _from_scalars("long_run"), figures=_curves("Loss", "loss"), figure_order=1,
+          summary_keys=("steps", "outside_band_fraction", "mean_delta", "divergence_step")),
     Stage("grad_norm", 120, "Global grad norm", "the grad norm per step in both runs",
           "Megatron logs 'grad norm' by default (--log-num-zeros-in-grad not needed); MindFormers logs "
-          "global_norm", _from_scalars("grad_norm")),
+          "global_norm", _from_scalars("grad_norm"), figures=_curves("Grad norm", "grad_norm", "grad_norm_"),
+          figure_order=2),
     Stage("lr_schedule", 130, "Learning-rate schedule", "the learning rate per step in both runs",
           "Megatron logs 'learning rate'; MindFormers logs 'lr'", _from_scalars("lr_schedule")),
     Stage("nonfinite", 140, "Non-finite loss or grad norm", "loss or grad norm per step",
