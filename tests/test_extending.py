@@ -84,7 +84,8 @@ def test_a_stage_is_one_file(project: Path, tmp_path: Path) -> None:
     st = summary(tmp_path / "rep")["stages"]["loss_scale"]
     assert st["verdict"] == "warn"
     page = (tmp_path / "rep" / "report.html").read_text()
-    assert "loss_scale" in page
+    assert "loss_scale" in page and "Loss scale curves" in page      # the stage's own figure, embedded
+    assert (tmp_path / "rep" / "figures" / "loss_scale.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_source_kind_is_one_file(project: Path, tmp_path: Path) -> None:
