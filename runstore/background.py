@@ -47,6 +47,10 @@ class BackgroundWriter:
     def root(self) -> Path:
         return self.writer.root
 
+    @property
+    def rank(self) -> int:
+        return self.writer.rank
+
     def _run(self) -> None:
         while True:
             with self._cv:
