@@ -21,21 +21,18 @@ from __future__ import annotations
 import fnmatch
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from dumpers.steps import NonFiniteError, parse_steps
-from runstore import RunWriter
+from dumpers.contract import DumpConfig, NonFiniteError, StepBookkeeping, dumps_rank, merge_micro_batches, open_writer
+from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
 
-TENSOR_MODES = ("off", "stats", "full")
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
-NAN_MODES = ("off", "grads", "all")
 
 
 class LayerCaptureError(RuntimeError):
@@ -129,40 +126,6 @@ class NormTrainOneStepCell(nn.TrainOneStepCell):
         return [p.name for p in self.weights]
 
 
-@dataclass
-class DumpConfig:
-    """What to dump. Scalars and batch statistics are written every step regardless.
-
-    steps: steps that get an array file (batch, local norms); ``None`` = every step.
-    tensor_steps: steps whose layer tensors are captured; ``None`` = same as ``steps``.
-    cells: fnmatch patterns over ``cells_and_names()`` names selecting the hooked cells.
-    tensors: ``"off"``, ``"stats"`` (max/min/mean/L2/nan/inf) or ``"full"`` (stats plus full tensors).
-    backward: also capture output gradients of the selected cells (``backward.grad_output.N``).
-    nan_trace: ``"off"``, ``"grads"`` (non-finite gradients, from the local norms) or ``"all"`` (also
-        non-finite activations of the selected cells, every step; PYNATIVE only).
-    stop_on_nan: raise :class:`NonFiniteError` from ``end_step`` after the trace is written.
-    """
-
-    steps: str | int | Iterable[int] | None = None
-    tensor_steps: str | int | Iterable[int] | None = None
-    cells: Sequence[str] = ("*",)
-    tensors: str = "off"
-    backward: bool = True
-    batch: bool = True
-    local_norms: bool = True
-    nan_trace: str = "grads"
-    stop_on_nan: bool = False
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.tensors not in TENSOR_MODES:
-            raise ValueError(f"tensors must be one of {TENSOR_MODES}, not {self.tensors!r}")
-        if self.nan_trace not in NAN_MODES:
-            raise ValueError(f"nan_trace must be one of {NAN_MODES}, not {self.nan_trace!r}")
-        if isinstance(self.cells, str):
-            self.cells = (self.cells,)
-
-
 def mindspore_rank() -> int | None:
     """This process's rank from MindSpore's communication (msrun + ``init()``), or None before ``init()``."""
     try:
@@ -188,27 +151,26 @@ def rank_coordinates(rank: int | None = None, tp: int = 1, pp: int = 1) -> dict[
             "tp_size": tp, "pp_size": pp}
 
 
-class MindSporeDumper:
+class MindSporeDumper(StepBookkeeping):
     """Dumps batches, named local norms, layer tensors and NaN traces of one rank into a run store.
 
-    ``net``: the Cell being trained (for layer hooks and parameter -> cell names); ``out``: run-store dir.
+    ``net``: the Cell being trained (for layer hooks and parameter -> cell names); ``out``: run-store dir
+    (default: ``config.out``). A rank not in ``config.ranks`` writes nothing (``writer`` is None).
     Use per step: ``begin_step(n)`` ... ``record_batch`` / ``record_grads`` / ``record_local_norms`` /
     ``log`` ... ``end_step(loss=...)``, or the :meth:`step` context manager, or :class:`DumperCallback`.
     """
 
-    def __init__(self, net: nn.Cell | None, out: str | os.PathLike, config: DumpConfig | None = None, *,
+    def __init__(self, net: nn.Cell | None, out: str | os.PathLike | None = None, config: DumpConfig | None = None, *,
                  rank: int | None = None, tp: int = 1, pp: int = 1, world_size: int | None = None,
                  framework: str = "mindspore", name_scheme: str = "mindspore") -> None:
         self.config = config or DumpConfig()
+        out = out if out is not None else self.config.out
+        if out is None:
+            raise ValueError("MindSporeDumper needs the run-store directory (out, or DumpConfig.out)")
         self.net = net
         self.coords = rank_coordinates(rank, tp, pp)
-        self.enabled = True
-        self._steps = parse_steps(self.config.steps)
-        ts = self.config.tensor_steps
-        self._tensor_steps = parse_steps(ts) if ts is not None else self._steps
-        self._step: int | None = None
-        self._array_step = False
-        self._tensor_step = False
+        self.enabled = dumps_rank(self.config, self.coords["rank"])
+        self._select_steps()
         self._handles: list[Any] = []
         self._rows: list[dict[str, Any]] = []
         self._trace_rows: list[dict[str, Any]] = []
@@ -225,7 +187,11 @@ class MindSporeDumper:
         meta.update(self.config.meta)
         rank_info = {k: v for k, v in self.coords.items() if k != "rank"}
         rank_info["world_size"] = ws
-        self.writer = RunWriter(out, rank=self.coords["rank"], meta=meta, rank_info=rank_info)
+        self.writer: RunWriter | BackgroundWriter | None = None
+        if not self.enabled:
+            return
+        self.writer = open_writer(out, rank=self.coords["rank"], meta=meta, rank_info=rank_info,
+                                  background=self.config.background_writes)
         if self.config.tensors != "off" or self.config.nan_trace == "all":
             self.watch(net)
 
@@ -245,6 +211,8 @@ class MindSporeDumper:
             pass
 
     def update_meta(self, values: Mapping[str, Any]) -> None:
+        if self.writer is None:
+            return
         try:
             self.writer.update_meta(values)
         except Exception as exc:  # noqa: BLE001
@@ -261,7 +229,7 @@ class MindSporeDumper:
                 "compiles Cell hooks away, so nothing would be captured; use "
                 "ms.set_context(mode=ms.PYNATIVE_MODE) for the capture steps, or tensors='off'")
         self.unwatch()
-        patterns = tuple(self.config.cells)
+        patterns = tuple(self.config.modules)
         for name, cell in net.cells_and_names():
             if not name or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
                 continue
@@ -337,10 +305,7 @@ class MindSporeDumper:
         """Start step ``step`` (numbered from 1, like MindFormers' step)."""
         if not self.enabled:
             return
-        self._step = int(step)
-        self._array_step = self._steps is None or self._step in self._steps
-        self._tensor_step = self.config.tensors != "off" and self._array_step and (
-            self._tensor_steps is None or self._step in self._tensor_steps)
+        self._open_step(step)
         self._rows, self._trace_rows, self._trace_tensors = [], [], []
         self._batch, self._scalars, self._norms_done = {}, {}, False
 
@@ -462,7 +427,7 @@ class MindSporeDumper:
             self.writer.finish_step()
         except Exception as exc:  # noqa: BLE001
             self._fail(f"end_step {step}", exc)
-        self._step = None
+        self._close_step()
         self._rows, self._trace_tensors, self._batch = [], [], {}
         if trace and self.config.stop_on_nan:
             first = trace[0]
@@ -472,11 +437,13 @@ class MindSporeDumper:
 
     def _flush(self, step: int) -> None:
         if self._batch:
-            merged = {k: np.concatenate(v, axis=0) if len(v) > 1 else v[0] for k, v in self._batch.items()}
+            merged = merge_micro_batches(self._batch)
             if self.config.batch and self._array_step:
                 for key, arr in merged.items():
                     self.writer.put_array(step, f"batch/{key}", arr,
                                           attrs={"micro_batches": len(self._batch[key])})
+            if self.config.seed_layout and self._array_step:
+                self.writer.write_seed_batch(step, {k: merged[k] for k in SEED_BATCH_KEYS if k in merged})
             tokens = merged.get("tokens", merged.get("input_ids"))
             if tokens is not None:
                 self._scalars.update(token_min=int(tokens.min()), token_max=int(tokens.max()),
@@ -516,6 +483,8 @@ class MindSporeDumper:
 
     def close(self) -> None:
         self.unwatch()
+        if self.writer is None:
+            return
         try:
             self.writer.close()
         except Exception as exc:  # noqa: BLE001

@@ -53,8 +53,9 @@ def seed_everything(seed: int = 1234, deterministic: bool = True, set_env: bool 
 
 
 def record(writer: Any, info: dict[str, Any]) -> None:
-    """Merge the record into the run's meta.json (``writer`` is an runstore.RunWriter; rank 0 only,
-    as every rank seeds alike and meta.json belongs to rank 0)."""
-    if getattr(writer, "rank", 0) != 0:
+    """Merge the record into the run's meta.json (``writer`` is a dumper's ``writer``: a runstore.RunWriter or
+    BackgroundWriter, None on a rank that does not dump; rank 0 only, as every rank seeds alike and meta.json
+    belongs to rank 0)."""
+    if writer is None or getattr(writer, "rank", 0) != 0:
         return
     writer.update_meta({"seed": info["seed"], "determinism": info["determinism"]})

@@ -1,12 +1,10 @@
-"""Step selection shared by every dumper (framework-free)."""
+"""Step selection shared by every dumper (framework-free): ``"1-3,10"`` -> the steps it names.
+
+The rest of the dumper contract is in dumpers/contract.py."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-
-class NonFiniteError(RuntimeError):
-    """Raised by a dumper's ``end_step`` only when ``stop_on_nan`` asked for it, after the trace is written."""
 
 
 def parse_steps(spec: str | int | Iterable[int] | None) -> frozenset[int] | None:

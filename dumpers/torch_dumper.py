@@ -2,8 +2,9 @@
 
 Why it looks like this:
 
-* One object, configured once (:class:`DumpConfig`), and two calls per step (``begin_step`` /
-  ``end_step``, or ``with dumper.step(n):``), so a training script needs a few lines and no library edits.
+* One object, configured once (:class:`DumpConfig`, the one both dumpers take: dumpers/contract.py),
+  and two calls per step (``begin_step`` / ``end_step``, or ``with dumper.step(n):``), so a training
+  script needs a few lines and no library edits.
 * It never changes numerics: hooks only read tensors (forward hooks return nothing, tensor hooks return
   ``None``), statistics are computed on detached tensors, and nothing is cast in place.
 * It never crashes training: every entry point is guarded; a failure (say an unwritable output directory)
@@ -22,65 +23,26 @@ import contextlib
 import fnmatch
 import functools
 import math
-import os
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from dumpers.steps import NonFiniteError, parse_steps
+from dumpers.contract import (
+    DumpConfig,
+    NonFiniteError,
+    StepBookkeeping,
+    dumps_rank,
+    merge_micro_batches,
+    open_writer,
+    parse_steps,  # noqa: F401  (re-exported: users import it from here)
+)
 from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
 
-TENSOR_MODES = ("off", "stats", "full")
-NAN_MODES = ("off", "grads", "all")
 _STAT_COLS = ("max", "min", "mean", "norm", "nan", "inf")
-
-
-@dataclass
-class DumpConfig:
-    """What to dump. Scalars (loss, grad norm, batch statistics) are written every step regardless.
-
-    out: run-store directory (shared by all ranks; each rank writes only its own files).
-    steps: steps that get an array file (batch, local norms); ``None`` = every step.
-    tensor_steps: steps whose layer tensors are captured; ``None`` = same as ``steps``.
-    modules: fnmatch patterns over ``named_modules()`` names selecting the hooked modules.
-    tensors: ``"off"``, ``"stats"`` (max/min/mean/L2/nan/inf) or ``"full"`` (stats plus full tensors).
-    batch / seed_layout: store batches in the step file / also as ``step_N/rank_R/<name>.npy``.
-    local_norms: named L2 norm of every parameter's gradient, where the optimizer sees it.
-    nan_trace: ``"off"``, ``"grads"`` (non-finite gradients, from the local norms: free) or ``"all"``
-        (also forward outputs and backward gradients of the selected modules, every step).
-    stop_on_nan: raise :class:`NonFiniteError` from ``end_step`` after recording the trace.
-    ranks: global ranks that dump; ``None`` = all.
-    background_writes: write step files on a background thread (full tensors are then copied to host
-        memory in the hook, written while training computes; ``end_step`` waits for the step file).
-        Off: each full tensor is written in its hook straight from the tensor's memory (no copy).
-    """
-
-    out: str | os.PathLike
-    steps: str | int | Iterable[int] | None = None
-    tensor_steps: str | int | Iterable[int] | None = None
-    modules: Sequence[str] = ("*",)
-    tensors: str = "off"
-    batch: bool = True
-    seed_layout: bool = False
-    local_norms: bool = True
-    nan_trace: str = "grads"
-    stop_on_nan: bool = False
-    ranks: Iterable[int] | None = None
-    meta: Mapping[str, Any] = field(default_factory=dict)
-    background_writes: bool = False
-
-    def __post_init__(self) -> None:
-        if self.tensors not in TENSOR_MODES:
-            raise ValueError(f"tensors must be one of {TENSOR_MODES}, not {self.tensors!r}")
-        if self.nan_trace not in NAN_MODES:
-            raise ValueError(f"nan_trace must be one of {NAN_MODES}, not {self.nan_trace!r}")
-        if isinstance(self.modules, str):
-            self.modules = (self.modules,)
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,7 +180,7 @@ def _host_array(t: torch.Tensor, private: bool) -> np.ndarray:
     return x.numpy(force=True)
 
 
-class TorchDumper:
+class TorchDumper(StepBookkeeping):
     """Dumps batches, named local norms, layer tensors and NaN traces of one rank into a run store.
 
     ``model``: the module (or list of modules) being trained; ``optimizer``: a ``torch.optim`` optimizer
@@ -234,14 +196,13 @@ class TorchDumper:
                  world_size: int | None = None, rank_info: Mapping[str, Any] | None = None,
                  meta: Mapping[str, Any] | None = None) -> None:
         self.config = config or DumpConfig(out="dump")
+        if self.config.out is None:
+            raise ValueError("DumpConfig.out is not set: TorchDumper needs the run-store directory")
         self.errors = 0
         self.error_log: list[str] = []
         self.nan_found = False
         self._writer: RunWriter | BackgroundWriter | None = None
         self._handles: list[Any] = []
-        self._step: int | None = None
-        self._array_step = False
-        self._tensor_step = False
         try:
             self.models = list(model) if isinstance(model, (list, tuple)) else [model]
             self.optimizer = optimizer
@@ -251,11 +212,8 @@ class TorchDumper:
             self.rank_info.update(self._default_rank_info())
             self.rank_info.update(rank_info or {})
             self.rank_info.update(rank=self.rank, world_size=self.world_size)
-            ranks = self.config.ranks
-            self.enabled = ranks is None or self.rank in set(int(r) for r in ranks)
-            self._steps = parse_steps(self.config.steps)
-            ts = self.config.tensor_steps
-            self._tensor_steps = parse_steps(ts) if ts is not None else self._steps
+            self.enabled = dumps_rank(self.config, self.rank)
+            self._select_steps()
             self.params = self._named_params()
             self._param_index = {id(p): i for i, (_, p, _) in enumerate(self.params)}
             self._grad_order: list[int] = []
@@ -357,8 +315,8 @@ class TorchDumper:
         m.update(self._extra_meta())
         m.update(self.config.meta)
         m.update(meta or {})
-        writer = RunWriter(self.config.out, rank=self.rank, meta=m, rank_info=self.rank_info)
-        self._writer = BackgroundWriter(writer) if self.config.background_writes else writer
+        self._writer = open_writer(self.config.out, rank=self.rank, meta=m, rank_info=self.rank_info,
+                                   background=self.config.background_writes)
 
     def _versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}
@@ -419,7 +377,7 @@ class TorchDumper:
                 items = _flatten_tensors(kwargs, _flatten_tensors(args)) if kwargs else _flatten_tensors(args)
                 for i, t in enumerate(items):
                     self._record(name, _kind("forward.input", i), t)
-                    if t.requires_grad:
+                    if t.requires_grad and self.config.backward:
                         self._on_grad(t, name, _kind("backward.grad_input", i))
                 if keep and self.config.nan_trace == "all":
                     self._io_refs.setdefault(name, {}).update(
@@ -437,7 +395,7 @@ class TorchDumper:
                 items = _flatten_tensors(output)
                 for i, t in enumerate(items):
                     self._record(name, _kind("forward.output", i), t)
-                    if t.requires_grad:
+                    if t.requires_grad and self.config.backward:
                         self._on_grad(t, name, _kind("backward.grad_output", i))
                 if keep and self.config.nan_trace == "all":
                     self._io_refs.setdefault(name, {}).update(
@@ -520,10 +478,7 @@ class TorchDumper:
         if not self.enabled:
             return
         try:
-            self._step = int(step)
-            self._array_step = self._steps is None or self._step in self._steps
-            self._tensor_step = self.config.tensors != "off" and (
-                self._tensor_steps is None or self._step in self._tensor_steps) and self._array_step
+            self._open_step(step)
             self._grad_order.clear()
             self._pending_batch.clear()
             self._release_step_refs()
@@ -754,7 +709,7 @@ class TorchDumper:
             self._fail("finish_step", exc)
             self._drop_open_step()
         self._release_step_refs()
-        self._step = None
+        self._close_step()
         if self.nan_found and self.config.stop_on_nan:
             raise NonFiniteError(f"non-finite values at step {step} ({self._step_scalars.get('nan_trace')}); "
                                  f"see {self.config.out}")
@@ -779,8 +734,7 @@ class TorchDumper:
         if not self._pending_batch:
             return
         n_micro = max(len(v) for v in self._pending_batch.values())
-        batch = {k: (np.concatenate(v, axis=0) if len(v) > 1 else v[0])
-                 for k, v in self._pending_batch.items()}
+        batch = merge_micro_batches(self._pending_batch)
         self._pending_batch.clear()
         sc = self._step_scalars
         if "loss_mask" in batch:

@@ -1,41 +1,32 @@
 """The run store: the one format every source and dumper writes and every comparator reads.
 
 The layer everything above stands on (docs/run-store.md). Import from here; the files inside hold one job
-each (``store``: the on-disk format, ``run``: a run in memory, ``schema``: checked reading of JSON/YAML).
+each: ``layout`` (folder and file names), ``atomic`` (files that appear whole), ``writer`` (one rank's
+``RunWriter``), ``background`` (the ``BackgroundWriter`` thread), ``tables`` (step-file tables and their
+schemas), ``reader`` (``RunReader``), ``seed_layout`` (the replayed ``step_N/rank_R/*.npy`` batches),
+``step1_file`` (the step-1 optimizer file), ``run`` (a run in memory), ``schema`` (checked reading of JSON/YAML).
 """
 
-from runstore.run import Run, make_series, open_store, save_run, series_from_records
-from runstore.store import (
+from runstore.atomic import atomic_file, atomic_write_bytes, atomic_write_json
+from runstore.background import BackgroundWriter, WriterErrors
+from runstore.layout import (
     CONVERSION_EVIDENCE,
     EVIDENCE_DIR,
     META,
-    META_SCHEMA,
     OPTIMIZER_EVIDENCE,
     RANK_DIR,
     SCALAR_DIR,
     SCHEMA,
     SEED_BATCH_KEYS,
     STEP_DIR,
-    TABLE_SCHEMAS,
-    BackgroundWriter,
-    Incomplete,
-    RunReader,
-    RunWriter,
-    StepArrays,
-    WriterErrors,
-    atomic_file,
-    atomic_write_bytes,
-    atomic_write_json,
-    check_table,
-    load_npy,
-    read_h5,
-    read_seed_batch,
-    read_step1_file,
-    seed_steps,
     step_dir,
-    table_columns,
-    write_step1_file,
 )
+from runstore.reader import META_SCHEMA, Incomplete, RunReader, StepArrays, read_h5
+from runstore.run import Run, make_series, open_store, save_run, series_from_records
+from runstore.seed_layout import load_npy, read_seed_batch, seed_steps
+from runstore.step1_file import read_step1_file, write_step1_file
+from runstore.tables import TABLE_SCHEMAS, check_table, table_columns
+from runstore.writer import RunWriter
 
 __all__ = [
     "CONVERSION_EVIDENCE", "EVIDENCE_DIR", "META", "META_SCHEMA", "OPTIMIZER_EVIDENCE", "RANK_DIR", "SCALAR_DIR",

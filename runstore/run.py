@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 
 from core.outputs import check_out_dir
-from runstore.store import RunReader, RunWriter
+from runstore.reader import RunReader
+from runstore.writer import RunWriter
 
 
 @dataclass

@@ -155,6 +155,36 @@ def test_value_and_grad_loop_named_norms_and_nan_trace(batches: list, tmp_path: 
     assert RunReader(tmp_path / "stop").step_arrays(1).table("nan_trace").name[0] == target
 
 
+def test_shared_config_fields_seed_layout_ranks_background(batches: list, tmp_path: Path) -> None:
+    """The one DumpConfig (dumpers/contract.py): ``out`` from the config, the seed layout, background writes;
+    a rank outside ``ranks`` writes nothing and every call on it is a no-op."""
+    from runstore import read_seed_batch
+
+    cfg = DumpConfig(out=tmp_path / "run", seed_layout=True, background_writes=True)
+    dumper = MindSporeDumper(None, config=cfg)
+    for step, b in enumerate(batches, 1):
+        with dumper.step(step, {"tokens": b["input_ids"], "labels": b["labels"], "loss_mask": b["loss_mask"]}):
+            dumper.log(loss=1.0)
+    dumper.close()
+    assert dumper.enabled
+    reader = RunReader(tmp_path / "run")
+    assert reader.array_steps() == [1, 2] and not reader.incomplete
+    seed = read_seed_batch(tmp_path / "run", 2, 0, ("tokens", "labels", "loss_mask"))
+    np.testing.assert_array_equal(seed["tokens"], batches[1]["input_ids"])
+    np.testing.assert_array_equal(reader.step_arrays(2).data["batch/loss_mask"], batches[1]["loss_mask"])
+
+    other = MindSporeDumper(None, tmp_path / "other", DumpConfig(ranks=[0]), rank=1)
+    assert not other.enabled and other.writer is None
+    record(other.writer, {"seed": {"mindspore": 5}, "determinism": {}})
+    other.update_meta({"x": 1})
+    with other.step(1, {"tokens": batches[0]["input_ids"]}):
+        other.log(loss=1.0)
+    other.close()
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="out"):
+        MindSporeDumper(None)
+
+
 def test_dumper_failure_never_stops_training(batches: list, tmp_path: Path) -> None:
     """A dumper that cannot write (its run folder is replaced by a file) warns and steps aside."""
     net = mc.build_tiny_llama(seed=0)

@@ -150,6 +150,20 @@ def test_ranks_filter_writes_nothing_for_other_ranks(tmp_path: Path) -> None:
     assert not d.enabled and d.errors == 0 and not (tmp_path / "run").exists()
 
 
+def test_backward_off_captures_forward_only_and_out_is_required(tmp_path: Path) -> None:
+    """DumpConfig is shared with the MindSpore dumper (dumpers/contract.py): ``backward=False`` keeps only
+    the forward rows; a config without ``out`` is refused at once (MindSporeDumper takes out separately)."""
+    base_losses, (_, base_params), _ = train(None)
+    losses, (_, params), d = train(tmp_path, tensors="stats", backward=False)
+    assert d.errors == 0, d.error_log
+    assert losses == base_losses
+    assert all(torch.equal(a, b) for a, b in zip(base_params, params, strict=True))
+    kinds = set(RunReader(tmp_path).step_arrays(1).table("tensor_stats")["kind"])
+    assert kinds and all(k.startswith("forward.") for k in kinds)
+    with pytest.raises(ValueError, match="out"):
+        TorchDumper(Net(), None, DumpConfig())
+
+
 def test_record_batch_with_step_moves_the_boundary(tmp_path: Path) -> None:
     """The pretrain_gpt.py form: only ``record_batch(batch, step=...)`` per micro-batch, then ``close()``."""
     net = Net()

@@ -1,0 +1,114 @@
+"""Tables in step files: columns -> one HDF5 compound dataset and back, and their declared schemas.
+
+A table (local norms, tensor statistics) is stored as one compound dataset, one field per column, text as
+UTF-8 bytes (one HDF5 object per table instead of one per column). ``table_columns`` also reads the older
+layout, a group of one dataset per column. ``check_table`` holds a table read back to ``TABLE_SCHEMAS``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import h5py
+import numpy as np
+
+from core.errors import BadInput
+
+
+def _records(group: str, columns: Mapping[str, Any]) -> np.ndarray:
+    """Columns as one numpy record array: numbers as they are, text as UTF-8 bytes (no object arrays:
+    nothing here could need a pickle)."""
+    fields: list[tuple[str, np.ndarray]] = []
+    for name, col in columns.items():
+        if isinstance(col, np.ndarray):
+            arr = col
+        else:
+            col = list(col)
+            try:   # text straight to ASCII bytes, the usual name (numpy's cast, no loop in Python)
+                arr = np.array(col, dtype="S") if col and all(isinstance(x, str) for x in col) else np.asarray(col)
+            except UnicodeEncodeError:
+                arr = np.array(col, dtype=object)
+        if arr.dtype.kind == "O":
+            if not all(isinstance(x, str | bytes) for x in arr.ravel()):
+                raise TypeError(f"{group}/{name}: object arrays are not stored (no pickle)")
+            arr = np.array([x if isinstance(x, bytes) else x.encode("utf-8") for x in arr.ravel()],
+                           dtype=bytes).reshape(arr.shape)
+        elif arr.dtype.kind == "U":
+            try:
+                arr = arr.astype("S")          # ASCII (the usual name): numpy's own cast, no loop
+            except UnicodeEncodeError:
+                arr = np.char.encode(arr, "utf-8")
+        if arr.dtype.kind == "S" and arr.dtype.itemsize == 0:
+            arr = arr.astype("S1")
+        if arr.dtype.kind not in "biufS":
+            raise TypeError(f"{group}/{name}: dtype {arr.dtype} is not a table column type")
+        fields.append((name, arr))
+    lengths = {k: len(v) for k, v in fields}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{group}: columns differ in length: {lengths}")
+    n = len(fields[0][1]) if fields else 0
+    rec = np.empty(n, dtype=[(k, v.dtype.newbyteorder("=") if v.dtype.kind in "iuf" else v.dtype, v.shape[1:])
+                             for k, v in fields])
+    for k, v in fields:
+        rec[k] = v
+    return rec
+
+
+def table_columns(obj: h5py.Group | h5py.Dataset) -> dict[str, np.ndarray]:
+    """A table's columns, text decoded to str: a compound dataset (one field per column, as ``put_table``
+    writes it) or a group of one dataset per column (older stores)."""
+    if isinstance(obj, h5py.Dataset):
+        if obj.dtype.names is None:
+            return {}
+        rec = obj[...]
+        return {k: _decode(rec[k]) for k in obj.dtype.names}
+    return {k: _dataset_value(ds) for k, ds in obj.items() if isinstance(ds, h5py.Dataset)}
+
+
+_TEXT, _INT, _NUM = "OSU", "iub", "fiub"
+#: Tables in step files (docs/run-store.md): required columns, and the dtype kinds each known column may have.
+TABLE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "local_norm": {"required": ("name", "norm"), "columns": {
+        "name": _TEXT, "norm": _NUM, "numel": _INT, "tp_partition_dim": _INT, "tp_rank": _INT, "tp_size": _INT}},
+    "tensor_stats": {"required": ("order", "module", "kind"), "columns": {
+        "order": _INT, "module": _TEXT, "kind": _TEXT, "dtype": _TEXT, "shape": _TEXT, "numel": _INT,
+        "max": _NUM, "min": _NUM, "mean": _NUM, "norm": _NUM, "nan": _INT, "inf": _INT}},
+}
+
+
+def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarray]) -> None:
+    """A step file's table against TABLE_SCHEMAS: required columns, one value per row, equal lengths,
+    number columns holding numbers. One-line BadInput naming the file and the column."""
+    spec = TABLE_SCHEMAS.get(group)
+    if spec is None:
+        return
+    for req in spec["required"]:
+        if req not in cols:
+            raise BadInput(f"{path}: table '{group}' has no column '{req}'")
+    n = None
+    for k, col in cols.items():
+        arr = np.asarray(col)
+        if arr.ndim != 1:
+            raise BadInput(f"{path}: key '{group}/{k}': shape {arr.shape}, expected one value per row")
+        kinds = spec["columns"].get(k)
+        if kinds is not None and (arr.dtype.kind not in kinds or arr.dtype.names is not None):
+            raise BadInput(f"{path}: key '{group}/{k}': dtype {arr.dtype} is not "
+                           f"{'text' if kinds == _TEXT else 'a number type'}")
+        if n is None:
+            n = len(arr)
+        elif len(arr) != n:
+            raise BadInput(f"{path}: key '{group}/{k}': {len(arr)} rows, other columns have {n}")
+
+
+def _dataset_value(ds: h5py.Dataset) -> Any:
+    """A dataset's value, text decoded (a scalar dataset as its value, not a 0-d array)."""
+    return _decode(ds[()] if ds.shape == () else ds[...])
+
+
+def _decode(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype.kind in ("O", "S"):
+        return np.array([x.decode() if isinstance(x, bytes) else str(x) for x in arr.ravel()],
+                        dtype=object).reshape(arr.shape)
+    return arr
