@@ -2,7 +2,7 @@
 
 Real state dicts on both sides: megatron-core GPTModels (dense with q/k layernorm, MoE with sequential
 experts and a shared expert, MLA + MoE) built on CPU, and MindFormers 2.1.0's TrainingQwen3ForCausalLM,
-TrainingQwen3MoeForCausalLM and TrainingDeepseekV3ForCausalLM built (not run) from the same McoreSpec.
+TrainingQwen3MoeForCausalLM and TrainingDeepseekV3ForCausalLM built (not run) from the same TinyModel.
 Checked: nothing unmapped, every group complete, converted shapes equal the other model's, the round trip
 is bit-identical, and local norms of grouped parameters (stacked experts) compare through the mapping.
 """
@@ -25,9 +25,9 @@ from demo import mindformers_mcore_cpu as mc  # noqa: E402
 from mapping import TransformParams  # noqa: E402
 from models import load_mapping  # noqa: E402
 
-_MLA = mc.McoreSpec(kind="mla", shared_expert_size=16, first_k_dense=0)
-SPECS = {"dense": mc.McoreSpec(kind="dense"),
-         "moe": mc.McoreSpec(kind="moe"),
+_MLA = mc.TinyModel(kind="mla", shared_expert_size=16, first_k_dense=0)
+SPECS = {"dense": mc.TinyModel(kind="dense"),
+         "moe": mc.TinyModel(kind="moe"),
          "mla": _MLA,
          # DeepSeek-V3 as shipped (pretrain_deepseek3_671b.yaml): one MTP layer (num_nextn_predict_layers: 1)
          "mla_mtp": _MLA,
@@ -41,7 +41,7 @@ MF_OVERRIDES = {"mla_mtp": {"num_nextn_predict_layers": 1},
 MEG_EXTRA = {"mla_mtp": {"mtp_num_layers": 1}, "mla_qkv_concat": {"mtp_num_layers": 1}}
 
 
-def _params(spec: mc.McoreSpec) -> TransformParams:
+def _params(spec: mc.TinyModel) -> TransformParams:
     ng = spec.num_attention_heads if spec.kind == "mla" else spec.num_query_groups
     # the fused MLA down projection (mla_qkv_concat) splits back into q (q_lora_rank rows) and kv
     # (kv_lora_rank + rope head dim rows)

@@ -17,7 +17,7 @@ mc = pytest.importorskip("demo.mindformers_mcore_cpu")
 
 from mindspore import Tensor  # noqa: E402
 
-SPEC = mc.McoreSpec()
+SPEC = mc.TinyModel()
 
 
 def _pynative() -> None:

@@ -24,7 +24,7 @@ from demo import mindformers_mcore_cpu as mc  # noqa: E402
 from models import load_mapping  # noqa: E402
 from tests.helpers import megatron_step1 as meg_step1  # noqa: E402
 
-SPEC = mc.McoreSpec(kind="mla", num_experts=0)
+SPEC = mc.TinyModel(kind="mla", num_experts=0)
 PRESET = mc.MCORE_PRESETS["mla"]
 
 

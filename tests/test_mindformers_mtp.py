@@ -31,7 +31,7 @@ from demo import mindformers_mcore_cpu as mc  # noqa: E402
 from mapping import TransformParams  # noqa: E402
 from models import load_mapping  # noqa: E402
 
-SPEC = mc.McoreSpec(kind="mla", num_experts=0)
+SPEC = mc.TinyModel(kind="mla", num_experts=0)
 MTP_FACTOR = 0.3          # pretrain_deepseek3_671b.yaml: mtp_loss_factor 0.3 (Megatron: mtp_loss_scaling_factor)
 PRESETS = {False: "megatron_core__mindformers_mcore_mla", True: "megatron_core__mindformers_mcore_mla_qkv_concat"}
 

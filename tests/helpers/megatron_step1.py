@@ -1,4 +1,4 @@
-"""Step 1 of a megatron-core model described by a ``McoreSpec``, with its weights in MindFormers' names.
+"""Step 1 of a megatron-core model described by a ``TinyModel``, with its weights in MindFormers' names.
 
 Why shared: the MoE and MLA pair tests start from the same thing (Megatron's step-1 loss and gradient
 norms, its weights converted through the mcore preset, the batch) and compare MindFormers against it.
