@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(PY) -m align demo --out $(OUT)
 
 test: $(STAMP)
-	$(PY) -m ruff check core runstore mapping sources checkpoints dumpers comparators reports align demo tests benchmarks
+	$(PY) -m ruff check core runstore mapping models sources checkpoints dumpers comparators reports align demo tests benchmarks
 	# two workers, one test file each at a time (a file's shared runs are made once): ~9 min instead of ~12.5
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 

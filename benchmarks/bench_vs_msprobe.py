@@ -205,13 +205,13 @@ def worker_dump(args: argparse.Namespace) -> dict:
 
 def worker_compare_ours(args: argparse.Namespace) -> dict:
     from comparators.tensors import compare_layer_tensors
-    from mapping import Mapping
+    from models import load_mapping
 
     readers = None
     if args.torch_readers:     # our comparator on msprobe's own .pt dump (same files msprobe compares)
         from checkpoints.torch_tensors import READERS as readers
     t0 = time.perf_counter()
-    res = compare_layer_tensors(args.golden, args.target, Mapping.load(), step=1, threads=args.compare_threads,
+    res = compare_layer_tensors(args.golden, args.target, load_mapping(), step=1, threads=args.compare_threads,
                                 jobs=args.compare_jobs or None, executor=args.compare_executor, readers=readers)
     d = res.details
     first = d.get("first_departing_forward") or d.get("first_departing_backward")

@@ -20,6 +20,7 @@ import numpy as np
 from core.errors import BadInput
 from core.findings import StageResult
 from mapping import Mapping, TransformParams
+from models import load_mapping, preset_for_weights
 
 
 def _torch_state(path: str | Path) -> dict[str, Any]:
@@ -75,14 +76,11 @@ def megatron_to_numpy(paths: Sequence[str | Path]) -> tuple[dict[str, np.ndarray
     return shards[0] if len(shards) == 1 else shards, dtypes   # type: ignore[return-value]
 
 
-MCORE_DENSE_PRESET = "megatron_core__mindformers_mcore_dense"
-
-
 def _default_mapping(mapping: str | None, mindformers_file: str | Path) -> str | None:
-    """A .safetensors file on the MindFormers side means MindFormers 2.x mcore (its only safetensors models);
-    a .ckpt the legacy Llama preset."""
-    if mapping is None and str(mindformers_file).endswith(".safetensors"):
-        return MCORE_DENSE_PRESET
+    """The family a MindFormers weights file's suffix implies (.safetensors: MindFormers 2.x mcore, its only
+    safetensors models; models/mcore_dense), else the default preset (a .ckpt: the legacy Llama)."""
+    if mapping is None:
+        return preset_for_weights(mindformers_file)
     return mapping
 
 
@@ -91,7 +89,7 @@ def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path
                                     dtype: str | None = None, num_experts: int | None = None) -> StageResult:
     """Megatron-core state_dict(s) -> MindFormers weights: ``out`` ending in .safetensors gets mcore names and
     layouts (loadable with ``load_ckpt_format: safetensors``), else a MindSpore .ckpt (legacy Llama)."""
-    m = Mapping.load(_default_mapping(mapping, out))
+    m = load_mapping(_default_mapping(mapping, out))
     loaded, dtypes = megatron_to_numpy(paths)
     tp = len(paths)
     state = merge_tp_shards(loaded if tp > 1 else [loaded], m)   # type: ignore[list-item]
@@ -151,7 +149,7 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
     rules, e.g. ``q_down`` = q_lora_rank for MLA's linear_qkv with mla_qkv_concat)."""
     import torch
 
-    m = Mapping.load(_default_mapping(mapping, path))
+    m = load_mapping(_default_mapping(mapping, path))
     if str(path).endswith(".safetensors"):
         from checkpoints.mindformers import read_safetensors
 

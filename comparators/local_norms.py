@@ -193,8 +193,9 @@ def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, s
                         top: int = 20) -> StageResult:
     """Compare two runs' step-``step`` local norms; details name the worst parameters by baseline name."""
     from mapping import Mapping
+    from models import load_mapping
 
-    m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
+    m = mapping if isinstance(mapping, Mapping) else load_mapping(mapping)
     pass_tol, warn_tol = rtol or RTOL.get(dtype, RTOL["float32"])
     b_norms, b_info = read_local_norms(baseline, step)
     c_norms, c_info = read_local_norms(candidate, step)

@@ -140,8 +140,9 @@ def _to_baseline_names(after_candidate: MappingABC[str, np.ndarray], mapping: An
     if mapping is None:
         return dict(after_candidate), None
     from mapping import Mapping, TransformParams
+    from models import load_mapping
 
-    m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
+    m = mapping if isinstance(mapping, Mapping) else load_mapping(mapping)
     if params is not None and not isinstance(params, TransformParams):
         params = TransformParams.from_mapping(params)
     return m.convert(after_candidate, "baseline", params)
@@ -155,8 +156,9 @@ def to_candidate_names(arrays: MappingABC[str, np.ndarray], mapping: Any = None,
     would update the rest with stale zeros.
     """
     from mapping import Mapping, TransformParams
+    from models import load_mapping
 
-    m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
+    m = mapping if isinstance(mapping, Mapping) else load_mapping(mapping)
     if params is not None and not isinstance(params, TransformParams):
         params = TransformParams.from_mapping(params)
     out, res = m.convert(arrays, "candidate", params)

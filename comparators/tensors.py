@@ -612,8 +612,9 @@ def plan_layer_tasks(baseline: Any, candidate: Any, mapping: Any = None, *, step
                      readers: Readers | None = None) -> dict[str, Any]:
     """Pair the rows of one step and rank: the work items (one per tensor pair) and what was left out."""
     from mapping import Mapping
+    from models import load_mapping
 
-    m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
+    m = mapping if isinstance(mapping, Mapping) else load_mapping(mapping)
     src_a, src_b = layer_source(baseline), layer_source(candidate)
     rows_a, tens_a = src_a.layer_rows(step, rank)
     rows_b, tens_b = src_b.layer_rows(step, rank if candidate_rank is None else candidate_rank)

@@ -64,9 +64,9 @@ def build_model(spec: Spec) -> torch.nn.Module:
     qk_norm = spec.model_kind == "dense"
     torch.manual_seed(spec.seed)
     tcfg = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size, normalization="RMSNorm",
-        layernorm_epsilon=m.norm_eps, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        layernorm_epsilon=m.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=False, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=spec.tp, bias_dropout_fusion=False, apply_rope_fusion=False,
@@ -81,11 +81,11 @@ def build_model(spec: Spec) -> torch.nn.Module:
 
 def build_moe_model(spec: Spec) -> torch.nn.Module:
     """The moe / mla baseline: demo.megatron_cpu's GPTModel with the MoE (sequential experts, allgather
-    dispatcher) and MLA switches of :func:`demo.mcore_spec.megatron_extra`, from the same
-    :func:`demo.mcore_spec.mcore_spec` the MindFormers side builds from."""
-    from demo.mcore_spec import mcore_spec, megatron_config_kwargs
+    dispatcher) and MLA switches of :func:`demo.model.megatron_extra`, from the same
+    :func:`demo.model.for_kind` model the MindFormers side builds."""
+    from demo.model import for_kind, megatron_config_kwargs
 
-    kwargs = megatron_config_kwargs(mcore_spec(spec))
+    kwargs = megatron_config_kwargs(for_kind(spec.model, spec.model_kind))
     if spec.tp > 1:   # megatron-core refuses MoE with TP unless sequence parallelism is on (the TP=2 repeat)
         kwargs["extra"]["sequence_parallel"] = True
     return build_tiny_llama(TinyLlamaConfig(**kwargs), seed=spec.seed)

@@ -226,8 +226,7 @@ def run_trainer(config: Mapping[str, Any], callbacks: Sequence[Any] | None = Non
 
     cfg = MindFormerConfig(**config)
     if cfg.context.mode == 1:
-        ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
-        ms.runtime.launch_blocking()
+        set_cpu_context("pynative")
     trainer = Trainer(args=cfg, model=model, callbacks=list(callbacks) if callbacks else None)
     trainer.train()
     return trainer

@@ -38,17 +38,18 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-# The model description lives in the framework-free demo.mcore_spec (the Megatron runner reads it too);
+from demo.mindformers_cpu import CPUTrainOneStepCell, set_cpu_context
+
+# The model description lives in the framework-free demo.model (the Megatron runner reads it too);
 # re-exported here, where tests and callers have always found it.
-from demo.mcore_spec import (  # noqa: F401
+from demo.model import (  # noqa: F401
     MCORE_PRESETS,
     MODEL_KINDS,
-    McoreSpec,
+    TinyModel,
     megatron_config_kwargs,
     megatron_extra,
     spec_from_megatron,
 )
-from demo.mindformers_cpu import CPUTrainOneStepCell
 
 # ---------------------------------------------------------------------------------------------------------
 # CPU stand-ins (one per primitive without a CPU kernel)
@@ -475,12 +476,7 @@ def set_mcore_context(mode: str = "graph", *, seed: int | None = None) -> None:
     else:
         build_context({"use_legacy": False, "run_mode": "train", "parallel": {},
                        "context": {"mode": ms_mode, "device_target": "CPU", "max_call_depth": 10000}})
-    ms.set_context(mode=ms_mode, device_target="CPU")
-    if ms_mode == ms.PYNATIVE_MODE:
-        ms.runtime.launch_blocking()
-    if seed is not None:
-        ms.set_seed(seed)
-        np.random.seed(seed)
+    set_cpu_context(mode, seed=seed)
 
 
 def reset_mindformers_context() -> None:
@@ -493,7 +489,7 @@ def reset_mindformers_context() -> None:
         inst.use_legacy = True
 
 
-def qwen3_config(spec: McoreSpec, **overrides: Any) -> Any:
+def qwen3_config(spec: TinyModel, **overrides: Any) -> Any:
     """A MindFormers Qwen3Config for ``spec``: float32 everywhere, no dropout, pad_token_id -1."""
     from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
@@ -512,12 +508,12 @@ def qwen3_config(spec: McoreSpec, **overrides: Any) -> Any:
     return Qwen3Config(**values)
 
 
-def _moe_values(spec: McoreSpec) -> dict[str, Any]:
+def _moe_values(spec: TinyModel) -> dict[str, Any]:
     return {"moe_intermediate_size": spec.moe_ffn_hidden_size, "num_experts_per_tok": spec.moe_topk,
             "norm_topk_prob": True, "moe_router_topk_scaling_factor": 1.0, "moe_grouped_gemm": True}
 
 
-def qwen3_moe_config(spec: McoreSpec, **overrides: Any) -> Any:
+def qwen3_moe_config(spec: TinyModel, **overrides: Any) -> Any:
     """A MindFormers Qwen3MoeConfig for ``spec`` (every layer MoE; grouped GEMM is its only expert path)."""
     from mindformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 
@@ -530,7 +526,7 @@ def qwen3_moe_config(spec: McoreSpec, **overrides: Any) -> Any:
     return Qwen3MoeConfig(**values)
 
 
-def deepseek3_config(spec: McoreSpec, **overrides: Any) -> Any:
+def deepseek3_config(spec: TinyModel, **overrides: Any) -> Any:
     """A MindFormers DeepseekV3Config for ``spec``: MLA (mla_qkv_concat False, q/kv layernorm), MoE after
     ``first_k_dense`` dense layers (none with num_experts 0), ``shared_expert_size`` / moe width shared
     experts, no MTP, plain RoPE."""
@@ -563,7 +559,7 @@ _SHARED_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_at
                        "rotary_dtype")
 
 
-def build_mcore_model(spec: McoreSpec, mode: str = "graph", *, seed: int = 0, standins: bool = True,
+def build_mcore_model(spec: TinyModel, mode: str = "graph", *, seed: int = 0, standins: bool = True,
                       fix_pynative_split: bool = True, **config_overrides: Any) -> nn.Cell:
     """A real MindFormers mcore ``Training*ForCausalLM`` for ``spec`` with the CPU stand-ins installed.
 

@@ -61,11 +61,11 @@ def mcore_preset(spec: Spec) -> str:
     return mcc.MCORE_PRESETS[spec.model_kind]
 
 
-def mcore_spec(spec: Spec) -> mcc.McoreSpec:
+def mcore_spec(spec: Spec) -> mcc.TinyModel:
     """The mcore model of the run's spec (same sizes, eps and RoPE base as the Megatron baseline)."""
-    from demo.mcore_spec import mcore_spec as of_spec
+    from demo.model import for_kind
 
-    return of_spec(spec)
+    return for_kind(spec.model, spec.model_kind)
 
 
 def _qk_swap_rows(arr: np.ndarray, *, num_heads: int, num_query_groups: int, head_dim: int) -> np.ndarray:
@@ -83,20 +83,20 @@ def convert(spec: Spec) -> dict[str, Any]:
     from checkpoints.convert import convert_megatron_to_mindformers
 
     m = spec.model
-    res = convert_megatron_to_mindformers([spec.init_weights], spec.converted, num_heads=m.num_heads,
+    res = convert_megatron_to_mindformers([spec.init_weights], spec.converted, num_heads=m.num_attention_heads,
                                           num_query_groups=m.num_query_groups,
                                           mapping=mcore_preset(spec) if is_mcore(spec) else None)
     if injects(spec, "conversion") == "qk_swap" and is_mcore(spec):
         from checkpoints.mindformers import read_safetensors, write_safetensors
 
         arrays, meta = read_safetensors(spec.converted)
-        arrays = {k: _qk_swap_rows(v, num_heads=m.num_heads, num_query_groups=m.num_query_groups,
-                                   head_dim=m.hidden_size // m.num_heads)
+        arrays = {k: _qk_swap_rows(v, num_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                                   head_dim=m.head_dim)
                   if k.endswith("self_attention.linear_qkv.weight") else v for k, v in arrays.items()}
         write_safetensors(arrays, spec.converted, metadata=meta)
     elif injects(spec, "conversion") == "qk_swap":
         params = ms.load_checkpoint(spec.converted)
-        d = m.hidden_size // m.num_heads
+        d = m.head_dim
         perm = np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], axis=1).reshape(-1)  # halves -> pairs
         items = []
         for name, p in params.items():
@@ -324,7 +324,7 @@ def optimizer_check(spec: Spec) -> dict[str, Any]:
     cell = build_cell(net, spec)
     m = spec.model
     path = run_optimizer_check(cell.optimizer, spec.step1_file, spec.out,
-                               mapping=mcore_preset(spec) if is_mcore(spec) else None, num_heads=m.num_heads,
+                               mapping=mcore_preset(spec) if is_mcore(spec) else None, num_heads=m.num_attention_heads,
                                num_query_groups=m.num_query_groups, train_cell=cell)
     return {"role": spec.role, "file": str(path)}
 

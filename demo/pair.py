@@ -72,7 +72,7 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None,
         if name == "dropout_on":
             base.model = replace(base.model, hidden_dropout=0.1, attention_dropout=0.1)
         elif name == "norm_eps":
-            cand.model = replace(cand.model, norm_eps=1e-2)
+            cand.model = replace(cand.model, rms_norm_eps=1e-2)
         elif name == "lr_schedule":
             cand.lr_schedule, cand.warmup_steps = "cosine", max(1, steps // 10)
         elif name == "pad_eos":
@@ -202,7 +202,7 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
     return (
         f"{fault_html}"
         f"<p><b>Model:</b> {_model_shape(b.model_kind)}, "
-        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
+        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads / "
         f"{m.num_query_groups} query groups, SwiGLU {m.ffn_hidden_size}, vocab {m.vocab_size}, seq "
         f"{m.seq_length}, micro-batch {m.micro_batch_size}, float32, on CPU.</p>"
         "<p><b>Baseline:</b> Megatron-core GPTModel (local spec) with Megatron's DDP, <code>get_megatron_optimizer"

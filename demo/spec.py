@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from demo.model import TinyModel, demo_model
+
 # Token ids of the synthetic corpus: 0 is padding (never occurs in packed data), 1 ends a document.
 PAD_ID = 0
 EOS_ID = 1
@@ -35,34 +37,6 @@ MCORE_LAYER_MODULES = ("embedding", "decoder.layers.*.input_layernorm",
                        "decoder.layers.*.self_attention.core_attention", "decoder.layers.*.self_attention",
                        "decoder.layers.*.pre_mlp_layernorm", "decoder.layers.*.mlp", "decoder.final_layernorm",
                        "output_layer")
-
-
-@dataclass
-class Model:
-    """The tiny Llama both frameworks build (Megatron TinyLlamaConfig / MindFormers LlamaConfig)."""
-
-    vocab_size: int = 128
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 128
-    seq_length: int = 16
-    micro_batch_size: int = 2
-    norm_eps: float = 1e-5
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    # --model moe / mla only: routed experts, top-k, expert width; mla adds a shared expert and MLA's
-    # low-rank q / kv and head dims (every head its own kv group)
-    num_experts: int = 4
-    moe_topk: int = 2
-    moe_ffn_hidden_size: int = 32
-    shared_expert_size: int = 32
-    q_lora_rank: int = 32
-    kv_lora_rank: int = 16
-    qk_head_dim: int = 16
-    qk_pos_emb_head_dim: int = 8
-    v_head_dim: int = 16
 
 
 @dataclass
@@ -87,7 +61,7 @@ class Spec:
     dp: int = 1                    # data parallel size (the moe / mla repeat: the batch split over 2 ranks)
     attention_fp16: bool = False   # Megatron side: core attention's q, k, v and output rounded through float16
     tensor_steps: str = "1-2"
-    model: Model = field(default_factory=Model)
+    model: TinyModel = field(default_factory=demo_model)   # the one description (demo.model)
     pad_id: int = PAD_ID
     eos_id: int = EOS_ID
     eod_mask_loss: bool = False
@@ -107,7 +81,7 @@ class Spec:
     @classmethod
     def from_json(cls, text: str) -> Spec:
         d = json.loads(text)
-        d["model"] = Model(**d.get("model", {}))
+        d["model"] = TinyModel(**d.get("model", {}))
         return cls(**d)
 
 
@@ -208,7 +182,7 @@ def injects(spec: Spec, side: str) -> str | None:
 # Data: a learnable synthetic corpus, packed like Megatron's GPTDataset
 # ---------------------------------------------------------------------------------------------------------
 
-def sample_ids(step: int, model: Model, seed: int) -> np.ndarray:
+def sample_ids(step: int, model: TinyModel, seed: int) -> np.ndarray:
     """[micro_batch, seq+1] packed documents for ``step``: a noisy affine chain of tokens, EOS-terminated.
 
     Why learnable: the long run must show a falling loss (a model that learns), so a divergence is visible
@@ -293,11 +267,11 @@ def megatron_args(spec: Spec) -> dict[str, Any]:
     """The Megatron-LM arguments equivalent to the baseline run (what ``--`` flags a user would pass)."""
     m = spec.model
     return {
-        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
-        "group_query_attention": m.num_query_groups != m.num_heads, "num_query_groups": m.num_query_groups,
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+        "group_query_attention": m.num_query_groups != m.num_attention_heads, "num_query_groups": m.num_query_groups,
         "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length, "max_position_embeddings": m.seq_length,
         "vocab_size": m.vocab_size, "padded_vocab_size": m.vocab_size, "make_vocab_size_divisible_by": 128,
-        "normalization": "RMSNorm", "norm_epsilon": m.norm_eps, "swiglu": True,
+        "normalization": "RMSNorm", "norm_epsilon": m.rms_norm_eps, "swiglu": True,
         "position_embedding_type": "rope", "rotary_base": 10000, "untie_embeddings_and_output_weights": True,
         "add_bias_linear": False, "hidden_dropout": m.hidden_dropout, "attention_dropout": m.attention_dropout,
         "lr": spec.lr, "min_lr": spec.min_lr, "lr_decay_style": spec.lr_schedule,
@@ -314,7 +288,7 @@ def megatron_args(spec: Spec) -> dict[str, Any]:
 
 
 def _megatron_moe_args(spec: Spec) -> dict[str, Any]:
-    """The Megatron-LM MoE / MLA arguments of the moe and mla baselines (demo.mcore_spec.megatron_extra
+    """The Megatron-LM MoE / MLA arguments of the moe and mla baselines (demo.model.megatron_extra
     builds the same model: allgather dispatcher, no aux loss, the expert bias not updated)."""
     m = spec.model
     if spec.model_kind not in MOE_KINDS:
@@ -324,7 +298,7 @@ def _megatron_moe_args(spec: Spec) -> dict[str, Any]:
         "moe_token_dispatcher_type": "allgather", "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False}
     if spec.model_kind == "mla":
         args.update({
-            "multi_latent_attention": True, "group_query_attention": False, "num_query_groups": m.num_heads,
+            "multi_latent_attention": True, "group_query_attention": False, "num_query_groups": m.num_attention_heads,
             "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_head_dim": m.qk_head_dim,
             "qk_pos_emb_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim, "kv_channels": m.v_head_dim,
             "rope_type": "rope", "moe_shared_expert_intermediate_size": m.shared_expert_size,
@@ -349,9 +323,9 @@ def mindformers_config(spec: Spec) -> dict[str, Any]:
         **common,
         "model": {"arch": {"type": "LlamaForCausalLM"}, "model_config": {
             "type": "LlamaConfig", "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
-            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,
+            "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_attention_heads,
             "n_kv_heads": m.num_query_groups, "intermediate_size": m.ffn_hidden_size,
-            "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "pad_token_id": spec.pad_id,
+            "vocab_size": m.vocab_size, "rms_norm_eps": m.rms_norm_eps, "pad_token_id": spec.pad_id,
             "eos_token_id": spec.eos_id, "hidden_act": "silu", "theta": 10000.0,
             "hidden_dropout_prob": m.hidden_dropout, "attention_dropout_prob": m.attention_dropout,
             "compute_dtype": "float32", "param_init_type": "float32", "layernorm_compute_type": "float32",
@@ -395,9 +369,9 @@ def _mcore_model(spec: Spec) -> dict[str, Any]:
         "model": {"arch": {"type": "TrainingQwen3ForCausalLM"}, "model_config": {
             "type": "Qwen3Config", "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
             "max_position_embeddings": m.seq_length, "hidden_size": m.hidden_size,
-            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-            "num_key_value_heads": m.num_query_groups, "head_dim": m.hidden_size // m.num_heads,
-            "intermediate_size": m.ffn_hidden_size, "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps,
+            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_query_groups, "head_dim": m.head_dim,
+            "intermediate_size": m.ffn_hidden_size, "vocab_size": m.vocab_size, "rms_norm_eps": m.rms_norm_eps,
             "rope_theta": 10000.0, "hidden_act": "silu", "qk_layernorm": True, "attention_bias": False,
             "tie_word_embeddings": False, "hidden_dropout": m.hidden_dropout,
             "attention_dropout": m.attention_dropout, "pad_token_id": -1, "eos_token_id": spec.eos_id,
@@ -421,7 +395,7 @@ def _mcore_moe_model(spec: Spec) -> dict[str, Any]:
         arch = "TrainingQwen3MoeForCausalLM"
     else:
         dense.pop("head_dim")
-        cfg = {**dense, "type": "DeepseekV3Config", "num_key_value_heads": m.num_heads,
+        cfg = {**dense, "type": "DeepseekV3Config", "num_key_value_heads": m.num_attention_heads,
                "n_routed_experts": m.num_experts, **moe,
                "n_shared_experts": m.shared_expert_size // m.moe_ffn_hidden_size, "first_k_dense_replace": 0,
                "moe_shared_expert_intermediate_size": m.shared_expert_size, "use_shared_expert_gating": False,

@@ -60,6 +60,7 @@ def run_optimizer_check(optimizer: Any, baseline_file: str | Path, out: str | Pa
     through the mapping, step ``optimizer`` once and write ``OUT/evidence/optimizer_step1.npz`` with the
     weights before and after. ``align report --optimizer-check OUT`` reads it."""
     from mapping import Mapping, TransformParams
+    from models import load_mapping
     from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, atomic_file, read_step1_file
 
 
@@ -67,7 +68,7 @@ def run_optimizer_check(optimizer: Any, baseline_file: str | Path, out: str | Pa
     if src.is_dir():
         src = src / EVIDENCE_DIR / OPTIMIZER_EVIDENCE
     grads_b = read_step1_file(src)["grad"]
-    m = mapping if isinstance(mapping, Mapping) else Mapping.load(mapping)
+    m = mapping if isinstance(mapping, Mapping) else load_mapping(mapping)
     grads_c, _ = m.convert(grads_b, "candidate", TransformParams(num_heads=num_heads,
                                                                  num_query_groups=num_query_groups or num_heads))
     before = {p.name: p.asnumpy().copy() for p in optimizer.parameters}

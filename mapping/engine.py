@@ -1,22 +1,16 @@
-"""Name mapping engine: which baseline tensor is which candidate tensor, as data (YAML), not code.
+"""The mapping: a loaded mapping file's rules, oriented to the runs at hand, pairing names and converting
+tensors (docs/alignment.md, "Mapping files").
 
-A mapping file holds rules. A rule relates a *group* of baseline names to a group of candidate names
-(one-to-one, one-to-many such as fused QKV -> wq/wk/wv, or many-to-one read the other way) and names the
-transform that turns one group's tensors into the other's. Every transform only moves elements, so the L2
-norm of a group is the same on both sides; that is what lets local norms of fused parameters compare as
-sqrt(sum of squares) of their parts. Module (layer) names have their own one-to-one rules.
-
-Why a template syntax (``decoder.layers.{layer}.mlp``) over raw regexes: presets stay readable and the
-same template serves both directions (match one side, format the other). Raw regexes are still allowed
-(``re:...``) for names that need them.
+A mapping file holds rules (:mod:`mapping.rules`) written as name templates (:mod:`mapping.templates`), each
+naming a transform (:mod:`mapping.transforms`). Preset names (the shipped files) are resolved one layer up,
+by the model families (``models.load_mapping``); this module reads files.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from collections.abc import Mapping as MappingABC
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,290 +18,13 @@ import numpy as np
 
 from core.errors import BadInput
 from core.findings import Finding, StageResult
+from mapping.rules import SIDES, GroupPair, Match, ModuleRule, Rule
+from mapping.templates import compile_pattern as _compile
+from mapping.templates import has_field as _has_field
+from mapping.transforms import OPS, TransformParams
 from runstore.schema import load_yaml, validate
 
-PRESET_DIR = Path(__file__).resolve().parent / "presets"
-DEFAULT_PRESET = "megatron_core_llama__mindformers_llama"
-SIDES = ("baseline", "candidate")
-_TEMPLATE_FIELD = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
-_DIGIT_CAPTURES = {"layer", "expert", "i", "n", "mtp"}
 _GROUPED_EXPERT = re.compile(r"\.experts\.linear_fc[12]\.weight\d+$")
-
-
-# ------------------------------------------------------------------------------------------------------
-# Patterns
-# ------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Pattern:
-    """One name template (or raw regex) that matches a full name and can be formatted back."""
-
-    text: str
-    regex: re.Pattern[str]
-    fields: tuple[str, ...]
-
-    @classmethod
-    def compile(cls, text: str) -> Pattern:
-        if text.startswith("re:"):
-            rx = re.compile(text[3:])
-            return cls(text, rx, tuple(rx.groupindex))
-        parts, pos, fields = [], 0, []
-        for m in _TEMPLATE_FIELD.finditer(text):
-            parts.append(re.escape(text[pos:m.start()]))
-            name, sub = m.group(1), m.group(2)
-            if name in fields:
-                parts.append(f"(?P={name})")
-            else:
-                fields.append(name)
-                sub = sub or (r"\d+" if name in _DIGIT_CAPTURES else r"[^.]+")
-                parts.append(f"(?P<{name}>{sub})")
-            pos = m.end()
-        parts.append(re.escape(text[pos:]))
-        return cls(text, re.compile("".join(parts)), tuple(fields))
-
-    def match(self, name: str) -> dict[str, str] | None:
-        m = self.regex.fullmatch(name)
-        return m.groupdict() if m else None
-
-    def format(self, captures: MappingABC[str, str]) -> str:
-        if self.text.startswith("re:"):
-            raise BadInput(f"raw regex pattern {self.text!r} cannot be formatted; write it as a template")
-        try:
-            return _TEMPLATE_FIELD.sub(lambda m: str(captures[m.group(1)]), self.text)
-        except KeyError as exc:
-            raise BadInput(f"pattern {self.text!r} needs capture {exc.args[0]!r}") from None
-
-
-# ------------------------------------------------------------------------------------------------------
-# Transforms (numpy; they only slice, reshape and concatenate, so they are bit-exact for any dtype)
-# ------------------------------------------------------------------------------------------------------
-
-@dataclass
-class TransformParams:
-    """Model facts some transforms need. Unknown values are inferred from shapes where possible."""
-
-    num_heads: int | None = None            # np
-    num_query_groups: int | None = None     # ng (== np for MHA)
-    head_dim: int | None = None             # hn (kv_channels)
-    tp: int = 1                             # TP shards concatenated in the array (chunk per_tp_shard)
-    num_experts: int | None = None          # routed experts a stacked tensor holds (gather rules)
-    sizes: dict[str, int] = field(default_factory=dict)   # named sizes a `concat` transform splits by
-
-    @classmethod
-    def from_mapping(cls, values: MappingABC[str, Any] | None) -> TransformParams:
-        v = dict(values or {})
-        return cls(num_heads=v.get("num_heads"), num_query_groups=v.get("num_query_groups"),
-                   head_dim=v.get("head_dim"), tp=int(v.get("tp") or 1), num_experts=v.get("num_experts"),
-                   sizes={k: int(x) for k, x in dict(v.get("sizes") or {}).items()})
-
-
-def _qkv_dims(rows: int, p: TransformParams) -> tuple[int, int, int]:
-    nh, ng, hn = p.num_heads, p.num_query_groups or p.num_heads, p.head_dim
-    if nh is None:
-        raise BadInput("splitting fused QKV needs num_heads (and num_query_groups for GQA)")
-    if hn is None:
-        if rows % (nh + 2 * ng):
-            raise BadInput(f"fused QKV has {rows} rows, not a multiple of heads + 2*groups = {nh + 2 * ng}")
-        hn = rows // (nh + 2 * ng)
-    if nh % ng or rows != (nh + 2 * ng) * hn:
-        raise BadInput(f"fused QKV has {rows} rows; expected (heads {nh} + 2 * groups {ng}) * head_dim {hn}")
-    return nh, ng, hn
-
-
-def split_qkv(arr: np.ndarray, p: TransformParams) -> list[np.ndarray]:
-    """Megatron's fused QKV -> q, k, v. Layout: view(ng, (np/ng + 2) * hn, ...), each group
-    [np/ng*hn | hn | hn]. A concatenation of TP shards has the same layout (groups stay whole per shard)."""
-    nh, ng, hn = _qkv_dims(arr.shape[0], p)
-    per = nh // ng
-    rest = arr.shape[1:]
-    g = arr.reshape(ng, (per + 2) * hn, *rest)
-    q = g[:, : per * hn].reshape(nh * hn, *rest)
-    k = g[:, per * hn: (per + 1) * hn].reshape(ng * hn, *rest)
-    v = g[:, (per + 1) * hn:].reshape(ng * hn, *rest)
-    return [np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)]
-
-
-def merge_qkv(parts: Sequence[np.ndarray], p: TransformParams) -> np.ndarray:
-    """Inverse of split_qkv."""
-    q, k, v = parts
-    ng = k.shape[0] // (p.head_dim or _infer_head_dim(q, k, p))
-    hn = k.shape[0] // ng
-    rest = q.shape[1:]
-    per = q.shape[0] // (ng * hn)
-    g = np.concatenate([q.reshape(ng, per * hn, *rest), k.reshape(ng, hn, *rest),
-                        v.reshape(ng, hn, *rest)], axis=1)
-    return g.reshape(-1, *rest)
-
-
-def _infer_head_dim(q: np.ndarray, k: np.ndarray, p: TransformParams) -> int:
-    if p.num_heads:
-        return q.shape[0] // p.num_heads
-    if p.num_query_groups:
-        return k.shape[0] // p.num_query_groups
-    raise BadInput("merging q, k, v into fused QKV needs num_heads or head_dim")
-
-
-def chunk(arr: np.ndarray, parts: int, dim: int, tp: int) -> list[np.ndarray]:
-    """Split ``arr`` into ``parts`` on ``dim``; with ``tp`` > 1 the array is a concatenation of TP shards,
-    each shard holding its own [part0; part1; ...] (Megatron's gated fc1: [gate; up] per shard)."""
-    shards = np.split(arr, tp, axis=dim) if tp > 1 else [arr]
-    pieces = [np.split(s, parts, axis=dim) for s in shards]
-    return [np.ascontiguousarray(np.concatenate([pc[i] for pc in pieces], axis=dim)) for i in range(parts)]
-
-
-def unchunk(arrs: Sequence[np.ndarray], dim: int, tp: int) -> np.ndarray:
-    """Inverse of chunk."""
-    per_part = [np.split(a, tp, axis=dim) if tp > 1 else [a] for a in arrs]
-    return np.concatenate([per_part[i][s] for s in range(tp) for i in range(len(arrs))], axis=dim)
-
-
-def interleave_halves(arr: np.ndarray, tp: int) -> np.ndarray:
-    """Megatron's gated fc1 ([gate; up] stacked per TP shard) -> MindFormers' row-interleaved layout
-    (``use_interleaved_weight_layout_mlp``): rows gate_0, up_0, gate_1, up_1, ..."""
-    gate, up = chunk(arr, 2, 0, tp)
-    return np.ascontiguousarray(np.stack([gate, up], axis=1).reshape(-1, *arr.shape[1:]))
-
-
-def deinterleave_halves(arr: np.ndarray, tp: int) -> np.ndarray:
-    """Inverse of interleave_halves."""
-    if arr.shape[0] % 2:
-        raise BadInput(f"interleaved gate/up tensor has an odd number of rows ({arr.shape[0]})")
-    pairs = arr.reshape(arr.shape[0] // 2, 2, *arr.shape[1:])
-    return unchunk([pairs[:, 0], pairs[:, 1]], 0, tp)
-
-
-def stack_experts(arrs: Sequence[np.ndarray]) -> np.ndarray:
-    """Per-expert Megatron weights [out, in] -> MindFormers' stacked, transposed [E * in, out]
-    (``experts.weight1`` [E*H, 2F] from fc1 [2F, H]; ``weight2`` [E*F, H] from fc2 [H, F])."""
-    return np.ascontiguousarray(np.concatenate([np.swapaxes(a, 0, 1) for a in arrs], axis=0))
-
-
-def unstack_experts(arr: np.ndarray, num_experts: int) -> list[np.ndarray]:
-    """Inverse of stack_experts."""
-    if arr.shape[0] % num_experts:
-        raise BadInput(f"stacked expert tensor has {arr.shape[0]} rows, not a multiple of {num_experts} experts")
-    return [np.ascontiguousarray(np.swapaxes(a, 0, 1)) for a in np.split(arr, num_experts, axis=0)]
-
-
-# ------------------------------------------------------------------------------------------------------
-# Rules and the mapping
-# ------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Rule:
-    id: str
-    kind: str
-    baseline: list[Pattern]
-    candidate: list[Pattern]
-    transform: dict[str, Any] = field(default_factory=lambda: {"op": "identity"})
-    tp_partition_dim: int = -1
-    scheme: str | None = None
-    gather: str | None = None   # a capture (``expert``) whose names on the baseline side form one group
-
-    def patterns(self, side: str) -> list[Pattern]:
-        return self.baseline if side == "baseline" else self.candidate
-
-    def apply(self, arrays: Sequence[np.ndarray], to_side: str, params: TransformParams) -> list[np.ndarray]:
-        """Tensors of one side's group -> the other side's (``to_side``)."""
-        op = self.transform.get("op", "identity")
-        forward = (to_side == "candidate") != bool(self.transform.get("inverse"))
-        if op == "identity":
-            return list(arrays)
-        if op == "transpose":
-            return [np.ascontiguousarray(np.swapaxes(arrays[0], 0, 1))]
-        if op == "split_qkv":
-            return split_qkv(arrays[0], params) if forward else [merge_qkv(arrays, params)]
-        if op == "chunk":
-            tp = params.tp if self.transform.get("per_tp_shard") else 1
-            dim = int(self.transform.get("dim", 0))
-            if forward:
-                return chunk(arrays[0], int(self.transform.get("parts", 2)), dim, tp)
-            return [unchunk(arrays, dim, tp)]
-        if op == "interleave":
-            tp = params.tp if self.transform.get("per_tp_shard") else 1
-            return [interleave_halves(arrays[0], tp)] if forward else [deinterleave_halves(arrays[0], tp)]
-        if op == "qkv_contiguous":
-            if forward:
-                return [np.ascontiguousarray(np.concatenate(split_qkv(arrays[0], params), axis=0))]
-            nh, ng, hn = _qkv_dims(arrays[0].shape[0], params)
-            q, k, v = np.split(arrays[0], [nh * hn, (nh + ng) * hn], axis=0)
-            return [merge_qkv([q, k, v], params)]
-        if op == "concat":
-            dim = int(self.transform.get("dim", 0))
-            if forward:
-                return [np.ascontiguousarray(np.concatenate(arrays, axis=dim))]
-            return [np.ascontiguousarray(a) for a in np.split(arrays[0], self._concat_cuts(arrays[0], params),
-                                                               axis=dim)]
-        if op == "stack_experts":
-            if forward:
-                return [stack_experts(arrays)]
-            if not params.num_experts:
-                raise BadInput(f"rule {self.id}: unstacking experts needs the number of experts (--num-experts)")
-            return unstack_experts(arrays[0], int(params.num_experts))
-        raise BadInput(f"rule {self.id}: unknown transform {op!r}")
-
-
-    def _concat_cuts(self, arr: np.ndarray, params: TransformParams) -> list[int]:
-        """Where a `concat` splits back: its named sizes from ``params.sizes``; one unknown size (at most) is
-        what remains of the array (e.g. MLA's fused linear_qkv needs only q_down = q_lora_rank)."""
-        dim = int(self.transform.get("dim", 0))
-        names = list(self.transform.get("sizes") or [])
-        missing = [n for n in names if n not in params.sizes]
-        if not names or len(missing) > 1:
-            raise BadInput(f"rule {self.id}: splitting needs sizes {', '.join(missing or ['(none listed)'])}")
-        known = sum(int(params.sizes[n]) for n in names if n not in missing)
-        total = int(arr.shape[dim])
-        sizes = [int(params.sizes[n]) if n not in missing else total - known for n in names]
-        if any(x <= 0 for x in sizes) or sum(sizes) != total:
-            raise BadInput(f"rule {self.id}: sizes {dict(zip(names, sizes, strict=True))} do not split "
-                           f"{total} rows on dim {dim}")
-        return [int(c) for c in np.cumsum(sizes)[:-1]]
-
-
-@dataclass
-class ModuleRule:
-    baseline: Pattern
-    candidate: Pattern
-    kind: str
-
-
-@dataclass
-class Match:
-    """A name matched by a rule: the rule, the captures, and both sides' full group of names."""
-
-    rule: Rule
-    captures: dict[str, str]
-    baseline: list[str]
-    candidate: list[str]
-    experts: list[int] = field(default_factory=list)   # gather rules: expert indices seen on the names
-
-    @property
-    def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
-        return self.rule.id, tuple(sorted(self.captures.items()))
-
-    @property
-    def layer(self) -> int | None:
-        v = self.captures.get("layer")
-        return int(v) if v is not None else None
-
-
-@dataclass
-class GroupPair:
-    """One comparable unit: a baseline group and the candidate group it corresponds to."""
-
-    match: Match
-    baseline_present: list[str]
-    candidate_present: list[str]
-
-    @property
-    def name(self) -> str:
-        """Named by the baseline (the contract: reports use baseline names)."""
-        return self.match.baseline[0]
-
-    @property
-    def complete(self) -> bool:
-        return (len(self.baseline_present) == len(self.match.baseline)
-                and len(self.candidate_present) == len(self.match.candidate))
 
 
 _NAMES = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
@@ -328,8 +45,7 @@ MAPPING_SCHEMA: dict[str, Any] = {
                 "id": {"type": ["string", "integer"]}, "kind": {"type": ["string", "null"]},
                 "baseline": _NAMES, "candidate": _NAMES,
                 "transform": {"type": ["object", "null"], "properties": {
-                    "op": {"enum": ["identity", "transpose", "split_qkv", "chunk", "interleave", "qkv_contiguous",
-                                   "concat", "stack_experts"]},
+                    "op": {"enum": list(OPS)},
                     "dim": {"type": "integer"}, "parts": {"type": "integer", "minimum": 1},
                     "per_tp_shard": {"type": "boolean"}, "inverse": {"type": "boolean"},
                     "sizes": {"type": "array", "items": {"type": "string"}}}},
@@ -345,16 +61,8 @@ MAPPING_SCHEMA: dict[str, Any] = {
 }
 
 
-def _compile(text: str, source: str, where: str) -> Pattern:
-    try:
-        return Pattern.compile(text)
-    except (re.error, RecursionError, OverflowError) as exc:
-        raise BadInput(f"{source}: {where}: pattern {text[:60]!r} is not a valid template or regex "
-                       f"({exc.__class__.__name__})") from None
-
-
 class Mapping:
-    """A loaded mapping (preset name or YAML file)."""
+    """A loaded mapping (a YAML file, or its parsed dict)."""
 
     def __init__(self, spec: MappingABC[str, Any], source: str = "<dict>") -> None:
         self.source = source
@@ -393,16 +101,11 @@ class Mapping:
 
     # -- loading -------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, preset_or_path: str | Path | None = None) -> Mapping:
-        """A preset name (see ``presets()``) or a path to a YAML mapping file."""
-        ref = str(preset_or_path or DEFAULT_PRESET)
-        path = Path(ref)
+    def load(cls, path: str | Path) -> Mapping:
+        """A YAML mapping file (a preset by name: ``models.load_mapping``)."""
+        path = Path(path)
         if not path.is_file():
-            cand = PRESET_DIR / f"{ref}.yaml"
-            if not cand.is_file():
-                raise BadInput(f"{ref}: neither a mapping file nor a preset "
-                               f"(presets: {', '.join(presets())})")
-            path = cand
+            raise BadInput(f"{path}: no such mapping file")
         spec = load_yaml(path, what="mapping file")
         if not isinstance(spec, MappingABC):
             raise BadInput(f"{path}: top level: expected a mapping with a 'rules' list, got {type(spec).__name__}")
@@ -692,23 +395,6 @@ class Mapping:
         return "\n".join(lines)
 
 
-def _has_field(patterns: Sequence[Pattern], name: str) -> bool:
-    return any(name in p.fields for p in patterns)
-
 
 def _as_list(v: Any) -> list[str]:
     return [v] if isinstance(v, str) else list(v)
-
-
-def presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-# ------------------------------------------------------------------------------------------------------
-# CLI: `align mapping show PRESET`, `align mapping check PRESET --baseline F --candidate F`
-# ------------------------------------------------------------------------------------------------------
-
-
-
-
-

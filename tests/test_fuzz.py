@@ -26,7 +26,7 @@ import yaml
 
 from align.cli import main
 from core.errors import BadInput
-from mapping import DEFAULT_PRESET, PRESET_DIR
+from models import DEFAULT_PRESET, preset_path
 from runstore import RunWriter
 from sources.megatron_log import parse_megatron_log
 from sources.mindformers_log import parse_mindformers_log
@@ -260,7 +260,7 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
     mf = (DATA / "mindformers_train.log").read_bytes()
     (base / "mg.log").write_bytes(mg)
     (base / "mf.log").write_bytes(mf)
-    preset = (PRESET_DIR / f"{DEFAULT_PRESET}.yaml").read_text()
+    preset = preset_path(DEFAULT_PRESET).read_text()
     spec = yaml.safe_load(preset)
     names = tmp_path / "names"
     names.mkdir()

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, int]] = [
     ("core", 0),              # errors, findings, dtypes, atomic outputs, the registry helper
     ("runstore", 1),          # the one format: writer, reader, a run in memory
     ("mapping", 2),           # the name-mapping engine and its transforms
+    ("models", 3),            # one folder per model family: its presets, detection from a config
     ("sources", 4),           # files users already have -> runs (logs, TensorBoard, msprobe, golden values)
     ("checkpoints", 4),       # framework checkpoint / tensor files (frameworks imported lazily), conversion
     ("dumpers", 4),           # code that runs inside a training process
@@ -31,13 +32,13 @@ LAYERS: list[tuple[str, int]] = [
     ("align/cli", 11),        # one module per verb, the demo's among them
     ("align", 12),            # `python -m align`
 ]
-PACKAGES = ("core", "runstore", "mapping", "sources", "checkpoints", "dumpers", "comparators", "reports", "align",
-            "demo")
+PACKAGES = ("core", "runstore", "mapping", "models", "sources", "checkpoints", "dumpers", "comparators", "reports",
+            "align", "demo")
 FRAMEWORKS = ("torch", "mindspore", "mindformers", "megatron")
 # Folders a user with only logs installs: no framework import at all, not even a lazy one (checkpoints/ and
 # dumpers/ read or run the frameworks; the CLI reaches them only inside a verb's run()).
-FRAMEWORK_FREE = ("core", "runstore", "mapping", "sources", "comparators", "reports", "align/checks", "align/stages",
-                  "align/procedure", "align/cli")
+FRAMEWORK_FREE = ("core", "runstore", "mapping", "models", "sources", "comparators", "reports", "align/checks",
+                  "align/stages", "align/procedure", "align/cli")
 
 
 def unit_of(folder: str) -> tuple[str, int] | None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from comparators.local_norms import compare_local_norms
-from mapping import Mapping
+from models import load_mapping
 from runstore import RunWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def runs(tmp_path_factory) -> Path:
 
 
 def test_tp2_against_tp1_compares_cleanly(runs: Path) -> None:
-    res = compare_local_norms(runs / "tp1", runs / "tp2", Mapping.load())
+    res = compare_local_norms(runs / "tp1", runs / "tp2", load_mapping())
     assert res.verdict == "pass", [f.message for f in res.findings]
     assert res.details["compared"] == 15 and res.details["baseline"]["tp"] == 1
     assert res.details["candidate"]["tp"] == 2 and res.details["candidate"]["ranks"] == [0, 1]
@@ -52,7 +52,7 @@ def test_naive_shard_sum_would_not_match(runs: Path, tmp_path: Path) -> None:
                                       "norm": t["norm"].to_numpy(), "numel": t["numel"].to_numpy() * 0,
                                       "tp_partition_dim": np.full(len(t), -1),
                                       "tp_rank": np.zeros(len(t), int), "tp_size": np.ones(len(t), int)})
-    res = compare_local_norms(runs / "tp1", tmp_path / "bad", Mapping.load())
+    res = compare_local_norms(runs / "tp1", tmp_path / "bad", load_mapping())
     assert res.verdict == "fail"
     failing = {f.component for f in res.findings if f.verdict == "fail"}
     assert "decoder.layers.0.self_attention.linear_qkv.weight" in failing
@@ -60,7 +60,7 @@ def test_naive_shard_sum_would_not_match(runs: Path, tmp_path: Path) -> None:
 
 
 def test_mindformers_names_fused_parts_and_worst_named_by_baseline(runs: Path) -> None:
-    res = compare_local_norms(runs / "tp2", runs / "mf", Mapping.load())
+    res = compare_local_norms(runs / "tp2", runs / "mf", load_mapping())
     assert res.verdict == "fail"
     bad = [f for f in res.findings if f.verdict != "pass"]
     assert [f.component for f in bad] == ["decoder.layers.1.mlp.linear_fc2.weight"]
@@ -85,7 +85,7 @@ def test_unmapped_and_missing_reported_not_dropped(runs: Path, tmp_path: Path) -
     with RunWriter(tmp_path / "c", rank=0, meta={}) as w:
         w.put_table(1, "local_norm", {"name": np.array(names), "norm": np.r_[keep["norm"].to_numpy(), 1.0],
                                       "numel": np.r_[keep["numel"].to_numpy(), 8]})
-    res = compare_local_norms(runs / "tp1", tmp_path / "c", Mapping.load())
+    res = compare_local_norms(runs / "tp1", tmp_path / "c", load_mapping())
     msgs = {(f.metric, f.component) for f in res.findings if f.verdict == "warn"}
     assert ("unmapped", "model.layers.0.attention.q_norm.weight") in msgs
     assert ("missing_counterpart", "decoder.layers.0.self_attention.linear_qkv.weight") in msgs

@@ -12,6 +12,7 @@ import mapping as mp
 from align.cli import mapping as mapping_verb
 from core.errors import BadInput
 from mapping import Mapping, TransformParams
+from models import load_mapping
 
 L = 2
 
@@ -43,7 +44,7 @@ def mindformers_names() -> list[str]:
 
 @pytest.fixture(scope="module")
 def m() -> Mapping:
-    return Mapping.load("megatron_core_llama__mindformers_llama")
+    return load_mapping("megatron_core_llama__mindformers_llama")
 
 
 @pytest.mark.parametrize("te", [False, True])

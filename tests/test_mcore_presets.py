@@ -2,7 +2,7 @@
 
 Real state dicts on both sides: megatron-core GPTModels (dense with q/k layernorm, MoE with sequential
 experts and a shared expert, MLA + MoE) built on CPU, and MindFormers 2.1.0's TrainingQwen3ForCausalLM,
-TrainingQwen3MoeForCausalLM and TrainingDeepseekV3ForCausalLM built (not run) from the same McoreSpec.
+TrainingQwen3MoeForCausalLM and TrainingDeepseekV3ForCausalLM built (not run) from the same TinyModel.
 Checked: nothing unmapped, every group complete, converted shapes equal the other model's, the round trip
 is bit-identical, and local norms of grouped parameters (stacked experts) compare through the mapping.
 """
@@ -22,11 +22,12 @@ pytest.importorskip("mindformers")
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
 from demo import megatron_cpu as mg  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
-from mapping import Mapping, TransformParams  # noqa: E402
+from mapping import TransformParams  # noqa: E402
+from models import load_mapping  # noqa: E402
 
-_MLA = mc.McoreSpec(kind="mla", shared_expert_size=16, first_k_dense=0)
-SPECS = {"dense": mc.McoreSpec(kind="dense"),
-         "moe": mc.McoreSpec(kind="moe"),
+_MLA = mc.TinyModel(kind="mla", shared_expert_size=16, first_k_dense=0)
+SPECS = {"dense": mc.TinyModel(kind="dense"),
+         "moe": mc.TinyModel(kind="moe"),
          "mla": _MLA,
          # DeepSeek-V3 as shipped (pretrain_deepseek3_671b.yaml): one MTP layer (num_nextn_predict_layers: 1)
          "mla_mtp": _MLA,
@@ -40,7 +41,7 @@ MF_OVERRIDES = {"mla_mtp": {"num_nextn_predict_layers": 1},
 MEG_EXTRA = {"mla_mtp": {"mtp_num_layers": 1}, "mla_qkv_concat": {"mtp_num_layers": 1}}
 
 
-def _params(spec: mc.McoreSpec) -> TransformParams:
+def _params(spec: mc.TinyModel) -> TransformParams:
     ng = spec.num_attention_heads if spec.kind == "mla" else spec.num_query_groups
     # the fused MLA down projection (mla_qkv_concat) splits back into q (q_lora_rank rows) and kv
     # (kv_lora_rank + rope head dim rows)
@@ -87,7 +88,7 @@ def test_preset_maps_every_parameter_both_ways(kind, megatron_states, mindformer
         assert "decoder.layers.0.self_attention.linear_qkv.weight" in attn
         assert "mtp.layers.0.transformer_layer.self_attention.linear_kvb.weight" in attn
         assert not [k for k in attn if "down_proj" in k or "up_proj" in k]
-    m = Mapping.load(PRESET[kind])
+    m = load_mapping(PRESET[kind])
     meg, mf = megatron_states[kind], mindformers_states[kind]
     check = m.check(meg, mf)
     assert check.verdict == "pass", [f.message for f in check.findings][:5]
@@ -117,7 +118,7 @@ def test_stacked_experts_layout_matches_mindformers_ffn(megatron_states) -> None
     """weight1 reshaped [E, H, 2F] as MindFormers' FFN does gives expert e's fc1 transposed ([gate; up])."""
     spec = SPECS["moe"]
     meg = megatron_states["moe"]
-    to_mf, _ = Mapping.load(PRESET["moe"]).convert(
+    to_mf, _ = load_mapping(PRESET["moe"]).convert(
         {k: v for k, v in meg.items() if "layers.0.mlp.experts" in k}, "candidate", _params(spec))
     w1 = to_mf["decoder.layers.0.mlp.experts.weight1"].reshape(spec.num_experts, spec.hidden_size, -1)
     w2 = to_mf["decoder.layers.0.mlp.experts.weight2"].reshape(spec.num_experts, spec.moe_ffn_hidden_size, -1)
@@ -136,7 +137,7 @@ def test_fc1_interleave_matches_mindformers_own_converter(megatron_states) -> No
     f = fc1.shape[0] // 2
     ms_dict = {"l.gating.weight": fc1[:f].copy(), "l.hidden.weight": fc1[f:].copy()}
     TrainModelMixin.concat_ffn_weight_megatron(None, ["l.gating.weight"], [], {}, None, ms_dict, f)
-    to_mf, _ = Mapping.load(PRESET["dense"]).convert({"decoder.layers.0.mlp.linear_fc1.weight": fc1}, "candidate",
+    to_mf, _ = load_mapping(PRESET["dense"]).convert({"decoder.layers.0.mlp.linear_fc1.weight": fc1}, "candidate",
                                                      _params(SPECS["dense"]))
     np.testing.assert_array_equal(to_mf["decoder.layers.0.mlp.linear_fc1.weight"], ms_dict["l.linear_fc1.weight"])
 
@@ -149,7 +150,7 @@ def test_mtp_rules_cover_mindformers_mtp_names() -> None:
         net = mc.build_mcore_model(SPECS["mla"], "pynative", standins=False, num_nextn_predict_layers=1)
     finally:
         mc.reset_mindformers_context()
-    m = Mapping.load(PRESET["mla"])
+    m = load_mapping(PRESET["mla"])
     mtp = [p.name for p in net.get_parameters() if p.name.startswith("mtp.")]
     assert len(mtp) > 10
     for name in mtp:
@@ -161,7 +162,7 @@ def test_mtp_rules_cover_mindformers_mtp_names() -> None:
 def test_local_norms_of_stacked_experts_compare_through_the_mapping(megatron_states) -> None:
     """Per-expert Megatron norms vs MindFormers' one stacked norm: equal sums of squares pass, one expert off
     by 1 % fails naming the layer's expert group."""
-    m = Mapping.load(PRESET["moe"])
+    m = load_mapping(PRESET["moe"])
     meg = {k: v for k, v in megatron_states["moe"].items() if not m.ignored(k, "baseline")}
     mf, _ = m.convert(meg, "candidate", _params(SPECS["moe"]))
 
@@ -272,7 +273,7 @@ def test_qkv_concat_preset_splits_what_mindformers_splits(megatron_states) -> No
     att = "decoder.layers.1.self_attention."
     pair = {att + "linear_q_down_proj.weight": meg[att + "linear_q_down_proj.weight"],
             att + "linear_kv_down_proj.weight": meg[att + "linear_kv_down_proj.weight"]}
-    m = Mapping.load(PRESET["mla_qkv_concat"])
+    m = load_mapping(PRESET["mla_qkv_concat"])
     to_mf, _ = m.convert(pair, "candidate", _params(spec))
     qkv = to_mf[att + "linear_qkv.weight"]
     q_a, kv, k_pe = np.split(qkv, [spec.q_lora_rank, spec.q_lora_rank + spec.kv_lora_rank])
@@ -293,7 +294,7 @@ def test_qkv_concat_weights_round_trip_through_safetensors_cli(megatron_states, 
 
     spec = SPECS["mla_qkv_concat"]
     sd = {k: torch.from_numpy(v) for k, v in megatron_states["mla_qkv_concat"].items()
-          if not Mapping.load(PRESET["mla_qkv_concat"]).ignored(k, "baseline")}
+          if not load_mapping(PRESET["mla_qkv_concat"]).ignored(k, "baseline")}
     torch.save(sd, tmp_path / "ds.pt")
     args = ["--mapping", PRESET["mla_qkv_concat"], "--num-heads", str(spec.num_attention_heads),
             "--num-experts", str(spec.num_experts)]
@@ -315,7 +316,7 @@ def test_qkv_concat_weights_round_trip_through_safetensors_cli(megatron_states, 
 def test_mtp_modules_pair_for_layer_tensors(case, megatron_states, mindformers_states) -> None:
     """Layer tensors of the MTP layer compare too: every Megatron MTP module that holds parameters (enorm, hnorm,
     eh_proj, transformer_layer and its attention / mlp, final_layernorm) maps to a MindFormers cell that does."""
-    m = Mapping.load(PRESET[case])
+    m = load_mapping(PRESET[case])
 
     def modules(names):
         return {n.rsplit(".", 1)[0] for n in names} | {n.split(".transformer_layer.")[0] + ".transformer_layer"

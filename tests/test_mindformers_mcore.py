@@ -17,7 +17,7 @@ mc = pytest.importorskip("demo.mindformers_mcore_cpu")
 
 from mindspore import Tensor  # noqa: E402
 
-SPEC = mc.McoreSpec()
+SPEC = mc.TinyModel()
 
 
 def _pynative() -> None:
@@ -205,7 +205,7 @@ def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, train_
     of their scale (float16 rounding), logits by ~5e-5, step-1 local norms by up to 1.9e-4 (layer 0
     q_layernorm); the loss still agrees to 2.3e-7."""
     from comparators.local_norms import ShardNorm, compare_norm_entries
-    from mapping import Mapping
+    from models import load_mapping
     torch = pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     from demo import megatron_cpu as mg
@@ -244,7 +244,7 @@ def test_converted_megatron_weights_give_the_same_step1_loss(dense_graph, train_
         def entries(norms):
             return {k: ShardNorm(-1, 1, {0: v}, {0: 1}, {0}) for k, v in norms.items()}
 
-        res = compare_norm_entries(entries(b_norms), entries(c_norms), Mapping.load(mc.MCORE_PRESETS["dense"]),
+        res = compare_norm_entries(entries(b_norms), entries(c_norms), load_mapping(mc.MCORE_PRESETS["dense"]),
                                    pass_tol=1e-3)
         assert res.verdict == "pass", [f.message for f in res.findings][:3]
         assert len(b_norms) == len(c_norms) == 19

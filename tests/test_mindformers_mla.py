@@ -21,10 +21,10 @@ pytest.importorskip("mindformers")
 
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
-from mapping import Mapping  # noqa: E402
+from models import load_mapping  # noqa: E402
 from tests.helpers import megatron_step1 as meg_step1  # noqa: E402
 
-SPEC = mc.McoreSpec(kind="mla", num_experts=0)
+SPEC = mc.TinyModel(kind="mla", num_experts=0)
 PRESET = mc.MCORE_PRESETS["mla"]
 
 
@@ -65,7 +65,7 @@ def _compare(b_norms, c_norms):
     def entries(norms):
         return {k: ShardNorm(-1, 1, {0: v}, {0: 1}, {0}) for k, v in norms.items()}
 
-    return compare_norm_entries(entries(b_norms), entries(c_norms), Mapping.load(PRESET))
+    return compare_norm_entries(entries(b_norms), entries(c_norms), load_mapping(PRESET))
 
 
 def test_mla_graph_matches_megatron(megatron_step1) -> None:

@@ -28,7 +28,7 @@ from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E40
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
 from tests.helpers.megatron_step1 import megatron_step1  # noqa: E402
 
-SPECS = {"moe": mc.McoreSpec(kind="moe"), "mla": mc.McoreSpec(kind="mla", shared_expert_size=16)}
+SPECS = {"moe": mc.TinyModel(kind="moe"), "mla": mc.TinyModel(kind="mla", shared_expert_size=16)}
 
 
 def _pynative() -> None:

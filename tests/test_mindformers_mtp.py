@@ -28,9 +28,10 @@ pytest.importorskip("mindformers")
 from comparators.local_norms import ShardNorm, compare_norm_entries  # noqa: E402
 from demo import megatron_cpu as mg  # noqa: E402
 from demo import mindformers_mcore_cpu as mc  # noqa: E402
-from mapping import Mapping, TransformParams  # noqa: E402
+from mapping import TransformParams  # noqa: E402
+from models import load_mapping  # noqa: E402
 
-SPEC = mc.McoreSpec(kind="mla", num_experts=0)
+SPEC = mc.TinyModel(kind="mla", num_experts=0)
 MTP_FACTOR = 0.3          # pretrain_deepseek3_671b.yaml: mtp_loss_factor 0.3 (Megatron: mtp_loss_scaling_factor)
 PRESETS = {False: "megatron_core__mindformers_mcore_mla", True: "megatron_core__mindformers_mcore_mla_qkv_concat"}
 
@@ -76,7 +77,7 @@ def _entries(norms: dict[str, tuple[float, int]]) -> dict[str, ShardNorm]:
 @pytest.mark.parametrize("qkv_concat", [False, True], ids=["mla_qkv_concat_false", "mla_qkv_concat_true"])
 def test_mtp_losses_and_gradients_match_megatron(qkv_concat: bool, megatron_step1) -> None:
     state, batch, want_lm, want_mtp, b_norms = megatron_step1
-    m = Mapping.load(PRESETS[qkv_concat])
+    m = load_mapping(PRESETS[qkv_concat])
     weights, res = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate",
                              TransformParams(num_heads=SPEC.num_attention_heads,
                                              num_query_groups=SPEC.num_attention_heads))

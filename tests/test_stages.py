@@ -134,11 +134,11 @@ def test_mcore_family_reads_mla_qkv_concat(tmp_path: Path, model_config: dict, f
     """DeepSeek-V3's attention names depend on mla_qkv_concat: False (shipped YAMLs) keeps Megatron's
     linear_q_down_proj / ..._up_proj, True or unset fuses them (linear_qkv, linear_qb, linear_kvb), so the
     report picks the preset that names them."""
-    from align.checks.config import mcore_family
     from align.stages import Evidence, Inputs
+    from models import preset_for_config
 
     cfg = mcore_yaml(**model_config)
-    assert mcore_family(cfg) == family
+    assert preset_for_config(cfg) == f"megatron_core__mindformers_mcore_{family}"
     b = make_run(tmp_path / "b")
     c = make_run(tmp_path / "c", meta={"framework": "mindformers", "config": cfg})
     assert Evidence.load(Inputs(str(b), str(c))).mapping == f"megatron_core__mindformers_mcore_{family}"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from comparators.tensors import compare_arrays, compare_layer_tensors, tolerance
-from mapping import Mapping
+from models import load_mapping
 
 
 def test_metrics_on_known_arrays() -> None:
@@ -69,7 +69,7 @@ def dumps(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("stats_only", [False, True])
 def test_perturbed_attention_weight_is_first_departing_layer(dumps: Path, stats_only: bool) -> None:
-    res = compare_layer_tensors(dumps / "base", dumps / "pert", Mapping.load(), stats_only=stats_only)
+    res = compare_layer_tensors(dumps / "base", dumps / "pert", load_mapping(), stats_only=stats_only)
     assert res.details["mode"] == ("stats" if stats_only else "tensor")
     assert res.verdict in ("warn", "fail")
     fwd = res.details["first_departing_forward"]
@@ -85,7 +85,7 @@ def test_perturbed_attention_weight_is_first_departing_layer(dumps: Path, stats_
 
 
 def test_identical_runs_pass(dumps: Path) -> None:
-    res = compare_layer_tensors(dumps / "base", dumps / "again", Mapping.load())
+    res = compare_layer_tensors(dumps / "base", dumps / "again", load_mapping())
     assert res.verdict == "pass", [f.message for f in res.findings]
     assert res.details["compared"] > 20 and res.details["first_departing_layer"] is None
 
@@ -93,8 +93,8 @@ def test_identical_runs_pass(dumps: Path) -> None:
 
 @pytest.mark.parametrize("jobs,executor", [(2, "thread"), (2, "process")])
 def test_parallel_readers_equal_the_serial_run(dumps: Path, jobs: int, executor: str) -> None:
-    serial = compare_layer_tensors(dumps / "base", dumps / "pert", Mapping.load(), jobs=1)
-    par = compare_layer_tensors(dumps / "base", dumps / "pert", Mapping.load(), jobs=jobs, executor=executor)
+    serial = compare_layer_tensors(dumps / "base", dumps / "pert", load_mapping(), jobs=1)
+    par = compare_layer_tensors(dumps / "base", dumps / "pert", load_mapping(), jobs=jobs, executor=executor)
     assert par.details["rows"] == serial.details["rows"]
     assert [f.to_json() for f in par.findings] == [f.to_json() for f in serial.findings]
 
@@ -158,7 +158,7 @@ def test_rows_after_a_float16_computation_are_judged_at_float16(tmp_path: Path, 
                for m, a in zip(mods[1:], base[1:], strict=True)]
     rows_b.append(("decoder.layers.0.mlp", "backward.grad_output.0", "float32", noisy(base[2], 5e-4)))
     tol = {"float32": (1e-5, 1e-4, 0.999999)}
-    res = compare_layer_tensors(_store(tmp_path / "a", rows_a), _store(tmp_path / "b", rows_b), Mapping.load(),
+    res = compare_layer_tensors(_store(tmp_path / "a", rows_a), _store(tmp_path / "b", rows_b), load_mapping(),
                                 tolerances=tol)
     judged = {(r["module"], r["kind"]): r["judged_dtype"] for r in res.details["rows"]}
     assert judged[("embedding", "forward.output.0")] == "float32"
@@ -170,7 +170,7 @@ def test_rows_after_a_float16_computation_are_judged_at_float16(tmp_path: Path, 
         assert res.verdict == "fail" and res.findings[0].component == "embedding"
     # without the float16 row, the same 5e-4 after attention is judged at float32 and departs there
     rows_b32 = [(m, k, "float32", a) for m, k, _, a in rows_b]
-    res32 = compare_layer_tensors(tmp_path / "a", _store(tmp_path / "b32", rows_b32), Mapping.load(),
+    res32 = compare_layer_tensors(tmp_path / "a", _store(tmp_path / "b32", rows_b32), load_mapping(),
                                   tolerances=tol)
     assert res32.verdict == "fail"
     assert res32.findings[0].component == ("embedding" if embedding_error else mods[1])
@@ -212,10 +212,10 @@ def test_linked_tensors_are_read_once_and_judged_per_row(tmp_path: Path, monkeyp
     monkeypatch.setattr(tc, "compare_datasets", lambda *x, **k: reads.append(1) or real(*x, **k))
     tol = {"float32": (1e-5, 1e-4, 0.999999)}
     linked = compare_layer_tensors(store(tmp_path / "a", a, True, "float32"), store(tmp_path / "b", b, True, "float16"),
-                                   Mapping.load(), tolerances=tol)
+                                   load_mapping(), tolerances=tol)
     n_linked, reads[:] = len(reads), []
     plain = compare_layer_tensors(store(tmp_path / "a2", a, False, "float32"),
-                                  store(tmp_path / "b2", b, False, "float16"), Mapping.load(), tolerances=tol)
+                                  store(tmp_path / "b2", b, False, "float16"), load_mapping(), tolerances=tol)
     assert n_linked == 2 and len(reads) == 3          # rows 0 and 1 share their stored tensors on both sides
     strip = ("step", "rank")
     assert [{k: v for k, v in r.items() if k not in strip} for r in linked.details["rows"]] == \

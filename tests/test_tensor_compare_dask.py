@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from comparators.tensors import compare_layer_tensors, compare_layer_tensors_all
-from mapping import Mapping
+from models import load_mapping
 from runstore import RunWriter
 
 distributed = pytest.importorskip("distributed", reason="dask[distributed] is not installed (the dask extra)")
@@ -71,7 +71,7 @@ def test_steps_x_ranks_on_the_cluster_equal_the_local_run(tmp_path: Path, client
 def test_msprobe_pair_on_the_cluster(client) -> None:
     # No torch reader here: importing torch in both workers costs 3-30 s on this shared machine; the .pt rows
     # compare by msprobe's statistics on every worker alike (full tensors on a cluster: the test above).
-    args = (MSPROBE / "pt", MSPROBE / "ms", Mapping.load())
+    args = (MSPROBE / "pt", MSPROBE / "ms", load_mapping())
     local = compare_layer_tensors(*args, jobs=1)
     remote = compare_layer_tensors(*args, scheduler=client)
     _same(local, remote)

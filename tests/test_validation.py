@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from core.errors import BadInput
-from mapping import DEFAULT_PRESET, PRESET_DIR, Mapping
+from mapping import Mapping
+from models import DEFAULT_PRESET, preset_path
 from reports.writer import ReportInput, write_report
 from runstore import RunWriter
 from runstore.run import open_store
@@ -28,7 +29,7 @@ def _one_line(exc: pytest.ExceptionInfo, *parts: str) -> str:
 
 
 def test_mapping_of_the_wrong_shape_names_file_and_key(tmp_path):
-    spec = yaml.safe_load((PRESET_DIR / f"{DEFAULT_PRESET}.yaml").read_text())
+    spec = yaml.safe_load(preset_path(DEFAULT_PRESET).read_text())
     spec["rules"][2]["transform"] = {"op": "split_qkv", "parts": "three"}
     p = tmp_path / "m.yaml"
     p.write_text(yaml.safe_dump(spec))

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.findings import Finding, StageResult
+from models.mindformers_yaml import MCORE_ALIASES, NOT_READ, expert_count, is_mcore_yaml, mcore_value
+from models.mindformers_yaml import get as _get
 
 STAGE = "config"
 # Megatron-LM defaults for the arguments this check reads (megatron/training/arguments.py).
@@ -52,14 +54,6 @@ _MF_LR = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "Const
 # ------------------------------------------------------------------------------------------------------
 # Common keys
 # ------------------------------------------------------------------------------------------------------
-
-def _get(d: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return default
-        d = d[part]
-    return d
-
 
 def _first(*values: Any) -> Any:
     for v in values:
@@ -194,16 +188,6 @@ def _llama_ffn(h: int, multiple_of: int, mult: float | None) -> int:
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-class _NotRead:
-    """A MindFormers key the YAML does not set: its value comes from model-class defaults we do not guess."""
-
-    def __repr__(self) -> str:
-        return "not read"
-
-    __str__ = __repr__
-
-
-NOT_READ: Any = _NotRead()
 _DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16", "half": "float16",
            "bf16": "bfloat16", "bfloat16": "bfloat16", "fp64": "float64", "float64": "float64"}
 
@@ -215,97 +199,10 @@ def _dtype(v: Any) -> Any:
     return _DTYPES.get(t, t)
 
 
-# MindFormers 2.x (mcore) model_config keys -> one name, with every alias MindFormers accepts for it
-# (mindformers/parallel_core/transformer_config_utils.py COMMON_CONFIG_MAPPING and the per-model converters).
-MCORE_ALIASES: dict[str, tuple[str, ...]] = {
-    "num_layers": ("num_layers", "num_hidden_layers", "n_layer"),
-    "num_heads": ("num_attention_heads", "num_heads", "n_head"),
-    "num_query_groups": ("num_query_groups", "num_key_value_heads", "n_kv_heads"),
-    "hidden_size": ("hidden_size",),
-    "ffn_hidden_size": ("ffn_hidden_size", "intermediate_size"),
-    "kv_channels": ("kv_channels", "head_dim"),
-    "vocab_size": ("vocab_size",),
-    "seq_length": ("seq_length",),
-    "norm_type": ("normalization",),
-    "norm_eps": ("layernorm_epsilon", "rms_norm_eps", "layer_norm_epsilon"),
-    "position_embedding": ("position_embedding_type", "extend_method"),
-    "rotary_base": ("rotary_base", "rope_theta", "theta"),
-    "hidden_dropout": ("hidden_dropout",),
-    "attention_dropout": ("attention_dropout",),
-    "qk_layernorm": ("qk_layernorm", "use_qk_norm"),
-    "qkv_bias": ("add_qkv_bias", "attention_bias", "qkv_has_bias"),
-    "bias_linear": ("add_bias_linear",),
-    "init_method_std": ("init_method_std", "initializer_range"),
-    "fp32_residual_connection": ("fp32_residual_connection",),
-    "compute_dtype": ("compute_dtype",),
-    "params_dtype": ("params_dtype", "param_init_type"),
-    "softmax_compute_dtype": ("softmax_compute_dtype", "attention_softmax_in_fp32"),
-    "layernorm_compute_dtype": ("layernorm_compute_dtype",),
-    "rotary_dtype": ("rotary_dtype",),
-    "num_experts": ("num_moe_experts", "num_experts", "expert_num", "n_routed_experts"),
-    "moe_topk": ("moe_router_topk", "num_experts_per_tok", "num_experts_chosen"),
-    "moe_ffn_hidden_size": ("moe_ffn_hidden_size", "moe_intermediate_size"),
-    "moe_aux_loss_coeff": ("moe_aux_loss_coeff",),
-    "moe_capacity_factor": ("moe_expert_capacity_factor", "capacity_factor"),
-    "moe_router_dtype": ("moe_router_dtype", "router_dense_type"),
-    "moe_token_drop_policy": ("moe_token_drop_policy", "enable_sdrop"),
-    "moe_router_load_balancing_type": ("moe_router_load_balancing_type",),
-    "moe_router_pre_softmax": ("moe_router_pre_softmax",),
-    "moe_norm_topk_prob": ("norm_topk_prob",),
-    "moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor", "routed_scaling_factor"),
-    "moe_router_score_function": ("moe_router_score_function", "scoring_func", "use_gating_sigmoid"),
-    "moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", "balance_via_topk_bias"),
-    "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size",),
-    "moe_shared_expert_gate": ("use_shared_expert_gating",),
-    "moe_pad_to_capacity": ("use_pad_tokens", "enable_gmm_safe_tokens"),
-    "mtp_num_layers": ("mtp_num_layers", "mtp_depth", "num_nextn_predict_layers"),
-    "mtp_loss_scaling_factor": ("mtp_loss_scaling_factor", "mtp_loss_factor"),
-    "multi_latent_attention": ("multi_latent_attention",),
-    "q_lora_rank": ("q_lora_rank",),
-    "kv_lora_rank": ("kv_lora_rank",),
-    "qk_head_dim": ("qk_head_dim", "qk_nope_head_dim"),
-    "qk_pos_emb_head_dim": ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
-    "v_head_dim": ("v_head_dim",),
-    "rope_fusion": ("apply_rope_fusion", "use_fused_rope"),
-    "swiglu_fusion": ("bias_swiglu_fusion", "use_fused_swiglu"),
-}
 # MindFormers names for Megatron's values of the same setting
 _MF_BALANCE = {"gbs_aux_loss": "global_aux_loss"}
 _MF_OPTIMIZER = {"adamw": "adamw", "fusedadamw": "adamw", "adamweightdecay": "adamw (no bias correction)",
                  "fusedadamweightdecay": "adamw (no bias correction)"}
-
-
-def is_mcore_yaml(cfg: dict[str, Any]) -> bool:
-    """A MindFormers 2.x mcore config: ``use_legacy: False`` or HF-style keys in model_config."""
-    mc = _get(cfg, "model.model_config", {}) or {}
-    return cfg.get("use_legacy") is False or any(k in mc for k in ("num_hidden_layers", "num_attention_heads"))
-
-
-def mcore_family(cfg: dict[str, Any]) -> str:
-    """dense | moe | mla | mla_qkv_concat: which mcore mapping preset a MindFormers 2.x YAML's model needs.
-
-    MLA: ``multi_latent_attention: True``, or a DeepSeek-V3 model that does not say (DeepseekV3Config always
-    builds MLA). Its attention parameters depend on ``mla_qkv_concat``: False (the shipped DeepSeek-V3
-    pretrain/finetune YAMLs) keeps Megatron's linear_q_down_proj / linear_kv_down_proj / ..._up_proj names;
-    True, and unset (DeepseekV3Config has no such field, so MindFormers' TransformerConfig default True
-    applies), fuses them into linear_qkv / linear_qb / linear_kvb.
-    """
-    c = mcore_common(cfg)
-    mc = _get(cfg, "model.model_config", {}) or {}
-    deepseek = mc.get("type") == "DeepseekV3Config" or str(mc.get("model_type", "")).lower() == "deepseek_v3"
-    mla = _truth(mc.get("multi_latent_attention"))
-    if mla is True or (mla is None and deepseek):
-        return "mla" if _truth(mc.get("mla_qkv_concat", True)) is False else "mla_qkv_concat"
-    return "moe" if c["num_experts"] not in (0, None) else "dense"
-
-
-def _truth(v: Any) -> bool | None:
-    """A YAML boolean, also written as a string ("False", "true"); None when it is neither."""
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
-        return v.strip().lower() == "true"
-    return None
 
 
 def mindformers_attention_dtype(cfg: dict[str, Any]) -> str | None:
@@ -327,17 +224,10 @@ def mindformers_attention_dtype(cfg: dict[str, Any]) -> str | None:
     return "float16" if _dtype(mc.get("compute_dtype")) == "float32" else None
 
 
-def _mc(mc: dict[str, Any], key: str) -> Any:
-    for alias in MCORE_ALIASES[key]:
-        if alias in mc and mc[alias] is not None:
-            return mc[alias]
-    return NOT_READ
-
-
 def mcore_common(cfg: dict[str, Any]) -> dict[str, Any]:
     """Common keys from a MindFormers 2.x (mcore) YAML; a key the YAML does not set is NOT_READ."""
     mc = _get(cfg, "model.model_config", {}) or {}
-    c = {k: _mc(mc, k) for k in MCORE_ALIASES}
+    c = {k: mcore_value(mc, k) for k in MCORE_ALIASES}
     c.update(_training_common(cfg, mc))
     seq = c["seq_length"]
     if seq is NOT_READ:
@@ -363,13 +253,8 @@ def mcore_common(cfg: dict[str, Any]) -> dict[str, Any]:
     c["moe_router_load_balancing_type"] = _MF_BALANCE.get(lb, lb) if isinstance(lb, str) else lb
     if isinstance(c["moe_router_score_function"], bool):
         c["moe_router_score_function"] = "sigmoid" if c["moe_router_score_function"] else "softmax"
-    experts = c["num_experts"]
-    moe_keys_set = any(v is not NOT_READ for k, v in c.items() if k.startswith("moe_") and k != "moe_topk") \
-        or any(k.startswith(("moe_", "n_group", "topk_group")) for k in mc)
-    if experts is NOT_READ and moe_keys_set:
-        pass          # an MoE model whose expert count comes from the model class: not read, never 0
-    elif experts is NOT_READ or not experts or experts <= 1:
-        c["num_experts"] = 0
+    c["num_experts"] = expert_count(cfg)     # NOT_READ: an MoE model whose count comes from the model class
+    if c["num_experts"] == 0:
         for k in [k for k in c if k.startswith("moe_")]:
             c[k] = None
     if c["mtp_num_layers"] is NOT_READ or not c["mtp_num_layers"]:
@@ -397,6 +282,20 @@ def _deterministic(cfg: dict[str, Any]) -> Any:
     return str(v).upper() == "ON" if isinstance(v, str) else bool(v)
 
 
+def _warmup(lrs: dict[str, Any], zero_steps_zero_ratio: bool = False) -> tuple[Any, Any]:
+    """(warm-up steps, warm-up ratio) of an lr_schedule block, each derived from the other and total_steps
+    when only one is set; ``zero_steps_zero_ratio`` (mcore YAMLs): 0 steps is ratio 0 even without a total."""
+    total = lrs.get("total_steps")
+    warm_steps, warm_ratio = lrs.get("warmup_steps"), lrs.get("warmup_ratio")
+    if warm_steps is None and warm_ratio is not None and total and total > 0:
+        warm_steps = round(warm_ratio * total)
+    if warm_ratio is None and warm_steps is not None and total and total > 0:
+        warm_ratio = warm_steps / total
+    if zero_steps_zero_ratio and warm_ratio is None and warm_steps == 0:
+        warm_ratio = 0.0
+    return warm_steps, warm_ratio
+
+
 def _training_common(cfg: dict[str, Any], mc: dict[str, Any]) -> dict[str, Any]:
     """Optimizer, schedule, batch and parallel keys: the same in legacy and mcore YAMLs."""
     pc = cfg.get("parallel_config") or {}
@@ -405,14 +304,7 @@ def _training_common(cfg: dict[str, Any], mc: dict[str, Any]) -> dict[str, Any]:
     wrap = cfg.get("runner_wrapper") or {}
     runner = cfg.get("runner_config") or {}
     betas = opt.get("betas") or [opt.get("beta1", 0.9), opt.get("beta2", 0.999)]
-    total = lrs.get("total_steps")
-    warm_steps, warm_ratio = lrs.get("warmup_steps"), lrs.get("warmup_ratio")
-    if warm_steps is None and warm_ratio is not None and total and total > 0:
-        warm_steps = round(warm_ratio * total)
-    if warm_ratio is None and warm_steps is not None and total and total > 0:
-        warm_ratio = warm_steps / total
-    if warm_ratio is None and warm_steps == 0:
-        warm_ratio = 0.0
+    warm_steps, warm_ratio = _warmup(lrs, zero_steps_zero_ratio=True)
     dp, pp = pc.get("data_parallel", 1), pc.get("pipeline_stage", 1)
     mbs = _first(runner.get("batch_size"), mc.get("batch_size"), _get(cfg, "train_dataset.batch_size"))
     acc = runner.get("gradient_accumulation_steps", 1) or 1
@@ -457,12 +349,7 @@ def legacy_common(cfg: dict[str, Any]) -> dict[str, Any]:
     if ffn is None and h:
         ffn = _llama_ffn(h, mc.get("multiple_of", 256), mc.get("ffn_dim_multiplier"))
     betas = opt.get("betas") or [0.9, 0.999]
-    total = lrs.get("total_steps")
-    warm_steps, warm_ratio = lrs.get("warmup_steps"), lrs.get("warmup_ratio")
-    if warm_steps is None and warm_ratio is not None and total and total > 0:
-        warm_steps = round(warm_ratio * total)
-    if warm_ratio is None and warm_steps is not None and total and total > 0:
-        warm_ratio = warm_steps / total
+    warm_steps, warm_ratio = _warmup(lrs)
     dp, pp = pc.get("data_parallel", 1), pc.get("pipeline_stage", 1)
     mbs = _first(runner.get("batch_size"), mc.get("batch_size"), _get(cfg, "train_dataset.batch_size"))
     acc = runner.get("gradient_accumulation_steps", 1) or 1

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from core.errors import BadInput
-from mapping import DEFAULT_PRESET, Mapping, presets
+from models import DEFAULT_PRESET, load_mapping, presets
 from runstore.schema import parse_json, read_text, validate
 
 HELP = "show or check a name mapping preset"
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "list":
         print("\n".join(presets()))
         return 0
-    m = Mapping.load(args.preset)
+    m = load_mapping(args.preset)
     if args.action == "show":
         if args.json:
             print(json.dumps({"name": m.name, "rules": [

@@ -199,16 +199,18 @@ class Evidence:
 
     @cached_property
     def _mapping(self) -> tuple[str, str]:
-        from align.checks.config import is_mcore_yaml, mcore_family
-        from mapping import DEFAULT_PRESET
+        from models import DEFAULT_PRESET, preset_for_config, preset_for_scheme
 
         if self.inputs.mapping:
             return self.inputs.mapping, "--mapping"
         cfg = self.config("candidate")
-        if cfg and cfg[0] == "mindformers_yaml" and is_mcore_yaml(cfg[1]):
-            return f"megatron_core__mindformers_mcore_{mcore_family(cfg[1])}", "the candidate's MindFormers 2.x config"
-        if self.candidate.meta.get("name_scheme") == "mindformers_mcore":
-            return "megatron_core__mindformers_mcore_dense", "the candidate's name scheme (mindformers_mcore)"
+        preset = preset_for_config(cfg[1]) if cfg and cfg[0] == "mindformers_yaml" else None
+        if preset:
+            return preset, "the candidate's MindFormers 2.x config"
+        scheme = self.candidate.meta.get("name_scheme")
+        preset = preset_for_scheme(scheme)
+        if preset:
+            return preset, f"the candidate's name scheme ({scheme})"
         return DEFAULT_PRESET, "default"
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 from align.stages import Stage
 from align.stages.evidence import Evidence
 from core.findings import Finding, StageResult, skipped
-from mapping import Mapping
+from models import load_mapping
 
 
 def run(ev: Evidence) -> StageResult:
@@ -13,7 +13,7 @@ def run(ev: Evidence) -> StageResult:
               if r.store is not None and r.has("nonfinite_grads")]
     if not stores:
         return skipped("nan_trace", "no run recorded per-step non-finite gradient counts")
-    m = Mapping.load(ev.mapping)
+    m = load_mapping(ev.mapping)
     res = StageResult("nan_trace")
     for role, r in stores:
         sc = r.store.scalars()

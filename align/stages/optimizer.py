@@ -18,7 +18,7 @@ from align.stages.evidence import Evidence
 from comparators.optimizer_check import compare_updates, read_step1_file, to_candidate_names
 from core.errors import BadInput
 from core.findings import StageResult, skipped
-from mapping import Mapping
+from models import load_mapping
 from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE
 
 
@@ -54,7 +54,7 @@ def run(ev: Evidence) -> StageResult:
     if not init or not after_b:
         raise BadInput(f"{base}: no init/<name> and weight/<name> arrays")
     before_c, after_c = read_candidate_update(cand_path)
-    m = Mapping.load(ev.mapping)
+    m = load_mapping(ev.mapping)
     tp = ev.transform_params()
     init_c = to_candidate_names(init, m, tp)
     rebased = {k: init_c[k].astype(np.float64) + (after_c[k].astype(np.float64) - before_c[k])

@@ -23,7 +23,8 @@ from demo.megatron_cpu import (
     init_megatron_cpu,
     synthetic_batch,
 )
-from mapping import Mapping, TransformParams
+from mapping import TransformParams
+from models import load_mapping
 from runstore import RunWriter
 
 SCALED = "model.layers.1.feed_forward.w2.weight"
@@ -58,7 +59,7 @@ def one_run(out: Path, tp: int) -> None:
            float(loss.detach()))
     if tp == 1 and info.rank == 0:
         grads = {n: p.grad.double().numpy() for n, p in model.named_parameters()}
-        conv, res = Mapping.load().convert(grads, "candidate", TransformParams(
+        conv, res = load_mapping().convert(grads, "candidate", TransformParams(
             num_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups))
         assert res.verdict == "pass", res.findings
         mnames = sorted(conv)

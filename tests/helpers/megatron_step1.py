@@ -1,4 +1,4 @@
-"""Step 1 of a megatron-core model described by a ``McoreSpec``, with its weights in MindFormers' names.
+"""Step 1 of a megatron-core model described by a ``TinyModel``, with its weights in MindFormers' names.
 
 Why shared: the MoE and MLA pair tests start from the same thing (Megatron's step-1 loss and gradient
 norms, its weights converted through the mcore preset, the batch) and compare MindFormers against it.
@@ -15,6 +15,7 @@ import torch
 from demo import megatron_cpu as mg
 from demo import mindformers_mcore_cpu as mc
 from mapping import Mapping, TransformParams
+from models import load_mapping
 
 
 @dataclass
@@ -34,7 +35,7 @@ def megatron_step1(spec: Any, preset: str, seed: int = 5) -> MegatronStep1:
     loss = mg.forward_loss(model, tb)
     loss.backward()
     norms = {n: (float(p.grad.norm()), p.numel()) for n, p in model.named_parameters()}
-    m = Mapping.load(preset)
+    m = load_mapping(preset)
     state = {k: v.detach().numpy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     groups = spec.num_attention_heads if spec.kind == "mla" else spec.num_query_groups
     weights, res = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate",

@@ -1,0 +1,106 @@
+"""Model families: one folder each (``models/<family>/``), found by scanning this package.
+
+A family's folder holds its mapping preset(s) (YAML, named by the file's stem) and an ``__init__.py`` that
+declares ``FAMILY`` (:class:`models.family.Family`): how to tell the family from a parsed MindFormers YAML,
+the run name scheme or weights suffix that implies it, and the demo's ``--model`` kind if the demo builds
+it. Adding a family is adding a folder (docs/extending.md). The table is built on first use.
+
+Preset names resolve here (``load_mapping``); ``mapping`` itself reads files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from core.errors import BadInput
+from core.registry import collect
+from mapping import Mapping
+from models.family import Family
+
+# The preset when nothing says which: Megatron-core <-> MindFormers' legacy Llama (models/llama).
+DEFAULT_PRESET = "megatron_core_llama__mindformers_llama"
+
+_TABLE: list[Family] | None = None
+
+
+def families() -> list[Family]:
+    """Every family, in detection order."""
+    global _TABLE
+    if _TABLE is None:
+        found: list[Family] = collect(__name__, __path__, "FAMILY", "FAMILIES")
+        seen: dict[str, str] = {}
+        for f in found:
+            for p in f.presets:
+                if p in seen:
+                    raise BadInput(f"preset {p} is declared by families {seen[p]} and {f.name}")
+                seen[p] = f.name
+        _TABLE = sorted(found, key=lambda f: (f.order, f.name))
+    return _TABLE
+
+
+def family(name: str) -> Family:
+    for f in families():
+        if f.name == name:
+            return f
+    raise BadInput(f"{name}: no such model family; known: {', '.join(f.name for f in families())}")
+
+
+def presets() -> list[str]:
+    """Every shipped preset's name."""
+    return sorted(p for f in families() for p in f.presets)
+
+
+def preset_path(name: str) -> Path | None:
+    """The YAML file of preset ``name``, or None."""
+    for f in families():
+        if name in f.presets:
+            return f.preset_path(name)
+    return None
+
+
+def load_mapping(name_or_file: str | Path | None = None) -> Mapping:
+    """A preset name (see ``presets()``; None: :data:`DEFAULT_PRESET`) or a path to a YAML mapping file."""
+    ref = str(name_or_file or DEFAULT_PRESET)
+    path = Path(ref)
+    if not path.is_file():
+        found = preset_path(ref)
+        if found is None or not found.is_file():
+            raise BadInput(f"{ref}: neither a mapping file nor a preset (presets: {', '.join(presets())})")
+        path = found
+    return Mapping.load(path)
+
+
+def preset_for_config(cfg: dict[str, Any]) -> str | None:
+    """The preset a parsed MindFormers YAML's model needs (the first family, in order, that claims it)."""
+    for f in families():
+        if f.detect is not None:
+            preset = f.detect(cfg)
+            if preset is not None:
+                return preset
+    return None
+
+
+def preset_for_scheme(name_scheme: str | None) -> str | None:
+    """The preset of the family whose runs carry ``name_scheme`` (run metadata), or None."""
+    for f in families():
+        if name_scheme and f.name_scheme == name_scheme:
+            return f.main_preset
+    return None
+
+
+def preset_for_weights(path: str | Path) -> str | None:
+    """The preset of the family whose MindFormers weights files end like ``path``, or None."""
+    for f in families():
+        if f.weights_suffix and str(path).endswith(f.weights_suffix):
+            return f.main_preset
+    return None
+
+
+def demo_presets() -> dict[str, str]:
+    """The demo's model kinds (``--model``) -> the preset of their family."""
+    return {f.demo_kind: f.main_preset for f in families() if f.demo_kind}
+
+
+__all__ = ["DEFAULT_PRESET", "Family", "demo_presets", "families", "family", "load_mapping", "preset_for_config",
+           "preset_for_scheme", "preset_for_weights", "preset_path", "presets"]
