@@ -26,11 +26,11 @@ class LayerSource(Protocol):
     (``forward.input.0``, ``forward.output.0``, ``backward.grad_output.0``, ``backward.grad_input.0``),
     ``dtype``, ``shape`` ("8x2x32"), ``numel``, ``max``, ``min``, ``mean``, ``norm``, ``nan``, ``inf``, and
     ``ref``: where the full tensor is, None in statistics mode, ``("h5", file, dataset)`` for an HDF5
-    dataset, or a file path (``.npy`` streams; other suffixes need a reader, see ``tensor_files``).
+    dataset, or a file path (``.npy`` streams; other suffixes need a reader, see ``needs_readers``).
     """
 
-    root: Path               # named when a side has no rows
-    tensor_files: bool       # refs are file paths; suffixes numpy cannot stream (.pt) are read through readers
+    root: Path              # named when a side has no rows
+    needs_readers: bool     # refs may name files numpy cannot stream (.pt): the layer stage passes torch readers
 
     def array_steps(self) -> list[int]: ...
 

@@ -95,7 +95,7 @@ class MsprobeDump:
     """One msprobe dump directory: steps -> ranks -> folder holding dump.json; a layer source
     (sources.layers.LayerSource) whose rows name their tensor files (.pt needs a torch reader)."""
 
-    tensor_files: ClassVar[bool] = True
+    needs_readers: ClassVar[bool] = True
     root: Path
     folders: dict[int, dict[int, Path]] = field(default_factory=dict)
     framework: str = "unknown"

@@ -42,7 +42,7 @@ def _read_stats(path: Path) -> tuple[list[dict[str, Any]], bool]:
 class StoreLayers:
     """A run store's ``tensor_stats`` rows; tensors referenced as (HDF5 file, ``tensors/<order>``)."""
 
-    tensor_files = False
+    needs_readers = False
 
     def __init__(self, reader: RunReader) -> None:
         self.reader = reader

@@ -53,7 +53,7 @@ def _readers(*srcs: LayerSource) -> Any:
     statistics and says so."""
     import importlib.util
 
-    if not any(s.tensor_files for s in srcs) or importlib.util.find_spec("torch") is None:
+    if not any(s.needs_readers for s in srcs) or importlib.util.find_spec("torch") is None:
         return None
     from checkpoints.torch_tensors import READERS
 
