@@ -60,13 +60,15 @@ def measure(root: Path, threads: int, executor: str = "thread") -> dict:
     of the largest reader process when readers are processes)."""
     import resource
 
-    from comparators.tensors import compare_layer_tensors
+    from comparators.layer_tensors import compare_layer_tensors
     from models import load_mapping
+    from sources.layers import layer_source
 
     nbytes = sum(f.stat().st_size for s in ("base", "cand") for f in (root / s / "steps").rglob("*.h5"))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    res = compare_layer_tensors(root / "base", root / "cand", load_mapping(), jobs=threads, executor=executor)
+    res = compare_layer_tensors(layer_source(root / "base"), layer_source(root / "cand"), load_mapping(),
+                                jobs=threads, executor=executor)
     dt = time.perf_counter() - t0
     self_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     child_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

@@ -18,7 +18,7 @@ the whole training step is inside both tools' windows. Every step is dumped.
 
 Part 2, compare. Each tool dumps full tensors of one training step (forward + backward) twice: baseline, and
 a candidate whose ``decoder.layers.1.mlp.linear_fc1.weight`` is multiplied by (1 + 1e-3 * N(0, 1)). The
-pair is compared by ``msprobe compare`` and by our ``comparators.tensors.compare_layer_tensors``, each in a
+pair is compared by ``msprobe compare`` and by our ``comparators.layer_tensors.compare_layer_tensors``, each in a
 fresh process (wall time includes interpreter start and imports; peak RSS is the compare process's
 ru_maxrss). Throughput = tensor bytes on disk of both dumps / wall seconds. Also recorded: whether each
 tool names the perturbed layer. Variants of ours: threads=1 (the ratio line), ``ours_jobsN`` (``--jobs N``
@@ -204,14 +204,16 @@ def worker_dump(args: argparse.Namespace) -> dict:
 
 
 def worker_compare_ours(args: argparse.Namespace) -> dict:
-    from comparators.tensors import compare_layer_tensors
+    from comparators.layer_tensors import compare_layer_tensors
     from models import load_mapping
+    from sources.layers import layer_source
 
     readers = None
     if args.torch_readers:     # our comparator on msprobe's own .pt dump (same files msprobe compares)
         from checkpoints.torch_tensors import READERS as readers
     t0 = time.perf_counter()
-    res = compare_layer_tensors(args.golden, args.target, load_mapping(), step=1, threads=args.compare_threads,
+    res = compare_layer_tensors(layer_source(args.golden), layer_source(args.target), load_mapping(), step=1,
+                                threads=args.compare_threads,
                                 jobs=args.compare_jobs or None, executor=args.compare_executor, readers=readers)
     d = res.details
     first = d.get("first_departing_forward") or d.get("first_departing_backward")
@@ -447,7 +449,8 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             ms_bytes += sum(f.stat().st_size for f in steps[0].rglob("dump_tensor_data/*") if f.is_file())
     env = _env(args.compare_threads)
     ms_exe = str(Path(sys.executable).parent / "msprobe")
-    startup = {"ours": _measured([sys.executable, "-c", "import mapping, comparators.tensors"], env, ROOT)}
+    startup = {"ours": _measured([sys.executable, "-c", "import mapping, comparators.layer_tensors, sources.layers"],
+                                 env, ROOT)}
     if have_ms:
         startup["msprobe"] = _measured([ms_exe, "compare", "-h"], env, ROOT)
     # Timed: ours and msprobe on the same thread budget; also ours at the product's default (2 threads),
@@ -511,7 +514,7 @@ def part_compare(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     startup["ours_2threads"] = startup[jobs_variant] = startup["ours"]
     if have_ms:
         startup["ours_on_msprobe_dump"] = _measured(
-            [sys.executable, "-c", "import mapping, comparators.tensors, torch"], env, ROOT)
+            [sys.executable, "-c", "import mapping, comparators.layer_tensors, sources.layers, torch"], env, ROOT)
     print(f"\n  dumps: one training step, micro-batch {args.compare_batch}, full tensors; candidate = "
           f"{PERTURBED_PARAM} x (1 + 1e-3 N(0,1))")
     print(f"  tensor bytes, both sides: ours {ours_bytes / 1e6:.0f} MB (HDF5, every name; {ours_disk / 1e6:.0f} MB on "

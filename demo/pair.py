@@ -42,7 +42,7 @@ LAYER_TOLERANCE = (1e-5, 1e-4, 0.999999)   # float32 on one CPU: (pass, warn, co
 # The mcore candidates (--model dense): MindFormers' flash-attention path casts q, k and v to float16 even in
 # a float32 run (the NPU kernel takes only float16/bfloat16). `align report` sees it without any option: the
 # core_attention row is float16, so that row and every later one are judged at float16's line
-# (comparators.tensors.judged_dtypes) while the embedding and first norm keep the float32 line above, and the
+# (comparators.layer_tensors.judged_dtypes) while the embedding and first norm keep the float32 line above, and the
 # candidate's config (use_flash_attention, compute_dtype float32) makes the local-norm and lr = 0 stages judge
 # at float16 (align.stages.evidence.Evidence.dtype; the optimizer check, on given gradients, keeps float32);
 # its mcore model picks the mapping preset.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.errors import BadInput
 from core.registry import collect
@@ -29,7 +29,10 @@ CHUNK = 16 << 20    # bytes per read when a long preamble hides the markers
 class Source:
     """A source kind. ``matches(path, head)``: ``head`` is None for a directory, else the file's first 4 MiB.
     ``markers``: byte strings that identify the kind anywhere in a file whose head has none (a log that starts
-    with a long preamble). ``describe`` names the kind in the error for a path no source claims."""
+    with a long preamble). ``describe`` names the kind in the error for a path no source claims.
+    ``layers(run_or_path)``: the kind's layer tensors as a ``sources.layers.LayerSource`` (None when this
+    run holds none); a kind without it holds none. ``layers_only``: the kind holds layer tensors and nothing
+    else (no loss, no norms)."""
 
     kind: str
     order: int
@@ -37,6 +40,8 @@ class Source:
     load: Callable[[Path], Run]
     describe: str
     markers: tuple[bytes, ...] = ()
+    layers: Callable[[Any], Any] | None = None
+    layers_only: bool = False
 
 
 _TABLE: list[Source] | None = None

@@ -29,7 +29,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from core.errors import BadInput
 from sources import Source
@@ -92,8 +92,10 @@ _SECTIONS = {"forward": (("input_args", "forward.input"), ("input_kwargs", "forw
 
 @dataclass
 class MsprobeDump:
-    """One msprobe dump directory: steps -> ranks -> folder holding dump.json."""
+    """One msprobe dump directory: steps -> ranks -> folder holding dump.json; a layer source
+    (sources.layers.LayerSource) whose rows name their tensor files (.pt needs a torch reader)."""
 
+    needs_readers: ClassVar[bool] = True
     root: Path
     folders: dict[int, dict[int, Path]] = field(default_factory=dict)
     framework: str = "unknown"
@@ -235,4 +237,10 @@ def _is_msprobe(path: Path, head: bytes | None) -> bool:
     return head is None and is_msprobe_dump(path)
 
 
-SOURCE = Source("msprobe", 20, _is_msprobe, read_msprobe, "an msprobe dump (step*/rank*/dump.json)")
+def _layers(obj: Any) -> MsprobeDump:
+    """The dump's layer rows, from its path or the Run read from it."""
+    return open_msprobe(obj if isinstance(obj, (str, Path)) else obj.path)
+
+
+SOURCE = Source("msprobe", 20, _is_msprobe, read_msprobe, "an msprobe dump (step*/rank*/dump.json)",
+                layers=_layers, layers_only=True)

@@ -1,10 +1,15 @@
-"""The run store itself as a source: the format every other source becomes (runstore)."""
+"""The run store itself as a source: the format every other source becomes (runstore), and the layer
+tensors a dumper wrote into it (``tensor_stats`` rows, full tensors under ``tensors/``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from runstore import META, SCALAR_DIR
+import h5py
+
+from core.errors import BadInput
+from runstore import META, SCALAR_DIR, RunReader, check_table, table_columns
 from sources import Source
 
 
@@ -18,4 +23,53 @@ def _load(path: Path):
     return open_store(path)
 
 
-SOURCE = Source("runstore", 0, _is_store, _load, "a run store (meta.json, scalars/)")
+def _read_stats(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    try:
+        with h5py.File(path, "r") as h5:
+            if "tensor_stats" not in h5:
+                return [], "tensors" in h5
+            cols = table_columns(h5["tensor_stats"])
+            has_tensors = "tensors" in h5
+    except OSError as exc:
+        raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:80]})") from None
+    check_table(path, "tensor_stats", cols)
+    n = len(cols.get("order", []))
+    rows = [{k: (v[i].item() if hasattr(v[i], "item") else v[i]) for k, v in cols.items()} for i in range(n)]
+    rows.sort(key=lambda r: r["order"])
+    return rows, has_tensors
+
+
+class StoreLayers:
+    """A run store's ``tensor_stats`` rows; tensors referenced as (HDF5 file, ``tensors/<order>``)."""
+
+    needs_readers = False
+
+    def __init__(self, reader: RunReader) -> None:
+        self.reader = reader
+        self.root = reader.root
+
+    def array_steps(self) -> list[int]:
+        return self.reader.array_steps()
+
+    def array_ranks(self, step: int) -> list[int]:
+        return self.reader.array_ranks(step)
+
+    def layer_rows(self, step: int, rank: int = 0) -> tuple[list[dict[str, Any]], bool]:
+        path = Path(self.reader.step_file(step, rank))
+        rows, has_tensors = _read_stats(path)
+        for r in rows:
+            r["ref"] = ("h5", str(path), f"tensors/{int(r['order']):06d}") if has_tensors else None
+        return rows, has_tensors
+
+
+def open_layers(obj: Any) -> StoreLayers | None:
+    """A store's layer rows from its path, its reader, or a Run opened from it (None: a run not read from a
+    store on disk)."""
+    if isinstance(obj, RunReader):
+        return StoreLayers(obj)
+    if isinstance(obj, (str, Path)):
+        return StoreLayers(RunReader(obj))
+    return StoreLayers(obj.store) if obj.store is not None else None
+
+
+SOURCE = Source("runstore", 0, _is_store, _load, "a run store (meta.json, scalars/)", layers=open_layers)

@@ -13,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from comparators.tensors import compare_arrays, compare_files, compare_layer_tensors
+from comparators.layer_tensors import compare_layer_tensors
+from comparators.tensor_metrics import compare_arrays, compare_files
 from core.errors import BadInput
 from models import load_mapping
 from sources import detect, load_run
+from sources.layers import layer_source
 from sources.msprobe import normalise_dtype, open_msprobe, split_key
 
 DATA = Path(__file__).resolve().parent / "data" / "msprobe"
@@ -61,7 +63,7 @@ def test_rows_follow_the_run_store_vocabulary() -> None:
 
 
 def test_pytorch_vs_mindspore_names_the_perturbed_layer() -> None:
-    res = compare_layer_tensors(PT, MS, load_mapping(), readers=_readers())
+    res = compare_layer_tensors(layer_source(PT), layer_source(MS), load_mapping(), readers=_readers())
     d = res.details
     assert d["mode"] == "tensor" and d["compared"] >= 60
     fwd = d["first_departing_forward"]
@@ -74,7 +76,7 @@ def test_pytorch_vs_mindspore_names_the_perturbed_layer() -> None:
 
 
 def test_without_torch_reader_statistics_still_name_it() -> None:
-    res = compare_layer_tensors(PT, MS, load_mapping(), readers=None)
+    res = compare_layer_tensors(layer_source(PT), layer_source(MS), load_mapping(), readers=None)
     fwd = res.details["first_departing_forward"]
     assert fwd["module"] == PERTURBED and fwd["mode"] == "stats"
     assert any(f.metric == "tensor_files_unread" and ".pt" in f.message for f in res.findings)
@@ -83,8 +85,9 @@ def test_without_torch_reader_statistics_still_name_it() -> None:
 @pytest.mark.parametrize("jobs,executor", [(2, "thread"), (2, "process")])
 def test_parallel_readers_give_the_serial_result(jobs: int, executor: str) -> None:
     readers = _readers()
-    serial = compare_layer_tensors(PT, MS, load_mapping(), readers=readers, jobs=1)
-    par = compare_layer_tensors(PT, MS, load_mapping(), readers=readers, jobs=jobs, executor=executor)
+    serial = compare_layer_tensors(layer_source(PT), layer_source(MS), load_mapping(), readers=readers, jobs=1)
+    par = compare_layer_tensors(layer_source(PT), layer_source(MS), load_mapping(), readers=readers, jobs=jobs,
+                                executor=executor)
     assert par.details["rows"] == serial.details["rows"]
     assert [f.to_json() for f in par.findings] == [f.to_json() for f in serial.findings]
 
@@ -117,7 +120,7 @@ def test_bad_dumps_are_one_line(tmp_path: Path) -> None:
     victim = next(gone.rglob("Cell.model.layers.1.feed_forward.w2.Linear.forward.0.output.0.npy"))
     victim.unlink()
     with pytest.raises(BadInput) as err:
-        compare_layer_tensors(PT, gone, load_mapping(), readers=_readers())
+        compare_layer_tensors(layer_source(PT), layer_source(gone), load_mapping(), readers=_readers())
     assert victim.name in str(err.value) and "missing" in str(err.value)
 
 
@@ -129,9 +132,10 @@ def test_ranks_and_steps_of_a_distributed_dump(tmp_path: Path) -> None:
             shutil.copytree(src, tmp_path / side / f"step{step}" / f"rank{rank}")
     d = open_msprobe(tmp_path / "pt")
     assert d.array_steps() == [1, 2] and d.array_ranks(2) == [0, 1]
-    from comparators.tensors import compare_layer_tensors_all
+    from comparators.layer_tensors import compare_layer_tensors_all
 
-    res = compare_layer_tensors_all(tmp_path / "pt", tmp_path / "ms", load_mapping(), readers=None, jobs=2)
+    res = compare_layer_tensors_all(layer_source(tmp_path / "pt"), layer_source(tmp_path / "ms"), load_mapping(),
+                                    readers=None, jobs=2)
     assert sorted(res) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert {r.details["first_departing_forward"]["module"] for r in res.values()} == {PERTURBED}
 
@@ -142,7 +146,7 @@ def test_statistics_task_dumps_compare_by_statistics() -> None:
     assert detect(pt) == detect(ms) == "msprobe"
     rows, has_files = open_msprobe(pt).layer_rows(1)
     assert not has_files and rows and all(r["ref"] is None for r in rows)
-    res = compare_layer_tensors(pt, ms, load_mapping())
+    res = compare_layer_tensors(layer_source(pt), layer_source(ms), load_mapping())
     assert res.details["mode"] == "stats"
     assert res.details["first_departing_forward"]["module"] == PERTURBED
     assert not any(f.metric == "tensor_files_unread" for f in res.findings)

@@ -46,7 +46,7 @@ def test_a_table_is_one_compound_dataset_and_the_older_column_groups_still_read(
     import h5py
 
     from comparators.local_norms import read_local_norms
-    from comparators.tensors import _read_stats
+    from sources.store_dir import _read_stats
 
     names = ["embedding.word_embeddings.weight", "décodeur.couche.0.poids"]
     stats = {"order": np.arange(2), "module": ["m.a", "m.b"], "kind": ["forward.output.0"] * 2,

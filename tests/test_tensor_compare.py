@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from comparators.tensors import compare_arrays, compare_layer_tensors, tolerance
+from comparators.layer_tensors import compare_layer_tensors
+from comparators.tensor_metrics import compare_arrays
+from comparators.tensor_pair import tolerance
 from models import load_mapping
+from sources.layers import layer_source
 
 
 def test_metrics_on_known_arrays() -> None:
@@ -69,7 +73,8 @@ def dumps(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("stats_only", [False, True])
 def test_perturbed_attention_weight_is_first_departing_layer(dumps: Path, stats_only: bool) -> None:
-    res = compare_layer_tensors(dumps / "base", dumps / "pert", load_mapping(), stats_only=stats_only)
+    res = compare_layer_tensors(layer_source(dumps / "base"), layer_source(dumps / "pert"), load_mapping(),
+                                stats_only=stats_only)
     assert res.details["mode"] == ("stats" if stats_only else "tensor")
     assert res.verdict in ("warn", "fail")
     fwd = res.details["first_departing_forward"]
@@ -85,7 +90,7 @@ def test_perturbed_attention_weight_is_first_departing_layer(dumps: Path, stats_
 
 
 def test_identical_runs_pass(dumps: Path) -> None:
-    res = compare_layer_tensors(dumps / "base", dumps / "again", load_mapping())
+    res = compare_layer_tensors(layer_source(dumps / "base"), layer_source(dumps / "again"), load_mapping())
     assert res.verdict == "pass", [f.message for f in res.findings]
     assert res.details["compared"] > 20 and res.details["first_departing_layer"] is None
 
@@ -93,8 +98,9 @@ def test_identical_runs_pass(dumps: Path) -> None:
 
 @pytest.mark.parametrize("jobs,executor", [(2, "thread"), (2, "process")])
 def test_parallel_readers_equal_the_serial_run(dumps: Path, jobs: int, executor: str) -> None:
-    serial = compare_layer_tensors(dumps / "base", dumps / "pert", load_mapping(), jobs=1)
-    par = compare_layer_tensors(dumps / "base", dumps / "pert", load_mapping(), jobs=jobs, executor=executor)
+    base, pert = layer_source(dumps / "base"), layer_source(dumps / "pert")
+    serial = compare_layer_tensors(base, pert, load_mapping(), jobs=1)
+    par = compare_layer_tensors(base, pert, load_mapping(), jobs=jobs, executor=executor)
     assert par.details["rows"] == serial.details["rows"]
     assert [f.to_json() for f in par.findings] == [f.to_json() for f in serial.findings]
 
@@ -104,7 +110,7 @@ def test_raw_file_reads_and_streamed_transpose_equal_in_memory(tmp_path: Path) -
     batch index at a time. Both must give what the in-memory compare gives."""
     import h5py
 
-    from comparators.tensors import _raw_offset, compare_datasets
+    from comparators.tensor_metrics import _raw_offset, compare_datasets
 
     rng = np.random.default_rng(3)
     sbh = rng.standard_normal((300, 3, 1000)).astype(np.float32)           # > 1 chunk, uneven tail
@@ -158,8 +164,8 @@ def test_rows_after_a_float16_computation_are_judged_at_float16(tmp_path: Path, 
                for m, a in zip(mods[1:], base[1:], strict=True)]
     rows_b.append(("decoder.layers.0.mlp", "backward.grad_output.0", "float32", noisy(base[2], 5e-4)))
     tol = {"float32": (1e-5, 1e-4, 0.999999)}
-    res = compare_layer_tensors(_store(tmp_path / "a", rows_a), _store(tmp_path / "b", rows_b), load_mapping(),
-                                tolerances=tol)
+    src_a, src_b = layer_source(_store(tmp_path / "a", rows_a)), layer_source(_store(tmp_path / "b", rows_b))
+    res = compare_layer_tensors(src_a, src_b, load_mapping(), tolerances=tol)
     judged = {(r["module"], r["kind"]): r["judged_dtype"] for r in res.details["rows"]}
     assert judged[("embedding", "forward.output.0")] == "float32"
     assert judged[("decoder.layers.0.mlp", "forward.output.0")] == "float16"
@@ -170,8 +176,8 @@ def test_rows_after_a_float16_computation_are_judged_at_float16(tmp_path: Path, 
         assert res.verdict == "fail" and res.findings[0].component == "embedding"
     # without the float16 row, the same 5e-4 after attention is judged at float32 and departs there
     rows_b32 = [(m, k, "float32", a) for m, k, _, a in rows_b]
-    res32 = compare_layer_tensors(tmp_path / "a", _store(tmp_path / "b32", rows_b32), load_mapping(),
-                                  tolerances=tol)
+    res32 = compare_layer_tensors(layer_source(tmp_path / "a"), layer_source(_store(tmp_path / "b32", rows_b32)),
+                                  load_mapping(), tolerances=tol)
     assert res32.verdict == "fail"
     assert res32.findings[0].component == ("embedding" if embedding_error else mods[1])
 
@@ -180,7 +186,7 @@ def test_linked_tensors_are_read_once_and_judged_per_row(tmp_path: Path, monkeyp
     """The dumper stores a tensor seen twice once (an HDF5 hard link: a module's output that is the next
     module's input). Such rows are compared once; every row still gets its own verdict, at its own judged
     dtype, with exactly the metrics a store without links gives."""
-    from comparators import tensors as tc
+    from comparators import tensor_pair as tc
     from runstore import RunWriter
 
     rng = np.random.default_rng(1)
@@ -190,7 +196,7 @@ def test_linked_tensors_are_read_once_and_judged_per_row(tmp_path: Path, monkeyp
             ("decoder.layers.0.self_attention.linear_proj", "forward.input.0", "float32"),
             ("decoder.layers.0.mlp", "forward.output.0", "float32")]
 
-    def store(root: Path, arr: np.ndarray, link: bool, first_dtype: str) -> Path:
+    def store(root: Path, arr: np.ndarray, link: bool, first_dtype: str) -> Any:
         with RunWriter(root, rank=0, meta={"framework": "test"}) as w:
             w.put_table(1, "tensor_stats", {
                 "order": np.arange(3), "module": np.array([r[0] for r in rows]),
@@ -205,7 +211,7 @@ def test_linked_tensors_are_read_once_and_judged_per_row(tmp_path: Path, monkeyp
             else:
                 w.put_array(1, "tensors/000001", arr)
             w.put_array(1, "tensors/000002", arr)
-        return root
+        return layer_source(root)
 
     reads = []
     real = tc.compare_datasets

@@ -5,21 +5,24 @@ pair."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from comparators.tensors import compare_layer_tensors, compare_layer_tensors_all
+from comparators.layer_tensors import compare_layer_tensors, compare_layer_tensors_all
 from models import load_mapping
 from runstore import RunWriter
+from sources.layers import layer_source
 
 distributed = pytest.importorskip("distributed", reason="dask[distributed] is not installed (the dask extra)")
 MSPROBE = Path(__file__).resolve().parent / "data" / "msprobe"
 PERTURBED = (2, 1, 3)          # step, rank, layer
 
 
-def _store(root: Path, perturb: bool) -> Path:
-    """Two steps x two ranks, five layers' outputs each (written by the run store's own writer)."""
+def _store(root: Path, perturb: bool) -> Any:
+    """Two steps x two ranks, five layers' outputs each (written by the run store's own writer), as a layer
+    source."""
     for rank in (0, 1):
         with RunWriter(root, rank=rank, meta={"framework": "torch"}) as w:
             for step in (1, 2):
@@ -38,7 +41,7 @@ def _store(root: Path, perturb: bool) -> Path:
                     "mean": [r[4] for r in rows], "norm": [r[1] for r in rows], "nan": np.zeros(5, int),
                     "inf": np.zeros(5, int)})
                 w.finish_step()
-    return root
+    return layer_source(root)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def test_steps_x_ranks_on_the_cluster_equal_the_local_run(tmp_path: Path, client
 def test_msprobe_pair_on_the_cluster(client) -> None:
     # No torch reader here: importing torch in both workers costs 3-30 s on this shared machine; the .pt rows
     # compare by msprobe's statistics on every worker alike (full tensors on a cluster: the test above).
-    args = (MSPROBE / "pt", MSPROBE / "ms", load_mapping())
+    args = (layer_source(MSPROBE / "pt"), layer_source(MSPROBE / "ms"), load_mapping())
     local = compare_layer_tensors(*args, jobs=1)
     remote = compare_layer_tensors(*args, scheduler=client)
     _same(local, remote)
@@ -79,7 +82,7 @@ def test_msprobe_pair_on_the_cluster(client) -> None:
 
 
 def test_scheduler_address_unreachable_is_bad_input(tmp_path: Path, monkeypatch) -> None:
-    import comparators.tensors as ct
+    import comparators.tensor_dispatch as ct
     from core.errors import BadInput
 
     monkeypatch.setattr(ct, "DASK_CONNECT_TIMEOUT", "1s")

@@ -20,14 +20,18 @@ from reports.writer import ReportInput, write_report
 
 def check_comparable(ev: Evidence) -> None:
     """Refuse runs that cannot be compared at all, with one line: no loss, no local norms and no layer
-    tensors, or two runs with no step in common (a pass there would be a lie)."""
+    tensors, or two runs with no step in common (a pass there would be a lie). Whether a run holds layer
+    tensors only (an msprobe dump) is its source kind's to say (sources.layers)."""
+    from sources.layers import layers_only
+
     b, c = ev.baseline, ev.candidate
-    tensors_only = [r.kind == "msprobe" for r in (b, c)]
+    tensors_only = [layers_only(r) for r in (b, c)]
     if all(tensors_only):
         return
     if any(tensors_only):
-        raise BadInput(f"{ev.inputs.baseline if tensors_only[0] else ev.inputs.candidate}: an msprobe dump "
-                       "holds layer tensors only; compare it with another msprobe dump or a run store")
+        r, path = (b, ev.inputs.baseline) if tensors_only[0] else (c, ev.inputs.candidate)
+        raise BadInput(f"{path}: an {r.kind} dump holds layer tensors only; compare it with another "
+                       "layer-tensor dump or a run store")
     for r, path in ((b, ev.inputs.baseline), (c, ev.inputs.candidate)):
         if not r.has("loss") and not r.local_norm_steps(limit=1):
             raise BadInput(f"{path}: no loss values and no local norms to compare")

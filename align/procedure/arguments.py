@@ -7,7 +7,7 @@ import argparse
 
 from align.stages import Inputs, Options
 from comparators.scalars import ScalarOptions
-from comparators.tensors import tolerance
+from comparators.tensor_pair import tolerance
 from core.errors import BadInput
 
 

@@ -7,61 +7,54 @@ from typing import Any
 
 from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
-from comparators.tensors import compare_layer_tensors, layer_source
-from core.findings import StageResult, skipped, worst
+from comparators.layer_tensors import ONE_SIDED_KINDS, compare_layer_tensors
+from core.findings import StageResult, skipped
 from reports.figures import layer_profile
 from reports.html import table
-from runstore.run import Run
+from sources.layers import LayerSource, layer_source
 
 SEARCH = 20
-# Row kinds one dumper records and the other may not (the MindSpore dumper records outputs and output
-# gradients only): rows of such a kind with no counterpart at all are reported, not judged.
-ONE_SIDED_KINDS = ("forward.input", "backward.grad_input")
 
 
-def _has_layers(run: Run) -> bool:
-    return run.store is not None or run.kind == "msprobe"
-
-
-def _first_tensor_step(a: Any, b: Any) -> int | None:
-    """The first step (of the first SEARCH both runs have files for) where both hold layer rows; a step's
-    rows are read only until one is found, and the comparator reads that step again in full."""
+def _first_tensor_step(a: LayerSource, b: LayerSource) -> tuple[int, Any] | None:
+    """The first step (of the first SEARCH both runs have files for) where both hold layer rows, with both
+    sides' rows of that step (at each side's first rank): read once, handed to the comparator."""
     for s in sorted(set(a.array_steps()) & set(b.array_steps()))[:SEARCH]:
-        if all(src.layer_rows(s, src.array_ranks(s)[0])[0] for src in (a, b)):
-            return s
+        rows = []
+        for src in (a, b):
+            rows.append(src.layer_rows(s, src.array_ranks(s)[0]))
+            if not rows[-1][0]:
+                break
+        else:
+            return s, tuple(rows)
     return None
 
 
 def run(ev: Evidence) -> StageResult:
     b, c = ev.baseline, ev.candidate
-    if not _has_layers(b) or not _has_layers(c):
+    srcs = [layer_source(r, required=False) for r in (b, c)]
+    if srcs[0] is None or srcs[1] is None:
         return skipped("layer_tensors", "layer tensors come from run stores or msprobe dumps; "
-                       f"{', '.join(r.label for r in (b, c) if not _has_layers(r))} is a log")
-    srcs = [layer_source(r) for r in (b, c)]
-    step = _first_tensor_step(*srcs)
-    if step is None:
+                       f"{', '.join(r.label for r, s in zip((b, c), srcs, strict=True) if s is None)} is a log")
+    found = _first_tensor_step(*srcs)
+    if found is None:
         return skipped("layer_tensors", "no step where both runs hold layer tensors (tensor_stats / dump.json)")
+    step, rows = found
     opt = ev.options
     res = compare_layer_tensors(srcs[0], srcs[1], ev.mapping, step=step,
                                 candidate_rank=srcs[1].array_ranks(step)[0], rank=srcs[0].array_ranks(step)[0],
                                 tolerances=opt.layer_tolerance or None, jobs=opt.jobs, scheduler=opt.scheduler,
-                                readers=_readers(b, c))
-    unmatched = res.details.get("unmatched_baseline") or []
-    if unmatched and all(u.split(" ")[-1].startswith(ONE_SIDED_KINDS) for u in unmatched):
-        res.findings = [f for f in res.findings if f.metric != "unmatched_rows"]
-        res.verdict = worst([f.verdict for f in res.findings])
-        res.details["note"] = (f"{len(unmatched)} baseline rows (module inputs / input gradients) have no "
-                               "counterpart kind in the candidate's dump; outputs and output gradients are compared")
-    res.details["step"] = step
+                                readers=_readers(*srcs), rows=rows, one_sided_kinds=ONE_SIDED_KINDS)
     return res
 
 
-def _readers(*runs: Run) -> Any:
-    """msprobe's PyTorch dumps keep full tensors as .pt files: read them with torch (weights_only), when
-    torch is installed; without it the comparator falls back to msprobe's own statistics and says so."""
+def _readers(*srcs: LayerSource) -> Any:
+    """Dumps that keep full tensors as files of their own (msprobe's PyTorch .pt files): read them with
+    torch (weights_only), when torch is installed; without it the comparator falls back to the dump's own
+    statistics and says so."""
     import importlib.util
 
-    if not any(r.kind == "msprobe" for r in runs) or importlib.util.find_spec("torch") is None:
+    if not any(s.needs_readers for s in srcs) or importlib.util.find_spec("torch") is None:
         return None
     from checkpoints.torch_tensors import READERS
 
