@@ -23,8 +23,8 @@ def recipe(section: str) -> dict[str, str]:
     ``# path/to/file`` under that heading."""
     text = DOC.read_text()
     start = text.index(f"## {section}")
-    end = text.find("\n## ", start + 1)
-    body = text[start: end if end > 0 else None]
+    ends = [i for i in (text.find("\n## ", start + 1), text.find("\n### ", start + 1)) if i > 0]
+    body = text[start: min(ends) if ends else None]        # up to the next heading
     files = {}
     for lang, code in re.findall(r"```(\w+)\n(.*?)```", body, re.S):
         first = code.splitlines()[0]
@@ -89,7 +89,7 @@ def test_a_stage_is_one_file(project: Path, tmp_path: Path) -> None:
 
 
 def test_a_source_kind_is_one_file(project: Path, tmp_path: Path) -> None:
-    written = follow(project, "A source kind")
+    written = follow(project, "A source kind (")
     assert written == ["sources/csv_losses.py"]
     (tmp_path / "a.csv").write_text("step,loss\n1,10.5\n2,10.25\n3,10.0\n")
     (tmp_path / "b.csv").write_text("step,loss\n1,10.5\n2,10.25\n3,10.0\n")
@@ -100,3 +100,34 @@ def test_a_source_kind_is_one_file(project: Path, tmp_path: Path) -> None:
     assert s["stages"]["step1_loss"]["verdict"] == "pass"
     h = align(project, "import", "--help")
     assert "step,loss CSV" in "".join(h.stdout.split()) or "step,lossCSV" in "".join(h.stdout.split())
+
+
+def test_a_tensor_dump_source_is_one_file(project: Path, tmp_path: Path) -> None:
+    from test_layer_sources import MODULES, _dump
+
+    assert follow(project, "A tensor-dump source") == ["sources/npy_layers.py"]
+    a, b = _dump(tmp_path / "a"), _dump(tmp_path / "b", perturb=MODULES[1])
+    r = align(project, "report", "-q", str(a), str(b), "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr
+    s = summary(tmp_path / "rep")
+    assert [run["kind"] for run in s["runs"]] == ["npy_layers", "npy_layers"]
+    assert s["stages"]["layer_tensors"]["first_departing_forward"]["module"] == MODULES[1]
+
+
+def test_a_model_family_is_one_folder(project: Path, tmp_path: Path) -> None:
+    written = follow(project, "A model family")
+    assert sorted(written) == ["models/my_family/__init__.py",
+                               "models/my_family/megatron_core__mindformers_my_family.yaml"]
+    listed = align(project, "mapping", "list")
+    assert "megatron_core__mindformers_my_family" in listed.stdout.split(), listed.stderr
+    # chosen without --mapping, from the candidate's MindFormers YAML
+    cfg = (ROOT / "tests" / "data" / "configs" / "pretrain_qwen3_32b_4k.yaml").read_text()
+    assert 'model_type: "qwen3"' in cfg
+    (tmp_path / "mine.yaml").write_text(cfg.replace('model_type: "qwen3"', 'model_type: "my_model"'))
+    b, c = tmp_path / "b", tmp_path / "c"
+    for run in (b, c):
+        write_store(run, project, {s: {"loss": 10.0 - s * 0.1} for s in range(1, 4)})
+    r = align(project, "report", str(b), str(c), "--candidate-config", str(tmp_path / "mine.yaml"),
+              "--out", str(tmp_path / "rep"))
+    assert r.returncode in (0, 1), r.stderr
+    assert "mapping: megatron_core__mindformers_my_family" in r.stderr, r.stderr
