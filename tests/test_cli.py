@@ -41,3 +41,35 @@ def test_a_missing_extra_names_the_extra(tmp_path, monkeypatch, capsys) -> None:
     assert rc == 2 and len(err) == 1, err
     assert "align convert-weights" in err[0] and "pip install 'xf-align[torch]'" in err[0], err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_an_internal_error_exits_3_with_the_traceback_saved(tmp_path, monkeypatch, capsys) -> None:
+    """A bug of ours is not a `fail` verdict (1) nor bad input (2): exit 3, one line naming the saved traceback."""
+    import align.cli.check_data as verb
+
+    def broken(args):
+        raise ZeroDivisionError("a bug\nover two lines")
+
+    monkeypatch.setattr(verb, "run", broken)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    rc = main(["check-data", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 3 and len(err) == 1, err
+    assert "internal error in `align check-data`: ZeroDivisionError: a bug over two lines" in err[0]
+    saved = [p for p in tmp_path.iterdir() if p.name.endswith(".traceback.txt")]
+    assert len(saved) == 1 and str(saved[0]) in err[0]
+    assert "Traceback (most recent call last)" in saved[0].read_text()
+
+
+def test_a_bad_mapping_is_refused_even_where_no_stage_needs_one(tmp_path, capsys) -> None:
+    from demo.example_logs import write_examples
+
+    write_examples(tmp_path / "ex", 20, "none", None)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("!!python/object/apply:os.system ['echo owned']\n")
+    rc = main(["report", "-q", str(tmp_path / "ex" / "megatron_baseline.log"),
+               str(tmp_path / "ex" / "mindformers_candidate.log"), "--mapping", str(bad), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and str(bad) in err[0], err
+    assert not (tmp_path / "r").exists()

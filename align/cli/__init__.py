@@ -1,4 +1,5 @@
-"""``align`` command line. Exit status: 0 pass or warn, 1 fail, 2 bad input (one line, no traceback).
+"""``align`` command line. Exit status: 0 pass or warn, 1 fail, 2 bad input (one line, no traceback), 3 an
+internal error (one line naming the file that holds the traceback), so a CI gate never takes a crash for a fail.
 
 One module per verb in this folder, listed in ``VERBS``: it defines ``HELP``, ``add_arguments(parser)`` and
 ``run(args) -> int``, and imports its library only inside ``run``, so every verb shows in ``--help`` even
@@ -9,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import tempfile
+import time
+import traceback
 
 from core.errors import BadInput
 
@@ -57,6 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("align: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:      # a bug of ours, not the user's input: exit 3, the traceback kept in a file
+        return _internal_error(args.command, exc)
+
+
+def _internal_error(command: str, exc: Exception) -> int:
+    text = "".join(traceback.format_exception(exc))
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"align-{command}-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                    suffix=".traceback.txt")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(f"align {' '.join(sys.argv[1:])}\n\n{text}")
+        where = f"traceback in {path}"
+    except OSError:
+        where = "traceback could not be saved:\n" + text
+    what = " ".join(str(exc).split())[:300]
+    print(f"align: internal error in `align {command}`: {type(exc).__name__}: {what} ({where}); please report it",
+          file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":

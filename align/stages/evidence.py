@@ -93,6 +93,9 @@ class Evidence:
                       inputs.conversion):
             if extra is not None and not Path(extra).exists():
                 raise BadInput(f"{extra}: no such file or directory")
+        if inputs.mapping is not None:     # a bad --mapping is bad input even where no stage needs a mapping
+            from models import load_mapping
+            load_mapping(inputs.mapping)
         kinds = {role: detect(p) for role, p in items}
 
         def one(role: str, path: str) -> tuple[Run, float]:
