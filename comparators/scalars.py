@@ -86,6 +86,12 @@ def _rel(a: float, b: float) -> float:
 
 def _step_stage(name: str, nth: int, base: pd.Series, cand: pd.Series, opt: ScalarOptions) -> StageResult:
     common = _common(base, cand)
+    if nth == 2 and len(common) == 1:      # one common step: the step-1 pass must not read as an all-clear
+        st = StageResult(name, details={"step": None, "common_steps": 1})
+        st.add(Finding(name, "warn", "loss", "common_steps", 1, 2,
+                       f"the runs share one step with a loss (step {int(common[0])}): the first optimizer update "
+                       "and everything after it are not compared; log at least two steps in both runs"))
+        return st
     if len(common) < nth:
         return skipped(name, f"fewer than {nth} steps logged by both runs")
     step = int(common[nth - 1])

@@ -199,3 +199,23 @@ def test_local_norm_rtol_from_the_cli(tmp_path):
     assert r.returncode == 2 and "--local-norm-rtol" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run_cli("report", str(b), str(c), "--out", str(tmp_path / "bad"), "-q", "--lr0-rtol", "1e-2,1e-3")
     assert r.returncode == 2 and "--lr0-rtol" in r.stderr and not (tmp_path / "bad").exists()
+
+
+def test_one_common_step_is_not_a_pass(tmp_path: Path, capsys) -> None:
+    """Two runs that share one step: step 1 agrees, but nothing after it was compared: warn, and --strict
+    exits 1 (a CI gate must not read it as an all-clear)."""
+
+    from runstore import RunWriter
+
+    for name, steps in (("b", (1, 2, 3)), ("c", (1,))):
+        with RunWriter(tmp_path / name, rank=0) as w:
+            for s in steps:
+                w.log_scalars(s, {"loss": 10.0 - 0.1 * s})
+    args = ["report", "-q", str(tmp_path / "b"), str(tmp_path / "c")]
+    assert main([*args, "--out", str(tmp_path / "r")]) == 0
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert s["verdict"] == "warn" and s["stages"]["step1_loss"]["verdict"] == "pass"
+    st2 = s["stages"]["step2_loss"]
+    assert st2["verdict"] == "warn" and st2["common_steps"] == 1
+    assert any(f["stage"] == "step2_loss" and "share one step" in f["message"] for f in s["findings"])
+    assert main([*args, "--strict", "--out", str(tmp_path / "r2")]) == 1

@@ -114,7 +114,11 @@ def test_mcore_candidate_config_picks_mapping_and_attention_precision(tmp_path: 
     assert ev.mapping == mapping and "2.x config" in ev.mapping_source
     assert ev.dtype[0] == dtype
     assert ev.update_dtype[0] == "float32"     # the optimizer check steps on given gradients: no attention
-    assert Evidence.load(Inputs(str(b), str(c), mapping="x.yaml")).mapping == "x.yaml"
+    import shutil
+
+    from models import DEFAULT_PRESET, preset_path
+    mine = str(shutil.copy(preset_path(DEFAULT_PRESET), tmp_path / "x.yaml"))    # --mapping wins over the config
+    assert Evidence.load(Inputs(str(b), str(c), mapping=mine)).mapping == mine
     assert Evidence.load(Inputs(str(b), str(b))).mapping == "megatron_core_llama__mindformers_llama"
 
 
