@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from core.dtypes import EPS, normalize
 from core.errors import BadInput
 from core.findings import Finding, StageResult, skipped
 from runstore.run import Run
@@ -138,7 +139,10 @@ def _first_nonfinite(run: Run, keys: tuple[str, ...]) -> tuple[int, str, float] 
 
 
 def compare_scalars(baseline: Run, candidate: Run, repeats: list[Run] | None = None,
-                    opt: ScalarOptions | None = None) -> ScalarComparison:
+                    opt: ScalarOptions | None = None, precision: str = "float32") -> ScalarComparison:
+    """Per-step loss / grad norm / lr comparison. ``precision``: what the runs computed in (the coarser of the
+    two); a grad-norm bias smaller than one of its ulps at the norm's scale is that precision's noise, not a
+    bias of the candidate (the loss is computed in float32 by both frameworks and keeps float32's floor)."""
     opt = opt or ScalarOptions()
     repeats = repeats or []
     stages: dict[str, StageResult] = {}
@@ -151,7 +155,7 @@ def compare_scalars(baseline: Run, candidate: Run, repeats: list[Run] | None = N
     table, long_run = _long_run("loss", "long_run", baseline, candidate, repeats, opt)
     stages["long_run"] = long_run
     gtable, gstage = _long_run("grad_norm", "grad_norm", baseline, candidate, repeats, opt,
-                               fail_verdict="warn")
+                               fail_verdict="warn", bias_eps=EPS.get(normalize(precision), EPS["float32"]))
     stages["grad_norm"] = gstage
     if not gtable.empty:
         gtable = gtable.add_prefix("grad_norm_")
@@ -204,7 +208,8 @@ def _lr_stage(baseline: Run, candidate: Run, opt: ScalarOptions) -> StageResult:
 
 
 def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[Run],
-              opt: ScalarOptions, fail_verdict: str = "fail") -> tuple[pd.DataFrame, StageResult]:
+              opt: ScalarOptions, fail_verdict: str = "fail", bias_eps: float = 0.0
+              ) -> tuple[pd.DataFrame, StageResult]:
     base, cand = baseline.series(key), candidate.series(key)
     common = _common(base, cand)
     if len(common) < 3:
@@ -270,7 +275,12 @@ def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[
     shown = [m for m in rep_means if m * mean_delta > 0 and abs(m) >= abs(mean_delta)]
     if shown:
         st.details["bias_shown_by_repeat"] = shown[0]
-    if math.isfinite(bias) and bias > opt.max_bias and len(d_f) > 10 and abs(mean_delta) > floor and not shown:
+    # ... and so is one below an ulp of the precision the runs computed in, at the quantity's own scale
+    precision_noise = bias_eps * float(np.mean(np.abs(b[finite]))) if finite.any() else 0.0
+    if precision_noise > floor:
+        st.details["bias_precision_noise"] = precision_noise
+    if (math.isfinite(bias) and bias > opt.max_bias and len(d_f) > 10 and abs(mean_delta) > max(floor, precision_noise)
+            and not shown):
         st.add(Finding(name, "warn" if frac <= opt.max_outside else fail_verdict, key,
                        "mean_delta_over_spread", bias, opt.max_bias,
                        f"{label}: the delta does not fluctuate around 0 (mean {mean_delta:+.3g} = "

@@ -68,3 +68,28 @@ def test_a_bias_the_repeat_shows_too_is_not_the_candidates():
 
     assert not warned(shown)
     assert warned(small) and warned(2 * loss - shown)
+
+
+def test_a_grad_norm_bias_under_the_precisions_ulp_is_noise_not_a_bias():
+    """The dense demo's 30-step pair (float16 attention on the candidate): grad norm ~3, the candidate 4e-4
+    higher on average, 0.51 x its spread. Under one float16 ulp at the norm's scale (3 x 2**-10 = 2.9e-3)
+    that is the precision's noise; at float32 the same shift is a bias and warns."""
+    rng = np.random.default_rng(30)
+    steps = np.arange(1, 31)
+    base = 3.0 + 0.2 * rng.standard_normal(30)
+    cand = base + 4e-4 + 7.8e-4 * rng.standard_normal(30)
+    rep = base + 8e-4 * rng.standard_normal(30)
+
+    def with_norms(values, name):
+        r = run(np.linspace(5.0, 4.0, 30), name)
+        r.scalars["grad_norm"] = make_series(steps, values, "grad_norm")
+        return r
+
+    runs = (with_norms(base, "b"), with_norms(cand, "c"), [with_norms(rep, "r")])
+    at16 = compare_scalars(*runs, precision="float16").stages["grad_norm"]
+    at32 = compare_scalars(*runs, precision="float32").stages["grad_norm"]
+    assert at32.details["mean_delta_over_spread"] > 0.5
+    assert at32.verdict == "warn" and any(f.metric == "mean_delta_over_spread" for f in at32.findings)
+    assert at16.verdict == "pass" and at16.details["bias_precision_noise"] > abs(at16.details["mean_delta"])
+    # the loss keeps float32's floor whatever the precision: a real loss bias still shows
+    assert compare_scalars(*runs, precision="float16").stages["long_run"].details["band_floor"] < 1e-5

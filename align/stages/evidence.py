@@ -222,7 +222,7 @@ class Evidence:
 
     @cached_property
     def scalars(self) -> ScalarComparison:
-        return compare_scalars(self.baseline, self.candidate, self.repeats, self.options.scalar)
+        return compare_scalars(self.baseline, self.candidate, self.repeats, self.options.scalar, self.dtype[0])
 
     def transform_params(self) -> Any:
         """Heads and query groups for fused-QKV transforms, and the routed experts for stacked-expert ones,
