@@ -73,3 +73,15 @@ def test_a_bad_mapping_is_refused_even_where_no_stage_needs_one(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and str(bad) in err[0], err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_demo_without_its_frameworks_names_the_extra(tmp_path, monkeypatch, capsys) -> None:
+    """The demo's runs start in their own processes: a missing framework is named before any starts."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mindspore" else real(name, *a))
+    rc = main(["demo", "--out", str(tmp_path / "d"), "--steps", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "pip install 'xf-align[mindspore]'" in err[0], err
+    assert not (tmp_path / "d").exists()

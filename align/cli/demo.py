@@ -26,6 +26,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare the bundled example logs instead (no framework needed)")
 
 
+# what the paired runs import (in their own processes, so a missing one would surface there as a traceback)
+FRAMEWORKS = ("torch", "megatron.core", "mindspore", "mindformers")
+
+
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
     from demo.pair import run_demo
+    if not args.example_logs:
+        for name in FRAMEWORKS:
+            top = name.split(".")[0]
+            if importlib.util.find_spec(top) is None or importlib.util.find_spec(name) is None:
+                raise ModuleNotFoundError(f"No module named '{name}'", name=name)
     return run_demo(args)
