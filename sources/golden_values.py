@@ -10,7 +10,6 @@ A pair of these files compares like two logs (``align report a.json b.json``).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -21,44 +20,13 @@ import numpy as np
 from core.errors import BadInput
 from runstore.run import Run, make_series
 from sources import Source
+from sources.jsontext import Huge as _Huge
+from sources.jsontext import load_json
 from sources.tensorboard import scalar_key
 
 FIELDS = ("start_step", "end_step", "step_interval", "values")
 _STEP_KEY = re.compile(r"[0-9]{1,16}")     # ASCII digits only: int() also reads '1_0' as 10 and '١' as 1
 _FLOAT_TEXT = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)", re.I)
-
-
-class _Huge(str):
-    """A JSON number beyond the float range (1e400, a 400-digit integer), kept as its text: no value."""
-
-
-def _parse_float(text: str) -> float | _Huge:
-    v = float(text)
-    return _Huge(text) if math.isinf(v) else v
-
-
-def _parse_int(text: str) -> int | _Huge:
-    # Python refuses int() of more than 4300 digits (ValueError); a float holds at most ~309
-    return _Huge(text) if len(text) > 310 else int(text)
-
-
-def load_json(path: Path, what: str = "JSON") -> Any:
-    """A JSON file, or a one-line BadInput naming it (not UTF-8, garbled, nested too deeply); numbers beyond
-    the float range are kept as ``_Huge`` text (no number), never read as inf."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise BadInput(f"{path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
-    try:
-        return json.loads(text, parse_float=_parse_float, parse_int=_parse_int)
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"{path}: garbled {what} at line {exc.lineno} ({exc.msg})") from None
-    except RecursionError:
-        raise BadInput(f"{path}: {what} nested too deeply to be a real file") from None
-    except ValueError as exc:   # (a JSONDecodeError is a ValueError too: caught above)
-        raise BadInput(f"{path}: unreadable {what} ({str(exc)[:60]})") from None
 
 
 def looks_like_golden_values(head: bytes) -> bool:
