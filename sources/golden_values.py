@@ -79,7 +79,7 @@ def _metric_points(path: Path, metric: str, entry: dict[str, Any]
             return plain
         steps, vals = [], []
         for k, v in values.items():
-            if not _STEP_KEY.fullmatch(k.strip(" ")):
+            if not _STEP_KEY.fullmatch(k):
                 raise BadInput(f"{path}: metric {metric!r}: step key {k[:30]!r} is not an integer "
                                "(ASCII digits only)")
             step = int(k)
