@@ -10,7 +10,8 @@ A pair of these files compares like two logs (``align report a.json b.json``).
 
 from __future__ import annotations
 
-import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,13 @@ import numpy as np
 from core.errors import BadInput
 from runstore.run import Run, make_series
 from sources import Source
+from sources.jsontext import Huge as _Huge
+from sources.jsontext import load_json
 from sources.tensorboard import scalar_key
 
 FIELDS = ("start_step", "end_step", "step_interval", "values")
+_STEP_KEY = re.compile(r"[0-9]{1,16}")     # ASCII digits only: int() also reads '1_0' as 10 and '١' as 1
+_FLOAT_TEXT = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)", re.I)
 
 
 def looks_like_golden_values(head: bytes) -> bool:
@@ -30,6 +35,8 @@ def looks_like_golden_values(head: bytes) -> bool:
 
 
 def _number(path: Path, metric: str, step: Any, v: Any) -> float:
+    if isinstance(v, _Huge):
+        raise BadInput(f"{path}: metric {metric!r} step {step}: value {v[:20]}... is beyond the float range")
     if isinstance(v, bool) or v is None:
         raise BadInput(f"{path}: metric {metric!r} step {step}: value {v!r} is not a number")
     if isinstance(v, (int, float)):
@@ -38,11 +45,11 @@ def _number(path: Path, metric: str, step: Any, v: Any) -> float:
         except OverflowError:   # an integer beyond the float range (issue 14)
             raise BadInput(f"{path}: metric {metric!r} step {step}: value {str(v)[:20]}... is beyond the float "
                            "range") from None
-    if isinstance(v, str):
-        try:
-            return float(v)     # "nan", "inf" (what Megatron writes for a NaN step)
-        except ValueError:
-            pass
+    if isinstance(v, str) and _FLOAT_TEXT.fullmatch(v.strip(" ")):   # "nan", "inf" (Megatron's NaN step)
+        value = float(v)
+        if not math.isinf(value) or "inf" in v.lower():
+            return value
+        raise BadInput(f"{path}: metric {metric!r} step {step}: value {v[:20]!r} is beyond the float range")
     raise BadInput(f"{path}: metric {metric!r} step {step}: value {v!r} is not a number")
 
 
@@ -51,7 +58,7 @@ def _plain_points(values: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | Non
     all floats or ints (no bool, None or string). None sends the caller to the value-by-value reader,
     which names what is wrong."""
     vals = list(values.values())
-    if not set(map(type, vals)) <= {float, int}:
+    if not set(map(type, vals)) <= {float, int} or not all(map(_STEP_KEY.fullmatch, values)):
         return None
     try:
         steps = np.fromiter(map(int, values), dtype=np.int64, count=len(vals))
@@ -72,10 +79,10 @@ def _metric_points(path: Path, metric: str, entry: dict[str, Any]
             return plain
         steps, vals = [], []
         for k, v in values.items():
-            try:
-                step = int(k)
-            except (TypeError, ValueError):
-                raise BadInput(f"{path}: metric {metric!r}: step key {k!r} is not an integer") from None
+            if not _STEP_KEY.fullmatch(k):
+                raise BadInput(f"{path}: metric {metric!r}: step key {k[:30]!r} is not an integer "
+                               "(ASCII digits only)")
+            step = int(k)
             if not 0 <= step < 1 << 53:   # issue 14: no step index holds it
                 raise BadInput(f"{path}: metric {metric!r}: step key {k[:30]!r} is out of range")
             steps.append(step)
@@ -96,12 +103,7 @@ def _metric_points(path: Path, metric: str, entry: dict[str, Any]
 def read_golden_values(path: str | Path) -> Run:
     """Read one golden-values JSON file as a Run (scalar keys as for TensorBoard: ``lm loss`` -> loss)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise BadInput(f"{path}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"{path}: garbled JSON at line {exc.lineno} ({exc.msg})") from None
+    data = load_json(path)
     if not isinstance(data, dict):
         raise BadInput(f"{path}: golden values must be a JSON object of metrics, got {type(data).__name__}")
     series, notes, skipped = {}, [], []

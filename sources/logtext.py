@@ -42,9 +42,10 @@ def looks_binary(head: bytes) -> bool:
     return False
 
 
-def read_log(path: str | Path) -> tuple[bytes, list[str]]:
+def read_log(path: str | Path, keep_nul: bool = False) -> tuple[bytes, list[str]]:
     """Read a log file, refusing what is not text (one-line BadInput naming the file), with notes on what
-    was removed (NUL bytes a crash or a copy left in the text)."""
+    was removed (NUL bytes a crash or a copy left in the text). ``keep_nul``: leave NUL bytes in place (the
+    caller decides which are harmless: a NUL inside a step number must not leave a shorter number)."""
     p = Path(path)
     data = read_bytes(p, "log file")
     if not data[:4096].strip() and data.isspace() or not data:   # (strip() would copy a large file)
@@ -52,7 +53,7 @@ def read_log(path: str | Path) -> tuple[bytes, list[str]]:
     if looks_binary(data[:65536]):
         raise BadInput(f"{p}: binary file (NUL or non-UTF-8 bytes), not a training log")
     notes = []
-    if b"\x00" in data:
+    if b"\x00" in data and not keep_nul:
         n = data.count(b"\x00")
         data = data.replace(b"\x00", b"")
         notes.append(f"removed {n} NUL byte(s) from the text")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import io
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -64,17 +65,62 @@ FIELDS = {
 #: Labels whose unit, when it is seconds, is converted to the milliseconds the key promises.
 _SECONDS = {"s", "sec", "secs", "second", "seconds"}
 
-_RECORD = re.compile(rb"iteration:?(\s*\d+\s*/\s*\d+\s*\|[^\n]*)")
-_RECORD_START = re.compile(r"iteration:?\s*\d+\s*/\s*\d+\s*\|")
+# a control byte next to a digit makes the number unreadable (it may stand for a digit): never a shorter number
+_CTL = rb"\x00-\x08\x0b\x0c\x0e-\x1f\x7f"
+_DIGITS = rb"(?<![" + _CTL + rb"])\d+(?![" + _CTL + rb"])"
+_RECORD = re.compile(rb"iteration:?(\s*" + _DIGITS + rb"\s*/\s*" + _DIGITS + rb"\s*\|[^\n]*)")
+_RECORD_START = re.compile(r"iteration:?\s*[0-9]+\s*/\s*[0-9]+\s*\|")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")   # in a value: unreadable, not stripped
+_FLOAT_TEXT = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)", re.I)
+_NUL_HEAD = re.compile(rb"iteration:?[\x00 \t]*[0-9\x00]+(?:[\x00 \t]*/[\x00 \t]*[0-9\x00]+)?")
+_NUL_BY_DIGIT = re.compile(rb"(?<=[0-9])\x00+|\x00+(?=[0-9])")
 _VALID = re.compile(rb"validation loss at ([^|\n]*?)\|([^\n]*)")
 _ARGS_START = b"------------------------ arguments ------------------------"
 _ARGS_END = b"-------------------- end of arguments ---------------------"
-_NUM = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)", re.I)
+_NUM = re.compile(r"[-+]?(?:nan|inf(?:inity)?|(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)", re.I)
 _UNIT = re.compile(r"\(([^()]*)\)\s*$")
 _NAME_OF = re.compile(rb"\|\s*([^|:]*?)\s*:")
 _CONTINUES = re.compile(r"^\s*[A-Za-z][^|\[\]]*?:\s*[^|]*\|")
 _CONTINUED = re.compile(rb"\n[ \t]*[A-Za-z][^|\[\]\n:]*:[^|\n]*\|")
 _BISECT_MIN = 64   # bulk reads bisect a failing block down to this many records, then read field by field
+
+
+def _strict_float(text: str) -> float | None:
+    """The number ``text`` (already stripped) writes, or None: ASCII digits only (Python's float() also reads
+    '1_0' as 10 and Arabic-Indic digits), and a finite literal beyond the float range is no number (not inf)."""
+    if _FLOAT_TEXT.fullmatch(text) is None:
+        return None
+    value = float(text)
+    if math.isinf(value) and "inf" not in text.lower():
+        return None
+    return value
+
+
+def _drop_nul(data: bytes, notes: list[str]) -> bytes:
+    """NUL bytes out of the text (a crash or a copy left them), noted; a NUL run next to a digit of an
+    ``iteration N/ M`` head becomes '?' instead, so the head reads as unreadable, never as a shorter number
+    (``iteration 26\\x00/`` may be a garbled 264)."""
+    if b"\x00" not in data:
+        return data
+    garbled = 0
+
+    def mark(m: re.Match[bytes]) -> bytes:
+        nonlocal garbled
+        if b"\x00" not in m.group(0):
+            return m.group(0)
+        out, k = _NUL_BY_DIGIT.subn(b"?", m.group(0))
+        garbled += k > 0
+        return out
+
+    data = _NUL_HEAD.sub(mark, data)
+    if garbled:
+        notes.append(f"{garbled} iteration number(s) hold a NUL byte next to a digit: those records are not read "
+                     "(the NUL may stand for a digit)")
+    n = data.count(b"\x00")
+    if n:
+        data = data.replace(b"\x00", b"")
+        notes.append(f"removed {n} NUL byte(s) from the text")
+    return data
 
 
 def _label(name: str) -> str:
@@ -97,7 +143,7 @@ def _fields(rest: bytes) -> tuple[list[tuple[str, str]], bool]:
     for p in complete:
         name, sep, value = p.partition(":")
         if sep and name.strip():
-            out.append((name.strip(), value.strip()))
+            out.append((name.strip(), value if _CONTROL.search(value) else value.strip()))
     cut = bool(parts[-1].strip())
     return out, cut
 
@@ -142,7 +188,10 @@ def _split_value(text: str) -> tuple[list[float], str] | None:
         m = _NUM.match(t, pos)
         if not m:
             return None if not nums else (nums, t[pos - 1:])
-        nums.append(float(m.group(0)))
+        v = _strict_float(m.group(0))
+        if v is None:
+            return None     # a literal beyond the float range
+        nums.append(v)
         pos = m.end()
         if pos < len(t) and t[pos] == "/" and _NUM.match(t, pos + 1):
             pos += 1
@@ -188,11 +237,11 @@ def _seconds_key(name: str, unit: str) -> str | None:
 def _read_field(name: str, text: str, out: dict[str, float], issues: _Issues, it: int, depth: int = 0) -> None:
     """One ``name: value`` field into ``out``; an unreadable value is noted and skipped."""
     unit = _UNIT.search(name)
-    try:
-        value = float(text)
-    except ValueError:
-        pass
-    else:
+    if _CONTROL.search(text):   # a control byte in or next to the number: it may stand for a digit
+        issues.add("unreadable", " ".join(name.split()), it, text.strip())
+        return
+    value = _strict_float(text)
+    if value is not None:
         sec = _seconds_key(name, unit.group(1)) if unit else None
         if sec is None:
             out[_key(name)] = value
@@ -226,7 +275,7 @@ def _parse_record(rec: bytes, issues: _Issues, at_eof: bool) -> tuple[int, dict[
     for p in parts[:-1]:
         name, sep, value = p.partition(":")
         if sep and name.strip():
-            _read_field(name.strip(), value.strip(), values, issues, it)
+            _read_field(name.strip(), value if _CONTROL.search(value) else value.strip(), values, issues, it)
     tail = parts[-1].strip()
     if tail:
         if at_eof:
@@ -241,7 +290,7 @@ def _parse_record(rec: bytes, issues: _Issues, at_eof: bool) -> tuple[int, dict[
                 if got is None or not got[1][:1].isspace() and got[1]:
                     issues.add("cut", "", it, tail)
                 else:
-                    _read_field(name.strip(), value.strip(), values, issues, it)
+                    _read_field(name.strip(), value if _CONTROL.search(value) else value.strip(), values, issues, it)
     return it, values
 
 
@@ -270,8 +319,8 @@ def _bulk(records: list[bytes], names: list[str]) -> tuple[np.ndarray, dict[str,
     if not table.endswith(b"|"):
         return None
     values = _read_numbers(table, ncols, usecols)
-    if values is None or len(values) != n:
-        return None
+    if values is None or len(values) != n or np.isinf(values).any():
+        return None   # (an inf may be a literal beyond the float range: the per-record path tells them apart)
     cols: dict[str, np.ndarray] = {}
     for j, name in enumerate(names):
         unit = _UNIT.search(name)
@@ -331,7 +380,8 @@ def _bulk_masked(records: list[bytes], names: list[str]
         return None
     if got.num_rows != len(records):
         return None
-    texts = [pc.utf8_trim_whitespace(got.column(colnames[i])) for i in usecols]
+    # blanks only: Unicode whitespace trimming would drop a control byte next to a number
+    texts = [pc.utf8_trim(got.column(colnames[i]), " \t") for i in usecols]
     ok = np.ones(len(records), dtype=bool)
     for t in texts:
         ok &= pc.match_substring_regex(t, _NUMBER_RE2).to_numpy(zero_copy_only=False)
@@ -341,6 +391,8 @@ def _bulk_masked(records: list[bytes], names: list[str]
     picked = pa.array(idx)
     values = [pc.cast(pc.take(t, picked), pa.float64()).to_numpy() for t in texts]
     good = _good_steps(values[0])
+    for v in values[1:]:   # inf from a finite literal (1e400) is no value: the per-record path notes it
+        good &= ~np.isinf(v)
     if not good.all():   # unusable iteration numbers go to the per-record path, which notes them
         ok[idx[~good]] = False
         values = [v[good] for v in values]
@@ -364,11 +416,7 @@ def _template(records: list[bytes]) -> list[str] | None:
 
 
 def _is_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    return _strict_float(text) is not None
 
 
 def _fast_columns(records: list[bytes]) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
@@ -416,7 +464,8 @@ def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool 
         if pc.max(pc.utf8_length(pc.utf8_trim_whitespace(got.column(names[-1])))).as_py():
             return None
         return np.column_stack([got.column(c).to_numpy() for c in keep])
-    if table.count(b"|\n") + table.count(b"| \n") != table.count(b"\n") or not table.rstrip().endswith(b"|") \
+    if re.search(b"[" + _CTL + b"]", table) or \
+            table.count(b"|\n") + table.count(b"| \n") != table.count(b"\n") or not table.rstrip().endswith(b"|") \
             or table.count(b"|") != (table.count(b"\n") + 1) * (ncols - 1):   # pandas pads short rows silently
         return None
     try:
@@ -430,8 +479,8 @@ def _read_numbers(table: bytes, ncols: int, usecols: list[int], use_arrow: bool 
 
 def parse_megatron_log(path: str | Path) -> Run:
     """Parse one Megatron-LM log file into a Run (BadInput when it holds no iteration lines)."""
-    data, notes = read_log(path)
-    raw = clean_text(data)
+    data, notes = read_log(path, keep_nul=True)
+    raw = clean_text(_drop_nul(data, notes))
     canon = _read_canonical(raw)
     if canon is not None:   # every record in the first one's layout: read in bulk (same result, faster)
         iters = canon.iters
@@ -619,8 +668,10 @@ def _validation(raw: bytes, series: dict[str, pd.Series], notes: list[str]) -> N
         return
     bad: list[str] = []
     for where, rest in _VALID.findall(raw):
-        m = re.search(rb"iteration\s+(\d+)", where)
+        m = re.search(rb"iteration\s+(\d+)(?![^ \t])", where)
         if not m:
+            if b"iteration" in where:   # a step number with something glued to it (a control byte)
+                bad.append(where.strip()[:30].decode("utf-8", "replace"))
             continue
         step = int(m.group(1))
         if step >= 1 << 53:
@@ -631,9 +682,8 @@ def _validation(raw: bytes, series: dict[str, pd.Series], notes: list[str]) -> N
         for key, label in (("val_loss", "lm loss value"), ("val_ppl", "lm loss PPL")):
             if label not in d:
                 continue
-            try:
-                value = float(d[label])
-            except ValueError:
+            value = _strict_float(d[label].strip())
+            if value is None or _CONTROL.search(d[label]):
                 bad.append(f"iteration {step} {label} {d[label][:20]!r}")
                 continue
             cols[key][0].append(step)
@@ -660,8 +710,7 @@ SOURCE = Source("megatron_log", 40, _is_megatron_log, parse_megatron_log,
 _TO_PIPE = bytes.maketrans(b":", b"|")
 _RECORD_TAIL = re.compile(rb"iteration:?\s*(?:\d+\s*(?:/\s*(?:\d+\s*)?)?)?$")   # a record a newline may split
 _CONTINUES_B = re.compile(rb"^\s*[A-Za-z][^|\[\]]*?:\s*[^|]*\|")
-_WS = "[ \t\n\r\f\v]"                      # Python's bytes \s (RE2's \s lacks \v)
-_HEAD = f"iteration{_WS}*(?P<n>\\d{{1,15}}){_WS}*/{_WS}*(?P<m>\\d+){_WS}*$"
+_HEAD = "iteration[ \t]*(?P<n>\\d{1,15})[ \t]*/[ \t]*(?P<m>\\d+)[ \t]*$"   # blanks only (no \v\f at a digit)
 _HEAD_B = re.compile(_HEAD.encode())
 _COUNTED = ("Traceback (most recent call last)", "validation loss at")   # what the careful path counts
 
@@ -734,16 +783,21 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     # as it did before this path existed)
     raw_pipes = n * (prefix.count(b"|") + len(names) + 1) + sum(o.count(b"|") for o in others)
     cols: dict[str, np.ndarray] = {}
+    n_inf = 0
     for c, name in zip(value_cols, names, strict=True):
         unit = _UNIT.search(name)
         sec = _seconds_key(name, unit.group(1)) if unit else None
         v = col(colnames[c]).to_numpy()
+        n_inf += int(np.isinf(v).sum())
         cols[sec or _key(name)] = v * 1000.0 if sec else v if v.flags.writeable else v.copy()
+    if n_inf and n_inf != sum(raw.count(w) - sum(o.count(w) for o in others) for w in _INF_TEXT):
+        return None   # an inf read from a finite literal beyond the float range (1e400): the careful path notes it
     n_loss = n * sum(1 for name in names if name.endswith("lm loss")) + sum(o.count(b"lm loss:") for o in others)
     return _Canonical(iters, cols, total if total < 1 << 53 else None, b"\n".join(others),
                       raw_pipes == n * (len(cols) + 1), n_loss, n)
 
 
+_INF_TEXT = (b"inf |", b"Inf |", b"INF |")   # how Python prints an inf value before its '|' ('-inf' too)
 _FIELD_START = np.zeros(256, dtype=bool)
 _FIELD_START[list(b" \tABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")] = True
 
@@ -783,10 +837,13 @@ def _fixed_width_numbers(heads: Any, width: int, start: int, slash: int) -> np.n
     if not (rows[:, start: start + 9] == np.frombuffer(b"iteration", dtype=np.uint8)).all() or \
             not (rows[:, slash] == ord("/")).all():
         return None
+    n_block = rows[:, start + 9: slash]
+    if ((n_block == 11) | (n_block == 12)).any():   # \v \f next to a digit: the careful path leaves it unread
+        return None
     total = rows[:, slash + 1:]
     if not (total == total[-1]).all() and digit_run(total) is None:   # M: the same on every line, usually
         return None
-    return digit_run(rows[:, start + 9: slash])
+    return digit_run(n_block)
 
 
 def _line_end(raw: bytes, pos: int) -> int:

@@ -24,7 +24,6 @@ msprobe counts steps from 0: ``step<N>`` is step N + 1 here, as Megatron's itera
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from core.errors import BadInput
 from sources import Source
+from sources.jsontext import load_json
 
 if TYPE_CHECKING:
     from runstore.run import Run
@@ -120,15 +120,7 @@ class MsprobeDump:
         """Rows in execution order, each with ``ref`` (the tensor file, or None in statistics mode)."""
         folder = self.folder(step, rank)
         path = folder / DUMP_JSON
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
-        except json.JSONDecodeError as exc:
-            raise BadInput(f"{path}: garbled JSON at line {exc.lineno} ({exc.msg})") from None
-        data = doc.get("data") if isinstance(doc, dict) else None
-        if not isinstance(data, dict):
-            raise BadInput(f"{path}: no 'data' object (not an msprobe dump.json)")
+        data = dump_data(path)
         rows: list[dict[str, Any]] = []
         any_file = False
         for key, entry in data.items():
@@ -159,6 +151,36 @@ class MsprobeDump:
                                  "nan": int(math.isnan(mx) or math.isnan(mn)),
                                  "inf": int(math.isinf(mx) or math.isinf(mn)), "ref": ref, "key": key})
         return rows, any_file
+
+
+def dump_data(path: Path) -> dict[str, Any]:
+    """The ``data`` object of one dump.json; a one-line BadInput naming the file when it is truncated,
+    garbled, nested too deeply or has no ``data`` object."""
+    doc = load_json(path, "JSON")
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, dict):
+        raise BadInput(f"{path}: no 'data' object (not an msprobe dump.json)")
+    return data
+
+
+def check_dumps(d: MsprobeDump) -> list[str]:
+    """Read every dump.json of the dump (``align import`` reads none of the tensors): BadInput for the first
+    one that is not a dump.json, a note for each step / rank whose dump.json holds no tensor entry, and
+    BadInput when none holds one (an import must not show a dump of 0 tensors as if it were read)."""
+    empty: list[str] = []
+    total = 0
+    for step, ranks in sorted(d.folders.items()):
+        for _, folder in sorted(ranks.items()):
+            data = dump_data(folder / DUMP_JSON)
+            n = sum(1 for k, v in data.items() if isinstance(v, dict) and split_key(k) is not None)
+            total += n
+            if not n:
+                empty.append(f"step{step - 1}/{folder.name}")
+    if not total:
+        raise BadInput(f"{d.root}: no msprobe dump.json holds a module or API entry (empty 'data')")
+    if empty:
+        return [f"{len(empty)} dump.json file(s) hold no module or API entry ({', '.join(empty[:3])})"]
+    return []
 
 
 def find_dump_folders(root: Path) -> dict[int, dict[int, Path]]:
@@ -225,11 +247,12 @@ def read_msprobe(path: str | Path) -> Run:
     from runstore.run import Run  # pandas: only when a Run is built, not for the tensor compare
 
     d = open_msprobe(path)
+    checked = check_dumps(d)
     fw = {"pytorch": "torch", "mindspore": "mindspore"}.get(d.framework, d.framework)
     meta = {"framework": fw, "source": {"kind": "msprobe", "path": str(path), "task": d.task, "level": d.level},
             "name_scheme": "msprobe", "msprobe": {"steps": d.array_steps(),
                                                   "ranks": sorted({r for v in d.folders.values() for r in v})}}
-    notes = [f"msprobe {d.framework} dump ({d.task}, {d.level}): layer tensors only, no loss curve"]
+    notes = [f"msprobe {d.framework} dump ({d.task}, {d.level}): layer tensors only, no loss curve", *checked]
     return Run(str(path), "msprobe", meta, {}, {}, notes)
 
 

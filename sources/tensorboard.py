@@ -8,11 +8,18 @@ MindFormers' ``loss`` tag is lm + load-balancing + MTP loss; next to an ``lm-los
 MindFormers' TrainingStateMonitor writes named local norms as ``local_norm/<parameter>`` tags; they become
 the run's per-step local-norm tables. Reading uses TensorBoard's own event reader (the optional ``tensorboard``
 extra): the log-only path keeps needing nothing more than numpy, pandas, matplotlib and h5py.
+
+Records are framed here, not by TensorBoard's loader (which stops at the first record that fails its
+checksum and drops every later step without a word): each record is ``length (8 bytes) | masked CRC32C of
+the length | data | masked CRC32C of the data``; past a bad record the reader scans forward to the next
+offset whose length checksum and data checksum both verify, reads on, and notes what it skipped.
 """
 
 from __future__ import annotations
 
 import re
+import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +60,78 @@ def scalar_key(tag: str) -> str:
     return TAGS.get(tag, re.sub(r"[^0-9a-zA-Z]+", "_", tag).strip("_").lower())
 
 
+def frame_records(data: bytes, crc: Callable[[bytes], int]) -> tuple[list[bytes], int, int, bool]:
+    """The records of one event file whose length and data checksums verify: (records, damaged regions
+    skipped, bytes skipped, whether the file ends inside a record). ``crc`` is the masked CRC32C."""
+    out: list[bytes] = []
+    n, pos, regions, skipped = len(data), 0, 0, 0
+
+    def record_at(p: int) -> int:
+        """The end of a verified record at ``p``, or -1."""
+        if p + 12 > n or crc(data[p: p + 8]) != struct.unpack_from("<I", data, p + 8)[0]:
+            return -1
+        length = struct.unpack_from("<Q", data, p)[0]
+        end = p + 12 + length + 4
+        if end > n or crc(data[p + 12: end - 4]) != struct.unpack_from("<I", data, end - 4)[0]:
+            return -1
+        return end
+
+    while pos < n:
+        end = record_at(pos)
+        if end >= 0:
+            out.append(data[pos + 12: end - 4])
+            pos = end
+            continue
+        # a bad record: the next one starts where a length (< 4 GiB: four zero high bytes) and both checksums verify
+        p = pos + 1
+        while True:
+            z = data.find(b"\x00\x00\x00\x00", p + 4)
+            if z < 0 or z - 4 + 12 > n:
+                p = n
+                break
+            p = z - 4
+            if record_at(p) >= 0:
+                break
+            p += 1
+        if p >= n and (n - pos < 12 or crc(data[pos: pos + 8]) == struct.unpack_from("<I", data, pos + 8)[0]
+                       and pos + 12 + struct.unpack_from("<Q", data, pos)[0] + 4 > n):
+            return out, regions, skipped, True     # the file ends inside its last record (still being written)
+        regions += 1
+        skipped += p - pos
+        pos = p
+    return out, regions, skipped, False
+
+
+def _events(f: Path, notes: list[str]) -> list:
+    """The events of one file, past damaged records (noted)."""
+    from google.protobuf.message import DecodeError  # noqa: PLC0415
+    from tensorboard.compat.proto import event_pb2  # noqa: PLC0415
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c  # noqa: PLC0415
+
+    try:
+        data = f.read_bytes()
+    except OSError as exc:
+        raise BadInput(f"{f}: unreadable ({exc.__class__.__name__})") from None
+    records, regions, skipped, cut = frame_records(data, masked_crc32c)
+    events, bad = [], 0
+    for rec in records:
+        try:
+            events.append(event_pb2.Event.FromString(rec))
+        except (DecodeError, RuntimeError, ValueError):
+            bad += 1
+    if data and not records:
+        raise BadInput(f"{f}: corrupt TensorBoard event file (no record passes its checksum)")
+    if regions:
+        notes.append(f"{f.name}: skipped {regions} damaged region(s) ({skipped} bytes, at least {regions} "
+                     "record(s) that fail their checksum); the records after them were read")
+    if cut:
+        notes.append(f"{f.name}: the file ends inside a record (cut short, or still being written); "
+                     "read the complete ones")
+    if bad:
+        notes.append(f"{f.name}: {bad} record(s) pass their checksum but are no TensorBoard event; skipped")
+    return events
+
+
 def read_tensorboard(path: str | Path) -> Run:
     path = Path(path)
     files = event_files(path)
@@ -72,10 +151,11 @@ def read_tensorboard(path: str | Path) -> Run:
     scalars: list[tuple[str, list]] = []
     for f in files:
         acc = EventAccumulator(str(f), size_guidance={SCALARS: 0})
-        try:
-            acc.Reload()
-        except Exception as exc:  # the reader raises several types for a corrupt record
-            raise BadInput(f"{f}: corrupt TensorBoard event file ({exc.__class__.__name__})") from None
+        for event in _events(f, notes):
+            try:   # what acc.Reload() does with each event its loader yields (restarts purged the same way)
+                acc._ProcessEvent(event)  # noqa: SLF001
+            except Exception as exc:  # a record that verifies but holds a malformed summary
+                raise BadInput(f"{f}: corrupt TensorBoard event ({exc.__class__.__name__})") from None
         for tag in acc.Tags().get("scalars", []):
             if " vs " in tag:
                 continue

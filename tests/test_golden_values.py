@@ -79,3 +79,36 @@ def test_golden_pair_reports_like_two_logs(tmp_path):
     s = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert code == 1 and s["stages"]["long_run"]["divergence_step"] == 61
     assert s["stages"]["step1_loss"]["verdict"] == "pass"
+
+
+# --- issue 24: a step key or a value that is not what it says is refused, never reshaped -----------------------
+
+def _one(values: str) -> str:
+    return '{"lm loss": {"start_step": 1, "end_step": 9, "step_interval": 1, "values": ' + values + '}}'
+
+
+@pytest.mark.parametrize("body,why", [
+    (_one('{"1_0": 1.0}'), "not an integer"),           # int() read it as step 10
+    (_one('{"\\u0661": 1.0}'), "not an integer"),        # Arabic-Indic one: int() read it as step 1
+    (_one('{"1": 1.0, "1_0": 2.0}'), "not an integer"),  # the fast path too
+    (_one('{"1": 1e400}'), "beyond the float range"),    # json.loads read it as inf
+    (_one('{"1": -1E+999}'), "beyond the float range"),
+    (_one('{"1": ' + "9" * 5000 + '}'), "beyond the float range"),   # int(): 4300-digit limit, a traceback
+    (_one('{"1": "1e400"}'), "beyond the float range"),
+    (_one('{"1": "1_0"}'), "not a number"),
+    ('[' * 100_000 + ']' * 100_000, "nested too deeply"),           # RecursionError, a traceback
+    (_one('[' * 50_000 + ']' * 50_000), "nested too deeply"),
+])
+def test_golden_values_strict_steps_and_numbers(tmp_path, body, why):
+    p = tmp_path / "g.json"
+    p.write_text(body)
+    with pytest.raises(BadInput) as err:
+        load_run(p, "golden_values")
+    assert str(p) in str(err.value) and why in str(err.value) and "\n" not in str(err.value)
+
+
+def test_golden_values_nan_and_inf_strings_still_read(tmp_path):
+    p = tmp_path / "g.json"
+    p.write_text(_one('{"1": "nan", "2": "inf", "3": 2.5, "4": NaN}'))
+    s = load_run(p, "golden_values").series("loss")
+    assert math.isnan(s[1]) and math.isinf(s[2]) and s[3] == 2.5 and math.isnan(s[4])

@@ -487,3 +487,65 @@ def test_to_pipes_and_originals_undo_each_other():
     assert originals(raw, [tr.split(b"\n")[0].decode()], table) == [lines[0]]
     assert originals(raw, ["not there"], table) is None
     assert originals(raw, [texts[1], texts[0]], table) is None     # out of order
+
+
+# --- issue 24: never silently wrong: a step number or a value that did not survive is unread and noted -------
+
+def _lines_with(n: int, k: int, old: bytes, new: bytes) -> bytes:
+    """``n`` records (loss = step) with record ``k``'s ``old`` replaced by ``new``."""
+    recs = [line(i, f"{float(i):.6E}").encode() for i in range(1, n + 1)]
+    assert old in recs[k - 1]
+    recs[k - 1] = recs[k - 1].replace(old, new, 1)
+    return b"\n".join(recs) + b"\n"
+
+
+@pytest.mark.parametrize("n", [5, 300])   # field by field, and the bulk readers
+@pytest.mark.parametrize("head", [b"iteration 26\x00/", b"iteration 2\x006/", b"iteration \x0026/",
+                                  b"iteration 26\x0c/", b"iteration \x0b26/", b"iteration 26\x01/",
+                                  b"iteration 26\x1f/"])
+def test_a_control_byte_in_the_step_number_leaves_that_record_unread(tmp_path, monkeypatch, n, head):
+    """Measured: 'iteration 26\\x00/' (a garbled 264) overwrote step 26. A control byte next to a digit may
+    stand for a digit: the record is not read (and noted), never read as a shorter number."""
+    p = tmp_path / "c.log"
+    p.write_bytes(_lines_with(n, 3, b"iteration        3/", head))
+    fast, careful = _both(monkeypatch, p)
+    _same(fast, careful)
+    loss = fast.series("loss").to_dict()
+    assert loss == {float(i): float(i) for i in range(1, n + 1) if i != 3}
+    assert any("head" in x or "NUL" in x for x in fast.notes)
+
+
+@pytest.mark.parametrize("n", [5, 300])
+@pytest.mark.parametrize("value", [b"6_923", "\u0666.5".encode(), b"6.9\x0123", b"6.923\x0b", b"\x0c6.923",
+                                   b"1e400", b"9" * 400, b"-1.0E+999"])
+def test_a_value_that_did_not_survive_is_unread_not_reshaped(tmp_path, monkeypatch, n, value):
+    """Python's float() reads '6_923' as 6923, Arabic-Indic digits, strips \\v \\f; 1e400 overflows to inf:
+    each is an unreadable value (noted), the step keeps its other fields; both paths agree."""
+    p = tmp_path / "v.log"
+    p.write_bytes(_lines_with(n, 3, b"lm loss: 3.000000E+00", b"lm loss: " + value))
+    fast, careful = _both(monkeypatch, p)
+    _same(fast, careful)
+    assert fast.series("loss").to_dict() == {float(i): float(i) for i in range(1, n + 1) if i != 3}
+    assert fast.series("grad_norm")[3] == 1.479
+    assert any("unreadable 'lm loss'" in x for x in fast.notes)
+
+
+def test_an_inf_printed_as_inf_is_still_read_in_bulk(tmp_path, monkeypatch):
+    p = tmp_path / "inf.log"
+    p.write_bytes(_lines_with(300, 7, b"grad norm: 1.479", b"grad norm: inf"))
+    import sources.megatron_log as ml
+    assert ml._read_canonical(p.read_bytes()) is not None
+    fast, careful = _both(monkeypatch, p)
+    _same(fast, careful)
+    assert math.isinf(fast.series("grad_norm")[7]) and fast.notes == []
+
+
+def test_a_control_byte_in_a_validation_step_or_value_is_not_read(tmp_path):
+    text = line(1) + "\n validation loss at iteration 2\x0c6 | lm loss value: 9.876543E+00 | lm loss PPL: 1.9E+04 |\n"
+    run = parse_megatron_log(write(tmp_path, text))
+    assert "val_loss" not in run.scalars and "val_ppl" not in run.scalars
+    assert any("1 validation value(s) not read (first: iteration 2" in x for x in run.notes)
+    text = line(1) + "\n validation loss at iteration 3 | lm loss value: 9_876 | lm loss PPL: 1.9E+04 |\n"
+    run = parse_megatron_log(write(tmp_path, text, "b.log"))
+    assert "val_loss" not in run.scalars and run.series("val_ppl").to_dict() == {3: 19000.0}
+    assert any("1 validation value(s) not read" in x for x in run.notes)

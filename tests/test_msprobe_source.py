@@ -151,3 +151,42 @@ def test_statistics_task_dumps_compare_by_statistics() -> None:
     assert res.details["first_departing_forward"]["module"] == PERTURBED
     assert not any(f.metric == "tensor_files_unread" for f in res.findings)
     assert not [r for r in res.details["rows"] if r["verdict"] == "fail"]
+
+
+# --- issue 24: `align import` reads every dump.json: a truncated one is one line, never 0 tensors silently ------
+
+STATS = DATA / "statistics" / "pt"
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda t: t[: len(t) // 2], "garbled JSON"),                       # truncated (a full disk, a killed job)
+    (lambda t: t.replace('"data"', '"dat\\u0000a"', 1)[:-3] + "}", "garbled JSON"),
+    (lambda t: '{"data": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    (lambda t: '{"task": "statistics", "data": []}', "no 'data' object"),
+    (lambda t: '{"task": "statistics", "data": {"Module.x.Linear.forward.0": ' + "1" * 5000 + "}}", "holds a module"),
+])
+def test_import_of_a_damaged_dump_json_is_one_line(tmp_path: Path, capsys, damage, why) -> None:
+    from align.cli import main
+
+    bad = tmp_path / "dump"
+    shutil.copytree(STATS, bad)
+    dump_json = next(bad.rglob("dump.json"))
+    dump_json.write_text(damage(dump_json.read_text()))
+    with pytest.raises(BadInput) as err:
+        load_run(bad)
+    assert why in str(err.value) and "\n" not in str(err.value)
+    assert (str(dump_json) if why != "holds a module" else str(bad)) in str(err.value)
+    capsys.readouterr()
+    assert main(["import", str(bad), "--out", str(tmp_path / "run")]) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and why in out.err
+
+
+def test_import_notes_a_rank_whose_dump_json_is_empty(tmp_path: Path) -> None:
+    d = tmp_path / "dump"
+    src = next(STATS.glob("step0/*"))
+    shutil.copytree(src, d / "step0" / "rank0")
+    shutil.copytree(src, d / "step0" / "rank1")
+    (d / "step0" / "rank1" / "dump.json").write_text('{"task": "statistics", "level": "L0", "data": {}}')
+    run = load_run(d)
+    assert any("1 dump.json file(s) hold no module or API entry (step0/rank1)" in n for n in run.notes)

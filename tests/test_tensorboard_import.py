@@ -93,3 +93,56 @@ def test_mindformers_tags_lm_loss_and_named_local_norms(tmp_path):
     table = run.local_norm_table(2)
     assert sorted(table.name) == sorted(names)
     assert dict(zip(table.name, table.norm, strict=True)) == pytest.approx({names[0]: 0.2, names[1]: 0.4})
+
+
+# --- issue 24: one damaged record no longer drops every later step without a word ------------------------------
+
+def _written(tmp_path, steps=50):
+    w = torch_tb.SummaryWriter(log_dir=str(tmp_path / "tb"))
+    for step in range(1, steps + 1):
+        w.add_scalar("lm loss", 10.0 - step * 0.01, step)
+        w.add_scalar("grad-norm", 1.0 + step, step)
+    w.close()
+    (f,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    return f
+
+
+def _offsets(data: bytes) -> list[int]:
+    import struct
+    out, pos = [], 0
+    while pos < len(data):
+        out.append(pos)
+        pos += 12 + struct.unpack_from("<Q", data, pos)[0] + 4
+    return out
+
+
+@pytest.mark.parametrize("where", ["data", "length", "length_crc", "data_crc"])
+def test_a_flipped_byte_skips_that_record_only_and_says_so(tmp_path, where):
+    """Measured: one flipped byte in a record dropped every later step (whose records still pass their
+    checksums), with no note. Now the reader resynchronises on the next verified record."""
+    f = _written(tmp_path)
+    data = bytearray(f.read_bytes())
+    offs = _offsets(bytes(data))
+    k = len(offs) // 2
+    at = offs[k] + {"data": 14, "length": 0, "length_crc": 9, "data_crc": offs[k + 1] - offs[k] - 2}[where]
+    data[at] ^= 0x10
+    f.write_bytes(bytes(data))
+    run = load_run(tmp_path / "tb")
+    loss, gn = run.series("loss").to_dict(), run.series("grad_norm").to_dict()
+    lost = {s for s in range(1, 51) if s not in loss} | {s for s in range(1, 51) if s not in gn}
+    assert len(lost) == 1 and max(loss) == max(gn) == 50          # one record, one scalar lost; later steps read
+    for s, v in loss.items():
+        assert v == pytest.approx(10.0 - s * 0.01)
+    for s, v in gn.items():
+        assert v == pytest.approx(1.0 + s)
+    assert any("skipped 1 damaged region" in n for n in run.notes)
+
+
+def test_an_event_file_cut_mid_record_keeps_the_complete_ones(tmp_path):
+    f = _written(tmp_path)
+    data = f.read_bytes()
+    offs = _offsets(data)
+    f.write_bytes(data[: offs[-3] + 7])
+    run = load_run(tmp_path / "tb")
+    assert any("ends inside a record" in n for n in run.notes)
+    assert all(v == pytest.approx(10.0 - s * 0.01) for s, v in run.series("loss").items())

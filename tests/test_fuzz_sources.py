@@ -1,0 +1,240 @@
+"""Issue 24 fuzz families for the readers of users' files: READ-RIGHT-OR-REFUSED.
+
+Each case damages a real-shaped input (seeded, bounded) and checks: every value that survived intact is read
+exactly; a value that did not survive is absent with a note, or the input is refused with a one-line
+BadInput; never a wrong value, never a traceback. ``pytest -s`` prints the outcome counts per family.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import struct
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from core.errors import BadInput
+from sources import load_run
+from sources.megatron_log import parse_megatron_log
+
+DATA = Path(__file__).resolve().parent / "data" / "msprobe" / "statistics" / "pt"
+CASES = 60
+
+
+def _outcome(fn, counts: Counter):
+    """Run a reader: the Run, or None when it refused with a one-line BadInput (any other error fails)."""
+    try:
+        run = fn()
+    except BadInput as exc:
+        assert "\n" not in str(exc)
+        counts["refused"] += 1
+        return None
+    counts["noted" if run.notes else "read"] += 1
+    return run
+
+
+def _report(family: str, counts: Counter) -> None:
+    print(f"\nfuzz {family}: {dict(sorted(counts.items()))}")
+
+
+# --- Megatron log lines: control bytes and huge numbers ----------------------------------------------------------
+
+REC = ("[2024-05-01 10:12:31] iteration {it:>8}/    1000 | consumed samples: {cs:>12} | elapsed time per iteration "
+       "(ms): 824.3 | learning rate: 8.956362E-05 | global batch size:    16 | lm loss: {loss} | loss scale: "
+       "4096.0 | grad norm: {gn} | num zeros: 430.0 | number of skipped iterations:   0 | number of nan "
+       "iterations:   0 |")
+CTL = [b"\x00", b"\x01", b"\x0b", b"\x0c", b"\x1b", b"\x1f", b"\x7f"]
+HUGE = [b"1e400", b"-1E+999", b"9" * 400, b"9" * 5000, b"1_0", "\u0661".encode(), b"6.9.2"]
+
+
+@pytest.mark.parametrize("n", [8, 200])   # field by field, and the bulk readers
+def test_megatron_lines_with_control_bytes_and_huge_numbers(tmp_path, n):
+    rng = random.Random(24 + n)
+    counts: Counter = Counter()
+    for case in range(CASES):
+        truth = {i: float(f"{rng.uniform(1, 10):.6E}") for i in range(1, n + 1)}
+        lines = [REC.format(it=i, cs=i * 16, loss=f"{truth[i]:.6E}", gn="1.479").encode() for i in truth]
+        k = rng.randrange(1, n + 1)
+        victim = lines[k - 1]
+        field = rng.choice([b"iteration", b"lm loss: ", b"consumed samples: "])
+        start = victim.index(field) + len(field)
+        while victim[start:start + 1] == b" ":
+            start += 1
+        end = start
+        while victim[end:end + 1] not in (b" ", b"/", b"|"):
+            end += 1
+        if rng.random() < 0.5:   # a control byte inserted in, before or after the number, or replacing a digit
+            pos = rng.randint(start, end)
+            ctl = rng.choice(CTL)
+            # (a NUL that replaced a digit of a value is a known gap: NULs in values are dropped, as
+            # test_a_few_nul_bytes_are_removed_and_noted requires; so NULs go into values inserted only)
+            replace = rng.random() < 0.5 and pos < end and (ctl != b"\x00" or field == b"iteration")
+            victim = victim[:pos] + ctl + victim[pos + replace:]
+        else:
+            victim = victim[:start] + rng.choice(HUGE) + victim[end:]
+        lines[k - 1] = victim
+        p = tmp_path / f"m{case}.log"
+        p.write_bytes(b"\n".join(lines) + b"\n")
+        run = _outcome(lambda p=p: parse_megatron_log(p), counts)
+        if run is None:
+            continue
+        loss = run.series("loss").to_dict()
+        for step, v in loss.items():   # every value read is the one written for that step
+            assert step in truth and v == truth[step], (victim, step, v)
+            if step == k and field == b"lm loss: " and v is not None and victim.count(b"\x00"):
+                assert any("NUL" in x for x in run.notes), victim   # a NUL dropped from the loss is said
+        cs = run.series("consumed_samples").to_dict()
+        assert all(v == s * 16 for s, v in cs.items()), victim
+        missing = set(truth) - set(loss)
+        assert missing <= {k}, (victim, missing)
+        if missing or (field == b"consumed samples: " and k not in cs):
+            assert run.notes, victim       # what was not read is said
+    _report(f"megatron_log[{n}]", counts)
+
+
+# --- golden values JSON ----------------------------------------------------------------------------------------
+
+GOLDEN_BAD_KEYS = ["1_0", "\u0661", "\uff11", "+1", "-1", " 1", "1.0", "1e3", "9" * 40, ""]
+GOLDEN_BAD_VALUES = ["1e400", "-1E+999", "9" * 400, "9" * 5000, '"1_0"', '"1e400"', "true", "null", '"x"', "[1]"]
+
+
+def test_golden_values(tmp_path):
+    rng = random.Random(2400)
+    counts: Counter = Counter()
+    for case in range(CASES):
+        truth = {s: round(rng.uniform(1, 10), 6) for s in range(1, 21)}
+        items = [f'"{s}": {v!r}' for s, v in truth.items()]
+        i = rng.randrange(len(items))
+        kind = rng.choice(["key", "value", "nest", "cut", "other_entry", "nan"])
+        if kind == "key":
+            items[i] = json.dumps(rng.choice(GOLDEN_BAD_KEYS)) + ": 1.0"
+        elif kind == "value":
+            items[i] = f'"{i + 1}": {rng.choice(GOLDEN_BAD_VALUES)}'
+        head = '{"lm loss": {"start_step": 1, "end_step": 20, "step_interval": 1, "values": {'
+        text = head + ", ".join(items) + "}}}"
+        if kind == "nest":
+            depth = rng.choice([50, 5000, 200_000])
+            text = text.replace('"values": {', '"values": {"x": ' + "[" * depth + "]" * depth + ", ", 1)
+        elif kind == "cut":
+            text = text[: rng.randrange(len(text))]
+        elif kind == "other_entry":   # an inference entry (not a curve), nested: skipped (noted) or too deep
+            depth = rng.choice([50, 200_000])
+            text = '{"generated_text": {"x": ' + "[" * depth + "]" * depth + "}, " + text[1:]
+        elif kind == "nan":
+            truth[i + 1] = math.nan
+            text = text.replace(items[i], f'"{i + 1}": "nan"')
+        p = tmp_path / f"g{case}.json"
+        p.write_text(text)
+        run = _outcome(lambda p=p: load_run(p, "golden_values"), counts)
+        if run is None:
+            continue
+        for step, v in run.series("loss").items():
+            assert step in truth and (v == truth[step] or math.isnan(v) and math.isnan(truth[step])), (step, v)
+    _report("golden_values", counts)
+
+
+# --- TensorBoard event files -----------------------------------------------------------------------------------
+
+def _offsets(data: bytes) -> list[int]:
+    out, pos = [], 0
+    while pos < len(data):
+        out.append(pos)
+        pos += 12 + struct.unpack_from("<Q", data, pos)[0] + 4
+    return out
+
+
+def test_tensorboard_event_files(tmp_path):
+    tb = pytest.importorskip("torch.utils.tensorboard")
+    src = tmp_path / "src"
+    w = tb.SummaryWriter(log_dir=str(src))
+    truth = {s: 10.0 - s * 0.0625 for s in range(1, 41)}   # exact in float32
+    for s, v in truth.items():
+        w.add_scalar("lm loss", v, s)
+    w.close()
+    (f,) = src.glob("events.out.tfevents.*")
+    clean = f.read_bytes()
+    offs = _offsets(clean)
+    rng = random.Random(2401)
+    counts: Counter = Counter()
+    for case in range(CASES):
+        data = bytearray(clean)
+        kind = rng.choice(["flip", "flips", "cut", "insert", "zero"])
+        if kind in ("flip", "flips"):
+            for _ in range(1 if kind == "flip" else rng.randint(2, 8)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif kind == "cut":
+            del data[rng.randrange(1, len(data)):]
+        elif kind == "insert":
+            at = rng.choice(offs[1:])
+            data[at:at] = rng.randbytes(rng.randint(1, 40))
+        else:
+            at = rng.randrange(len(data))
+            data[at: at + rng.randint(1, 30)] = bytes(min(30, len(data) - at))
+        d = tmp_path / f"tb{case}"
+        d.mkdir()
+        (d / f.name).write_bytes(bytes(data))
+        run = _outcome(lambda d=d: load_run(d, "tensorboard"), counts)
+        if run is None:
+            continue
+        loss = run.series("loss").to_dict() if "loss" in run.scalars else {}
+        for s, v in loss.items():
+            assert s in truth and v == truth[s], (kind, s, v)
+        if len(loss) < len(truth) and bytes(data) != clean:
+            assert run.notes, kind    # a lost step is said
+    _report("tensorboard", counts)
+
+
+# --- msprobe dump folders --------------------------------------------------------------------------------------
+
+def test_msprobe_dump_folders(tmp_path):
+    rng = random.Random(2402)
+    counts: Counter = Counter()
+    src = next(DATA.glob("step0/*"))
+    dump_text = (src / "dump.json").read_text()
+    for case in range(CASES):
+        d = tmp_path / f"d{case}"
+        shutil.copytree(DATA, d)
+        folder = next(d.glob("step0/*"))
+        target = folder / rng.choice(["dump.json", "dump.json", "construct.json"])
+        text = target.read_text()
+        kind = rng.choice(["cut", "flip", "nest", "huge", "empty_data"])
+        if kind == "cut":
+            text = text[: rng.randrange(len(text))]
+        elif kind == "flip":
+            b = bytearray(text.encode())
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            target.write_bytes(bytes(b))
+            text = None
+        elif kind == "nest":
+            depth = rng.choice([100, 200_000])
+            text = '{"data": ' + "[" * depth + "]" * depth + "}"
+        elif kind == "huge":
+            text = text.replace('"Max": ', '"Max": 1' + "0" * 5000 + " + 0 * ", 1).replace(" + 0 * ", ", \"x\": ", 1)
+        else:
+            text = '{"task": "statistics", "level": "L0", "data": {}}'
+        if text is not None:
+            target.write_text(text)
+        run = _outcome(lambda d=d: load_run(d, "msprobe"), counts)
+        if run is None:
+            continue
+        if target.name == "dump.json":   # read: the dump.json is a real one (its damage kept it valid JSON)
+            from sources.jsontext import load_json
+            doc = load_json(folder / "dump.json")
+            assert isinstance(doc, dict) and isinstance(doc.get("data"), dict) and doc["data"], kind
+        from sources.msprobe import open_msprobe
+        try:
+            rows, _ = open_msprobe(d).layer_rows(1)
+        except BadInput as exc:
+            assert "\n" not in str(exc)
+            continue
+        if target.name == "construct.json" or (folder / "dump.json").read_text() == dump_text:
+            ref, _ = open_msprobe(DATA).layer_rows(1)
+            assert [(r["module"], r["kind"], r["shape"]) for r in rows] == \
+                [(r["module"], r["kind"], r["shape"]) for r in ref]
+            for a, b in zip(rows, ref, strict=True):
+                assert all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in ("max", "min", "norm"))
+    _report("msprobe", counts)
