@@ -242,15 +242,9 @@ class _Npy:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(path, "rb") as fh:
-            try:
-                version = np.lib.format.read_magic(fh)
-                shape, fortran, dtype = np.lib.format._read_array_header(fh, version)  # noqa: SLF001
-            except (ValueError, OSError) as exc:
-                raise BadInput(f"{path}: not a valid .npy array ({exc})") from None
-            self.offset = fh.tell()
-        if dtype.hasobject:
-            raise BadInput(f"{path}: holds pickled objects; refusing to load (no pickle)")
+        from runstore.seed_layout import npy_header  # numpy's public header readers (numpy 1.x and 2.x)
+
+        shape, fortran, dtype, self.offset = npy_header(path)
         self.shape, self.fortran, self.dtype = tuple(shape), fortran, dtype
         self.size = int(np.prod(shape)) if shape else 1
 

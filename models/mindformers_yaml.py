@@ -42,7 +42,9 @@ MCORE_ALIASES: dict[str, tuple[str, ...]] = {
     "qkv_bias": ("add_qkv_bias", "attention_bias", "qkv_has_bias"),
     "bias_linear": ("add_bias_linear",),
     "init_method_std": ("init_method_std", "initializer_range"),
-    "fp32_residual_connection": ("fp32_residual_connection",),
+    # MindFormers 2.x maps both to fp32_residual_connection through is_float_32 ("fp32"/"float32"/True);
+    # Qwen3 YAMLs of MindFormers 2.x write `residual_dtype: "float32"` (transformer_config_utils.py)
+    "fp32_residual_connection": ("fp32_residual_connection", "residual_dtype"),
     "compute_dtype": ("compute_dtype",),
     "params_dtype": ("params_dtype", "param_init_type"),
     "softmax_compute_dtype": ("softmax_compute_dtype", "attention_softmax_in_fp32"),
@@ -74,6 +76,7 @@ MCORE_ALIASES: dict[str, tuple[str, ...]] = {
     "v_head_dim": ("v_head_dim",),
     "rope_fusion": ("apply_rope_fusion", "use_fused_rope"),
     "swiglu_fusion": ("bias_swiglu_fusion", "use_fused_swiglu"),
+    "flash_attention": ("use_flash_attention",),
 }
 
 
@@ -97,6 +100,19 @@ def mcore_value(mc: dict[str, Any], key: str) -> Any:
         if alias in mc and mc[alias] is not None:
             return mc[alias]
     return NOT_READ
+
+
+def is_float32(v: Any) -> Any:
+    """MindFormers' ``is_float_32``: a dtype string ("fp32", "float32", also "mstype.float32") or a bool flag
+    -> bool; anything else is returned unchanged (the caller shows it, never guesses)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        t = v.strip().lower().replace("mstype.", "").replace("torch.", "")
+        if t in ("true", "false"):
+            return t == "true"
+        return t in ("fp32", "float32")
+    return v
 
 
 def truth(v: Any) -> bool | None:

@@ -31,6 +31,7 @@ from runstore.layout import (
     STEP_DIR,
 )
 from runstore.schema import load_json, read_bytes
+from runstore.seed_layout import step_number
 from runstore.tables import _dataset_value, check_table, table_columns
 
 
@@ -68,15 +69,26 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
     data: dict[str, np.ndarray] = {}
     attrs: dict[str, dict[str, Any]] = {}
     try:
+        size = os.path.getsize(path)
         with h5py.File(path, "r") as h5:
+            open_groups: set[int] = set()
+
             def walk(group: h5py.Group, prefix: str) -> None:
                 # Every name, hard links included (visititems visits an object once, under one name:
                 # a dumper stores a tensor seen twice once, under two names).
                 for name in group:
+                    link = group.get(name, getlink=True)
+                    if isinstance(link, h5py.ExternalLink):     # never follow a link out of the step file
+                        raise BadInput(f"{path}: '{prefix + name}' is an external link to {link.filename!r:.60}; "
+                                       "a step file holds its own data")
                     obj = group.get(name)
                     if obj is None:        # a dangling soft link
                         continue
                     key = prefix + name
+                    if len(key) > 4096:
+                        raise BadInput(f"{path}: object names nest beyond 4096 characters (a link loop?)")
+                    if isinstance(obj, h5py.Dataset):
+                        _check_dataset(path, key, obj, size)
                     if isinstance(obj, h5py.Dataset) and obj.dtype.names is not None:   # a table
                         data.update({f"{key}/{k}": v for k, v in table_columns(obj).items()})
                     elif isinstance(obj, h5py.Dataset):
@@ -84,12 +96,40 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
                     if obj.attrs:
                         attrs[key] = {k: obj.attrs[k] for k in obj.attrs}
                     if isinstance(obj, h5py.Group):
+                        ident = hash(obj.id)
+                        if ident in open_groups:
+                            raise BadInput(f"{path}: '{key}' links back to a group that contains it (a link loop)")
+                        open_groups.add(ident)
                         walk(obj, key + "/")
+                        open_groups.discard(ident)
+            open_groups.add(hash(h5.id))
             walk(h5, "")
             attrs[""] = {k: h5.attrs[k] for k in h5.attrs}
-    except (OSError, KeyError, ValueError) as exc:
-        raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+    except (OSError, KeyError, ValueError, RuntimeError, RecursionError, TypeError, OverflowError,
+            MemoryError) as exc:
+        raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:120]})") from None
     return data, attrs
+
+
+_MAX_DATASET_BYTES = 1 << 33    # 8 GiB: no per-step array of stats, norms or a batch comes near it
+
+
+def _check_dataset(path: Path, key: str, ds: h5py.Dataset, file_size: int) -> None:
+    """Refuse, before reading, a dataset whose declared size the file cannot hold (a corrupt or crafted
+    header declaring 1e13 elements would otherwise be allocated)."""
+    try:
+        nbytes = int(ds.id.get_type().get_size())
+        for n in ds.shape or ():
+            nbytes *= int(n)
+        stored = int(ds.id.get_storage_size())
+        filters = ds.compression is not None or bool(ds._filters)  # noqa: SLF001 - h5py keeps filters there
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise BadInput(f"{path}: '{key}': unreadable dataset header ({' '.join(str(exc).split())[:80]})") from None
+    if nbytes > _MAX_DATASET_BYTES:
+        raise BadInput(f"{path}: '{key}': declares {nbytes} bytes ({ds.shape}), beyond the "
+                       f"{_MAX_DATASET_BYTES} a step file's array may hold")
+    if not filters and nbytes > 0 and stored < nbytes and nbytes > file_size:
+        raise BadInput(f"{path}: '{key}': declares {nbytes} bytes ({ds.shape}) but the file holds {file_size}")
 
 
 _SIZE = {"type": ["integer", "null"], "minimum": 1}
@@ -109,10 +149,18 @@ META_SCHEMA: dict[str, Any] = {
 }
 _RANK_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"rank": {"type": "integer", "minimum": 0}}}
 _SCALAR_TYPES = (int, float, str, bool, type(None), list, dict)
+#: Keys whose values are numbers wherever a source writes them (comparators read them as such): a string
+#: ("1e-3", "x") or a JSON true there is refused, never converted.
+NUMERIC_SCALARS = frozenset({
+    "loss", "lm_loss", "grad_norm", "global_norm", "lr", "learning_rate", "loss_scale", "num_zeros",
+    "mtp_loss", "load_balancing_loss", "aux_loss", "z_loss", "skipped_iter", "nan_iter", "global_batch_size",
+    "consumed_samples", "iteration_time", "throughput", "tokens_per_sec"})
 
 
 def _check_records(path: Path, records: list[Any], first_line: int = 1) -> None:
-    """Every scalar line is an object with an integer ``step`` and plain values (one-line BadInput)."""
+    """Every scalar line is an object with an integer ``step`` and plain values, each key a number on every
+    line or on none (one-line BadInput naming the file, line and key)."""
+    kinds: dict[str, tuple[bool, int]] = {}
     for i, rec in enumerate(records, first_line):
         if type(rec) is not dict:
             raise BadInput(f"{path}:{i}: scalar line is a JSON {type(rec).__name__}, expected an object")
@@ -120,10 +168,19 @@ def _check_records(path: Path, records: list[Any], first_line: int = 1) -> None:
         if type(step) is not int or step < 0 or step >= 1 << 62:
             raise BadInput(f"{path}:{i}: key 'step': expected a non-negative integer, got {step!r:.40}")
         for k, v in rec.items():
+            if k in NUMERIC_SCALARS and (type(v) not in (int, float) and v is not None):
+                raise BadInput(f"{path}:{i}: key '{k}': expected a number, got {v!r:.40}")
             if type(v) is int and abs(v) >= 1 << 1023:
                 raise BadInput(f"{path}:{i}: key '{k}': {v!r:.40} is beyond the float range")
             if type(v) not in _SCALAR_TYPES:
                 raise BadInput(f"{path}:{i}: key '{k}': unsupported value {v!r:.40}")
+            if v is None:
+                continue
+            number = type(v) in (int, float)
+            first = kinds.setdefault(k, (number, i))
+            if first[0] != number:
+                raise BadInput(f"{path}:{i}: key '{k}': {v!r:.40} where line {first[1]} holds a "
+                               f"{'number' if first[0] else 'non-number'}")
 
 
 def _parse_jsonl(path: Path) -> tuple[list[dict[str, Any]], str | None]:
@@ -181,12 +238,12 @@ class RunReader:
             m = _STEP_RE.match(d.name)
             if not m or not d.is_dir():
                 continue
-            step = int(m.group(1))
+            step = step_number(d.name, m.group(1), base)
             for f in d.iterdir():
                 if mm := _RANK_H5_RE.match(f.name):
-                    self._step_files.setdefault(step, {})[int(mm.group(1))] = f
+                    self._step_files.setdefault(step, {})[step_number(f.name, mm.group(1), d)] = f
                 elif mm := _RANK_TMP_RE.match(f.name):
-                    self.incomplete.append(Incomplete(step, int(mm.group(1)),
+                    self.incomplete.append(Incomplete(step, step_number(f.name, mm.group(1), d),
                                                       "step file never finished (run stopped mid-step)"))
 
     @property

@@ -4,6 +4,7 @@ users replay. ``RunWriter.write_seed_batch`` writes it; this module reads it (no
 
 from __future__ import annotations
 
+import tokenize
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,10 +14,54 @@ from core.errors import BadInput
 from runstore.layout import _SEED_RANK_RE, _STEP_RE, SEED_BATCH_KEYS
 from runstore.schema import regular_file
 
+#: exceptions numpy raises on a garbled .npy header (a flipped byte makes its dict literal fail to
+#: tokenize: tokenize.TokenError, SyntaxError; a huge declared shape: MemoryError / OverflowError)
+_HEADER_ERRORS = (ValueError, OSError, EOFError, TypeError, SyntaxError, tokenize.TokenError, MemoryError,
+                  OverflowError, RecursionError, KeyError)
+_MAX_DIGITS = 18      # a step or rank number: below 2**62, and far below Python's 4300-digit int limit
+
+
+def step_number(name: str, digits: str, where: Path) -> int:
+    """The number in a step_N / rank_N name; a one-line BadInput beyond 18 digits (never an OverflowError or
+    Python's 4300-digit ValueError)."""
+    if len(digits) > _MAX_DIGITS:
+        raise BadInput(f"{where / name}: number in the name has {len(digits)} digits, at most {_MAX_DIGITS}")
+    return int(digits)
+
+
+def npy_header(path: str | Path) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, fortran order, dtype, data offset) of a .npy file through numpy's public header readers (numpy
+    1.x and 2.x), checked: a numeric dtype and a file that holds every declared byte. One-line BadInput."""
+    try:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = reader(fh)
+            offset = fh.tell()
+    except _HEADER_ERRORS as exc:
+        raise BadInput(f"{path}: not a valid .npy array ({' '.join(str(exc).split())[:80] or type(exc).__name__})"
+                       ) from None
+    if dtype.hasobject:
+        raise BadInput(f"{path}: holds pickled objects; refusing to load (no pickle)")
+    if dtype.kind not in "biuf" or dtype.names is not None:
+        raise BadInput(f"{path}: dtype {dtype} is not a number type (int, uint, float or bool)")
+    if any(type(n) is not int or n < 0 for n in shape):
+        raise BadInput(f"{path}: header declares shape {shape!r:.60}")
+    need = dtype.itemsize
+    for n in shape:
+        need *= n
+    have = Path(path).stat().st_size - offset
+    if need > have:
+        raise BadInput(f"{path}: header declares {need} bytes of data, the file holds {max(have, 0)} (truncated "
+                       "or a corrupt header)")
+    return tuple(shape), bool(fortran), dtype, offset
+
 
 def load_npy(path: Path) -> np.ndarray:
     """np.load without pickle; a one-line BadInput for anything that is not a plain numeric .npy array."""
     regular_file(path, ".npy file")
+    npy_header(path)
     try:
         arr = np.load(path, allow_pickle=False)
         if not isinstance(arr, np.ndarray):
@@ -28,7 +73,7 @@ def load_npy(path: Path) -> np.ndarray:
         if "pickle" in str(exc).lower():
             raise BadInput(f"{path}: holds pickled objects; refusing to load (no pickle)") from None
         raise BadInput(f"{path}: not a valid .npy array ({exc})") from None
-    except (OSError, EOFError, TypeError, SyntaxError, MemoryError) as exc:
+    except _HEADER_ERRORS as exc:
         raise BadInput(f"{path}: unreadable or truncated .npy ({' '.join(str(exc).split())[:80]})") from None
 
 
@@ -39,10 +84,11 @@ def seed_steps(root: Path) -> dict[int, dict[int, Path]]:
         m = _STEP_RE.match(d.name)
         if not m or not d.is_dir():
             continue
+        step = step_number(d.name, m.group(1), Path(root))
         for r in d.iterdir():
             mm = _SEED_RANK_RE.match(r.name)
             if mm and r.is_dir():
-                out.setdefault(int(m.group(1)), {})[int(mm.group(1))] = r
+                out.setdefault(step, {})[step_number(r.name, mm.group(1), d)] = r
     return out
 
 

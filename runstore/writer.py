@@ -17,9 +17,21 @@ import numpy as np
 if TYPE_CHECKING:   # pandas is imported where tables are built: writers of arrays alone skip its ~0.8 s import
     import pandas as pd
 
+from core.errors import BadInput
 from runstore.atomic import _json_default, _save_npy_atomic, atomic_write_json
 from runstore.layout import META, RANK_DIR, SCALAR_DIR, SCHEMA, step_dir
 from runstore.tables import _records
+
+
+def _step(step: Any) -> int:
+    """A step number the store can name and read back: an integer in [0, 2**62) (a bool, a float, a huge
+    int are refused before anything is written; a huge one would leave a half-written HDF5 file)."""
+    if isinstance(step, np.integer):
+        step = int(step)
+    if type(step) is not int or not 0 <= step < 1 << 62:
+        shown = f"an integer of {step.bit_length()} bits" if type(step) is int else repr(step)[:40]
+        raise BadInput(f"step {shown}: expected an integer in [0, 2**62)")
+    return step
 
 
 class RunWriter:
@@ -57,9 +69,12 @@ class RunWriter:
     # -- scalars --------------------------------------------------------------------------------------
     def log_scalars(self, step: int, values: Mapping[str, float | int | str | None]) -> None:
         """Append one step's scalars; flushed at once so a killed run keeps every logged step."""
-        record = {"step": int(step)}
+        record = {"step": _step(step)}
         for key, value in values.items():
             record[key] = value.item() if isinstance(value, np.generic) else value
+            if type(record[key]) is int and abs(record[key]) >= 1 << 1023:
+                raise BadInput(f"step {step}: scalar '{key}' is an integer of {record[key].bit_length()} bits, "
+                               "beyond the float range")
         self._scalars.write(json.dumps(record, default=_json_default) + "\n")
         self._scalars.flush()
 
@@ -69,6 +84,8 @@ class RunWriter:
 
         frame = pd.DataFrame(dict(series))
         frame.index.name = "step"
+        for s in frame.index.tolist():
+            _step(s)
         present = np.zeros(frame.shape, dtype=bool)
         for key, s in series.items():  # a NaN the run reported is kept; a key absent at a step is not
             present[:, frame.columns.get_loc(key)] = frame.index.isin(s.index)
@@ -86,6 +103,7 @@ class RunWriter:
 
     # -- per-step arrays ------------------------------------------------------------------------------
     def _file_for(self, step: int) -> h5py.File:
+        step = _step(step)
         if self._open_step is not None and self._open_step != step:
             self.finish_step()
         if self._h5 is None:
@@ -216,7 +234,7 @@ class RunWriter:
 
     def write_seed_batch(self, step: int, batch: Mapping[str, Any]) -> None:
         """Write ``step_N/rank_R/<name>.npy``: the layout MindFormers users replay."""
-        d = self.root / f"step_{int(step)}" / f"rank_{self.rank}"
+        d = self.root / f"step_{_step(step)}" / f"rank_{self.rank}"
         for name, arr in batch.items():
             _save_npy_atomic(d / f"{name}.npy", np.asarray(arr))
 

@@ -166,21 +166,27 @@ MEGATRON_ARGS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
                          "make_vocab_size_divisible_by", "num_query_groups", "global_batch_size",
                          "micro_batch_size", "moe_router_topk")},
     **{k: _I for k in ("ffn_hidden_size", "padded_vocab_size", "vocab_size", "lr_decay_iters", "train_iters",
-                       "lr_warmup_iters", "num_experts", "seed")},
+                       "lr_warmup_iters", "num_experts", "seed", "decoder_first_pipeline_num_layers",
+                       "decoder_last_pipeline_num_layers")},
+    **{k: _POS for k in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")},
     **{k: {"type": _N} for k in ("lr", "min_lr", "lr_warmup_fraction", "adam_beta1", "adam_beta2", "adam_eps",
                                  "weight_decay", "clip_grad", "norm_epsilon", "layernorm_epsilon",
                                  "hidden_dropout", "attention_dropout", "moe_aux_loss_coeff",
                                  "moe_expert_capacity_factor", "rotary_base")},
-    **{k: _S for k in ("normalization", "position_embedding_type", "lr_decay_style", "params_dtype", "optimizer")},
+    **{k: _S for k in ("normalization", "position_embedding_type", "lr_decay_style", "params_dtype", "optimizer",
+                       "attention_backend", "transformer_impl")},
     **{k: _B for k in ("bf16", "fp16", "swiglu", "squared_relu", "group_query_attention", "sequence_parallel",
                        "use_distributed_optimizer", "untie_embeddings_and_output_weights", "add_bias_linear",
-                       "apply_wd_to_qk_layernorm")},
+                       "apply_wd_to_qk_layernorm", "use_flash_attn", "fp32_residual_connection")},
 }}
 _OBJ = {"type": ["object", "null"]}
 _NUMS = {"type": "number"}
 #: The parts of a MindFormers YAML the checks read (MindFormers 2.1 config keys); other keys are free.
 MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "seed": _I,
+    "train_dataset": {"type": ["object", "null"], "properties": {
+        "batch_size": _POS, "data_loader": {"type": ["object", "null"], "properties": {
+            "config": {"type": ["object", "null"], "properties": {"seed": _I}}}}}},
     "model": {"type": ["object", "null"], "properties": {"model_config": {"type": ["object", "null"], "properties": {
         **{k: _POS for k in ("hidden_size", "num_heads", "num_layers", "seq_length", "n_kv_heads", "multiple_of",
                              "batch_size")},
@@ -189,7 +195,10 @@ MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
         **{k: {"type": _N} for k in ("rms_norm_eps", "theta", "ffn_dim_multiplier", "hidden_dropout_prob",
                                      "hidden_dropout", "attention_dropout_prob", "attention_dropout")},
         **{k: _S for k in ("hidden_act", "compute_dtype", "param_init_type")},
-        "moe_config": _OBJ, "tie_word_embeddings": _B, "qkv_has_bias": _B, "attn_proj_has_bias": _B}}}},
+        "moe_config": _OBJ, "tie_word_embeddings": _B, "qkv_has_bias": _B, "attn_proj_has_bias": _B,
+        "pp_interleave_num": _POS, "residual_dtype": {"type": ["string", "boolean", "null"]},
+        "fp32_residual_connection": {"type": ["string", "boolean", "null"]},
+        "offset": {"type": ["integer", "array", "null"]}}}}},
     "parallel_config": {"type": ["object", "null"], "properties": {
         k: _POS for k in ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
                           "context_parallel", "expert_parallel")}},
@@ -198,6 +207,7 @@ MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
         "aux_loss_factors": {"type": ["array", "null"], "items": _NUMS}}},
     "optimizer": {"type": ["object", "null"], "properties": {
         "betas": {"type": ["array", "null"], "items": _NUMS, "minItems": 2}, "eps": {"type": _N},
+        "beta1": {"type": _N}, "beta2": {"type": _N},
         "weight_decay": {"type": _N}, "learning_rate": {"type": _N}}},
     "lr_schedule": {"type": ["object", "null"], "properties": {
         "total_steps": {"type": ["integer", "null"]}, "warmup_steps": _I, "warmup_ratio": {"type": _N},
@@ -206,7 +216,6 @@ MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
                                                                   "use_clip_grad": _B}},
     "runner_config": {"type": ["object", "null"], "properties": {"batch_size": _POS,
                                                                  "gradient_accumulation_steps": _I}},
-    "train_dataset": {"type": ["object", "null"], "properties": {"batch_size": _POS}},
     "parallel": {"type": ["object", "null"], "properties": {"enable_parallel_optimizer": _B}},
 }}
 

@@ -175,8 +175,14 @@ def test_shipped_qwen3_yaml_against_matching_megatron_flags(tmp_path: Path) -> N
                        "kv_channels": 128, "qk_layernorm": True, "ffn_hidden_size": 25600}.items():
         assert rows[key]["status"] == "match" and rows[key]["mindformers"] == value, key
     assert rows["params_dtype"]["mindformers"] == "float32"      # the YAML's params_dtype, not a default
-    # the only finding: Megatron's --bf16 params vs MindFormers' fp32 params (a real difference, to check)
-    assert {f["component"] for f in rep["findings"]} == {"params_dtype"}
+    # the findings, each a real difference to check: Megatron's --bf16 params vs MindFormers' fp32 params; the
+    # data shuffle seed (Megatron --seed 42, the YAML's data_loader seed 1234); the YAML's pipeline offset
+    # [-1, -1, 1, 1] (15/15/17/17 layers) vs Megatron's even 16-layer split
+    assert {f["component"] for f in rep["findings"]} == {"params_dtype", "data_seed", "pipeline_layers"}
+    assert rows["pipeline_layers"]["megatron"] == [[16] * 4] and rows["pipeline_layers"]["mindformers"] == [
+        [15, 15, 17, 17]]
+    for key in ("seed", "flash_attention", "fp32_residual_connection", "warmup_ratio", "adam_beta2"):
+        assert rows[key]["status"] == "match", (key, rows[key])
     assert rows["norm_type"]["status"] == "not read"               # not in the YAML: never a guessed default
 
 
@@ -274,3 +280,199 @@ def test_mla_attention_keeps_float32_while_flash_attention_casts() -> None:
                                                            "kv_lora_rank": 16}}}
     assert cc.mindformers_attention_dtype(qwen) == "float16"
     assert cc.mindformers_attention_dtype(mla) is None
+
+
+# --- issue 24: every numerics-relevant key read right, no false mismatch or check -----------------------------
+def _script(tmp_path: Path, text: str, name: str = "mg.sh") -> str:
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
+def _yaml(tmp_path: Path, cfg: dict, name: str = "mf.yaml") -> str:
+    (tmp_path / name).write_text(yaml.safe_dump(cfg))
+    return str(tmp_path / name)
+
+
+def _qwen3_32b_real_shape() -> dict:
+    """The Qwen3-32B pretrain YAML as MindFormers 2.x wrote it before fp32_residual_connection: the same
+    file with `residual_dtype: "float32"` and `offset: [0]` (its converter maps residual_dtype through
+    is_float_32 to fp32_residual_connection)."""
+    text = (CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text()
+    text = text.replace("    fp32_residual_connection: True\n", '    residual_dtype: "float32"\n')
+    cfg = yaml.safe_load(text)
+    assert "fp32_residual_connection" not in cfg["model"]["model_config"]
+    return cfg
+
+
+def test_residual_dtype_float32_vs_megatron_without_fp32_residual_is_a_mismatch(tmp_path: Path) -> None:
+    cfg = _qwen3_32b_real_shape()
+    script = (CONFIGS / "megatron_qwen3_32b.sh").read_text()
+    rep = _check(_script(tmp_path, script.replace(" --fp32-residual-connection", "")), _yaml(tmp_path, cfg),
+                 tmp_path)
+    row = _rows(rep)["fp32_residual_connection"]
+    assert (row["status"], row["megatron"], row["mindformers"]) == ("mismatch", False, True)
+    assert rep["counts"]["mismatch"] == 1 and rep["rc"] == 1      # the one real numerical difference
+    rep = _check(str(CONFIGS / "megatron_qwen3_32b.sh"), _yaml(tmp_path, cfg), tmp_path)
+    assert _rows(rep)["fp32_residual_connection"]["status"] == "match" and rep["counts"]["mismatch"] == 0
+    cfg["model"]["model_config"]["residual_dtype"] = "bfloat16"
+    assert cc.mindformers_common(cfg)["fp32_residual_connection"] is False
+
+
+def test_residual_in_fp32_for_an_fp32_run_without_the_flag() -> None:
+    mg = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "fp32_residual_connection": False}
+    mf = {"use_legacy": False, "model": {"model_config": {"num_hidden_layers": 2, "compute_dtype": "float32"}}}
+    rows = {r.key: r for r in cc.compare_configs(mg, mf)[0]}
+    assert rows["fp32_residual_connection"].status == "match"
+
+
+def test_legacy_yaml_beta1_beta2_and_residual_dtype_read(tmp_path: Path) -> None:
+    mf = yaml.safe_load(yaml.safe_dump(MF_YAML))
+    mf["optimizer"] = {"type": "FP32StateAdamWeightDecay", "beta1": 0.9, "beta2": 0.95, "eps": 1.0e-8,
+                       "weight_decay": 0.1}
+    c = cc.mindformers_common(mf)
+    assert (c["adam_beta1"], c["adam_beta2"]) == (0.9, 0.95)
+    rep = _run(tmp_path, megatron_log(MEGATRON_ARGS), mf)
+    # the one real difference: 1.x AdamWeightDecay has no bias correction (Megatron's Adam has)
+    assert {f["component"] for f in rep["findings"] if f["metric"] == "mismatch"} == {"optimizer"}
+    assert _rows(rep)["adam_beta2"]["status"] == "match"
+    mf["optimizer"]["beta2"] = 0.999                                 # a real difference is still one
+    assert _rows(_run(tmp_path, megatron_log(MEGATRON_ARGS), mf))["adam_beta2"]["status"] == "mismatch"
+    mf["model"]["model_config"]["residual_dtype"] = "float32"       # 1.x LlamaConfig key
+    assert cc.mindformers_common(mf)["fp32_residual_connection"] is True
+    mf["optimizer"]["beta1"] = "0.9"
+    with pytest.raises(BadInput, match="beta1"):
+        _run(tmp_path, megatron_log(MEGATRON_ARGS), mf)
+
+
+@pytest.mark.parametrize("lr_schedule", [
+    {"type": "ConstantWarmUpLR", "learning_rate": 3.0e-4, "warmup_ratio": 0, "total_steps": -1},
+    {"type": "ConstantWarmUpLR", "learning_rate": 3.0e-4, "warmup_steps": 0, "total_steps": -1},
+    {"type": "ConstantWarmUpLR", "learning_rate": 3.0e-4, "total_steps": -1},
+    {"type": "ConstantWarmUpLR", "learning_rate": 3.0e-4, "warmup_ratio": 0.0},
+])
+@pytest.mark.parametrize("legacy", [True, False])
+def test_no_warmup_is_ratio_zero_on_both_sides(lr_schedule: dict, legacy: bool) -> None:
+    mg = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "lr": 3e-4, "lr_warmup_iters": 0,
+          "lr_decay_style": "constant", "train_samples": 1000}          # no train_iters: no decay length
+    mf = {"lr_schedule": lr_schedule, "model": {"model_config": {"num_layers": 2, "hidden_size": 64,
+                                                                 "num_heads": 4}}}
+    if not legacy:
+        mf["use_legacy"] = False
+    rows = {r.key: r for r in cc.compare_configs(mg, mf)[0]}
+    assert rows["warmup_ratio"].status == "match", rows["warmup_ratio"]
+
+
+def test_seeds_compared(tmp_path: Path) -> None:
+    script = (CONFIGS / "megatron_qwen3_30b_a3b.sh").read_text()
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_30b_a3b_4k.yaml").read_text())
+    rows = _rows(_check(str(CONFIGS / "megatron_qwen3_30b_a3b.sh"), _yaml(tmp_path, mf), tmp_path))
+    assert rows["seed"]["status"] == rows["data_seed"]["status"] == "match"
+    rows = _rows(_check(_script(tmp_path, script.replace("--seed 1234", "--seed 7")), _yaml(tmp_path, mf),
+                        tmp_path))
+    assert (rows["seed"]["status"], rows["seed"]["megatron"], rows["seed"]["mindformers"]) == ("check", 7, 1234)
+    assert (rows["data_seed"]["status"], rows["data_seed"]["mindformers"]) == ("check", 1234)
+    del mf["train_dataset"]["data_loader"]                              # no Megatron dataset: no data seed
+    mf["train_dataset"]["data_loader"] = {"type": "MindDataset"}
+    assert "data_seed" not in _rows(_check(_script(tmp_path, script), _yaml(tmp_path, mf), tmp_path))
+
+
+@pytest.mark.parametrize(("flags", "expected", "status"), [
+    ("", True, "match"),                                   # auto under --bf16: a flash / fused kernel
+    (" --use-flash-attn", True, "match"),
+    (" --attention-backend flash", True, "match"),
+    (" --attention-backend fused", True, "match"),
+    (" --attention-backend unfused", False, "check"),
+    (" --attention-backend local", False, "check"),
+    (" --transformer-impl local", False, "check"),
+])
+def test_flash_attention_compared(tmp_path: Path, flags: str, expected: bool, status: str) -> None:
+    script = (CONFIGS / "megatron_qwen3_32b.sh").read_text().replace("--bf16", "--bf16" + flags)
+    rep = _check(_script(tmp_path, script), "pretrain_qwen3_32b_4k.yaml", tmp_path)
+    row = _rows(rep)["flash_attention"]
+    assert (row["megatron"], row["mindformers"], row["status"]) == (expected, True, status)
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text())
+    mf["model"]["model_config"]["use_flash_attention"] = False
+    row = _rows(_check(_script(tmp_path, script), _yaml(tmp_path, mf), tmp_path))["flash_attention"]
+    assert row["status"] == ("match" if not expected else "check")
+
+
+def test_flash_attention_auto_in_fp32_is_unfused() -> None:
+    mg = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    mf = {"use_legacy": False, "model": {"model_config": {"num_hidden_layers": 2, "use_flash_attention": False}}}
+    rows = {r.key: r for r in cc.compare_configs(mg, mf)[0]}
+    assert rows["flash_attention"].status == "match" and rows["flash_attention"].megatron is False
+    mg["attention_backend"] = "AttnBackend.flash"                     # as a log's arguments block prints it
+    rows = {r.key: r for r in cc.compare_configs(mg, mf)[0]}
+    assert rows["flash_attention"].status == "check" and rows["flash_attention"].megatron is True
+
+
+@pytest.mark.parametrize(("flags", "offset", "megatron", "status"), [
+    ("", [0, 0, 0, 0], [[16, 16, 16, 16]], "match"),
+    ("", 0, [[16, 16, 16, 16]], "match"),
+    ("", [-1, -1, 1, 1], [[16, 16, 16, 16]], "check"),
+    (" --decoder-first-pipeline-num-layers 15 --decoder-last-pipeline-num-layers 17", [-1, -1, 1, 1],
+     [[15, 16, 16, 17]], "check"),
+    (" --decoder-first-pipeline-num-layers 15 --decoder-last-pipeline-num-layers 17", [-1, 0, 0, 1],
+     [[15, 16, 16, 17]], "match"),
+    (" --decoder-first-pipeline-num-layers 13", [-3, 1, 1, 1], [[13, 17, 17, 17]], "match"),
+    (" --decoder-first-pipeline-num-layers 14", [-2, 0, 1, 1], "50 middle layers do not split evenly into 3 stages",
+     "check"),
+    (" --decoder-first-pipeline-num-layers 16", [0, 0, 0, 0], [[16, 16, 16, 16]], "match"),
+    (" --num-layers-per-virtual-pipeline-stage 8", [[0, 0, 0, 0], [0, 0, 0, 0]], [[8] * 4, [8] * 4], "match"),
+])
+def test_pipeline_offset_compared(tmp_path: Path, flags: str, offset: object, megatron: list, status: str) -> None:
+    script = (CONFIGS / "megatron_qwen3_32b.sh").read_text().replace("--bf16", "--bf16" + flags)
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text())
+    mf["model"]["model_config"]["offset"] = offset
+    if isinstance(offset, list) and isinstance(offset[0], list):
+        mf["model"]["model_config"]["pp_interleave_num"] = len(offset)
+        mf["parallel"]["pipeline_config"] = {"pipeline_interleave": True}
+    row = _rows(_check(_script(tmp_path, script), _yaml(tmp_path, mf), tmp_path))["pipeline_layers"]
+    assert row["megatron"] == megatron and row["status"] == status, row
+
+
+@pytest.mark.parametrize("offset", [[1, 0, 0, 0], [0, 0, 0], 1.5, [0.5, -0.5, 0, 0]])
+def test_pipeline_offset_mindformers_refuses_is_a_check_never_a_split(tmp_path: Path, offset: object) -> None:
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text())
+    mf["model"]["model_config"]["offset"] = offset
+    if isinstance(offset, float):
+        with pytest.raises(BadInput, match="offset"):
+            _check(str(CONFIGS / "megatron_qwen3_32b.sh"), _yaml(tmp_path, mf), tmp_path)
+        return
+    row = _rows(_check(str(CONFIGS / "megatron_qwen3_32b.sh"), _yaml(tmp_path, mf), tmp_path))["pipeline_layers"]
+    assert row["status"] == "check" and isinstance(row["mindformers"], str) and "offset" in row["mindformers"]
+
+
+def test_deepseek3_and_qwen3_moe_pairs_have_no_false_row_for_the_new_keys(tmp_path: Path) -> None:
+    cfg = yaml.safe_load((CONFIGS / "pretrain_deepseek3_671b.yaml").read_text())
+    c = cc.mindformers_common(cfg)
+    # 61 layers over 8 stages x 2 interleave chunks: 3 each plus the YAML's offset
+    assert c["pipeline_layers"] == [[4] * 8, [4] * 7 + [1]]
+    assert (c["seed"], c["data_seed"], c["flash_attention"]) == (42, 1234, True)
+    assert (c["adam_beta1"], c["adam_beta2"], c["warmup_steps"]) == (0.9, 0.95, 200)
+    mg = {"num_layers": 61, "hidden_size": 7168, "num_attention_heads": 128, "num_experts": 256,
+          "moe_router_topk": 8, "multi_latent_attention": True, "bf16": True, "seed": 42,
+          "adam_beta1": 0.9, "adam_beta2": 0.95, "pipeline_model_parallel_size": 8,
+          "pipeline_model_parallel_layout": "Et*4|...", "use_flash_attn": True}
+    rows = {r.key: r for r in cc.compare_configs(mg, cfg)[0]}
+    for key in ("seed", "flash_attention", "adam_beta1", "adam_beta2"):
+        assert rows[key].status == "match", (key, rows[key])
+    assert rows["data_seed"].status == "check"                       # 42 vs the loader's 1234: real
+    assert rows["fp32_residual_connection"].status == "not read"     # the YAML leaves it to the model class
+    rep = _check("megatron_qwen3_30b_a3b.sh", "pretrain_qwen3_30b_a3b_4k.yaml", tmp_path)
+    rows = _rows(rep)
+    for key in ("seed", "data_seed", "flash_attention", "pipeline_layers", "warmup_ratio", "adam_beta1",
+                "adam_beta2"):
+        assert rows[key]["status"] == "match", (key, rows[key])
+    assert rows["fp32_residual_connection"]["status"] == "not read"
+
+
+def test_bad_types_of_the_new_keys_are_one_line(tmp_path: Path) -> None:
+    script = (CONFIGS / "megatron_qwen3_32b.sh").read_text().replace(
+        "--bf16", "--bf16 --decoder-first-pipeline-num-layers many")
+    with pytest.raises(BadInput, match="decoder_first_pipeline_num_layers"):
+        _check(_script(tmp_path, script), "pretrain_qwen3_32b_4k.yaml", tmp_path)
+    mf = yaml.safe_load((CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text())
+    mf["train_dataset"]["data_loader"]["config"]["seed"] = "x"
+    with pytest.raises(BadInput, match="seed"):
+        _check(str(CONFIGS / "megatron_qwen3_32b.sh"), _yaml(tmp_path, mf), tmp_path)

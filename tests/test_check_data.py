@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -105,3 +106,87 @@ def test_ids_labels_and_empty_samples(tmp_path: Path) -> None:
     res = cd.check_batches([(1, 0, b)], vocab_size=VOCAB, eos_id=EOS, pad_id=1)
     got = {f.metric for f in res.findings}
     assert {"token_id_out_of_range", "labels_not_shifted_tokens", "all_masked_samples"} <= got
+
+
+# --- issue 24: never silently wrong ----------------------------------------------------------------------
+def _clean(step: int) -> dict:
+    tokens = (np.arange(SEQ * 2).reshape(2, SEQ) + step) % (VOCAB - 3) + 3
+    labels = np.roll(tokens, -1, axis=1)
+    return {"tokens": tokens, "labels": labels, "loss_mask": np.ones_like(tokens, dtype=np.float32)}
+
+
+def _seed_dump(root: Path, layout: dict[int, list[int]], edit=None) -> Path:
+    for step, ranks in layout.items():
+        for rank in ranks:
+            d = root / f"step_{step}" / f"rank_{rank}"
+            d.mkdir(parents=True)
+            b = _clean(step)
+            if edit:
+                edit(step, rank, b)
+            for k, v in b.items():
+                np.save(d / f"{k}.npy", v)
+    return root
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -1.0])
+@pytest.mark.parametrize("layout", ["seed", "store"])
+def test_loss_mask_nan_inf_negative_fail(tmp_path: Path, bad: float, layout: str) -> None:
+    def edit(step: int, rank: int, b: dict) -> None:
+        if step == 2 and rank == 1:
+            b["loss_mask"][1, 5] = bad
+    if layout == "seed":
+        root = _seed_dump(tmp_path / "d", {1: [0, 1], 2: [0, 1], 3: [0, 1]}, edit)
+    else:
+        root = tmp_path / "d"
+        for rank in (0, 1):
+            with RunWriter(root, rank=rank) as w:
+                for step in (1, 2, 3):
+                    b = _clean(step)
+                    edit(step, rank, b)
+                    for k, v in b.items():
+                        w.put_array(step, f"batch/{k}", v)
+    rc, rep = _cli(root)
+    bad_rows = [f for f in rep["findings"] if f["metric"] == "loss_mask_invalid"]
+    assert rc == 1 and len(bad_rows) == 1 and bad_rows[0]["verdict"] == "fail", rep["findings"]
+    assert "step 2 rank 1" in bad_rows[0]["message"] and ("rank_1" in bad_rows[0]["message"]
+                                                          or "rank_00001" in bad_rows[0]["message"])
+
+
+def test_missing_rank_gap_and_rank_missing_at_one_step(tmp_path: Path) -> None:
+    rc, rep = _cli(_seed_dump(tmp_path / "gap", {1: [0, 2], 2: [0, 2]}))
+    missing = [f for f in rep["findings"] if f["metric"] == "missing_rank"]
+    assert rc == 1 and [f["component"] for f in missing] == ["step 1", "step 2"]
+    assert all("[1]" in f["message"] for f in missing)
+    rc, rep = _cli(_seed_dump(tmp_path / "one", {1: [0, 1], 2: [0], 3: [0, 1]}))
+    missing = [f for f in rep["findings"] if f["metric"] == "missing_rank"]
+    assert rc == 1 and [(f["component"], f["value"]) for f in missing] == [("step 2", 1)]
+
+
+def test_duplicate_steps_fail(tmp_path: Path) -> None:
+    root = _seed_dump(tmp_path / "seed", {1: [0], 2: [0]})
+    (root / "step_02").mkdir()
+    (root / "step_2" / "rank_0").rename(root / "step_02" / "rank_0")
+    (root / "step_2" / "rank_0").mkdir()
+    for k, v in _clean(2).items():
+        np.save(root / "step_2" / "rank_0" / f"{k}.npy", v)
+    rc, rep = _cli(root)
+    dup = [f for f in rep["findings"] if f["metric"] == "duplicate_step"]
+    assert rc == 1 and dup and "step_02" in dup[0]["message"] and "step 2" in dup[0]["message"]
+    # a run store: the same step as two folders, and the same step twice in a rank's scalar lines
+    store = tmp_path / "store"
+    with RunWriter(store, rank=0) as w:
+        for step in (1, 2):
+            for k, v in _clean(step).items():
+                w.put_array(step, f"batch/{k}", v)
+            w.log_scalars(step, {"loss": 1.0})
+        w.log_scalars(2, {"loss": 2.0})
+    rc, rep = _cli(store)
+    dup = [f for f in rep["findings"] if f["metric"] == "duplicate_step"]
+    assert rc == 1 and len(dup) == 1 and "rank_00000.jsonl:3" in dup[0]["message"]
+    src = store / "steps" / "step_00000002"
+    (store / "steps" / "step_2").mkdir()
+    (src / "rank_00000.h5").rename(store / "steps" / "step_2" / "rank_00000.h5")
+    shutil.copy(store / "steps" / "step_2" / "rank_00000.h5", src / "rank_00000.h5")
+    rc, rep = _cli(store)
+    msgs = [f["message"] for f in rep["findings"] if f["metric"] == "duplicate_step"]
+    assert rc == 1 and any("step_00000002" in m and "step_2" in m for m in msgs), msgs

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.findings import Finding, StageResult
-from models.mindformers_yaml import MCORE_ALIASES, NOT_READ, expert_count, is_mcore_yaml, mcore_value
+from models.mindformers_yaml import MCORE_ALIASES, NOT_READ, expert_count, is_float32, is_mcore_yaml, mcore_value
 from models.mindformers_yaml import get as _get
 
 STAGE = "config"
@@ -45,6 +45,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "multi_latent_attention": False, "q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
     "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "deterministic_mode": False, "use_flash_attn": False,
     "apply_rope_fusion": True, "bias_swiglu_fusion": True,
+    "attention_backend": "auto", "transformer_impl": "transformer_engine",
 }
 _MF_LR = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant",
           "PolynomialWithWarmUpLR": "polynomial", "CosineWithRestartsAndWarmUpLR": "cosine-restarts",
@@ -99,6 +100,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     warm = g("lr_warmup_iters")
     if g("lr_warmup_fraction") is not None and decay_iters:
         warm = round(g("lr_warmup_fraction") * decay_iters)
+    elif g("lr_warmup_fraction") == 0:
+        warm = 0
     experts = g("num_experts") or 0
     c = {
         "num_layers": g("num_layers"), "num_heads": nh,
@@ -111,7 +114,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "position_embedding": g("position_embedding_type"), "rotary_base": g("rotary_base"),
         "hidden_dropout": g("hidden_dropout"), "attention_dropout": g("attention_dropout"),
         "lr": g("lr"), "min_lr": g("min_lr"), "warmup_steps": warm,
-        "warmup_ratio": (warm / decay_iters) if (warm is not None and decay_iters) else None,
+        # no warm-up is ratio 0 whatever the schedule length (never 'unknown')
+        "warmup_ratio": 0.0 if warm == 0 else (warm / decay_iters) if (warm is not None and decay_iters) else None,
         "decay_style": g("lr_decay_style"), "adam_beta1": g("adam_beta1"), "adam_beta2": g("adam_beta2"),
         "adam_eps": g("adam_eps"), "weight_decay": g("weight_decay"),
         "weight_decay_applies_to": "2-D weights (bias and 1-D skipped)" + (
@@ -127,10 +131,14 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         "moe_capacity_factor": g("moe_expert_capacity_factor") if experts else None,
         "untie_embeddings": flag("untie_embeddings_and_output_weights"),
         "bias_linear": flag("add_bias_linear"), "optimizer_parallel": flag("use_distributed_optimizer"),
-        "seed": g("seed"),
+        "seed": g("seed"), "data_seed": g("seed"),      # Megatron's GPTDataset shuffles with --seed
+        "flash_attention": megatron_flash_attention(g, compute),
+        "pipeline_layers": megatron_pipeline_layers(g),
         "kv_channels": g("kv_channels") or (h // nh if h and nh else None),
         "qk_layernorm": bool(g("qk_layernorm")), "qkv_bias": bool(g("add_qkv_bias") or g("add_bias_linear")),
-        "init_method_std": g("init_method_std"), "fp32_residual_connection": bool(g("fp32_residual_connection")),
+        "init_method_std": g("init_method_std"),
+        # the residual stream is fp32 with --fp32-residual-connection, or when the whole run is fp32
+        "fp32_residual_connection": bool(g("fp32_residual_connection")) or compute == "float32",
         # in an fp32 run every softmax is fp32; the flag only matters under --bf16 / --fp16
         "softmax_in_fp32": bool(g("attention_softmax_in_fp32")) or compute == "float32",
         # megatron-core computes RMSNorm/LayerNorm statistics and RoPE frequencies in fp32 (no flag)
@@ -181,6 +189,96 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     return c, defaulted
 
 
+def megatron_flash_attention(g: Any, compute: str | None) -> bool | None:
+    """Whether Megatron's core attention is a fused/flash kernel (True) or the unfused softmax path (False).
+
+    ``--use-flash-attn`` or ``--attention-backend flash|fused`` -> True; ``unfused|local`` or
+    ``--transformer-impl local`` -> False; ``auto`` (the default) lets Transformer Engine pick a flash or
+    cuDNN fused kernel, which exist only for bf16/fp16, so an fp32 run falls back to the unfused path."""
+    backend = g("attention_backend")
+    backend = None if backend is None else str(backend).rsplit(".", 1)[-1].lower()
+    if g("use_flash_attn") or backend in ("flash", "fused"):
+        return True
+    if backend in ("unfused", "local") or str(g("transformer_impl")).lower() == "local":
+        return False
+    if backend == "auto":
+        return None if compute is None else compute in ("bfloat16", "float16")
+    return None
+
+
+def _split_even(layers: int, stages: int) -> list[int] | None:
+    return [layers // stages] * stages if stages > 0 and layers % stages == 0 else None
+
+
+def megatron_pipeline_layers(g: Any) -> Any:
+    """Decoder layers per pipeline stage, ``[[stage 0, stage 1, ...]]`` (one list per virtual chunk): the
+    even split, or ``--decoder-first/last-pipeline-num-layers`` with the rest split evenly; None where the
+    arguments do not fix it (a custom ``--pipeline-model-parallel-layout``) or without pipelining."""
+    pp, layers = g("pipeline_model_parallel_size") or 1, g("num_layers")
+    if not isinstance(layers, int) or not isinstance(pp, int) or g("pipeline_model_parallel_layout"):
+        return None
+    if pp <= 1:
+        return [[layers]]
+    vpp = g("num_virtual_stages_per_pipeline_rank")
+    if vpp is None and g("num_layers_per_virtual_pipeline_stage"):
+        n = g("num_layers_per_virtual_pipeline_stage")
+        vpp = layers // (pp * n) if isinstance(n, int) and n > 0 and layers % (pp * n) == 0 else None
+        if vpp is None:
+            return f"{layers} layers do not split into {pp} stages of {n}-layer chunks"
+    vpp = vpp or 1
+    first, last = g("decoder_first_pipeline_num_layers"), g("decoder_last_pipeline_num_layers")
+    if first is None and last is None:
+        split = _split_even(layers, pp * vpp)
+        if split is None:
+            return f"{layers} layers do not split evenly into {pp * vpp} stages"
+        return [split[c * pp:(c + 1) * pp] for c in range(vpp)]
+    if vpp != 1:
+        return None               # uneven first/last stages with virtual chunks: not derived here
+    middle = pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    split = _split_even(rest, middle) if middle > 0 else ([] if rest == 0 else None)
+    if split is None:
+        return f"{rest} middle layers do not split evenly into {middle} stages"
+    return [([first] if first is not None else []) + split + ([last] if last is not None else [])]
+
+
+def mindformers_pipeline_layers(cfg: dict[str, Any], layers: Any) -> Any:
+    """Layers per pipeline stage of a MindFormers YAML, ``[[...]]`` per interleave chunk: each of the
+    pp x pp_interleave_num stages gets num_layers // (pp * interleave) plus its ``offset`` (an int, a list
+    per stage or a list per chunk of lists per stage; parallel_core/training_graph/transformer/utils.py
+    LayerSetting). None without pipelining; a text naming the problem where MindFormers would refuse it."""
+    import numpy as np
+
+    pp = (cfg.get("parallel_config") or {}).get("pipeline_stage", 1) or 1
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        return NOT_READ
+    if not isinstance(pp, int) or pp <= 1:
+        return [[layers]]
+    mc = _get(cfg, "model.model_config", {}) or {}
+    interleave = mc.get("pp_interleave_num", 1) or 1
+    if not _get(cfg, "parallel.pipeline_config.pipeline_interleave", False):
+        interleave = 1
+    offset = mc.get("offset", 0)
+    offset = 0 if offset is None else offset
+
+    def ints(v: Any) -> bool:
+        return all(ints(x) for x in v) if isinstance(v, list) else type(v) is int
+    if not ints(offset):
+        return f"offset {offset!r:.60} is not whole numbers"
+    try:
+        off = np.array(offset, dtype=np.int64)
+        if off.ndim > 2 or (off.ndim >= 1 and off.shape[-1] != pp) or (off.ndim == 2 and off.shape[0] != interleave):
+            raise ValueError
+        total = pp * interleave
+        base, rem = divmod(layers, total)
+        if int(off.sum() if off.ndim else off * total) != rem and total > 1:
+            return f"offset {offset} does not add up to {layers} % {total} = {rem} (MindFormers refuses it)"
+        per = np.broadcast_to(off, (interleave, pp)) + base
+    except (ValueError, TypeError, OverflowError):
+        return f"offset {offset!r:.60} does not fit {pp} stages x {interleave} chunks"
+    return per.tolist()
+
+
 def _llama_ffn(h: int, multiple_of: int, mult: float | None) -> int:
     hidden = int(2 * (4 * h) / 3)
     if mult is not None:
@@ -202,7 +300,8 @@ def _dtype(v: Any) -> Any:
 # MindFormers names for Megatron's values of the same setting
 _MF_BALANCE = {"gbs_aux_loss": "global_aux_loss"}
 _MF_OPTIMIZER = {"adamw": "adamw", "fusedadamw": "adamw", "adamweightdecay": "adamw (no bias correction)",
-                 "fusedadamweightdecay": "adamw (no bias correction)"}
+                 "fusedadamweightdecay": "adamw (no bias correction)",
+                 "fp32stateadamweightdecay": "adamw (no bias correction)"}
 
 
 def mindformers_attention_dtype(cfg: dict[str, Any]) -> str | None:
@@ -243,6 +342,13 @@ def mcore_common(cfg: dict[str, Any]) -> dict[str, Any]:
     if untie is None and "tie_word_embeddings" in mc:
         untie = not mc["tie_word_embeddings"]
     c["untie_embeddings"] = NOT_READ if untie is None else bool(untie)
+    compute = _dtype(c["compute_dtype"])
+    fp32_res = c["fp32_residual_connection"]
+    c["fp32_residual_connection"] = True if compute == "float32" else (
+        fp32_res if fp32_res is NOT_READ else is_float32(fp32_res))
+    c["flash_attention"] = c["flash_attention"] if c["flash_attention"] is NOT_READ else bool(
+        _truth_or(c["flash_attention"]))
+    c["pipeline_layers"] = mindformers_pipeline_layers(cfg, c["num_layers"])
     sm = c.pop("softmax_compute_dtype")
     c["softmax_in_fp32"] = sm if isinstance(sm, bool) or sm is NOT_READ else _dtype(sm) == "float32"
     for k in ("compute_dtype", "params_dtype", "layernorm_compute_dtype", "rotary_dtype", "moe_router_dtype"):
@@ -293,6 +399,10 @@ def _warmup(lrs: dict[str, Any], zero_steps_zero_ratio: bool = False) -> tuple[A
         warm_ratio = warm_steps / total
     if zero_steps_zero_ratio and warm_ratio is None and warm_steps == 0:
         warm_ratio = 0.0
+    if zero_steps_zero_ratio and warm_steps is None and warm_ratio == 0:
+        warm_steps = 0
+    if zero_steps_zero_ratio and warm_steps is None and warm_ratio is None:
+        warm_steps, warm_ratio = 0, 0.0     # MindFormers' schedules: neither set -> no warm-up
     return warm_steps, warm_ratio
 
 
@@ -323,9 +433,26 @@ def _training_common(cfg: dict[str, Any], mc: dict[str, Any]) -> dict[str, Any]:
         "sequence_parallel": bool(pc.get("use_seq_parallel", False)), "ep": pc.get("expert_parallel", 1),
         "optimizer_parallel": bool(_get(cfg, "parallel.enable_parallel_optimizer", False)),
         "optimizer": _MF_OPTIMIZER.get(otype, otype) if otype else NOT_READ,
-        "seed": cfg.get("seed"),
+        "seed": cfg.get("seed"), "data_seed": _data_seed(cfg),
         "pad_token_id": mc.get("pad_token_id"), "eos_token_id": mc.get("eos_token_id"),
     }
+
+
+def _truth_or(v: Any) -> Any:
+    from models.mindformers_yaml import truth
+
+    t = truth(v)
+    return v if t is None else t
+
+
+def _data_seed(cfg: dict[str, Any]) -> Any:
+    """The seed MindFormers' Megatron-format dataset shuffles with (train_dataset.data_loader.config.seed of
+    a BlendedMegatronDatasetDataLoader); None for other loaders (a replayed or MindRecord dataset)."""
+    loader = _get(cfg, "train_dataset.data_loader") or {}
+    if not isinstance(loader, dict) or loader.get("type") != "BlendedMegatronDatasetDataLoader":
+        return None
+    seed = _get(loader, "config.seed")
+    return NOT_READ if seed is None else seed
 
 
 def mindformers_common(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -348,8 +475,9 @@ def legacy_common(cfg: dict[str, Any]) -> dict[str, Any]:
     ffn = mc.get("intermediate_size")
     if ffn is None and h:
         ffn = _llama_ffn(h, mc.get("multiple_of", 256), mc.get("ffn_dim_multiplier"))
-    betas = opt.get("betas") or [0.9, 0.999]
-    warm_steps, warm_ratio = _warmup(lrs)
+    # 1.x optimizers (AdamWeightDecay, FP32StateAdamWeightDecay, FusedAdamWeightDecay) take beta1 / beta2
+    betas = opt.get("betas") or [opt.get("beta1", 0.9), opt.get("beta2", 0.999)]
+    warm_steps, warm_ratio = _warmup(lrs, zero_steps_zero_ratio=True)
     dp, pp = pc.get("data_parallel", 1), pc.get("pipeline_stage", 1)
     mbs = _first(runner.get("batch_size"), mc.get("batch_size"), _get(cfg, "train_dataset.batch_size"))
     acc = runner.get("gradient_accumulation_steps", 1) or 1
@@ -385,8 +513,9 @@ def legacy_common(cfg: dict[str, Any]) -> dict[str, Any]:
         "untie_embeddings": not bool(mc.get("tie_word_embeddings", False)),
         "bias_linear": bool(mc.get("qkv_has_bias", False) or mc.get("attn_proj_has_bias", False)),
         "optimizer_parallel": bool(_get(cfg, "parallel.enable_parallel_optimizer", False)),
-        "seed": cfg.get("seed"),
+        "seed": cfg.get("seed"), "data_seed": _data_seed(cfg),
         "pad_token_id": mc.get("pad_token_id"), "eos_token_id": mc.get("eos_token_id"),
+        "pipeline_layers": mindformers_pipeline_layers(cfg, mc.get("num_layers")),
         **_legacy_extra(cfg, mc, h, nh),
     }
 
@@ -401,6 +530,11 @@ def _legacy_extra(cfg: dict[str, Any], mc: dict[str, Any], h: Any, nh: Any) -> d
     for key, src in (("layernorm_compute_dtype", "layernorm_compute_type"), ("rotary_dtype", "rotary_dtype")):
         if src in mc:
             out[key] = _dtype(mc[src])
+    # LlamaConfig: residual_dtype None -> the compute dtype (llama_config.py)
+    res = mc.get("residual_dtype")
+    compute = _dtype(mc.get("compute_dtype", "float16"))
+    out["fp32_residual_connection"] = (_dtype(res) == "float32") if res is not None else compute == "float32"
+    out["flash_attention"] = bool(_truth_or(mc.get("use_flash_attention", False)))
     if "initializer_range" in mc:
         out["init_method_std"] = mc["initializer_range"]
     otype = str((cfg.get("optimizer") or {}).get("type", "")).lower()
@@ -412,7 +546,22 @@ def _legacy_extra(cfg: dict[str, Any], mc: dict[str, Any], h: Any, nh: Any) -> d
 
 
 # keys that only inform (parallel layout may legitimately differ between the two runs)
-_INFO_ONLY = {"dp", "vocab_size_unpadded", "warmup_steps", "seed", "optimizer_parallel"}
+_INFO_ONLY = {"dp", "vocab_size_unpadded", "warmup_steps", "optimizer_parallel"}
+# compared only where both sides state them (a replayed dataset has no shuffle seed)
+_BOTH_OR_NONE = {"data_seed"}
+# a difference is real but not a numerical mismatch of the model: a check, with why
+_CHECK_NOTES = {
+    "seed": "seeds differ; the two frameworks' generators differ anyway, so load converted weights and keep "
+            "dropout off rather than rely on the seed",
+    "data_seed": "Megatron's GPTDataset shuffles with --seed, MindFormers' BlendedMegatronDatasetDataLoader with "
+                 "train_dataset.data_loader.config.seed: different seeds train on different samples each step "
+                 "(replay Megatron's batches, or set the same seed)",
+    "pipeline_layers": "layers per pipeline stage differ (MindFormers offset vs Megatron's split): per-rank "
+                       "dumps hold different layers and the global grad norm sums in another order",
+    "flash_attention": "attention kernels differ (Megatron --attention-backend / --use-flash-attn, auto picks a "
+                       "flash or fused kernel under bf16/fp16; MindFormers use_flash_attention): they round "
+                       "differently; use the same kind on both sides while aligning",
+}
 # precision settings whose effect depends on the kernel Megatron runs (fused / flash kernels compute in fp32)
 _KERNEL_DEPENDENT = {
     "softmax_in_fp32": "Megatron's --attention-softmax-in-fp32 only matters for its unfused softmax (flash and "
@@ -457,6 +606,8 @@ def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any]) -> tuple[li
             continue
         if a is None and (b is None or b is NOT_READ):
             continue
+        if key in _BOTH_OR_NONE and (a is None or b is None):
+            continue
         if b is NOT_READ:
             rows.append(Row(key, a, "not read", "not read", "the YAML does not set it (its value comes from "
                                                          "MindFormers' model defaults): check by hand"))
@@ -467,6 +618,8 @@ def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any]) -> tuple[li
         elif key in _LAYOUT:
             rows.append(Row(key, a, b, "check", "parallel layout differs; local norms and losses still compare "
                                                 "(TP shards are combined) but check determinism settings"))
+        elif key in _CHECK_NOTES:
+            rows.append(Row(key, a, b, "check", _CHECK_NOTES[key]))
         elif key in _KERNEL_DEPENDENT:
             rows.append(Row(key, a, b, "check", _KERNEL_DEPENDENT[key]))
         elif key == "params_dtype":

@@ -43,16 +43,69 @@ def check_batch(where: str | Path, batch: dict[str, Any]) -> dict[str, np.ndarra
     return batch
 
 
-def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-    """(step, rank, {tokens, labels, loss_mask, ...}) from a run store or the seed layout."""
+def _duplicates(base: Path, step_re: Any, rank_re: Any) -> list[Finding]:
+    """Folders (or files) that name the same step (rank) twice, as ``step_1`` and ``step_00000001`` do: a
+    reader keeps one of them, so the other step's data would be silently dropped."""
+    out: list[Finding] = []
+    if not base.is_dir():
+        return out
+    steps: dict[int, list[Path]] = {}
+    for d in sorted(base.iterdir()):
+        m = step_re.match(d.name)
+        if m and d.is_dir():
+            steps.setdefault(int(m.group(1)), []).append(d)
+    for step, dirs in sorted(steps.items()):
+        if len(dirs) > 1:
+            out.append(Finding(STAGE, "fail", f"step {step}", "duplicate_step", len(dirs), 1,
+                               f"step {step} is recorded {len(dirs)} times: {', '.join(str(d) for d in dirs)}"))
+        ranks: dict[int, list[Path]] = {}
+        for d in dirs:
+            for f in sorted(d.iterdir()):
+                m = rank_re.match(f.name)
+                if m:
+                    ranks.setdefault(int(m.group(1)), []).append(f)
+        for rank, files in sorted(ranks.items()):
+            if len(files) > 1 and len({f.parent for f in files}) == 1:
+                out.append(Finding(STAGE, "fail", f"step {step} rank {rank}", "duplicate_rank", len(files), 1,
+                                   f"step {step}, rank {rank} is recorded {len(files)} times: "
+                                   f"{', '.join(str(f) for f in files)}"))
+    return out
+
+
+def _scalar_duplicates(reader: Any) -> list[Finding]:
+    """The same step twice in one rank's scalar records: which line is the step's value is ambiguous."""
+    out: list[Finding] = []
+    for rank in reader.ranks:
+        seen: dict[int, int] = {}
+        for line, rec in enumerate(reader.scalar_records(rank), 1):
+            step = rec.get("step")
+            if step in seen:
+                path = reader.root / "scalars" / f"rank_{rank:05d}.jsonl"
+                out.append(Finding(STAGE, "fail", f"step {step} rank {rank}", "duplicate_step", 2, 1,
+                                   f"{path}:{line}: step {step} recorded again (first at line {seen[step]})"))
+                break
+            seen[step] = line
+    return out
+
+
+def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(step, rank, {tokens, labels, loss_mask, ...}) from a run store or the seed layout; each batch names
+    its file under ``_file``. Structural faults (a step or rank recorded twice) come first, as
+    ``(step, rank, {"_finding": Finding})``."""
     import runstore
+    from runstore.layout import _RANK_H5_RE, _SEED_RANK_RE, _STEP_RE
 
     p = Path(path)
     if not p.is_dir():
         raise BadInput(f"{p}: not a directory (run store or step_N/rank_R batch dump)")
     seed = runstore.seed_steps(p)
+    faults = _duplicates(p / runstore.STEP_DIR, _STEP_RE, _RANK_H5_RE) + _duplicates(p, _STEP_RE, _SEED_RANK_RE)
     if (p / runstore.META).is_file() or (p / runstore.STEP_DIR).is_dir():
         reader = runstore.RunReader(p)
+        faults += _scalar_duplicates(reader)
+        for f in faults:
+            yield -1, -1, {"_finding": f}
+        faults = []
         found = False
         for step in reader.array_steps():
             for rank in reader.array_ranks(step):
@@ -60,18 +113,23 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, np.ndar
                 batch = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
                 if batch:
                     found = True
-                    yield step, rank, check_batch(reader.step_file(step, rank), batch)
+                    yield step, rank, {**check_batch(reader.step_file(step, rank), batch),
+                                       "_file": str(reader.step_file(step, rank))}
         if found or not seed:
             if not found:
                 raise BadInput(f"{p}: run store has no batch/* arrays")
             return
     if not seed:
         raise BadInput(f"{p}: no step_N/rank_R folders and no run store")
+    for f in faults:
+        yield -1, -1, {"_finding": f}
     for step in sorted(seed):
         for rank in sorted(seed[step]):
             folder = seed[step][rank]
             keys = [k for k in runstore.SEED_BATCH_KEYS if (folder / f"{k}.npy").is_file()]
-            yield step, rank, check_batch(folder, runstore.read_seed_batch(p, step, rank, keys))
+            batch = runstore.read_seed_batch(p, step, rank, keys) if folder == p / f"step_{step}" / f"rank_{rank}" \
+                else {k: runstore.load_npy(folder / f"{k}.npy") for k in keys}
+            yield step, rank, {**check_batch(folder, batch), "_file": str(folder)}
 
 
 def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | None = None,
@@ -81,8 +139,20 @@ def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | 
     per_step: dict[int, dict[str, Any]] = {}
     eod_total = eod_trained = 0
     n = 0
+    seen: dict[tuple[int, int], str] = {}
+    ranks_at: dict[int, set[int]] = {}
     for step, rank, b in batches:
+        if "_finding" in b:
+            res.add(b["_finding"])
+            continue
         n += 1
+        src = str(b.get("_file", f"step {step} rank {rank}"))
+        if (step, rank) in seen:
+            res.add(Finding(STAGE, "fail", f"step {step} rank {rank}", "duplicate_step", 2, 1,
+                            f"step {step}, rank {rank} recorded twice ({seen[(step, rank)]} and {src})"))
+            continue
+        seen[(step, rank)] = src
+        ranks_at.setdefault(step, set()).add(rank)
         tokens = np.asarray(b.get("tokens"))
         if tokens is None or tokens.ndim == 0:
             raise BadInput(f"step {step} rank {rank}: no tokens array")
@@ -103,6 +173,14 @@ def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | 
                             f"(min {tmin}, max {tmax})"))
         if mask is not None:
             mask = np.asarray(mask, dtype=np.float64).reshape(tokens.shape)
+            bad = ~np.isfinite(mask) | (mask < 0)
+            if bad.any():
+                kinds = [k for k, m in (("NaN", np.isnan(mask)), ("inf", np.isinf(mask)),
+                                        ("negative", mask < 0)) if m.any()]
+                res.add(Finding(STAGE, "fail", where, "loss_mask_invalid", int(bad.sum()), 0,
+                                f"{where} ({src}): {int(bad.sum())} loss_mask values are {'/'.join(kinds)} "
+                                f"(first at flat position {int(np.flatnonzero(bad)[0])}); a mask is finite, >= 0"))
+                mask = np.where(bad, 0.0, mask)      # the finding stands; the sums below stay finite
             rec["loss_mask_sum"] += float(mask.sum())
             empty = np.flatnonzero(mask.sum(axis=1) == 0)
             if empty.size:
@@ -132,6 +210,7 @@ def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | 
                 eod_trained += int((eod & (mask > 0)).sum())
     if n == 0:
         raise BadInput("no batches found")
+    _missing_ranks(res, ranks_at)
     steps = [per_step[s] for s in sorted(per_step)]
     _trend(res, steps)
     if eos_id is not None and eod_trained == 0:
@@ -147,6 +226,20 @@ def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | 
                         f"{n} batches over {len(steps)} steps: ids in range, labels shifted, masks steady"))
     res.details = {"batches": n, "steps": steps, "eod_targets": eod_total, "eod_trained": eod_trained}
     return res
+
+
+def _missing_ranks(res: StageResult, ranks_at: dict[int, set[int]]) -> None:
+    """Every step should hold the same ranks 0..R-1: a rank missing at one step (or a gap, rank_0 and rank_2
+    without rank_1) means a writer died or files were lost; that step's batch is incomplete."""
+    every = set().union(*ranks_at.values()) if ranks_at else set()
+    expected = set(range(max(every) + 1)) if every else set()
+    shown = 0
+    for step in sorted(ranks_at):
+        missing = sorted(expected - ranks_at[step])
+        if missing and shown < 20:
+            shown += 1
+            res.add(Finding(STAGE, "fail", f"step {step}", "missing_rank", missing[0], None,
+                            f"step {step}: rank(s) {missing[:10]} missing (present: {sorted(ranks_at[step])[:10]})"))
 
 
 def same_ids(a: int | None, b: int | None) -> bool:
@@ -199,7 +292,11 @@ def compare_batches(baseline: str | Path, candidate: str | Path, *, limit: int |
     compared = 0
     first_diff = None
     for step, rank, b in iter_batches(baseline):      # both come in (step, rank) order: a merge join
+        if "_finding" in b:
+            continue
         while cur is not None and (cur[0], cur[1]) < (step, rank):
+            cur = next(cand_iter, None)
+        while cur is not None and "_finding" in cur[2]:
             cur = next(cand_iter, None)
         if cur is None:
             break
