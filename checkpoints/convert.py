@@ -27,8 +27,14 @@ from models import load_mapping, preset_for_weights
 
 
 def _torch_state(path: str | Path) -> dict[str, Any]:
+    import zipfile
+
     import torch
 
+    from checkpoints.megatron import check_zip_crc
+
+    if zipfile.is_zipfile(path):   # torch.load does not check the CRCs torch.save wrote
+        check_zip_crc(path, path)
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file

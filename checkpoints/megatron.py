@@ -27,6 +27,8 @@ import io
 import pickle
 import re
 import warnings
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,51 @@ def _declared_tensors(root: Path, meta: Any) -> dict[str, tuple[tuple[int, ...],
     return out
 
 
+def check_zip_crc(fh: Any, where: Path | str) -> None:
+    """torch.save writes a zip archive with a CRC-32 per record, which torch.load does not check: a flipped
+    byte in tensor data loads as a wrong value. Each record is read and checked here (records written
+    without a CRC, ``torch.serialization.set_crc32_options(False)``, store 0 and are skipped)."""
+    try:
+        with zipfile.ZipFile(fh) as z:
+            for info in z.infolist():
+                if info.CRC == 0:
+                    continue
+                with z.open(info) as f:
+                    while f.read(1 << 22):
+                        pass
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+            zlib.error, RuntimeError) as exc:
+        raise BadInput(f"{where}: damaged torch archive ({type(exc).__name__}: "
+                       f"{' '.join(str(exc).split())[:200]})") from None
+
+
+def _check_dcp_items(root: Path, meta: Any, declared: Mapping[str, Any]) -> None:
+    """The CRC of each stored tensor record (a torch.save archive inside a ``.distcp`` file) of the model
+    tensors about to be loaded; a missing or short shard is named."""
+    storage = getattr(meta, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise BadInput(f"{root / '.metadata'}: no storage index (not a torch_dist checkpoint)")
+    for index, info in storage.items():
+        if getattr(index, "fqn", None) not in declared:
+            continue
+        try:
+            rel, offset, length = str(info.relative_path), int(info.offset), int(info.length)
+        except (AttributeError, TypeError, ValueError):
+            raise BadInput(f"{root / '.metadata'}: malformed storage entry for {index.fqn!r}") from None
+        if getattr(info, "transform_descriptors", None):
+            continue                     # stored through a transform (compression): torch checks it
+        shard = root / rel
+        if Path(rel).name != rel or not shard.is_file():
+            raise BadInput(f"{shard}: missing shard of the torch_dist checkpoint (holds {index.fqn!r})")
+        if offset < 0 or length <= 0 or offset + length > shard.stat().st_size:
+            raise BadInput(f"{shard}: shorter than the metadata says (truncated?); {index.fqn!r} is not whole")
+        with open(shard, "rb") as f:
+            f.seek(offset)
+            blob = f.read(length)
+        if blob[:4] == b"PK\x03\x04":     # torch.save records (SerializationFormat.TORCH_SAVE)
+            check_zip_crc(io.BytesIO(blob), shard)
+
+
 def read_torch_dist(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Global model tensors of a ``torch_dist`` checkpoint folder, unstacked to per-layer names."""
     import torch
@@ -176,6 +223,7 @@ def read_torch_dist(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
     declared = _declared_tensors(root, meta)
     if not declared:
         raise BadInput(f"{root}: torch_dist checkpoint holds no model tensors")
+    _check_dcp_items(root, meta, declared)
     state: dict[str, Any] = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in declared.items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -244,6 +292,8 @@ def load_legacy_file(path: str | Path) -> dict[str, Any]:
     import torch.serialization as ser
 
     p = Path(path)
+    if zipfile.is_zipfile(p):
+        check_zip_crc(p, p)
     try:
         unsafe = ser.get_unsafe_globals_in_checkpoint(str(p))
     except Exception as exc:  # noqa: BLE001
