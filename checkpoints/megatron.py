@@ -315,7 +315,9 @@ def load_legacy_file(path: str | Path) -> dict[str, Any]:
 
 
 def _legacy_files(root: Path) -> list[tuple[tuple[int, int, int], Path]]:
-    out = []
+    out: list[tuple[tuple[int, int, int], Path]] = []
+    if not root.is_dir():
+        return out
     for d in sorted(root.iterdir()):
         m = _MP_DIR.match(d.name)
         if m and (d / LEGACY_FILE).is_file():
@@ -335,10 +337,15 @@ def _latest_iteration_dir(root: Path) -> Path | None:
     except UnicodeDecodeError:
         text = None
     if text == "release":
+        if not (root / "release").is_dir():
+            raise BadInput(f"{latest}: names 'release', but {root / 'release'} is not there")
         return root / "release"
     if text is None or not text.isdigit() or not text.isascii():
         raise BadInput(f"{latest}: expected an iteration number or 'release', got {raw[:20]!r}")
-    return root / f"iter_{int(text):07d}"
+    cand = root / f"iter_{int(text):07d}"
+    if not cand.is_dir():
+        raise BadInput(f"{latest}: names iteration {int(text)}, but {cand.name} is not in {root}")
+    return cand
 
 
 def find_legacy_root(path: str | Path) -> Path | None:
@@ -395,8 +402,16 @@ def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
     loaded: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for key, f in files:
         obj = load_legacy_file(f)
-        if gated_fc1 is None and obj.get("args") is not None:
-            gated_fc1 = bool(getattr(obj["args"], "swiglu", False))
+        args = obj.get("args")
+        if gated_fc1 is None and args is not None:
+            gated_fc1 = bool(getattr(args, "swiglu", False))
+        # the sizes the run saved with: a missing highest rank would otherwise look like a smaller TP / PP
+        for what, found in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+            said = getattr(args, what, None) if args is not None else None
+            # (PP: only where the names carry a PP rank; with PP=1 and EP>1 the second number is the EP rank)
+            if isinstance(said, int) and said > 1 and said != found or (what[0] == "t" and said == 1 and found > 1):
+                raise BadInput(f"{f}: its args say {what}={said}, the folder holds rank files for {found} "
+                               "(missing rank files?)")
         loaded[key] = [{str(k): v for k, v in c.items() if isinstance(v, torch.Tensor) and "_extra_state" not in str(k)}
                        for c in _model_chunks(obj, f)]
     n_chunks = len(next(iter(loaded.values())))

@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         fails = [f for f in res.findings if f.verdict == "fail"]
         more = f" (and {len(fails) - 1} more problems; --json lists them)" if len(fails) > 1 else ""
         first = fails[0].message if fails else "conversion failed"
+        if not any(str(i) in first for i in args.inputs):   # mapping findings name tensors, not the file
+            first = f"{', '.join(args.inputs)}: {first}"
         print(f"FAIL {first}{more}; nothing written to {res.details['out']}")
     else:
         for f in res.findings:
