@@ -50,13 +50,16 @@ _TP_DIM = [
 ]
 
 # torch.distributed.checkpoint metadata: exactly the classes a Megatron torch_dist .metadata holds (measured:
-# torch 2.x DCP saves, Megatron's MCoreSavePlanner adds plain dicts only). Named one by one: admitting whole
-# modules would admit what they import too (``torch.distributed.checkpoint.filesystem.os``).
+# torch 2.x DCP saves and megatron-core's torch_dist strategy, tests/test_megatron_layouts.py). Named one by
+# one: admitting whole modules would admit what they import too (``torch.distributed.checkpoint.filesystem.os``).
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                               "TensorStorageMetadata", "ChunkStorageMetadata",
                                               "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron's torch_dist strategy caches its save plans in the metadata (dataclasses and enums: data only)
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                             "BytesIOWriteData", "LoadPlan", "ReadItem", "LoadItemType"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},   # StorageMeta.checkpoint_id
 }
 _TORCH_NAMES = {"Size", "strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format",
