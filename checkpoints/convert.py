@@ -10,22 +10,31 @@ need them: align/ stays importable with numpy alone.
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingABC
-from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from core.errors import BadInput
-from core.findings import StageResult
+from core.findings import Finding, StageResult
 from mapping import Mapping, TransformParams
 from models import load_mapping, preset_for_weights
 
 
 def _torch_state(path: str | Path) -> dict[str, Any]:
+    import zipfile
+
     import torch
 
+    from checkpoints.megatron import check_zip_crc
+
+    if zipfile.is_zipfile(path):   # torch.load does not check the CRCs torch.save wrote
+        check_zip_crc(path, path)
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
@@ -38,16 +47,120 @@ def _torch_state(path: str | Path) -> dict[str, Any]:
     return obj
 
 
+_INDEXED = re.compile(r"\.(\d+)\.")
+
+
+def check_out_path(out: str | Path) -> Path:
+    """``--out`` must name a file in an existing folder: refused before anything is read or written."""
+    p = Path(out)
+    if p.is_dir():
+        raise BadInput(f"{p}: --out is an existing folder; name the file to write")
+    if not p.parent.is_dir():
+        raise BadInput(f"{p}: --out folder {p.parent} does not exist")
+    return p
+
+
+def check_model_params(num_heads: int, num_query_groups: int | None, num_experts: int | None) -> None:
+    if num_heads is None or num_heads <= 0:
+        raise BadInput(f"--num-heads {num_heads}: expected a positive number of attention heads")
+    if num_query_groups is not None and (num_query_groups <= 0 or num_heads % num_query_groups):
+        raise BadInput(f"--num-query-groups {num_query_groups}: expected a positive divisor of --num-heads "
+                       f"{num_heads}")
+    if num_experts is not None and num_experts <= 0:
+        raise BadInput(f"--num-experts {num_experts}: expected a positive number of experts")
+
+
+def check_weights(state: MappingABC[str, Any], mapping: Mapping, side: str, where: str) -> StageResult:
+    """What the mapping cannot see in a state_dict before converting it: no tensors at all; a mapped tensor
+    that is empty or of a dtype no weight has (complex, object, strings); a tensor one layer (or expert) lacks
+    that its siblings hold (a whole rule's group is absent, so the mapping's own completeness check, per
+    group, never sees it); a tensor whose shape differs from the same tensor in the sibling layers. Scalars
+    where a weight is mapped are bad input (no rule transforms a 0-d tensor)."""
+    res = StageResult("weights")
+    if not state:
+        res.add(Finding("weights", "fail", None, "no_tensors", 0, None, f"{where}: holds no tensors"))
+        return res
+    for name, v in state.items():
+        a = v if isinstance(v, np.ndarray) else np.asarray(v)
+        if mapping.match(name, side) is None:
+            continue
+        if a.dtype.kind not in "biuf":
+            res.add(Finding("weights", "fail", name, "bad_dtype", str(a.dtype), None,
+                            f"{where}: {name} has dtype {a.dtype}, not a weight dtype (float, int, bool)"))
+        elif a.ndim == 0:
+            raise BadInput(f"{where}: {name} is a scalar; a weight of this mapping has at least one dimension")
+        elif a.size == 0:
+            res.add(Finding("weights", "fail", name, "empty_tensor", str(list(a.shape)), None,
+                            f"{where}: {name} is empty (shape {list(a.shape)})"))
+    # siblings: the same prefix with another index (layers, experts, MTP layers)
+    members: dict[str, dict[int, dict[str, tuple[int, ...]]]] = {}
+    for name, v in state.items():
+        for m in _INDEXED.finditer(name):
+            prefix, rest = name[:m.start()], name[m.end():]
+            members.setdefault(prefix, {}).setdefault(int(m.group(1)), {})[rest] = tuple(np.shape(v))
+    for prefix, by_index in members.items():
+        if len(by_index) < 2:
+            continue
+        sigs = {i: frozenset(r) for i, r in by_index.items()}
+        for i, sig in sorted(sigs.items()):
+            supersets = [o for o in sigs.values() if sig < o]
+            if supersets:
+                for rest in sorted(min(supersets, key=len) - sig):
+                    name = f"{prefix}.{i}.{rest}"
+                    res.add(Finding("weights", "fail", name, "missing_tensor", None, None,
+                                    f"{where}: {name} is missing (the other {prefix}.* hold it)"))
+        shapes: dict[str, dict[tuple[int, ...], list[int]]] = {}
+        for i, rests in by_index.items():
+            for rest, shape in rests.items():
+                shapes.setdefault(rest, {}).setdefault(shape, []).append(i)
+        for rest, seen in shapes.items():
+            if len(seen) > 1:
+                common = max(seen, key=lambda sh: len(seen[sh]))
+                for shape, idx in seen.items():
+                    if shape != common:
+                        res.add(Finding("weights", "fail", f"{prefix}.{idx[0]}.{rest}", "shape_mismatch",
+                                        str(list(shape)), str(list(common)),
+                                        f"{where}: {prefix}.{idx[0]}.{rest} has shape {list(shape)}, the other "
+                                        f"{prefix}.* have {list(common)}"))
+    if not res.findings:
+        res.verdict = "pass"
+    return res
+
+
+def _refused(res: StageResult, problems: StageResult, out: str | Path, **details: Any) -> StageResult:
+    """Fold the weight check's failures into ``res`` and mark it failed: nothing is written."""
+    for f in problems.findings:
+        res.add(f)
+    res.verdict = "fail"
+    res.details.update({"out": str(out), "tensors": 0, **details})
+    return res
+
+
 def merge_tp_shards(shards: Sequence[MappingABC[str, np.ndarray]], mapping: Mapping) -> dict[str, np.ndarray]:
     """Concatenate TP shards on each rule's partition dim; duplicated (dim -1) tensors are taken once."""
     if len(shards) == 1:
         return dict(shards[0])
+    names = set(shards[0])
+    for r, s in enumerate(shards[1:], 1):
+        if set(s) != names:
+            diff = sorted(names ^ set(s))
+            raise BadInput(f"TP shards 0 and {r} hold different tensors (e.g. {diff[0]}; {len(diff)} differ): "
+                           "not shards of one checkpoint")
     out = {}
     for name in shards[0]:
         m = mapping.match(name, "baseline")
         dim = m.rule.tp_partition_dim if m else -1
-        parts = [s[name] for s in shards]
-        out[name] = np.concatenate(parts, axis=dim) if dim >= 0 else parts[0]
+        parts = [np.asarray(s[name]) for s in shards]
+        shapes = [list(p.shape) for p in parts]
+        if dim >= 0:
+            if any(p.ndim <= dim or p.shape[:dim] + p.shape[dim + 1:] != parts[0].shape[:dim] + parts[0].shape[dim + 1:]
+                   for p in parts):
+                raise BadInput(f"TP shards of {name} do not fit together on dim {dim}: shapes {shapes}")
+            out[name] = np.concatenate(parts, axis=dim)
+        else:
+            if any(p.shape != parts[0].shape for p in parts):
+                raise BadInput(f"TP shards of {name} differ in shape ({shapes}), yet its rule does not split it")
+            out[name] = parts[0]
     return out
 
 
@@ -89,20 +202,34 @@ def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path
                                     dtype: str | None = None, num_experts: int | None = None) -> StageResult:
     """Megatron-core state_dict(s) -> MindFormers weights: ``out`` ending in .safetensors gets mcore names and
     layouts (loadable with ``load_ckpt_format: safetensors``), else a MindSpore .ckpt (legacy Llama)."""
+    check_out_path(out)
+    check_model_params(num_heads, num_query_groups, num_experts)
     m = load_mapping(_default_mapping(mapping, out))
+    where = ", ".join(str(p) for p in paths)
     loaded, dtypes = megatron_to_numpy(paths)
     tp = len(paths)
-    state = merge_tp_shards(loaded if tp > 1 else [loaded], m)   # type: ignore[list-item]
+    try:
+        state = merge_tp_shards(loaded if tp > 1 else [loaded], m)   # type: ignore[list-item]
+    except BadInput as exc:
+        raise BadInput(f"{where}: {exc}") from None
     # fc1 halves are [gate; up] per TP shard; after concatenation the chunk transform needs tp
     params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads, tp=tp,
                              num_experts=num_experts)
-    converted, res = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate",
-                               params)
+    weights = {k: v for k, v in state.items() if not m.ignored(k, "baseline")}
     src_dtype = dtype or (next(iter(dtypes.values())) if dtypes else "float32")
+    problems = check_weights(weights, m, "baseline", where)
+    try:
+        converted, res = m.convert(weights, "candidate", params)
+    except BadInput as exc:
+        if problems.verdict == "fail":   # the cause is named there (an empty or complex tensor)
+            return _refused(StageResult("mapping"), problems, out, tp_shards_merged=tp, dtype=src_dtype)
+        raise BadInput(f"{where}: {exc}") from None
+    if problems.verdict == "fail" or res.verdict == "fail" or not converted:
+        # nothing half-way: an incomplete conversion writes no file
+        if not converted and not problems.findings and res.verdict != "fail":
+            problems.add(Finding("weights", "fail", None, "no_weights", 0, None, f"{where}: no tensor to convert"))
+        return _refused(res, problems, out, tp_shards_merged=tp, dtype=src_dtype)
     if str(out).endswith(".safetensors"):
-        if res.verdict == "fail":   # nothing half-way: an incomplete conversion writes no file
-            res.details.update({"out": str(out), "tensors": 0, "tp_shards_merged": tp, "dtype": src_dtype})
-            return res
         from checkpoints.mindformers import write_safetensors
 
         write_safetensors(converted, out, dtype="bfloat16" if src_dtype == "bfloat16" else None,
@@ -118,7 +245,10 @@ def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path
         if src_dtype == "bfloat16":
             t = t.astype(ms.bfloat16)
         items.append({"name": name, "data": ms.Parameter(t, name=name)})
-    ms.save_checkpoint(items, str(out))
+    # written under a temporary name, renamed when complete; mindspore appends .ckpt to a name without it
+    out = out if str(out).endswith(".ckpt") else f"{out}.ckpt"
+    with _atomic(out) as tmp:
+        ms.save_checkpoint(items, str(tmp))
     res.details.update({"out": str(out), "tensors": len(items), "tp_shards_merged": tp, "dtype": src_dtype})
     return res
 
@@ -149,6 +279,8 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
     rules, e.g. ``q_down`` = q_lora_rank for MLA's linear_qkv with mla_qkv_concat)."""
     import torch
 
+    check_out_path(out)
+    check_model_params(num_heads, num_query_groups, num_experts)
     m = load_mapping(_default_mapping(mapping, path))
     if str(path).endswith(".safetensors"):
         from checkpoints.mindformers import read_safetensors
@@ -162,14 +294,22 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
     # optimizer state (adam moments, step counters) lives in the same file: not weights, not converted
     weights = {k: v for k, v in state.items()
                if (m.match(k, "candidate") is not None or not _optimizer_key(k)) and not m.ignored(k, "candidate")}
-    converted, res = m.convert(weights, "baseline", params, scheme=scheme)
-    if res.verdict == "fail":   # nothing half-way
-        res.details.update({"out": str(out), "tensors": 0, "dtype": dtype})
-        return res
+    problems = check_weights(weights, m, "candidate", str(path))
+    try:
+        converted, res = m.convert(weights, "baseline", params, scheme=scheme)
+    except BadInput as exc:
+        if problems.verdict == "fail":
+            return _refused(StageResult("mapping"), problems, out, dtype=dtype)
+        raise BadInput(f"{path}: {exc}") from None
+    if problems.verdict == "fail" or res.verdict == "fail" or not converted:   # nothing half-way
+        if not converted and not problems.findings and res.verdict != "fail":
+            problems.add(Finding("weights", "fail", None, "no_weights", 0, None, f"{path}: no tensor to convert"))
+        return _refused(res, problems, out, dtype=dtype)
     tdt = torch.bfloat16 if dtype == "bfloat16" else None
     sd = {k: (torch.from_numpy(np.ascontiguousarray(v)).to(tdt) if tdt else torch.from_numpy(
         np.ascontiguousarray(v))) for k, v in converted.items()}
-    torch.save(sd, str(out))
+    with _atomic(out) as tmp:
+        torch.save(sd, str(tmp))
     res.details.update({"out": str(out), "tensors": len(sd), "dtype": dtype})
     return res
 
@@ -180,7 +320,14 @@ def _optimizer_key(name: str) -> bool:
                             "loss_scale"))
 
 
-
-
-
-
+@contextmanager
+def _atomic(out: str | Path) -> Iterator[Path]:
+    """A temporary name beside ``out`` (same suffix) that replaces ``out`` only when the block completes."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

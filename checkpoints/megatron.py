@@ -27,6 +27,8 @@ import io
 import pickle
 import re
 import warnings
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,9 +49,19 @@ _TP_DIM = [
     (re.compile(r"(^|\.)(linear_proj|linear_fc2)\.weight$"), 1),
 ]
 
-# torch.distributed.checkpoint metadata: the classes a Megatron torch_dist .metadata may hold.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")
+# torch.distributed.checkpoint metadata: exactly the classes a Megatron torch_dist .metadata holds (measured:
+# torch 2.x DCP saves and megatron-core's torch_dist strategy, tests/test_megatron_layouts.py). Named one by
+# one: admitting whole modules would admit what they import too (``torch.distributed.checkpoint.filesystem.os``).
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "ChunkStorageMetadata",
+                                              "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron's torch_dist strategy caches its save plans in the metadata (dataclasses and enums: data only)
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                             "BytesIOWriteData", "LoadPlan", "ReadItem", "LoadItemType"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},   # StorageMeta.checkpoint_id
+}
 _TORCH_NAMES = {"Size", "strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format",
                 "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
                 "float8_e4m3fn", "float8_e5m2"}
@@ -64,7 +76,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        ok = (module in _DCP_MODULES and not name.startswith("__")) or \
+        ok = name in _DCP_CLASSES.get(module, ()) or \
             (module == "torch" and name in _TORCH_NAMES) or (module == "builtins" and name in _BUILTINS) or \
             (module == "collections" and name == "OrderedDict") or \
             (module == "torch.serialization" and name == "_get_layout")  # layout name -> torch.layout
@@ -95,45 +107,157 @@ def is_torch_dist(path: str | Path) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
+def _dcp_error_types() -> tuple[type[BaseException], ...]:
+    """What a failed torch.distributed.checkpoint load raises: ordinary exceptions, and torch's
+    CheckpointException, which derives from BaseException (``except Exception`` misses it)."""
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:   # pragma: no cover - older torch
+        return (Exception,)
+    return (Exception, CheckpointException)
+
+
+def _declared_tensors(root: Path, meta: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Model tensors the metadata declares (name -> (size, dtype)), each checked to be covered by its stored
+    chunks (a gap would leave uninitialized memory in the result) and, together, to fit in the shards' bytes
+    (a huge declared size is refused before anything is allocated)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    where = root / ".metadata"
+    if not isinstance(meta, Metadata) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
+        raise BadInput(f"{where}: not a torch.distributed.checkpoint metadata file")
+    out: dict[str, tuple[tuple[int, ...], Any]] = {}
+    total = 0
+    for key, md in meta.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or str(key).startswith(("optimizer.", "rng_state")):
+            continue
+        if str(key).endswith("_extra_state") or ".optimizer." in str(key):
+            continue
+        try:
+            size = tuple(int(x) for x in md.size)
+            dtype = md.properties.dtype
+            chunks = [(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in md.chunks]
+        except (AttributeError, TypeError, ValueError):
+            raise BadInput(f"{where}: tensor {key!r} has a malformed entry") from None
+        if not isinstance(dtype, torch.dtype) or any(x < 0 for x in size):
+            raise BadInput(f"{where}: tensor {key!r} has dtype {dtype!r} and size {list(size)}")
+        numel = int(np.prod(size, dtype=object)) if size else 1
+        covered = 0
+        for off, sz in chunks:
+            if len(off) != len(size) or len(sz) != len(size) or any(
+                    o < 0 or n < 0 or o + n > d for o, n, d in zip(off, sz, size, strict=True)):
+                raise BadInput(f"{where}: tensor {key!r} has a chunk outside its size {list(size)}")
+            covered += int(np.prod(sz, dtype=object)) if sz else 1
+        if covered != numel:
+            raise BadInput(f"{where}: tensor {key!r} has chunks covering {covered} of its {numel} values")
+        total += numel * dtype.itemsize
+        out[str(key)] = (size, dtype)
+    stored = sum(f.stat().st_size for f in root.glob("*.distcp"))
+    if total > stored:
+        raise BadInput(f"{where}: declares {total} bytes of tensors, more than the {stored} bytes of its "
+                       ".distcp shards (truncated or missing shard?)")
+    return out
+
+
+def check_zip_crc(fh: Any, where: Path | str) -> None:
+    """torch.save writes a zip archive with a CRC-32 per record, which torch.load does not check: a flipped
+    byte in tensor data loads as a wrong value. Each record is read and checked here (records written
+    without a CRC, ``torch.serialization.set_crc32_options(False)``, store 0 and are skipped)."""
+    try:
+        with zipfile.ZipFile(fh) as z:
+            for info in z.infolist():
+                if info.CRC == 0:
+                    continue
+                with z.open(info) as f:
+                    while f.read(1 << 22):
+                        pass
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+            zlib.error, RuntimeError) as exc:
+        raise BadInput(f"{where}: damaged torch archive ({type(exc).__name__}: "
+                       f"{' '.join(str(exc).split())[:200]})") from None
+
+
+def _check_dcp_items(root: Path, meta: Any, declared: Mapping[str, Any]) -> None:
+    """The CRC of each stored tensor record (a torch.save archive inside a ``.distcp`` file) of the model
+    tensors about to be loaded; a missing or short shard is named."""
+    storage = getattr(meta, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise BadInput(f"{root / '.metadata'}: no storage index (not a torch_dist checkpoint)")
+    for index, info in storage.items():
+        if getattr(index, "fqn", None) not in declared:
+            continue
+        try:
+            rel, offset, length = str(info.relative_path), int(info.offset), int(info.length)
+        except (AttributeError, TypeError, ValueError):
+            raise BadInput(f"{root / '.metadata'}: malformed storage entry for {index.fqn!r}") from None
+        if getattr(info, "transform_descriptors", None):
+            continue                     # stored through a transform (compression): torch checks it
+        shard = root / rel
+        if Path(rel).name != rel or not shard.is_file():
+            raise BadInput(f"{shard}: missing shard of the torch_dist checkpoint (holds {index.fqn!r})")
+        if offset < 0 or length <= 0 or offset + length > shard.stat().st_size:
+            raise BadInput(f"{shard}: shorter than the metadata says (truncated?); {index.fqn!r} is not whole")
+        with open(shard, "rb") as f:
+            f.seek(offset)
+            blob = f.read(length)
+        if blob[:4] == b"PK\x03\x04":     # torch.save records (SerializationFormat.TORCH_SAVE)
+            check_zip_crc(io.BytesIO(blob), shard)
+
+
 def read_torch_dist(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Global model tensors of a ``torch_dist`` checkpoint folder, unstacked to per-layer names."""
     import torch
     from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     root = Path(path)
     reader = _dcp_reader(root)
+    errors = _dcp_error_types()
     try:
         meta = reader.read_metadata()
     except BadInput:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except RecursionError:
+        raise BadInput(f"{root / '.metadata'}: not a torch.distributed.checkpoint metadata file "
+                       "(nested too deeply)") from None
+    except errors as exc:
         raise BadInput(f"{root / '.metadata'}: not a torch.distributed.checkpoint metadata file "
                        f"({type(exc).__name__})") from None
-    state: dict[str, Any] = {}
-    for key, md in meta.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata) or key.startswith(("optimizer.", "rng_state")):
-            continue
-        if key.endswith("_extra_state") or ".optimizer." in key:
-            continue
-        state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    if not state:
+    declared = _declared_tensors(root, meta)
+    if not declared:
         raise BadInput(f"{root}: torch_dist checkpoint holds no model tensors")
+    _check_dcp_items(root, meta, declared)
+    state: dict[str, Any] = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in declared.items()}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             load(state, storage_reader=_dcp_reader(root), no_dist=True)
     except BadInput:
         raise
-    except Exception as exc:  # noqa: BLE001
-        raise BadInput(f"{root}: torch_dist shards unreadable ({type(exc).__name__}: {exc})") from None
+    except errors as exc:
+        raise BadInput(f"{root}: torch_dist shards unreadable ({_one_line(exc)})") from None
     out: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for key, t in state.items():
+        if tuple(t.shape) != declared[key][0] or t.dtype != declared[key][1]:
+            raise BadInput(f"{root}: torch_dist tensor {key!r} came back as {list(t.shape)} {t.dtype}, "
+                           f"its metadata says {list(declared[key][0])} {declared[key][1]}")
         for name, part in _unstack(key, t):
             dtypes[name] = str(part.dtype).replace("torch.", "")
             out[name] = (part.float() if part.dtype == torch.bfloat16 else part).numpy().copy()
     return out, dtypes
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one short line (torch's CheckpointException prints a traceback per rank: the first
+    rank's own exception is named instead)."""
+    inner: Any = exc
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) and first else first
+    text = " ".join(str(inner).split())
+    return f"{type(inner).__name__}: {text[:limit]}"
 
 
 def _unstack(key: str, t: Any) -> list[tuple[str, Any]]:
@@ -171,6 +295,8 @@ def load_legacy_file(path: str | Path) -> dict[str, Any]:
     import torch.serialization as ser
 
     p = Path(path)
+    if zipfile.is_zipfile(p):
+        check_zip_crc(p, p)
     try:
         unsafe = ser.get_unsafe_globals_in_checkpoint(str(p))
     except Exception as exc:  # noqa: BLE001
@@ -192,7 +318,9 @@ def load_legacy_file(path: str | Path) -> dict[str, Any]:
 
 
 def _legacy_files(root: Path) -> list[tuple[tuple[int, int, int], Path]]:
-    out = []
+    out: list[tuple[tuple[int, int, int], Path]] = []
+    if not root.is_dir():
+        return out
     for d in sorted(root.iterdir()):
         m = _MP_DIR.match(d.name)
         if m and (d / LEGACY_FILE).is_file():
@@ -200,17 +328,37 @@ def _legacy_files(root: Path) -> list[tuple[tuple[int, int, int], Path]]:
     return out
 
 
+def _latest_iteration_dir(root: Path) -> Path | None:
+    """``iter_NNNNNNN`` (or ``release``) named by Megatron's ``latest_checkpointed_iteration.txt``; None
+    without that file. A file holding anything else (``abc``, ``-1``, binary bytes) is bad input."""
+    latest = root / "latest_checkpointed_iteration.txt"
+    if not latest.is_file():
+        return None
+    raw = latest.read_bytes()[:64]
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        text = None
+    if text == "release":
+        if not (root / "release").is_dir():
+            raise BadInput(f"{latest}: names 'release', but {root / 'release'} is not there")
+        return root / "release"
+    if text is None or not text.isdigit() or not text.isascii():
+        raise BadInput(f"{latest}: expected an iteration number or 'release', got {raw[:20]!r}")
+    cand = root / f"iter_{int(text):07d}"
+    if not cand.is_dir():
+        raise BadInput(f"{latest}: names iteration {int(text)}, but {cand.name} is not in {root}")
+    return cand
+
+
 def find_legacy_root(path: str | Path) -> Path | None:
     """The folder holding ``mp_rank_*`` (the path itself, or the newest ``iter_*`` inside it)."""
     p = Path(path)
     if _legacy_files(p):
         return p
-    latest = p / "latest_checkpointed_iteration.txt"
-    if latest.is_file():
-        text = latest.read_text().strip()
-        cand = p / ("release" if text == "release" else f"iter_{int(text):07d}")
-        if _legacy_files(cand):
-            return cand
+    cand = _latest_iteration_dir(p)
+    if cand is not None and _legacy_files(cand):
+        return cand
     iters = sorted(d for d in p.glob("iter_*") if d.is_dir() and _legacy_files(d))
     return iters[-1] if iters else None
 
@@ -247,14 +395,31 @@ def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
     files = _legacy_files(root)
     tp = max(k[0] for k, _ in files) + 1
     pp = max(k[1] for k, _ in files) + 1
+    ep = max(k[2] for k, _ in files) + 1
+    have = {k for k, _ in files}
+    absent = [(t, s, e) for t in range(tp) for s in range(pp) for e in range(ep) if (t, s, e) not in have]
+    if absent:
+        t, s, e = absent[0]
+        raise BadInput(f"{root}: {len(absent)} rank file(s) missing, e.g. the one for TP rank {t}, PP rank {s}, "
+                       f"EP rank {e} ({tp} x {pp} x {ep} expected from the mp_rank_* folders)")
     loaded: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for key, f in files:
         obj = load_legacy_file(f)
-        if gated_fc1 is None and obj.get("args") is not None:
-            gated_fc1 = bool(getattr(obj["args"], "swiglu", False))
-        loaded[key] = [{k: v for k, v in c.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+        args = obj.get("args")
+        if gated_fc1 is None and args is not None:
+            gated_fc1 = bool(getattr(args, "swiglu", False))
+        # the sizes the run saved with: a missing highest rank would otherwise look like a smaller TP / PP
+        for what, found in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+            said = getattr(args, what, None) if args is not None else None
+            # (PP: only where the names carry a PP rank; with PP=1 and EP>1 the second number is the EP rank)
+            if isinstance(said, int) and said > 1 and said != found or (what[0] == "t" and said == 1 and found > 1):
+                raise BadInput(f"{f}: its args say {what}={said}, the folder holds rank files for {found} "
+                               "(missing rank files?)")
+        loaded[key] = [{str(k): v for k, v in c.items() if isinstance(v, torch.Tensor) and "_extra_state" not in str(k)}
                        for c in _model_chunks(obj, f)]
     n_chunks = len(next(iter(loaded.values())))
+    if any(len(c) != n_chunks for c in loaded.values()):
+        raise BadInput(f"{root}: rank files hold different numbers of model chunks")
     # layers per (pp stage, chunk): from the first TP/EP rank of each stage; global offset in
     # Megatron's interleaved order (chunk-major, then stage)
     per = [[_n_layers(loaded[(0, s, 0)][c]) for c in range(n_chunks)] for s in range(pp)]
@@ -280,16 +445,32 @@ def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
     out: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for name, parts in merged.items():
-        parts = [v for _, v in sorted(parts, key=lambda x: x[0])]
-        parts = list({id(v): v for v in parts}.values())
-        dim = _tp_dim(name) if len(parts) == tp and tp > 1 else -1
+        by_rank: dict[int, Any] = {}
+        for t, v in sorted(parts, key=lambda x: x[0]):   # EP ranks repeat the non-expert tensors: one per TP
+            if t in by_rank and tuple(by_rank[t].shape) != tuple(v.shape):
+                raise BadInput(f"{root}: {name} differs in shape between the EP ranks of TP rank {t}")
+            by_rank.setdefault(t, v)
+        ranks, parts = list(by_rank), list(by_rank.values())
+        dim = _tp_dim(name) if tp > 1 else -1
+        if dim >= 0 and ranks != list(range(tp)):
+            raise BadInput(f"{root}: {name} is in TP ranks {sorted(set(ranks))}, not in each of the {tp} "
+                           "(a tensor split over TP needs every shard)")
         if dim < 0:
+            if any(tuple(p.shape) != tuple(parts[0].shape) or p.dtype != parts[0].dtype for p in parts[1:]):
+                raise BadInput(f"{root}: {name} differs in shape or dtype between ranks, yet is not split over TP")
             full = parts[0]
-        elif gated_fc1 and re.search(r"(^|\.)linear_fc1\.(weight|bias)$", name):
-            halves = [p.chunk(2, dim=0) for p in parts]   # each TP shard is [gate_r; up_r]
-            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:
-            full = torch.cat(parts, dim=dim)
+            shapes = [tuple(p.shape) for p in parts]
+            if any(len(sh) <= dim or sh[:dim] + sh[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]
+                   for sh in shapes) or len({p.dtype for p in parts}) != 1:
+                raise BadInput(f"{root}: TP shards of {name} do not fit together on dim {dim}: {shapes}")
+            if gated_fc1 and re.search(r"(^|\.)linear_fc1\.(weight|bias)$", name):
+                if any(sh[0] % 2 for sh in shapes):
+                    raise BadInput(f"{root}: TP shards of gated {name} have an odd number of rows: {shapes}")
+                halves = [p.chunk(2, dim=0) for p in parts]   # each TP shard is [gate_r; up_r]
+                full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                full = torch.cat(parts, dim=dim)
         dtypes[name] = str(full.dtype).replace("torch.", "")
         out[name] = (full.float() if full.dtype == torch.bfloat16 else full).numpy().copy()
     return out, dtypes
@@ -303,10 +484,7 @@ def read_megatron_checkpoint(path: str | Path, *, gated_fc1: bool | None = None
         raise BadInput(f"{p}: not a checkpoint folder")
     if is_torch_dist(p):
         return read_torch_dist(p)
-    latest = p / "latest_checkpointed_iteration.txt"
-    if latest.is_file():
-        text = latest.read_text().strip()
-        cand = p / ("release" if text == "release" else f"iter_{int(text):07d}")
-        if is_torch_dist(cand):
-            return read_torch_dist(cand)
+    cand = _latest_iteration_dir(p)
+    if cand is not None and is_torch_dist(cand):
+        return read_torch_dist(cand)
     return read_legacy(p, gated_fc1=gated_fc1)

@@ -11,6 +11,7 @@ Files appear atomically (temporary name, then rename): a failed write leaves not
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -104,6 +105,15 @@ def _write_raw(arrays: Mapping[str, np.ndarray], path: Path, metadata: Mapping[s
     return path
 
 
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str], int]:
     """(tensor entries, metadata, offset of the data section) of a safetensors file."""
     path = Path(path)
@@ -115,43 +125,78 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], d
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER:
                 raise BadInput(f"{path}: not a safetensors file (header length {n} is implausible)")
-            header = json.loads(f.read(n).decode("utf-8"))
+            raw = f.read(n)
+            if len(raw) != n:
+                raise BadInput(f"{path}: not a safetensors file (header of {n} bytes, file ends after {len(raw)})")
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except OSError as exc:
         raise BadInput(f"{path}: cannot read ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise BadInput(f"{path}: not a safetensors file (header is not JSON)") from None
+    except RecursionError:
+        raise BadInput(f"{path}: not a safetensors file (header JSON nested too deeply)") from None
+    except (UnicodeDecodeError, ValueError) as exc:   # JSONDecodeError is a ValueError; so is a duplicate key
+        what = str(exc) if str(exc).startswith("duplicate key") else "header is not JSON"
+        raise BadInput(f"{path}: not a safetensors file ({what})") from None
     if not isinstance(header, dict):
         raise BadInput(f"{path}: not a safetensors file (header is not an object)")
     meta = header.pop("__metadata__", None) or {}
     return header, meta, 8 + n
 
 
+_ITEMSIZE = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _NP_DTYPES.items()}}
+
+
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """name -> numpy array (bfloat16 as exact float32), and name -> stored dtype ("bfloat16", "float32", ...)."""
+    """name -> numpy array (bfloat16 as exact float32), and name -> stored dtype ("bfloat16", "float32", ...).
+
+    The header is checked as the format defines it before any tensor is read: every entry well-formed, each
+    tensor's byte range exactly its shape x dtype size, the ranges tiling the data section with no gap, overlap
+    or trailing bytes. Anything else (a truncated file, a flipped header byte, a huge declared shape) is bad
+    input, never a tensor read from the wrong bytes."""
     path = Path(path)
     header, _meta, start = read_safetensors_header(path)
     size = path.stat().st_size
+    entries = []
+    for name, e in header.items():
+        try:
+            st, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+            if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
+                raise ValueError
+            lo, hi = offsets
+            if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi:
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise BadInput(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if st not in _ITEMSIZE:
+            raise BadInput(f"{path}: tensor {name!r} has dtype {st}, which this reader does not know")
+        nbytes = math.prod(shape) * _ITEMSIZE[st]
+        if hi - lo != nbytes:
+            raise BadInput(f"{path}: tensor {name!r} has shape {shape} {st} ({nbytes} bytes) but its data "
+                           f"offsets span {hi - lo} bytes")
+        entries.append((lo, hi, name, st, shape))
+    pos = 0
+    for lo, hi, name, *_ in sorted(entries):
+        if lo != pos:
+            raise BadInput(f"{path}: tensor {name!r} starts at byte {lo} of the data, expected {pos} "
+                           "(overlapping or missing bytes)")
+        pos = hi
+    beyond = [name for lo, hi, name, *_ in sorted(entries) if start + hi > size]
+    if beyond:
+        raise BadInput(f"{path}: tensor {beyond[0]!r} lies outside the file (truncated?)")
+    if start + pos != size:
+        raise BadInput(f"{path}: the header describes {pos} bytes of data, the file holds {size - start} "
+                       f"({'truncated' if start + pos > size else 'trailing bytes'})")
     arrays, dtypes = {}, {}
     with open(path, "rb") as f:
-        for name, e in header.items():
-            try:
-                st, shape, (lo, hi) = e["dtype"], [int(x) for x in e["shape"]], e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise BadInput(f"{path}: tensor {name!r} has a malformed header entry") from None
-            if not 0 <= lo <= hi or start + hi > size:
-                raise BadInput(f"{path}: tensor {name!r} lies outside the file (truncated?)")
+        for lo, hi, name, st, shape in entries:
             f.seek(start + lo)
             raw = f.read(hi - lo)
+            if len(raw) != hi - lo:   # pragma: no cover - the size check above
+                raise BadInput(f"{path}: tensor {name!r} lies outside the file (truncated?)")
             if st == "BF16":
                 a = bfloat16_bits_to_float32(np.frombuffer(raw, dtype="<u2"))
                 dtypes[name] = "bfloat16"
-            elif st in _NP_DTYPES:
+            else:
                 a = np.frombuffer(raw, dtype=np.dtype(_NP_DTYPES[st]).newbyteorder("<")).astype(_NP_DTYPES[st])
                 dtypes[name] = np.dtype(_NP_DTYPES[st]).name
-            else:
-                raise BadInput(f"{path}: tensor {name!r} has dtype {st}, which this reader does not know")
-            if a.size != int(np.prod(shape)):
-                raise BadInput(f"{path}: tensor {name!r} holds {a.size} values, its shape {shape} needs "
-                               f"{int(np.prod(shape))}")
             arrays[name] = a.reshape(shape)
     return arrays, dtypes

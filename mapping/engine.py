@@ -335,7 +335,12 @@ class Mapping:
             by_stripped = {self.strip(s, from_side): s for s in src}
             tensors = [np.asarray(arrays[by_stripped[n]]) for n in want]
             targets = gp.match.candidate if to_side == "candidate" else gp.match.baseline
-            for tname, t in zip(targets, gp.match.rule.apply(tensors, to_side, params), strict=True):
+            try:
+                converted = gp.match.rule.apply(tensors, to_side, params)
+            except (BadInput, ValueError, IndexError, ZeroDivisionError) as exc:   # a shape the rule cannot take
+                shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in zip(want, tensors, strict=True))
+                raise BadInput(f"rule {gp.match.rule.id}: {shapes} does not fit its transform ({exc})") from None
+            for tname, t in zip(targets, converted, strict=True):
                 out[tname] = t
         for n in unmapped[from_side]:
             result.add(Finding("mapping", "fail", n, "unmapped", None, None,

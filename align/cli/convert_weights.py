@@ -44,8 +44,16 @@ def parse_sizes(items: Sequence[str]) -> dict[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from checkpoints.convert import convert_megatron_to_mindformers, convert_mindformers_to_megatron
+    from checkpoints.convert import (
+        check_model_params,
+        check_out_path,
+        convert_megatron_to_mindformers,
+        convert_mindformers_to_megatron,
+    )
 
+    # command-line mistakes are refused before any file is read (exit 2, one line)
+    check_out_path(args.out)
+    check_model_params(args.num_heads, args.num_query_groups, args.num_experts)
     for p in args.inputs:
         folder = args.to == "mindformers" and len(args.inputs) == 1 and Path(p).is_dir()
         if not (Path(p).is_file() or folder):
@@ -64,6 +72,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"verdict": res.verdict, **res.details, "findings": [f.to_json() for f in res.findings]},
                          indent=2))
+    elif res.verdict == "fail":
+        # one line: what is missing or wrong (the first problem, and how many more); nothing was written
+        fails = [f for f in res.findings if f.verdict == "fail"]
+        more = f" (and {len(fails) - 1} more problems; --json lists them)" if len(fails) > 1 else ""
+        first = fails[0].message if fails else "conversion failed"
+        if not any(str(i) in first for i in args.inputs):   # mapping findings name tensors, not the file
+            first = f"{', '.join(args.inputs)}: {first}"
+        print(f"FAIL {first}{more}; nothing written to {res.details['out']}")
     else:
         for f in res.findings:
             print(f"{f.verdict.upper():4} {f.message}")
