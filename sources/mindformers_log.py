@@ -39,7 +39,7 @@ import pandas as pd
 from core.errors import BadInput
 from runstore.run import Run, make_series
 from sources import Source
-from sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split, unwrap
+from sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split
 
 # "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
 # "Epoch:[..], step:[..] tag: value" (no comma after the step bracket). Numbers are ASCII digits padded with
@@ -145,7 +145,9 @@ def _last_field(lines: list[str]) -> str | None:
     counts: Counter[str] = Counter()
     for ln in lines:
         if "Epoch:[" in ln and "], step:[" in ln and "loss" in ln:
-            counts[ln.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()] += 1
+            name = ln.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()
+            if _NAME.fullmatch(name):          # a garbled tail (glued text) has no say
+                counts[name] += 1
     return counts.most_common(1)[0][0] if counts else None
 
 
@@ -160,6 +162,43 @@ def _cut_short(line: str, last_field: str | None) -> bool:
     if name.strip() != last_field or not value:
         return True
     return last_field == "train_throughput_per_npu" and not value.endswith("T")
+
+
+_LINE_HEAD = re.compile(r"\s*(?:\[[A-Z]+\] )?\d{4}-\d\d-\d\d|\s*(?:\{ ?)?Epoch:\[|local_norm:|\{'")
+
+
+def _starts_line(line: str) -> bool:
+    """A line the logger started (its time stamp, a step head, local_norm:, the config dict): a wrapped
+    record is never continued by one (a terminal cut piece does not start like a log line)."""
+    return bool(_LINE_HEAD.match(line))
+
+
+def _unwrap(lines: list[str]) -> tuple[list[str], int]:
+    """logtext.unwrap's terminal-width joins (a line of the width, not complete, goes on in the next one),
+    except onto a line the logger started: a record cut short (or garbled at its end) is never continued by
+    the next record."""
+    lengths = Counter(len(x) for x in lines if len(x) >= 40)
+    if not lengths or lengths[max(lengths)] < 2:
+        return lines, 0
+    width = max(lengths)
+    out: list[str] = []
+    joins = 0
+    buf: str | None = None
+    for line in lines:
+        if buf is not None and not _starts_line(line):
+            buf += line
+            joins += 1
+        else:
+            if buf is not None:
+                out.append(buf)
+            buf = line
+        if len(line) == width and not _is_complete(buf):
+            continue
+        out.append(buf)
+        buf = None
+    if buf is not None:
+        out.append(buf)
+    return out, joins
 
 
 def _is_complete(line: str) -> bool:
@@ -228,7 +267,7 @@ def _regex_rows(raw: bytes) -> dict[str, tuple[list[int], list[float]]] | None:
     if _has_local_norms(raw):
         return None
     rows = _FAST.findall(raw)
-    if not rows or len(rows) != raw.count(b"Epoch:["):
+    if not rows or len(rows) != raw.count(b"Epoch:[") or len(rows) != raw.count(b"step:["):
         return None
     cols = list(zip(*rows, strict=True))
     try:
@@ -279,7 +318,7 @@ _SUFFIX = {11: b"ms", 17: b"T"}  # per_step_time: 561ms, train_throughput_per_np
 _OVERFLOW = 13
 # a line that is not a step row (pyarrow hands it back, separators as '|') and sends the file to the careful
 # reader: a step line of another layout, local norms (MFLossMonitor's or TrainingStateMonitor's)
-_OTHER_LINE = re.compile(r"Epoch|norm_size\||local_norm\|")
+_OTHER_LINE = re.compile(r"Epoch|step\|\||norm_size\||local_norm\|")
 
 
 def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] | None:
@@ -334,18 +373,18 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
     for c, g in roles.items():
         x = col(names[c])
         if g in _INT_GROUPS:
-            v = int_column(x)
+            v = int_column(x, spaces_only=True)
         elif g == _OVERFLOW:
-            t = pc.utf8_trim_whitespace(x)
+            t = pc.utf8_trim(x, " \t")
             if not pc.all(pc.is_in(t, pa.array(["True", "False"]))).as_py():
                 return None
             v = pc.equal(t, "True").to_numpy(zero_copy_only=False).astype(np.float64)
         elif g in _SUFFIX:
             unit = _SUFFIX[g].decode()
-            if not pc.all(pc.match_substring_regex(x, f"^[ \t\n\r\f\v]*[0-9.]+{unit}[ \t\n\r\f\v]*$")).as_py():
-                return None
+            if not pc.all(pc.match_substring_regex(x, f"^[ \t]*[0-9.]+{unit}[ \t]*$")).as_py():
+                return None   # (blanks are spaces and tabs: '\x0b84ms' is not 84 ms)
             try:
-                v = pc.cast(pc.utf8_rtrim(pc.utf8_trim_whitespace(x), unit), pa.float64()).to_numpy()
+                v = pc.cast(pc.utf8_rtrim(pc.utf8_trim(x, " \t"), unit), pa.float64()).to_numpy()
             except pa.ArrowInvalid:
                 return None   # '1.2.3ms'
         else:
@@ -452,6 +491,7 @@ def _read_fields(rest: str, gstep: int, skips: _Skips, unknown: Counter[str]) ->
     at a control byte: a value is a whole number or it is not read)."""
     values: dict[str, float] = {}
     pairs, stray = _split_fields(rest)
+    dup: set[str] = set()
     for text in stray:
         skips.add(_STRAY, gstep, text)
     for name, value in pairs:
@@ -473,6 +513,12 @@ def _read_fields(rest: str, gstep: int, skips: _Skips, unknown: Counter[str]) ->
                 got = {key: _number(value)}
         except ValueError:
             skips.add(name, gstep, value)
+            continue
+        if any(k in values or k in dup for k in got):      # the same field twice: text glued on, not one record
+            dup.update(got)
+            for k in got:
+                values.pop(k, None)
+            skips.add(name, gstep, f"{value} (the field twice in one line)")
             continue
         values.update(got)
         if key not in FIELDS.values():
@@ -497,10 +543,9 @@ def _split_records(lines: list[str]) -> tuple[list[str], int]:
         prev = 0
         for c in starts[1:]:
             seg = line[prev:c]
-            last = None
-            for last in _TIMESTAMP.finditer(seg, seg.find("Epoch:[") + 1):   # the last one, after the head
-                pass
-            out.append(seg[: last.start()] if last and _LOG_PREFIX.fullmatch(seg, last.start()) else seg)
+            stamps = list(_TIMESTAMP.finditer(seg, seg.find("Epoch:[") + 1))   # the last one, after the head
+            at = stamps[-1].start() if stamps else -1
+            out.append(seg[:at] if at >= 0 and _LOG_PREFIX.fullmatch(seg, at) else seg)
             prev = c
         out.append(line[prev:])
         cut += 1
@@ -511,12 +556,18 @@ def parse_mindformers_log(path: str | Path) -> Run:
     """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
     raw = clean_text(read_log_bytes(path))
     notes: list[str] = []
-    fast = _fast(raw, path, notes)
+    # a last line without its newline may be cut inside its last value: only the careful reader drops that
+    tail_open = bool(raw) and not raw.endswith(b"\n") and b"Epoch:[" in raw[raw.rfind(b"\n") + 1:]
+    last_line = raw[raw.rfind(b"\n") + 1:]
+    if last_line.strip():
+        notes.append("the log ends inside a line (no final newline: a cut copy?): "
+                     f"{last_line[-40:].decode('utf-8', 'replace')!r}")
+    fast = None if tail_open else _fast(raw, path, notes)
     if fast is not None:
         return Run(str(path), "mindformers_log", fast[1], fast[0], {}, notes)
     text_lines = raw.decode("utf-8", "replace").split("\n")
     if any(not _is_complete(x) for x in text_lines[:-1]):
-        text_lines, joins = unwrap(text_lines, _is_complete)
+        text_lines, joins = _unwrap(text_lines)
         if joins:
             notes.append(f"re-joined {joins} lines wrapped by a terminal")
     text_lines, splits = _split_records(text_lines)
@@ -549,7 +600,8 @@ def parse_mindformers_log(path: str | Path) -> Run:
         gstep = step_number(m.group(2), m.group(5), m.group(4)) if m else None
         if gstep is None:
             if m or at >= 0 or _LOOKS_LIKE_STEP.search(line):
-                unread.append(line.strip(_BLANK))
+                where = max(line.find("step:["), line.find("Epoch:["), line.find("{ E"))
+                unread.append(line[max(0, where - 12):].strip(_BLANK) if where >= 0 else line.strip(_BLANK))
                 lost_norms += pending_norm is not None
                 pending_norm = None
             elif _LOCAL_NORM_LINE.search(line):
@@ -557,8 +609,12 @@ def parse_mindformers_log(path: str | Path) -> Run:
             continue
         assert m is not None
         rest = m.group(7)
+        unterminated = tail_open and i == n       # the file's last line, with no newline: maybe cut
         if not m.group(6):
-            _monitor_line(rest, gstep, named, other_tags, skips)
+            if unterminated:
+                skips.add("last line (no newline: maybe cut)", gstep, rest.strip(_BLANK))
+            else:
+                _monitor_line(rest, gstep, named, other_tags, skips)
             continue
         standard = _read_standard(line, m.start())     # matched through the end of the line: whole
         values = standard or _read_fields(rest, gstep, skips, unknown)
@@ -567,7 +623,10 @@ def parse_mindformers_log(path: str | Path) -> Run:
             lost_norms += pending_norm is not None
             pending_norm = None
             continue
-        if standard is None and _cut_short(line, last_field):
+        if unterminated and not rest.rstrip(_BLANK).endswith(("]", "T")):
+            cut.append(gstep)                      # a plain number at the cut end may have lost digits
+            values.pop(next(reversed(values)))
+        elif standard is None and _cut_short(line, last_field):
             cut.append(gstep)
             # the value the cut ran through may be truncated: drop it, if it was read at all (a garbled last
             # field was already skipped, and the field before it is whole)
@@ -604,6 +663,12 @@ def parse_mindformers_log(path: str | Path) -> Run:
     if unknown:
         notes.append("fields this reader does not know, kept under their own names: "
                      + ", ".join(f"{k!r} ({c} step(s))" for k, c in list(unknown.items())[:5]))
+    seen = Counter(name for names, _ in named.values() for name in set(names))
+    if len(named) > 1:
+        rare = [name for name, c in seen.items() if c == 1 and max(seen.values()) > 1]
+        if rare:
+            notes.append(f"TrainingStateMonitor local norm name(s) seen at one step only (garbled?): "
+                         f"{', '.join(repr(x) for x in rare[:5])}")
     for step, (names, norms) in named.items():
         if step in local_norms:
             notes.append(f"step {step}: named TrainingStateMonitor local norms used instead of the unnamed "
@@ -677,6 +742,15 @@ def parse_mindformers_dir(path: str | Path) -> Run:
         raise BadInput(f"{root}: no msrun worker logs (worker_N.log) in it or in its msrun_log/")
     runs: dict[int, Run] = {}
     notes: list[str] = []
+    folder = logs[0][1].parent
+    odd = sorted(f.name for f in folder.glob("worker_*.log") if f.name not in {g.name for _, g in logs})
+    if odd:
+        notes.append(f"not read (not a worker_N.log file, or a second name for a rank): {', '.join(odd[:5])}")
+    ranks = [r for r, _ in logs]
+    missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    if missing:
+        notes.append(f"no worker log for rank(s) {', '.join(map(str, missing[:10]))}"
+                     f"{', ...' if len(missing) > 10 else ''} (ranks {ranks[0]}..{ranks[-1]} found)")
     for rank, f in logs:
         try:
             runs[rank] = parse_mindformers_log(f)
@@ -690,7 +764,8 @@ def parse_mindformers_dir(path: str | Path) -> Run:
     first = runs[main]
     meta = dict(first.meta)
     meta["source"] = {"kind": "mindformers_log", "path": str(root), "workers": len(logs)}
-    meta["parallel"] = {"world_size": len(logs)}
+    if not missing:
+        meta["parallel"] = {"world_size": len(logs)}   # (with a rank missing, the world size is not known)
     local: dict[int, pd.DataFrame] = {}
     for step in sorted({s for r in runs.values() for s in r.local_norms}):
         frames = [runs[r].local_norms[step].assign(rank=r) for r in sorted(runs) if step in runs[r].local_norms]
@@ -706,7 +781,7 @@ def worker_logs(path: Path) -> list[tuple[int, Path]]:
     for folder in (path, path / "msrun_log"):
         found = []
         for f in folder.glob("worker_*.log") if folder.is_dir() else []:
-            m = re.fullmatch(r"worker_(\d+)\.log", f.name)
+            m = re.fullmatch(r"worker_(0|[1-9][0-9]{0,5})\.log", f.name)   # 'worker_01.log' is not rank 1
             if m and f.is_file():
                 found.append((int(m.group(1)), f))
         if found:
