@@ -37,7 +37,8 @@ def looks_binary(head: bytes) -> bool:
     except UnicodeDecodeError as exc:
         # A multi-byte character cut at the 64 KiB boundary is fine; garbage early on is not.
         if exc.start < len(head) - 4:
-            bad = sum(1 for b in head if b >= 0x80) + nul
+            # the bytes that are not UTF-8 (a valid multi-byte character, a progress bar's '█', is text)
+            bad = len(head) - len(head.decode("utf-8", "ignore").encode("utf-8")) + nul
             return bad > len(head) // 10
     return False
 
@@ -299,13 +300,15 @@ def holds(column: Any, words: tuple[bytes, ...]) -> bool:
     return False
 
 
-def digit_run(block: np.ndarray) -> np.ndarray | None:
+def digit_run(block: np.ndarray, spaces_only: bool = False) -> np.ndarray | None:
     """The number each row of a uint8 ``block`` holds as blanks, one run of 1-15 digits, blanks; None when a
-    row holds anything else (right-aligned numbers, Python's %8d, take a few whole-column operations)."""
+    row holds anything else (right-aligned numbers, Python's %8d, take a few whole-column operations).
+    ``spaces_only``: the blanks are spaces, no other whitespace byte (a control byte is not padding)."""
     block = np.ascontiguousarray(block)
     d = block - np.uint8(48)                      # digits become 0-9, everything else wraps to >= 10
     digit = d < 10
-    if not (digit | (block == 32)).all() and not (digit | (block == 32) | (block - np.uint8(9) < 5)).all():
+    if not (digit | (block == 32)).all() and (
+            spaces_only or not (digit | (block == 32) | (block - np.uint8(9) < 5)).all()):
         return None
     w = block.shape[1]
     if digit[:, -1].all():   # right-aligned: blanks, then digits to the end; blanks add 0 while value is 0
@@ -383,9 +386,10 @@ def any_ends_with(column: Any, words: Sequence[bytes]) -> bool:
     return False
 
 
-def int_column(column: Any) -> np.ndarray | None:
+def int_column(column: Any, spaces_only: bool = False) -> np.ndarray | None:
     """Whole numbers written as blanks and digits (``%5d``), one per string; None when a string holds
-    anything else. Strings of one width are read with numpy, others with pyarrow's regex and cast."""
+    anything else. Strings of one width are read with numpy, others with pyarrow's regex and cast.
+    ``spaces_only``: the blanks are spaces only."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -394,8 +398,8 @@ def int_column(column: Any) -> np.ndarray | None:
     if lo is None or not lo:
         return None
     if lo == hi:
-        return digit_run(fixed_width_rows(column, lo))
-    digits = pc.utf8_trim(column, " \t\n\r\f\v")           # Python's bytes \s, no other blank
+        return digit_run(fixed_width_rows(column, lo), spaces_only)
+    digits = pc.utf8_trim(column, " " if spaces_only else " \t\n\r\f\v")   # Python's bytes \s, no other blank
     if not pc.all(pc.ascii_is_decimal(digits)).as_py() or pc.max(pc.binary_length(digits)).as_py() > 15:
         return None
     return pc.cast(digits, pa.int64()).to_numpy()

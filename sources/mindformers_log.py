@@ -39,26 +39,45 @@ import pandas as pd
 from core.errors import BadInput
 from runstore.run import Run, make_series
 from sources import Source
-from sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split, unwrap
+from sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split
 
 # "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
-# "Epoch:[..], step:[..] tag: value" (no comma after the step bracket).
-_STEP = re.compile(r"(\{ ?)?Epoch:\[\s*(\d+)/\s*(\d+)\],\s*step:\[\s*(\d+)/\s*(\d+)\](,?)(.*)$")
-_MONITOR = re.compile(r"^\s*([A-Za-z_][\w\-]*(?:/\S*)?):\s*(.*?)\s*$")
+# "Epoch:[..], step:[..] tag: value" (no comma after the step bracket). Numbers are ASCII digits padded with
+# spaces ("%3d", "%5d"): nothing else (a control byte, a Unicode digit) is read as part of a step.
+_STEP = re.compile(r"(\{ ?)?Epoch:\[ *([0-9]+)/ *([0-9]+)\], *step:\[ *([0-9]+)/ *([0-9]+)\](,?)(.*)$")
+# where a record starts: a step head, the norm_size / local_norm lines of a local_norm block
+_RECORD_START = re.compile(r"(?:\{ ?)?Epoch:\[|(?<![\w/])(?:norm_size|local_norm):")
+# the logger's prefix ("2026-11-22 06:55:02,505 - name[file.py:747] - INFO - ") left at the end of a record
+# whose newline was lost: the next record's, not a part of this record's last value
+_TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d{3} - ")
+_LOG_PREFIX = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d{3} - .*? - [A-Z]+ - *")
+_MONITOR = re.compile(r"^ *(local_norm/.+?|[A-Za-z_][\w\-]*(?:/[^:]*)?): *(.*?)[ \t]*$")
 _FIELD = re.compile(r"\s*([A-Za-z_][A-Za-z_ ]*?):\s*(\[[^\]:]*\]?|[^,]*)\s*(?:,|$)")  # '[' never spans a ':'
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_ ]{0,47}", re.ASCII)   # a field name; "time" of "time:12 ms" too
 _NORM_SIZE = re.compile(r"norm_size:\s*\(([^)]*)\)")
 _END = re.compile(r"(\]|\d+(?:\.\d+)?T|loss_scale: ?\S+|global_norm: ?[-+\w.]+)\s*$")
+# a number as Python and pyarrow both read it, ASCII only ('1_0', '\u0661', '0x1F' are not numbers here)
+_NUM = (r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?(?:[iI][nN][fF](?:[iI][nN][iI][tT][yY])?|[nN][aA][nN])")
+_NUMBER = re.compile(_NUM, re.ASCII)
+_NONFINITE = re.compile(r"[-+]?(?:[iI][nN][fF](?:[iI][nN][iI][tT][yY])?|[nN][aA][nN])", re.ASCII)
+_BLANK = " \t"                 # what pads a value; any other byte (a control byte) is part of it
+MAX_STEP = 10 ** 12            # a step beyond this is a garbled number, not a step
+_MAX_DIGITS = 12
+_RESERVED = frozenset({"step", "epoch"})   # never a scalar key (the run store's "step" is the record's own)
 # The line as MFLossMonitor prints it (MindFormers 1.x-2.x, with the optional 2.x fields); a file whose step
 # lines all match is parsed in bulk, anything else takes the careful line-by-line path.
+_N = _NUM.encode()
 _FAST = re.compile(
-    rb"\{ ?Epoch:\[\s*(\d+)/\s*\d+\],\s*step:\[\s*(\d+)/\s*(\d+)\],"
-    rb"\s*loss:(?:\[\s*([^/\],]+)/\s*([^\],]+)\]|\s*([^,\s\[]+)),"
-    rb"(?:\s*lm_loss:\s*([^,\s]+),)?(?:\s*load_balancing_loss:\s*([^,\s]+),)?"
-    rb"(?:\s*mtp_loss:\s*([^,\s]+),)?(?:\s*indexer_loss:\s*([^,\s]+),)?"
-    rb"\s*per_step_time:\s*([0-9.]+)ms,(?:\s*lr:\s*([^,\s]+),)?\s*overflow cond:\s*(True|False),"
-    rb"\s*loss_scale:\s*([^,\s]+),\s*global_norm:\s*(?:\[\s*([^\]\s,]+)\s*\]|([^,\s\[]+))"
-    rb"(?:,\s*train_throughput_per_npu:\s*([0-9.]+)T)?[ \t]*$", re.M)
-_FAST_LINE = re.compile(_FAST.pattern.decode())      # the same line, one at a time (careful path)
+    rb"\{ ?Epoch:\[ *(\d{1,12})/ *\d{1,12}\], *step:\[ *(\d{1,12})/ *(\d{1,12})\],"
+    rb"[ \t]*loss:(?:\[[ \t]*(" + _N + rb")/[ \t]*(" + _N + rb")\]|[ \t]*(" + _N + rb")),"
+    rb"(?:[ \t]*lm_loss:[ \t]*(" + _N + rb"),)?(?:[ \t]*load_balancing_loss:[ \t]*(" + _N + rb"),)?"
+    rb"(?:[ \t]*mtp_loss:[ \t]*(" + _N + rb"),)?(?:[ \t]*indexer_loss:[ \t]*(" + _N + rb"),)?"
+    rb"[ \t]*per_step_time:[ \t]*([0-9.]+)ms,(?:[ \t]*lr:[ \t]*(" + _N + rb"),)?[ \t]*overflow cond:[ \t]*"
+    rb"(True|False),[ \t]*loss_scale:[ \t]*(" + _N + rb"),[ \t]*global_norm:[ \t]*(?:\[[ \t]*(" + _N
+    + rb")[ \t]*\]|(" + _N + rb"))"
+    rb"(?:,[ \t]*train_throughput_per_npu:[ \t]*([0-9.]+)T)?[ \t]*$", re.M)
+_FAST_LINE = re.compile(_FAST.pattern.decode(), re.ASCII)      # the same line, one at a time (careful path)
 # group index (after epoch, step, steps-per-epoch) -> key; loss and global_norm come bracketed or not
 _FAST_KEYS = {3: "loss", 4: "loss_avg", 5: "loss", 6: "lm_loss", 7: "load_balancing_loss", 8: "mtp_loss",
               9: "indexer_loss", 10: "per_step_time_ms", 11: "lr", 12: "overflow", 13: "loss_scale",
@@ -82,15 +101,37 @@ LM_LOSS_NOTE = ("loss = MindFormers' lm_loss (comparable with Megatron's 'lm los
                 "loss (lm + aux + MTP) is total_loss")
 
 
+def strict_float(text: str) -> float:
+    """A number as printed, or ValueError: blanks (space, tab) around it only, ASCII digits, and no overflow
+    (``1e400`` is a garbled value, not infinity; ``inf`` / ``nan`` printed as such are read)."""
+    t = text.strip(_BLANK)
+    if not _NUMBER.fullmatch(t):
+        raise ValueError(f"not a number: {text!r}")
+    v = float(t)
+    if v - v != 0 and not _NONFINITE.fullmatch(t):
+        raise ValueError(f"out of range: {text!r}")
+    return v
+
+
 def _number(text: str) -> float:
-    t = text.strip()
+    t = text.strip(_BLANK)
     if t in ("True", "False"):
         return float(t == "True")
     for unit in ("ms", "T"):
         if t.endswith(unit):
-            t = t[: -len(unit)].strip()
+            t = t[: -len(unit)].rstrip(_BLANK)
             break
-    return float(t)
+    return strict_float(t)
+
+
+def step_number(*fields: str) -> int | None:
+    """The global step of a head's epoch, steps per epoch and step texts (ASCII digits, as ``_STEP`` found
+    them); None when a number is longer than any step or the step falls outside 0..MAX_STEP."""
+    if any(len(f) > _MAX_DIGITS for f in fields):
+        return None
+    epoch, per_epoch, step = (int(f) for f in fields)
+    gstep = (epoch - 1) * per_epoch + step
+    return gstep if 0 <= gstep <= MAX_STEP else None
 
 
 def _ends_complete(line: str) -> bool:
@@ -104,7 +145,9 @@ def _last_field(lines: list[str]) -> str | None:
     counts: Counter[str] = Counter()
     for ln in lines:
         if "Epoch:[" in ln and "], step:[" in ln and "loss" in ln:
-            counts[ln.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()] += 1
+            name = ln.rstrip().rsplit(",", 1)[-1].split(":", 1)[0].strip()
+            if _NAME.fullmatch(name):          # a garbled tail (glued text) has no say
+                counts[name] += 1
     return counts.most_common(1)[0][0] if counts else None
 
 
@@ -119,6 +162,43 @@ def _cut_short(line: str, last_field: str | None) -> bool:
     if name.strip() != last_field or not value:
         return True
     return last_field == "train_throughput_per_npu" and not value.endswith("T")
+
+
+_LINE_HEAD = re.compile(r"\s*(?:\[[A-Z]+\] )?\d{4}-\d\d-\d\d|\s*(?:\{ ?)?Epoch:\[|local_norm:|\{'")
+
+
+def _starts_line(line: str) -> bool:
+    """A line the logger started (its time stamp, a step head, local_norm:, the config dict): a wrapped
+    record is never continued by one (a terminal cut piece does not start like a log line)."""
+    return bool(_LINE_HEAD.match(line))
+
+
+def _unwrap(lines: list[str]) -> tuple[list[str], int]:
+    """logtext.unwrap's terminal-width joins (a line of the width, not complete, goes on in the next one),
+    except onto a line the logger started: a record cut short (or garbled at its end) is never continued by
+    the next record."""
+    lengths = Counter(len(x) for x in lines if len(x) >= 40)
+    if not lengths or lengths[max(lengths)] < 2:
+        return lines, 0
+    width = max(lengths)
+    out: list[str] = []
+    joins = 0
+    buf: str | None = None
+    for line in lines:
+        if buf is not None and not _starts_line(line):
+            buf += line
+            joins += 1
+        else:
+            if buf is not None:
+                out.append(buf)
+            buf = line
+        if len(line) == width and not _is_complete(buf):
+            continue
+        out.append(buf)
+        buf = None
+    if buf is not None:
+        out.append(buf)
+    return out, joins
 
 
 def _is_complete(line: str) -> bool:
@@ -187,7 +267,7 @@ def _regex_rows(raw: bytes) -> dict[str, tuple[list[int], list[float]]] | None:
     if _has_local_norms(raw):
         return None
     rows = _FAST.findall(raw)
-    if not rows or len(rows) != raw.count(b"Epoch:["):
+    if not rows or len(rows) != raw.count(b"Epoch:[") or len(rows) != raw.count(b"step:["):
         return None
     cols = list(zip(*rows, strict=True))
     try:
@@ -196,7 +276,9 @@ def _regex_rows(raw: bytes) -> dict[str, tuple[list[int], list[float]]] | None:
         per_epoch = np.array(cols[2]).astype(np.int64)
     except ValueError:
         return None
-    gstep = (epoch - 1) * per_epoch + step
+    gstep = _global_steps(epoch, per_epoch, step)
+    if gstep is None:
+        return None
     out: dict[str, tuple[list[int], list[float]]] = {}
     for idx, key in _FAST_KEYS.items():
         col = np.array(cols[idx])
@@ -208,10 +290,25 @@ def _regex_rows(raw: bytes) -> dict[str, tuple[list[int], list[float]]] | None:
                 col[have].astype(np.float64)
         except ValueError:
             return None  # an unreadable value: the careful path skips just that value and notes it
+        bad = ~np.isfinite(values)
+        if bad.any() and not all(_NONFINITE.fullmatch(t.decode().strip(_BLANK)) for t in col[have][bad]):
+            return None  # '1e400': a value out of range, which the careful path notes
         steps, vals = out.setdefault(key, ([], []))
         steps.extend(gstep[have].tolist())
         vals.extend(values.tolist())
     return out
+
+
+def _global_steps(epoch: np.ndarray, per_epoch: np.ndarray, step: np.ndarray) -> np.ndarray | None:
+    """(epoch - 1) * per_epoch + step for int64 columns; None when a step could fall outside 0..MAX_STEP
+    (the careful reader notes those lines one by one)."""
+    if not len(epoch):
+        return None
+    top = [int(x.max()) for x in (epoch, per_epoch, step)]
+    if int(epoch.min()) < 1 or int(step.min()) < 0 or int(per_epoch.min()) < 0 \
+            or (top[0] - 1) * top[1] + top[2] > MAX_STEP:
+        return None
+    return (epoch - 1) * per_epoch + step
 
 
 _TO_PIPE = bytes.maketrans(b",:[]/", b"|||||")
@@ -221,7 +318,7 @@ _SUFFIX = {11: b"ms", 17: b"T"}  # per_step_time: 561ms, train_throughput_per_np
 _OVERFLOW = 13
 # a line that is not a step row (pyarrow hands it back, separators as '|') and sends the file to the careful
 # reader: a step line of another layout, local norms (MFLossMonitor's or TrainingStateMonitor's)
-_OTHER_LINE = re.compile(r"Epoch|norm_size\||local_norm\|")
+_OTHER_LINE = re.compile(r"Epoch|step\|\||norm_size\||local_norm\|")
 
 
 def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] | None:
@@ -276,18 +373,18 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
     for c, g in roles.items():
         x = col(names[c])
         if g in _INT_GROUPS:
-            v = int_column(x)
+            v = int_column(x, spaces_only=True)
         elif g == _OVERFLOW:
-            t = pc.utf8_trim_whitespace(x)
+            t = pc.utf8_trim(x, " \t")
             if not pc.all(pc.is_in(t, pa.array(["True", "False"]))).as_py():
                 return None
             v = pc.equal(t, "True").to_numpy(zero_copy_only=False).astype(np.float64)
         elif g in _SUFFIX:
             unit = _SUFFIX[g].decode()
-            if not pc.all(pc.match_substring_regex(x, f"^[ \t\n\r\f\v]*[0-9.]+{unit}[ \t\n\r\f\v]*$")).as_py():
-                return None
+            if not pc.all(pc.match_substring_regex(x, f"^[ \t]*[0-9.]+{unit}[ \t]*$")).as_py():
+                return None   # (blanks are spaces and tabs: '\x0b84ms' is not 84 ms)
             try:
-                v = pc.cast(pc.utf8_rtrim(pc.utf8_trim_whitespace(x), unit), pa.float64()).to_numpy()
+                v = pc.cast(pc.utf8_rtrim(pc.utf8_trim(x, " \t"), unit), pa.float64()).to_numpy()
             except pa.ArrowInvalid:
                 return None   # '1.2.3ms'
         else:
@@ -295,7 +392,11 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
         if v is None:
             return None
         values[g] = v if v.flags.writeable else v.copy()
-    gstep = (values[1] - 1) * values[3] + values[2]
+    gstep = _global_steps(values[1], values[3], values[2])
+    if gstep is None:
+        return None
+    if any(np.isinf(values[g]).any() for g in roles.values() if g not in _INT_GROUPS):
+        return None   # 'inf' or a number out of range ('1e400', read as inf): the regex reader tells them apart
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for idx, key in _FAST_KEYS.items():
         if idx + 1 in values:
@@ -325,30 +426,52 @@ class _Skips:
         return out
 
 
-def _split_fields(rest: str) -> list[tuple[str, str]]:
-    """``name: value, name:[a/b], ...`` -> pairs; plain string splits (fast), the regex when a bracket holds
-    a comma."""
+_STRAY = "text without 'name: value'"
+_LOOKS_LIKE_STEP = re.compile(r"step:\[|(?<![\w'])(?:per_step_time|global_norm|overflow cond|loss_scale):")
+_LOCAL_NORM_LINE = re.compile(r"(?<![\w/])local_norm:")
+# a line of a numpy array printed over several lines: numbers, blanks, the brackets ('...' when summarized)
+_ARRAY_LINE = re.compile(r"[ \t]*\[?[-+0-9.eEnaifNIFty \t,]*\]?[ \t]*")
+
+
+def _split_fields(rest: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """``name: value, name:[a/b], ...`` -> pairs, and the pieces of text that are not ``name: value`` (a field
+    whose ':' was lost): plain string splits (fast), the regex when a bracket holds a comma."""
     parts = rest.split(",")
+    stray: list[str] = []
     if any(p.count("[") != p.count("]") for p in parts):
-        return [(fm.group(1).strip(), fm.group(2).strip()) for fm in _FIELD.finditer(rest)]
+        pairs, pos = [], 0
+        for fm in _FIELD.finditer(rest):
+            if rest[pos: fm.start()].strip(" ,"):
+                stray.append(rest[pos: fm.start()].strip(_BLANK))
+            pairs.append((fm.group(1).strip(_BLANK), fm.group(2).strip(_BLANK)))
+            pos = fm.end()
+        if rest[pos:].strip(" ,"):
+            stray.append(rest[pos:].strip(_BLANK))
+        return pairs, stray
     out = []
     for part in parts:
         name, sep, value = part.partition(":")
         if sep:
-            out.append((name.strip(), value.strip()))
-    return out
+            out.append((name.strip(_BLANK), value.strip(_BLANK)))
+        elif part.strip(_BLANK):
+            stray.append(part.strip(_BLANK))
+    return out, stray
+
+
+_KEYS: dict[str, str] = {}
 
 
 def _key(name: str) -> str:
-    key = FIELDS.get(name)
+    key = FIELDS.get(name) or _KEYS.get(name)
     if key is None:
-        key = FIELDS[name] = re.sub(r"\W+", "_", name).strip("_").lower()
+        key = _KEYS[name] = re.sub(r"\W+", "_", name).strip("_").lower()
     return key
 
 
 def _read_standard(line: str, start: int) -> dict[str, float] | None:
-    """A line in MFLossMonitor's exact format, read with one regex; None sends it to the field reader."""
-    m = _FAST_LINE.search(line, start)
+    """A line in MFLossMonitor's exact format from ``start`` (its head) to its end, read with one regex; None
+    sends it to the field reader."""
+    m = _FAST_LINE.match(line, start)
     if m is None:
         return None
     groups = m.groups()
@@ -357,53 +480,109 @@ def _read_standard(line: str, start: int) -> dict[str, float] | None:
         for idx, key in _FAST_KEYS.items():
             g = groups[idx]
             if g:
-                values[key] = float(g == "True") if key == "overflow" else float(g)
+                values[key] = float(g == "True") if key == "overflow" else _number(g)
     except ValueError:
         return None
     return values
 
 
-def _read_fields(rest: str, gstep: int, skips: _Skips) -> dict[str, float]:
+def _read_fields(rest: str, gstep: int, skips: _Skips, unknown: Counter[str]) -> dict[str, float]:
+    """The fields of one step line; what cannot be read is skipped and noted (never shortened, never split
+    at a control byte: a value is a whole number or it is not read)."""
     values: dict[str, float] = {}
-    for name, value in _split_fields(rest):
-        if not name:
+    pairs, stray = _split_fields(rest)
+    dup: set[str] = set()
+    for text in stray:
+        skips.add(_STRAY, gstep, text)
+    for name, value in pairs:
+        key = _key(name) if _NAME.fullmatch(name) else ""
+        if not key or key in _RESERVED:
+            skips.add(_STRAY, gstep, f"{name}: {value}")
             continue
-        key = _key(name)
         try:
             if value.startswith("["):
-                parts = [p for p in value[1:].rstrip("]").replace("/", " ").replace(",", " ").split() if p]
-                if not parts or not value.endswith("]"):      # empty, or cut before its closing bracket
-                    skips.add(name, gstep, value)
-                    continue
-                values[key] = _number(parts[0])
-                if key == "loss" and len(parts) > 1:
-                    values["loss_avg"] = _number(parts[1])
+                if not value.endswith("]"):                 # cut before its closing bracket
+                    raise ValueError(value)
+                inner = value[1:-1]
+                if key == "loss" and "/" in inner:          # loss:[this step/average]
+                    step_loss, avg = inner.split("/")       # (a third part: ValueError)
+                    got = {"loss": strict_float(step_loss), "loss_avg": strict_float(avg)}
+                else:
+                    got = {key: _number(inner)}             # one number: '[1 31049]' is not one
             else:
-                values[key] = _number(value)
+                got = {key: _number(value)}
         except ValueError:
             skips.add(name, gstep, value)
+            continue
+        if any(k in values or k in dup for k in got):      # the same field twice: text glued on, not one record
+            dup.update(got)
+            for k in got:
+                values.pop(k, None)
+            skips.add(name, gstep, f"{value} (the field twice in one line)")
+            continue
+        values.update(got)
+        if key not in FIELDS.values():
+            unknown[name] += 1
     return values
+
+
+def _split_records(lines: list[str]) -> tuple[list[str], int]:
+    """One record per line: a line that holds more than one record head (a step line, a norm_size or
+    local_norm line: newlines lost) is cut before each head after the first; the logger prefix of the next
+    record left at the end of the one before is dropped. Returns the lines and how many were cut."""
+    out: list[str] = []
+    cut = 0
+    for line in lines:
+        if line.count("Epoch:[") + line.count("norm_size:") + line.count("local_norm:") < 2:
+            out.append(line)
+            continue
+        starts = [m.start() for m in _RECORD_START.finditer(line)]
+        if len(starts) < 2:
+            out.append(line)
+            continue
+        prev = 0
+        for c in starts[1:]:
+            seg = line[prev:c]
+            stamps = list(_TIMESTAMP.finditer(seg, seg.find("Epoch:[") + 1))   # the last one, after the head
+            at = stamps[-1].start() if stamps else -1
+            out.append(seg[:at] if at >= 0 and _LOG_PREFIX.fullmatch(seg, at) else seg)
+            prev = c
+        out.append(line[prev:])
+        cut += 1
+    return out, cut
 
 
 def parse_mindformers_log(path: str | Path) -> Run:
     """Parse one MindFormers log into a Run (BadInput when it holds no step lines)."""
     raw = clean_text(read_log_bytes(path))
     notes: list[str] = []
-    fast = _fast(raw, path, notes)
+    # a last line without its newline may be cut inside its last value: only the careful reader drops that
+    tail_open = bool(raw) and not raw.endswith(b"\n") and b"Epoch:[" in raw[raw.rfind(b"\n") + 1:]
+    last_line = raw[raw.rfind(b"\n") + 1:]
+    if last_line.strip():
+        notes.append("the log ends inside a line (no final newline: a cut copy?): "
+                     f"{last_line[-40:].decode('utf-8', 'replace')!r}")
+    fast = None if tail_open else _fast(raw, path, notes)
     if fast is not None:
         return Run(str(path), "mindformers_log", fast[1], fast[0], {}, notes)
     text_lines = raw.decode("utf-8", "replace").split("\n")
     if any(not _is_complete(x) for x in text_lines[:-1]):
-        text_lines, joins = unwrap(text_lines, _is_complete)
+        text_lines, joins = _unwrap(text_lines)
         if joins:
             notes.append(f"re-joined {joins} lines wrapped by a terminal")
+    text_lines, splits = _split_records(text_lines)
+    if splits:
+        notes.append(f"{splits} line(s) held more than one record (newlines lost); each record read on its own")
 
     last_field = _last_field(text_lines)
     cols: dict[str, tuple[list[int], list[float]]] = {}
     local_norms: dict[int, pd.DataFrame] = {}
     named: dict[int, tuple[list[str], list[float]]] = {}
     other_tags: dict[str, int] = {}
+    unknown: Counter[str] = Counter()
     skips = _Skips()
+    unread: list[str] = []          # lines that look like step lines but have no readable head
+    lost_norms = 0                  # local_norm blocks whose step line never came
     pending_norm: tuple[list[int], list[float]] | None = None
     steps_seen = 0
     cut: list[int] = []
@@ -412,26 +591,42 @@ def parse_mindformers_log(path: str | Path) -> Run:
     while i < n:
         line = text_lines[i]
         if "norm_size:" in line:
+            lost_norms += pending_norm is not None
             pending_norm, i = _norm_block(text_lines, i, notes)
             continue
         at = line.find("Epoch:[")
         i += 1
         m = _STEP.search(line, max(0, at - 2)) if at >= 0 else None
-        if not m:
+        gstep = step_number(m.group(2), m.group(5), m.group(4)) if m else None
+        if gstep is None:
+            if m or at >= 0 or _LOOKS_LIKE_STEP.search(line):
+                where = max(line.find("step:["), line.find("Epoch:["), line.find("{ E"))
+                unread.append(line[max(0, where - 12):].strip(_BLANK) if where >= 0 else line.strip(_BLANK))
+                lost_norms += pending_norm is not None
+                pending_norm = None
+            elif _LOCAL_NORM_LINE.search(line):
+                notes.append(f"a local_norm block without its norm_size line ({line.strip()[:60]!r}); ignored")
             continue
-        epoch, per_epoch, step = int(m.group(2)), int(m.group(5)), int(m.group(4))
-        gstep = (epoch - 1) * per_epoch + step
+        assert m is not None
         rest = m.group(7)
+        unterminated = tail_open and i == n       # the file's last line, with no newline: maybe cut
         if not m.group(6):
-            _monitor_line(rest, gstep, named, other_tags, skips)
+            if unterminated:
+                skips.add("last line (no newline: maybe cut)", gstep, rest.strip(_BLANK))
+            else:
+                _monitor_line(rest, gstep, named, other_tags, skips)
             continue
-        standard = _read_standard(line, max(0, at - 2))     # matched through the end of the line: whole
-        values = standard or _read_fields(rest, gstep, skips)
+        standard = _read_standard(line, m.start())     # matched through the end of the line: whole
+        values = standard or _read_fields(rest, gstep, skips, unknown)
         if not values:
             skips.add("step line", gstep, rest.strip())
+            lost_norms += pending_norm is not None
             pending_norm = None
             continue
-        if standard is None and _cut_short(line, last_field):
+        if unterminated and not rest.rstrip(_BLANK).endswith(("]", "T")):
+            cut.append(gstep)                      # a plain number at the cut end may have lost digits
+            values.pop(next(reversed(values)))
+        elif standard is None and _cut_short(line, last_field):
             cut.append(gstep)
             # the value the cut ran through may be truncated: drop it, if it was read at all (a garbled last
             # field was already skipped, and the field before it is whole)
@@ -452,12 +647,28 @@ def parse_mindformers_log(path: str | Path) -> Run:
                 "numel": np.asarray(sizes, dtype=np.int64) if sizes else np.full(len(sq), -1, np.int64),
             })
             pending_norm = None
+    lost_norms += pending_norm is not None
     if steps_seen == 0 and not named:
-        raise BadInput(f"{path}: no MindFormers '{{ Epoch:[..], step:[..], loss:[..] ...' lines found")
+        raise BadInput(f"{path}: no MindFormers '{{ Epoch:[..], step:[..], loss:[..] ...' lines found"
+                       + (f" ({len(unread)} unreadable step line(s), e.g. {unread[0][:80]!r})" if unread else ""))
     if cut:
         notes.append(f"{len(cut)} step line(s) cut short (steps {', '.join(map(str, cut[:5]))}"
                      f"{', ...' if len(cut) > 5 else ''}); the field at the cut dropped, the others kept")
+    if unread:
+        notes.append(f"{len(unread)} step line(s) with an unreadable step head or step number (e.g. "
+                     f"{unread[0][:80]!r}); not read")
+    if lost_norms:
+        notes.append(f"{lost_norms} local_norm block(s) not followed by a readable step line; ignored")
     notes.extend(skips.notes())
+    if unknown:
+        notes.append("fields this reader does not know, kept under their own names: "
+                     + ", ".join(f"{k!r} ({c} step(s))" for k, c in list(unknown.items())[:5]))
+    seen = Counter(name for names, _ in named.values() for name in set(names))
+    if len(named) > 1:
+        rare = [name for name, c in seen.items() if c == 1 and max(seen.values()) > 1]
+        if rare:
+            notes.append(f"TrainingStateMonitor local norm name(s) seen at one step only (garbled?): "
+                         f"{', '.join(repr(x) for x in rare[:5])}")
     for step, (names, norms) in named.items():
         if step in local_norms:
             notes.append(f"step {step}: named TrainingStateMonitor local norms used instead of the unnamed "
@@ -491,25 +702,30 @@ def _series(cols: dict[str, tuple[list[int], list[float]]], notes: list[str],
 
 def _monitor_line(rest: str, gstep: int, named: dict[int, tuple[list[str], list[float]]],
                   other_tags: dict[str, int], skips: _Skips) -> None:
-    """``local_norm/<name>: value`` from TrainingStateMonitor; other tags are counted, not read."""
+    """``local_norm/<name>: value`` from TrainingStateMonitor (a name may hold spaces); other tags are
+    counted, not read. A value that is not one number, or a name with a control byte, is skipped and noted."""
     mm = _MONITOR.match(rest)
     if not mm:
+        skips.add("TrainingStateMonitor line", gstep, rest.strip(_BLANK))
         return
     tag, value = mm.group(1), mm.group(2)
     if not tag.startswith("local_norm/"):
         head = tag.split("/", 1)[0]
         other_tags[head] = other_tags.get(head, 0) + 1
         return
+    name = tag[len("local_norm/"):]
+    v = value.strip(_BLANK)
+    if v.startswith("[") and v.endswith("]"):
+        v = v[1:-1]
     try:
-        parts = value.strip("[] ").replace(",", " ").split()
-        norm = _number(parts[0]) if len(parts) == 1 else float("nan")
-    except (ValueError, IndexError):
-        norm = float("nan")
-    if not np.isfinite(norm) and not re.fullmatch(r"\[?\s*-?(nan|inf)\s*\]?", value.strip(), re.I):
+        if not name.strip() or not name.isprintable():
+            raise ValueError(name)
+        norm = strict_float(v)
+    except ValueError:
         skips.add(tag, gstep, value)
         return
     names, norms = named.setdefault(gstep, ([], []))
-    names.append(tag[len("local_norm/"):])
+    names.append(name)
     norms.append(norm)
 
 
@@ -526,6 +742,15 @@ def parse_mindformers_dir(path: str | Path) -> Run:
         raise BadInput(f"{root}: no msrun worker logs (worker_N.log) in it or in its msrun_log/")
     runs: dict[int, Run] = {}
     notes: list[str] = []
+    folder = logs[0][1].parent
+    odd = sorted(f.name for f in folder.glob("worker_*.log") if f.name not in {g.name for _, g in logs})
+    if odd:
+        notes.append(f"not read (not a worker_N.log file, or a second name for a rank): {', '.join(odd[:5])}")
+    ranks = [r for r, _ in logs]
+    missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    if missing:
+        notes.append(f"no worker log for rank(s) {', '.join(map(str, missing[:10]))}"
+                     f"{', ...' if len(missing) > 10 else ''} (ranks {ranks[0]}..{ranks[-1]} found)")
     for rank, f in logs:
         try:
             runs[rank] = parse_mindformers_log(f)
@@ -539,7 +764,8 @@ def parse_mindformers_dir(path: str | Path) -> Run:
     first = runs[main]
     meta = dict(first.meta)
     meta["source"] = {"kind": "mindformers_log", "path": str(root), "workers": len(logs)}
-    meta["parallel"] = {"world_size": len(logs)}
+    if not missing:
+        meta["parallel"] = {"world_size": len(logs)}   # (with a rank missing, the world size is not known)
     local: dict[int, pd.DataFrame] = {}
     for step in sorted({s for r in runs.values() for s in r.local_norms}):
         frames = [runs[r].local_norms[step].assign(rank=r) for r in sorted(runs) if step in runs[r].local_norms]
@@ -555,7 +781,7 @@ def worker_logs(path: Path) -> list[tuple[int, Path]]:
     for folder in (path, path / "msrun_log"):
         found = []
         for f in folder.glob("worker_*.log") if folder.is_dir() else []:
-            m = re.fullmatch(r"worker_(\d+)\.log", f.name)
+            m = re.fullmatch(r"worker_(0|[1-9][0-9]{0,5})\.log", f.name)   # 'worker_01.log' is not rank 1
             if m and f.is_file():
                 found.append((int(m.group(1)), f))
         if found:
@@ -573,32 +799,37 @@ def _meta(path: str | Path, text_lines: list[str]) -> dict[str, Any]:
 
 
 def _norm_block(lines: list[str], i: int, notes: list[str]) -> tuple[tuple[list[int], list[float]] | None, int]:
-    """Read ``norm_size: (...)`` / ``local_norm:`` / ``[...]`` starting at line ``i``."""
+    """Read ``norm_size: (...)`` / ``local_norm:`` / ``[...]`` starting at line ``i``. The array runs over
+    lines that hold only numbers; a block whose array does not close there is noted and ignored, and the line
+    that stopped it (the next step line) is read as usual."""
     m = _NORM_SIZE.search(lines[i])
-    try:
-        sizes = [int(x) for x in m.group(1).replace(",", " ").split()] if m else []
-        if any(not 0 <= x < 2 ** 62 for x in sizes):
-            raise ValueError("size out of range")
-    except ValueError:   # a garbled size: the norms are still good, their sizes are not (issue 14)
-        notes.append(f"line {i + 1}: unreadable norm_size entries; sizes dropped")
-        sizes = []
+    sizes: list[int] = []
+    if m is None:
+        notes.append(f"line {i + 1}: norm_size without its closing ')'; sizes dropped")
+    else:
+        tokens = [t for t in re.split(r"[ \t,]+", m.group(1)) if t]
+        if all(re.fullmatch(r"[0-9]{1,18}", t) for t in tokens):
+            sizes = [int(t) for t in tokens]
+        else:   # a garbled size: the norms are still good, their sizes are not (issue 14)
+            notes.append(f"line {i + 1}: unreadable norm_size entries; sizes dropped")
     j = i + 1
-    while j < len(lines) and "local_norm:" not in lines[j] and j < i + 3:
+    while j < len(lines) and j < i + 3 and "local_norm:" not in lines[j] and "Epoch:[" not in lines[j] \
+            and "norm_size:" not in lines[j]:
         j += 1
     if j >= len(lines) or "local_norm:" not in lines[j]:
+        notes.append(f"line {i + 1}: norm_size without a local_norm block after it; ignored")
         return None, i + 1
-    after = lines[j].split("local_norm:", 1)[1]
-    buf = after
+    buf = lines[j].split("local_norm:", 1)[1]
     k = j + 1
-    while "]" not in buf and k < len(lines) and k < j + 100000:
+    while "]" not in buf and k < len(lines) and k < j + 100000 and _ARRAY_LINE.fullmatch(lines[k]):
         buf += " " + lines[k]
         k += 1
-    body = buf.strip()
+    body = buf.strip(_BLANK)
     if not body.startswith("[") or "]" not in body:
         notes.append(f"line {j + 1}: local_norm block not closed; ignored")
         return None, k
     try:
-        values = [float(x) for x in body[1:body.index("]")].replace(",", " ").split()]
+        values = [strict_float(x) for x in re.split(r"[ \t,]+", body[1:body.index("]")].strip(" \t,"))]
     except ValueError:
         notes.append(f"line {j + 1}: unreadable local_norm values; ignored")
         return None, k

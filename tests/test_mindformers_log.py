@@ -378,3 +378,163 @@ def test_bulk_path_reads_a_file_of_many_blocks_like_the_regex_path(tmp_path, mon
     assert mfl._bulk(clean_text(p.read_bytes())) is not None
     run = _read_both(monkeypatch, p)
     assert list(run.series("loss").index) == list(range(1, 12_001))
+
+
+# --- issue 24: never silently wrong (each case measured on the reader before the fix) -----------------------
+
+_PREFIX = "2026-11-22 06:55:02,505 - mindformers/log[mindformers/core/callback/callback.py:747] - INFO - "
+
+
+def _mf_line(step: int, loss: float, norm: str = "[1.5]") -> str:
+    return (_PREFIX + f"{{ Epoch:[  1/  1], step:[{step:5d}/   10], loss:[{loss:.6f}/{loss:.6f}], per_step_time: "
+            f"373ms, lr: 0.0005, overflow cond: False, loss_scale: 1.0, global_norm: {norm}")
+
+
+_GOOD = [_mf_line(s, 4 + s / 10) for s in range(1, 5)]
+
+
+def _parse_both(monkeypatch, tmp_path, text: str | bytes):
+    """The run, read by the bulk reader and by the careful reader alone: both must agree."""
+    import sources.mindformers_log as mfl
+
+    p = tmp_path / "issue24.log"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    run = mfl.parse_mindformers_log(p)
+    with monkeypatch.context() as mp:
+        mp.setattr(mfl, "_bulk", lambda raw: None)
+        mp.setattr(mfl, "_regex_rows", lambda raw: None)
+        careful = mfl.parse_mindformers_log(p)
+    assert sorted(run.scalars) == sorted(careful.scalars) and run.notes == careful.notes
+    for k, s in run.scalars.items():
+        assert s.index.equals(careful.scalars[k].index), k
+        np.testing.assert_array_equal(s.to_numpy(), careful.scalars[k].to_numpy(), err_msg=k)
+    return run
+
+
+def _losses(run):
+    return dict(run.series("loss").items())
+
+
+def test_global_norm_with_a_space_inside_the_brackets_is_noted_not_read(tmp_path, monkeypatch):
+    run = _parse_both(monkeypatch, tmp_path, "\n".join([_GOOD[0], _mf_line(2, 4.2, "[1 31049]"), *_GOOD[2:]]) + "\n")
+    assert list(run.series("grad_norm").index) == [1, 3, 4]          # not 1.0 at step 2
+    assert _losses(run) == {1: 4.1, 2: 4.2, 3: 4.3, 4: 4.4}
+    assert any("global_norm" in n and "[1 31049]" in n and "step 2" in n for n in run.notes)
+
+
+def test_global_norm_whose_colon_was_lost_is_noted(tmp_path, monkeypatch):
+    bad = _GOOD[1].replace("global_norm: [", "global_norm [")
+    run = _parse_both(monkeypatch, tmp_path, "\n".join([_GOOD[0], bad, *_GOOD[2:]]) + "\n")
+    assert list(run.series("grad_norm").index) == [1, 3, 4]
+    assert _losses(run)[2] == 4.2
+    assert any("global_norm [1.5]" in n and "step 2" in n for n in run.notes)
+
+
+@pytest.mark.parametrize("joiner", [" ", "", "\t"])
+def test_records_joined_onto_one_line_are_each_read(tmp_path, monkeypatch, joiner):
+    run = _parse_both(monkeypatch, tmp_path, joiner.join(_GOOD) + "\n")
+    assert _losses(run) == {1: 4.1, 2: 4.2, 3: 4.3, 4: 4.4}           # not one step holding the last loss
+    assert dict(run.series("grad_norm").items()) == {1: 1.5, 2: 1.5, 3: 1.5, 4: 1.5}
+    assert any("more than one record" in n for n in run.notes)
+
+
+def test_two_records_glued_by_one_lost_newline_do_not_shift(tmp_path, monkeypatch):
+    run = _parse_both(monkeypatch, tmp_path, "\n".join([_GOOD[0], _GOOD[1] + _GOOD[2], _GOOD[3]]) + "\n")
+    assert _losses(run) == {1: 4.1, 2: 4.2, 3: 4.3, 4: 4.4}
+    assert any("more than one record" in n for n in run.notes)
+
+
+def test_glued_records_with_local_norm_blocks_keep_each_block_on_its_step(tmp_path):
+    one_line = " ".join(REAL.read_text().splitlines())
+    p = tmp_path / "one.log"
+    p.write_text(one_line + "\n")
+    run, ref = parse_mindformers_log(p), parse_mindformers_log(REAL)
+    assert _losses(run) == _losses(ref)
+    assert sorted(run.local_norms) == sorted(ref.local_norms)
+    for step, table in ref.local_norms.items():
+        np.testing.assert_array_equal(run.local_norms[step].norm.to_numpy(), table.norm.to_numpy())
+
+
+@pytest.mark.parametrize("ctrl", ["\x1c", "\x01", "\x0b", "\x7f", "\x1f"])
+def test_control_byte_inside_a_value_is_never_a_cut(tmp_path, monkeypatch, ctrl):
+    bad = _GOOD[1].replace("loss:[4.200000", f"loss:[4.2{ctrl}1")
+    run = _parse_both(monkeypatch, tmp_path, "\n".join([_GOOD[0], bad, *_GOOD[2:]]) + "\n")
+    assert 2 not in run.series("loss").index and 2 not in run.series("loss_avg").index
+    assert run.series("grad_norm")[2] == 1.5                           # the line's other values kept
+    assert any("'loss'" in n and "step 2" in n for n in run.notes)
+
+
+def test_unclosed_local_norm_block_does_not_swallow_the_next_step(tmp_path):
+    block = [_PREFIX + " norm_size: (4, 4)", "local_norm:", "[1.0 2.0"]
+    p = tmp_path / "u.log"
+    p.write_text("\n".join([_GOOD[0], *block, *_GOOD[1:]]) + "\n")
+    run = parse_mindformers_log(p)
+    assert _losses(run) == {1: 4.1, 2: 4.2, 3: 4.3, 4: 4.4}
+    assert run.local_norms == {}                                       # the broken block is not on any step
+    assert any("local_norm block not closed" in n for n in run.notes)
+
+
+def test_local_norm_block_of_a_lost_step_line_is_not_shifted_to_the_next_step(tmp_path):
+    block = [_PREFIX + " norm_size: (4, 4)", "local_norm:", "[1.0 4.0]"]
+    p = tmp_path / "lost.log"
+    p.write_text("\n".join([_GOOD[0], *block, _GOOD[1].replace("step:[    2/", "step:[   2x/"), *block, *_GOOD[2:]])
+                 + "\n")
+    run = parse_mindformers_log(p)
+    assert sorted(run.local_norms) == [3]                   # step 2's block is not on step 3
+    assert any("unreadable step head" in n for n in run.notes)
+    assert any("not followed by a readable step line" in n for n in run.notes)
+
+
+def test_monitor_local_norm_names_with_spaces_are_read(tmp_path):
+    mon = [_PREFIX.replace("747", "1496") + "Epoch:[  1/  1], step:[    2/   10] local_norm/my layer.weight: 0.5",
+           _PREFIX.replace("747", "1496") + "Epoch:[  1/  1], step:[    2/   10] local_norm/b\x01ad: 0.25",
+           _PREFIX.replace("747", "1496") + "Epoch:[  1/  1], step:[    2/   10] local_norm/arr: [0.5 0.25]"]
+    p = tmp_path / "m.log"
+    p.write_text("\n".join([_GOOD[0], *mon, *_GOOD[1:]]) + "\n")
+    run = parse_mindformers_log(p)
+    table = run.local_norms[2]
+    assert list(table.name) == ["my layer.weight"] and list(table.norm) == [0.5]
+    assert any("local_norm/b\\x01ad" in n for n in run.notes)      # a control byte in the name: noted
+    assert any("local_norm/arr" in n for n in run.notes)           # two numbers where one is printed: noted
+
+
+@pytest.mark.parametrize("head", ["step:[  2.0/", "step:[" + "9" * 5000 + "/", "step:[ 1e3/", "step:[\u0661\u0663/",
+                                  "step:[9999999999999/"])
+def test_step_numbers_are_bounded_ascii_integers(tmp_path, monkeypatch, head):
+    bad = _GOOD[1].replace("step:[    2/", head)
+    run = _parse_both(monkeypatch, tmp_path, "\n".join([_GOOD[0], bad, *_GOOD[2:]]) + "\n")
+    assert _losses(run) == {1: 4.1, 3: 4.3, 4: 4.4}
+    for s in run.scalars.values():
+        assert s.index.dtype == np.int64 and (s.index <= 10 ** 12).all()
+    assert any("unreadable step head or step number" in n for n in run.notes)
+
+
+def test_import_never_writes_a_float_step(tmp_path):
+    """A field named like the record's own step ('step: 13.0', a glued head) never becomes a scalar: the
+    run store's step stays the integer `align report` reads."""
+    from align.cli import main
+
+    odd = [_GOOD[0], _GOOD[1] + ", step: 13.0, epoch: 2.0", _GOOD[2] + _GOOD[3]]
+    (tmp_path / "mf.log").write_text("\n".join(odd) + "\n")
+    assert main(["import", str(tmp_path / "mf.log"), "--out", str(tmp_path / "rs")]) == 0
+    records = [json.loads(ln) for ln in (tmp_path / "rs" / "scalars" / "rank_00000.jsonl").read_text().splitlines()]
+    assert all(type(rec["step"]) is int and "epoch" not in rec for rec in records)
+    assert [rec["step"] for rec in records] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("text,key", [("1e400", "loss_scale"), ("-1e400", "lr"), ("9" * 400, "loss_scale"),
+                                      ("1_0", "loss_scale"), ("\u0661", "lr"), ("0x1F", "loss_scale")])
+def test_numbers_out_of_range_or_not_ascii_are_noted(tmp_path, monkeypatch, text, key):
+    field = {"loss_scale": "loss_scale: 1.0", "lr": "lr: 0.0005"}[key]
+    bad = _GOOD[1].replace(field, field.split(":")[0] + ": " + text)
+    run = _parse_both(monkeypatch, tmp_path, "\n".join([_GOOD[0], bad, *_GOOD[2:]]) + "\n")
+    assert 2 not in run.series(key).index and _losses(run)[2] == 4.2
+    assert any(repr(field.split(":")[0]) in n and "step 2" in n for n in run.notes)
+
+
+def test_printed_nan_and_inf_are_read_on_both_paths(tmp_path, monkeypatch):
+    lines = [_GOOD[0], _GOOD[1].replace("loss_scale: 1.0", "loss_scale: inf"),
+             _GOOD[2].replace("global_norm: [1.5]", "global_norm: [nan]"), _GOOD[3]]
+    run = _parse_both(monkeypatch, tmp_path, "\n".join(lines) + "\n")
+    assert run.series("loss_scale")[2] == np.inf and np.isnan(run.series("grad_norm")[3])
+    assert not any("loss_scale" in n or "global_norm" in n for n in run.notes)
