@@ -11,11 +11,11 @@ import json
 import math
 import random
 import shutil
-import struct
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_tensorboard_import import _offsets  # event-record boundaries, one reader for both tests
 
 from core.errors import BadInput
 from sources import load_run
@@ -138,14 +138,6 @@ def test_golden_values(tmp_path):
 
 
 # --- TensorBoard event files -----------------------------------------------------------------------------------
-
-def _offsets(data: bytes) -> list[int]:
-    out, pos = [], 0
-    while pos < len(data):
-        out.append(pos)
-        pos += 12 + struct.unpack_from("<Q", data, pos)[0] + 4
-    return out
-
 
 def test_tensorboard_event_files(tmp_path):
     tb = pytest.importorskip("torch.utils.tensorboard")
