@@ -26,6 +26,10 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--optimizer-check", metavar="FILE_OR_RUN",
                    help="the candidate's optimizer step on the baseline's step-1 gradients (npz or run store)")
     e.add_argument("--conversion", metavar="FILE", help="the weight conversion report (convert-weights --json)")
+    e.add_argument("--rerun", metavar="RUN",
+                   help="the candidate's re-run of its first steps (e.g. PYNATIVE, for layer capture): compared "
+                        "with the candidate first; its layer tensors stand in for the candidate's only as far as "
+                        "it reproduces the candidate")
     e.add_argument("--mapping", default=None, metavar="PRESET_OR_FILE",
                    help="name mapping (default: Megatron-core <-> MindFormers Llama)")
     e.add_argument("--vocab-size", type=int, help="data checks: ids must be in [0, vocab)")
@@ -104,6 +108,7 @@ def report_inputs(args: argparse.Namespace) -> Inputs:
     return Inputs(args.baseline, args.candidate, repeats=args.repeat, lr0=tuple(args.lr0) if args.lr0 else None,
                   baseline_config=args.baseline_config, candidate_config=args.candidate_config,
                   optimizer_check=args.optimizer_check, conversion=args.conversion, mapping=args.mapping,
+                  rerun=getattr(args, "rerun", None),
                   options=options)
 
 

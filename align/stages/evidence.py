@@ -19,6 +19,7 @@ from typing import Any
 from comparators.scalars import ScalarComparison, ScalarOptions, compare_scalars
 from core.dtypes import coarsest, normalize
 from core.errors import BadInput
+from core.findings import StageResult
 from runstore import EVIDENCE_DIR
 from runstore.run import Run
 from sources import detect, load_run
@@ -54,6 +55,7 @@ class Inputs:
     optimizer_check: str | None = None
     conversion: str | None = None
     mapping: str | None = None
+    rerun: str | None = None        # the candidate's re-run of its first steps (PYNATIVE, for layer capture)
     options: Options = field(default_factory=Options)
 
 
@@ -80,6 +82,7 @@ class Evidence:
         self.repeats: list[Run] = [r for k, r in runs.items() if k.startswith("repeat")]
         self.lr0: tuple[Run, Run] | None = ((runs["lr0_baseline"], runs["lr0_candidate"])
                                             if "lr0_baseline" in runs else None)
+        self.rerun: Run | None = runs.get("rerun")
         self._configs: dict[str, tuple[str, dict[str, Any]] | None] = {}
 
     @classmethod
@@ -89,6 +92,8 @@ class Evidence:
         items += [(f"repeat{i + 1}", r) for i, r in enumerate(inputs.repeats)]
         if inputs.lr0:
             items += [("lr0_baseline", inputs.lr0[0]), ("lr0_candidate", inputs.lr0[1])]
+        if inputs.rerun:
+            items.append(("rerun", inputs.rerun))
         for extra in (inputs.baseline_config, inputs.candidate_config, inputs.optimizer_check,
                       inputs.conversion):
             if extra is not None and not Path(extra).exists():
@@ -219,6 +224,14 @@ class Evidence:
     @property
     def mapping_source(self) -> str:
         return self._mapping[1]
+
+    @cached_property
+    def rerun_check(self) -> StageResult | None:
+        """The candidate against its re-run (computed once: its stage reports it, the layer stage heeds it)."""
+        if self.rerun is None:
+            return None
+        from comparators.rerun import compare_rerun
+        return compare_rerun(self.candidate, self.rerun, dtype=self.dtype[0])
 
     @cached_property
     def scalars(self) -> ScalarComparison:

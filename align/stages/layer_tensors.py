@@ -8,7 +8,7 @@ from typing import Any
 from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.layer_tensors import ONE_SIDED_KINDS, compare_layer_tensors
-from core.findings import StageResult, skipped
+from core.findings import Finding, StageResult, skipped
 from reports.figures import layer_profile
 from reports.html import table
 from sources.layers import LayerSource, layer_source
@@ -33,10 +33,17 @@ def _first_tensor_step(a: LayerSource, b: LayerSource) -> tuple[int, Any] | None
 def run(ev: Evidence) -> StageResult:
     b, c = ev.baseline, ev.candidate
     srcs = [layer_source(r, required=False) for r in (b, c)]
+    found = _first_tensor_step(*srcs) if None not in srcs else None
+    from_rerun = False
+    if found is None and srcs[0] is not None and ev.rerun is not None:
+        # the candidate holds no layer tensors: its re-run's stand in (the rerun_check stage says how far)
+        rerun_src = layer_source(ev.rerun, required=False)
+        found = _first_tensor_step(srcs[0], rerun_src) if rerun_src is not None else None
+        if found is not None:
+            c, srcs[1], from_rerun = ev.rerun, rerun_src, True
     if srcs[0] is None or srcs[1] is None:
         return skipped("layer_tensors", "layer tensors come from run stores or msprobe dumps; "
                        f"{', '.join(r.label for r, s in zip((b, c), srcs, strict=True) if s is None)} is a log")
-    found = _first_tensor_step(*srcs)
     if found is None:
         return skipped("layer_tensors", "no step where both runs hold layer tensors (tensor_stats / dump.json)")
     step, rows = found
@@ -45,6 +52,13 @@ def run(ev: Evidence) -> StageResult:
                                 candidate_rank=srcs[1].array_ranks(step)[0], rank=srcs[0].array_ranks(step)[0],
                                 tolerances=opt.layer_tolerance or None, jobs=opt.jobs, scheduler=opt.scheduler,
                                 readers=_readers(*srcs), rows=rows, one_sided_kinds=ONE_SIDED_KINDS)
+    if from_rerun:
+        check = ev.rerun_check
+        res.details["candidate_layers_from"] = f"re-run {c.path}"
+        if check is not None and check.verdict == "fail":
+            res.add(Finding("layer_tensors", "warn", None, "rerun_not_evidence", None, None,
+                            "the candidate's layer tensors come from a re-run that does not reproduce it "
+                            "(rerun_check): the departing module named here may not be the candidate's"))
     return res
 
 
@@ -82,5 +96,5 @@ STAGE = Stage(
     needs="layer tensor statistics or full tensors of the same step in both run stores",
     capture="MegatronDumper / TorchDumper DumpConfig(tensor_steps=[1, 2], modules=[...]); MindSporeDumper "
             "DumpConfig(tensor_steps=[1, 2], cells=[...]) in PYNATIVE (re-run steps 1-2 in PYNATIVE when "
-            "training runs in GRAPH mode)",
+            "training runs in GRAPH mode, and pass the re-run as --rerun RUN)",
     run=run, section=section, figures=figures, figure_order=4)
