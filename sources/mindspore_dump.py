@@ -1,0 +1,382 @@
+"""MindSpore's own GRAPH-mode dump (MINDSPORE_DUMP_CONFIG), opened as a layer-tensor source.
+
+What MindSpore writes (tutorials "Using Dump in the Graph Mode", r2.10.0, CPU/GPU and Ascend ms_backend
+sections; measured on CPU with MindSpore 2.10, tests/data/mindspore_dump/make_mindspore_dumps.py)::
+
+    PATH/rank_{R}/{net_name}/{graph_id}/{iteration}/{op_type}.{op_name}.{task_id}.{stream_id}.{timestamp}
+                                          .{input|output}.{slot}.{format}.{dtype}.npy   (saved_data tensor|full)
+    PATH/rank_{R}/{net_name}/{graph_id}/{iteration}/statistic.csv                   (statistic|full)
+    PATH/rank_{R}/execution_order/ms_execution_order_graph_{graph_id}.csv   kernels' full scope names, in order
+
+A kernel's full name is its graph scope: ``Default/network-CausalLM/model-GPTModel/decoder-TransformerBlock/
+layers-CellList/1-TransformerLayer/mlp-MLP/linear_fc2-Dense/BiasAdd-op0`` (``attribute-Class`` per cell, the
+op last; backward kernels start with ``Gradients/``). In file names and statistic.csv the ``/`` is written
+``_`` (CPU, and the statistic.csv sample in msprobe's code_mapping test) or ``--`` (Ascend); the execution
+order file resolves ``_`` exactly, without it the scope is split on ``-`` / ``_`` (ambiguous only when a
+cell *class* name holds ``_``). statistic.csv: ``Op Type,Op Name,Task ID,Stream ID,Timestamp,IO,Slot,Data
+Size,Data Type,Shape`` then the ``statistic_category`` columns (``Max Value``, ``Min Value``, ``Avg Value``,
+``L2Norm Value``, ``NaN Count``, ...). CPU writes tensors only ("storing statistic dump is only supported
+on GPU and Ascend"), so statistic.csv is read as documented, not as measured.
+
+Rows are cell outputs, forward only: for every cell scope (each prefix of a kernel's scope) the outputs of
+the last kernel executed inside it, i.e. the kernel whose output leaves the cell (its output 0: a LayerNorm
+kernel's mean and rstd are not the cell's; a cell returning a tuple shows one tensor), in the run store's
+``tensor_stats`` vocabulary, inner cells before the cells that end with them (as forward hooks fire). The
+module name is the cell path below the training wrappers (``network`` / ``_backbone`` attributes) and, for
+an mcore model, below the ``GPTModel`` cell (MindFormers' mcore names are Megatron's:
+``decoder.layers.1.mlp.linear_fc2``). MindSpore iterations count from 0: iteration N is step N + 1.
+Measured quirk (CPU): a Reshape kernel's output file keeps its input's shape (a Dense cell's output is
+dumped 8x8 for a 2x4x8 result; same numbers). Not read: backward kernels (``Gradients/...``), parameters.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from core.errors import BadInput
+from sources import Source
+from sources.msprobe import normalise_dtype
+
+if TYPE_CHECKING:
+    from runstore.run import Run
+
+STAT_CSV = "statistic.csv"
+ORDER_DIR = "execution_order"
+_RANK_RE = re.compile(r"^rank_(\d+)$")
+_ORDER_RE = re.compile(r"^ms_execution_order_graph_(\d+)\.csv$")
+_STAT_HEAD = ("Op Type", "Op Name", "Task ID", "Stream ID", "Timestamp", "IO", "Slot", "Data Size", "Data Type",
+              "Shape")
+_STAT_COLS = {"max": "Max Value", "min": "Min Value", "mean": "Avg Value", "norm": "L2Norm Value",
+              "nan": "NaN Count", "ninf": "Negative Inf Count", "pinf": "Positive Inf Count"}
+WRAPPER_ATTRS = ("network", "_backbone")     # TrainOneStepCell / WithLossCell / _VirtualDatasetCell / ...
+MODEL_ROOTS = ("GPTModel",)                  # MindFormers mcore: names below it are Megatron's
+
+
+def split_npy_name(name: str) -> tuple[str, str, int, str, str, int] | None:
+    """(op_type, op_name, timestamp, io, dtype, slot) of a kernel tensor file name, None for other files."""
+    if not name.endswith(".npy"):
+        return None
+    head, *rest = name[:-4].rsplit(".", 7)
+    if len(rest) != 7 or "." not in head:
+        return None
+    task, stream, ts, io, slot, _fmt, dtype = rest
+    op_type, op_name = head.split(".", 1)
+    if io not in ("input", "output") or not (slot.isdigit() and ts.isdigit() and task.isdigit() and stream.isdigit()):
+        return None
+    return op_type, op_name, int(ts), io, dtype, int(slot)
+
+
+def scope_cells(name: str) -> tuple[str, list[tuple[str, str]]]:
+    """(root, [(attribute, class), ...]) of a kernel's full name (``/``), or of its file-name form
+    (``--`` or ``_``); the op itself is dropped."""
+    if "/" in name or "--" in name:
+        parts = name.split("/") if "/" in name else name.split("--")
+        cells = [tuple(p.split("-", 1)) for p in parts[1:-1]]
+        return parts[0], [(c[0], c[1] if len(c) > 1 else "") for c in cells]
+    pieces = name.split("-")                      # Default_network-CausalLM_model-...-Dense_BiasAdd-op0
+    if len(pieces) < 3 or "_" not in pieces[0]:
+        return name.split("_", 1)[0], []
+    root, attr = pieces[0].split("_", 1)
+    cells: list[tuple[str, str]] = []
+    for p in pieces[1:-2]:
+        cut = p.find("_", len(p) - len(p.lstrip("_")))
+        if cut < 0:
+            return root, []
+        cells.append((attr, p[:cut]))
+        attr = p[cut + 1:]
+    cells.append((attr, pieces[-2].split("_", 1)[0]))
+    return root, cells
+
+
+def module_name(cells: list[tuple[str, str]]) -> list[str]:
+    """The attribute path of ``cells`` below the training wrappers and an mcore GPTModel."""
+    attrs = [a for a, _ in cells]
+    classes = [c for _, c in cells]
+    i = 0
+    while i < len(attrs) and attrs[i] in WRAPPER_ATTRS:
+        i += 1
+    for j in range(len(classes) - 1, i - 1, -1):
+        if classes[j] in MODEL_ROOTS:
+            i = j + 1
+            break
+    return attrs[i:]
+
+
+def _npy_info(path: Path) -> tuple[list[int], str]:
+    """Shape and dtype from a .npy header; BadInput when the file is shorter than its header promises."""
+    try:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(fh) if version == (1, 0)
+                                     else np.lib.format.read_array_header_2_0(fh))
+            offset = fh.tell()
+        size = path.stat().st_size
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise BadInput(f"{path}: not a readable .npy ({exc.__class__.__name__})") from None
+    want = offset + math.prod(shape) * dtype.itemsize
+    if dtype.hasobject or size < want:
+        raise BadInput(f"{path}: truncated .npy ({size} of {want} bytes)")
+    return list(shape), str(dtype)
+
+
+def _npy_stats(path: Path) -> dict[str, float]:
+    try:
+        a = np.load(path, allow_pickle=False).astype(np.float64, copy=False)
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{path}: not a readable .npy ({exc.__class__.__name__})") from None
+    fin = a[np.isfinite(a)]
+    return {"max": float(a.max()) if a.size else math.nan, "min": float(a.min()) if a.size else math.nan,
+            "mean": float(a.mean()) if a.size else math.nan,
+            "norm": float(np.sqrt(np.sum(fin * fin))) if fin.size == a.size else math.nan,
+            "nan": int(np.isnan(a).sum()), "inf": int(np.isinf(a).sum())}
+
+
+def _float(v: str, path: Path, line: int, col: str) -> float:
+    try:
+        return float(v)
+    except ValueError:
+        raise BadInput(f"{path}: line {line}: {col} {v[:30]!r} is not a number (garbled statistic.csv)") from None
+
+
+def read_statistic_csv(path: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """(op name, io, slot) -> statistics of one statistic.csv; a one-line BadInput for a garbled file."""
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            rows = list(csv.reader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
+    if not rows or tuple(c.strip() for c in rows[0][:len(_STAT_HEAD)]) != _STAT_HEAD:
+        raise BadInput(f"{path}: header is not MindSpore's statistic.csv ({', '.join(_STAT_HEAD[:3])}, ...)")
+    head = [c.strip() for c in rows[0]]
+    while head and not head[-1]:
+        head.pop()
+    col = {c: i for i, c in enumerate(head)}
+    out: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for n, r in enumerate(rows[1:], start=2):
+        if not any(c.strip() for c in r):
+            continue
+        if r and not r[-1].strip() and len(r) == len(head) + 1:
+            r = r[:-1]                           # MindSpore ends each data row with a comma
+        if len(r) != len(head):
+            raise BadInput(f"{path}: line {n}: {len(r)} fields, header has {len(head)} (garbled statistic.csv)")
+        io, slot = r[col["IO"]].strip(), r[col["Slot"]].strip()
+        if io not in ("input", "output") or not slot.isdigit():
+            raise BadInput(f"{path}: line {n}: IO {io[:20]!r} / Slot {slot[:20]!r} (garbled statistic.csv)")
+        shape_txt = r[col["Shape"]].strip().strip('"').strip("()[] ")
+        try:
+            shape = [int(x) for x in shape_txt.split(",") if x.strip()]
+        except ValueError:
+            raise BadInput(f"{path}: line {n}: Shape {shape_txt[:30]!r} (garbled statistic.csv)") from None
+        st = {k: _float(r[col[c]].strip(), path, n, c) for k, c in _STAT_COLS.items() if c in col}
+        out[(r[col["Op Name"]].strip(), io, int(slot))] = {
+            "op_type": r[col["Op Type"]].strip(), "dtype": r[col["Data Type"]].strip(), "shape": shape,
+            "ts": int(_float(r[col["Timestamp"]].strip(), path, n, "Timestamp")), **st}
+    return out
+
+
+def read_execution_order(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
+    return [ln.strip() for ln in lines[1:] if ln.strip()]
+
+
+_LAST = 1 << 62
+
+
+def _position(op: str, kernels: dict[str, Any], order: dict[str, tuple[int, str]]) -> tuple[int, int]:
+    """A kernel's place: its execution-order index, then its first tensor's timestamp."""
+    ts = min((t.get("ts", _LAST) for t in kernels[op].values()), default=_LAST)
+    return (order[op][0], ts) if op in order else (_LAST, ts)
+
+
+@dataclass
+class MindSporeDump:
+    """One MindSpore dump path: rank -> [(graph id, iteration, folder)]; a layer source of cell outputs."""
+
+    needs_readers: ClassVar[bool] = False
+    root: Path
+    folders: dict[int, list[tuple[int, int, Path]]] = field(default_factory=dict)
+    orders: dict[int, Path] = field(default_factory=dict)      # rank -> its execution_order folder
+
+    def array_steps(self) -> list[int]:
+        return sorted({it + 1 for fs in self.folders.values() for _, it, _ in fs})
+
+    def array_ranks(self, step: int) -> list[int]:
+        return sorted(r for r, fs in self.folders.items() if any(it + 1 == step for _, it, _ in fs))
+
+    def _kernels(self, step: int, rank: int) -> list[tuple[str, str, dict[tuple[str, int], dict[str, Any]]]]:
+        """(op name as written, full name or None, {(io, slot): tensor}) per kernel, in execution order."""
+        found = [(g, f) for g, it, f in self.folders.get(rank, []) if it + 1 == step]
+        if not found:
+            have = sorted({it for _, it, _ in self.folders.get(rank, [])})
+            raise BadInput(f"{self.root}: MindSpore dump has no iteration {step - 1} (step {step}) for rank {rank} "
+                           f"(has iterations {', '.join(map(str, have)) or 'none'})")
+        out = []
+        for graph, folder in sorted(found, key=lambda t: t[0]):
+            kernels: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+            stat = folder / STAT_CSV
+            if stat.is_file():
+                for (op, io, slot), st in read_statistic_csv(stat).items():
+                    kernels.setdefault(op, {})[(io, slot)] = dict(st)
+            for p in folder.iterdir():
+                parsed = split_npy_name(p.name)
+                if parsed is None:
+                    continue
+                op_type, op, ts, io, dtype, slot = parsed
+                t = kernels.setdefault(op, {}).setdefault((io, slot), {"op_type": op_type, "dtype": dtype, "ts": ts})
+                t["file"] = p
+            order: dict[str, tuple[int, str]] = {}
+            ofile = self.orders.get(rank, folder) / f"ms_execution_order_graph_{graph}.csv"
+            if ofile.is_file():
+                for i, full in enumerate(read_execution_order(ofile)):
+                    for written in (full.replace("/", "_"), full.replace("/", "--"), full):
+                        order.setdefault(written, (i, full))
+            for op in sorted(kernels, key=lambda o, k=kernels, od=order: _position(o, k, od)):
+                out.append((op, order[op][1] if op in order else op, kernels[op]))
+        return out
+
+    def layer_rows(self, step: int, rank: int = 0) -> tuple[list[dict[str, Any]], bool]:
+        """Cell outputs of one iteration and rank, in execution order; ``ref`` the .npy when saved."""
+        kernels = self._kernels(step, rank)
+        last: dict[str, tuple[int, int]] = {}             # module -> (kernel index, depth)
+        for k, (_, full, _) in enumerate(kernels):
+            root, cells = scope_cells(full)
+            if root != "Default":                          # Gradients/..., Expand/..., Parameter.*: not forward cells
+                continue
+            attrs = module_name(cells)
+            for d in range(1, len(attrs) + 1):
+                last[".".join(attrs[:d])] = (k, d)
+        rows: list[dict[str, Any]] = []
+        any_file = False
+        for module, (k, _) in sorted(last.items(), key=lambda kv: (kv[1][0], -kv[1][1])):
+            op, _, tensors = kernels[k]
+            for (io, slot), t in sorted(tensors.items()):
+                if io != "output" or slot != 0:   # LayerNorm's mean / rstd are kernel outputs, not the cell's
+                    continue
+                dtype = normalise_dtype(t.get("dtype"))
+                if dtype is None:
+                    continue
+                f: Path | None = t.get("file")
+                if f is not None:
+                    shape, _ = _npy_info(f)
+                    any_file = True
+                else:
+                    shape = t.get("shape", [])
+                st = {k2: t[k2] for k2 in ("max", "min", "mean", "norm") if k2 in t}
+                nan = int(t["nan"]) if "nan" in t else None
+                inf = int(t.get("ninf", 0) + t.get("pinf", 0)) if ("ninf" in t or "pinf" in t) else None
+                if f is not None and len(st) < 4:
+                    comp = _npy_stats(f)
+                    st = {**comp, **st}
+                    nan = comp["nan"] if nan is None else nan
+                    inf = comp["inf"] if inf is None else inf
+                mx, mn = st.get("max", math.nan), st.get("min", math.nan)
+                rows.append({"order": len(rows), "module": module, "kind": f"forward.output.{slot}", "dtype": dtype,
+                             "shape": "x".join(map(str, shape)), "numel": math.prod(shape) if shape else 1,
+                             "max": mx, "min": mn, "mean": st.get("mean", math.nan),
+                             "norm": st.get("norm", math.nan),
+                             "nan": nan if nan is not None else int(math.isnan(mx) or math.isnan(mn)),
+                             "inf": inf if inf is not None else int(math.isinf(mx) or math.isinf(mn)),
+                             "ref": str(f) if f is not None else None, "key": op})
+        return rows, any_file
+
+
+def _rank_dirs(root: Path) -> dict[int, Path]:
+    m = _RANK_RE.match(root.name)
+    if m:
+        return {int(m.group(1)): root}
+    out = {}
+    for p in root.iterdir():
+        m = _RANK_RE.match(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return out
+
+
+def _iteration_dirs(rank_dir: Path) -> list[tuple[int, int, Path]]:
+    """(graph id, iteration, folder) under rank_R/{net_name}/{graph_id}/{iteration}/."""
+    out = []
+    for net in sorted(rank_dir.iterdir()):
+        if not net.is_dir() or net.name in (ORDER_DIR, "graphs"):
+            continue
+        for g in net.iterdir():
+            if g.is_dir() and g.name.isdigit():
+                out += [(int(g.name), int(it.name), it) for it in g.iterdir() if it.is_dir() and it.name.isdigit()]
+    return sorted(out)
+
+
+def _holds_kernels(folder: Path) -> bool:
+    return (folder / STAT_CSV).is_file() or any(split_npy_name(p.name) for p in folder.iterdir())
+
+
+def is_mindspore_dump(path: str | Path) -> bool:
+    p = Path(path)
+    try:
+        if not p.is_dir():
+            return False
+        for rank_dir in _rank_dirs(p).values():
+            for _, _, folder in _iteration_dirs(rank_dir):
+                if _holds_kernels(folder):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def open_mindspore_dump(path: str | Path) -> MindSporeDump:
+    """Open a MindSpore dump (the config's ``path``, or one ``rank_R`` folder)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise BadInput(f"{root}: not a directory (a MindSpore dump is a folder with rank_*/NET/GRAPH/ITERATION/)")
+    folders, orders = {}, {}
+    for rank, rd in sorted(_rank_dirs(root).items()):
+        its = [t for t in _iteration_dirs(rd) if _holds_kernels(t[2])]
+        if its:
+            folders[rank] = its
+            orders[rank] = rd / ORDER_DIR
+    if not folders:
+        raise BadInput(f"{root}: no MindSpore dump iteration with kernel files "
+                       f"(expected rank_*/NET/GRAPH/ITERATION/*.npy or statistic.csv)")
+    return MindSporeDump(root, folders, orders)
+
+
+def read_mindspore_dump(path: str | Path) -> Run:
+    """A MindSpore dump as a Run: no scalars; the layer-tensor stage reads it through ``open_mindspore_dump``."""
+    from runstore.run import Run
+
+    d = open_mindspore_dump(path)
+    saved = {"npy" if any(split_npy_name(p.name) for p in f.iterdir()) else "" for fs in d.folders.values()
+             for _, _, f in fs} | {"csv" if (f / STAT_CSV).is_file() else "" for fs in d.folders.values()
+                                   for _, _, f in fs}
+    saved_data = {"npy": "tensor", "csv": "statistic"}
+    mode = "full" if {"npy", "csv"} <= saved else next((saved_data[s] for s in saved if s), "unknown")
+    notes = [f"MindSpore GRAPH-mode dump ({mode}): cell outputs (forward) only, no loss curve"]
+    missing = [r for r, o in d.orders.items() if not o.is_dir()]
+    if missing:
+        notes.append(f"rank(s) {', '.join(map(str, missing))} have no execution_order/: kernels ordered by timestamp "
+                     f"and scopes split on '-'/'_'")
+    meta = {"framework": "mindspore", "source": {"kind": "mindspore_dump", "path": str(path), "saved_data": mode},
+            "name_scheme": "mindspore_dump", "mindspore_dump": {"steps": d.array_steps(), "ranks": sorted(d.folders)}}
+    return Run(str(path), "mindspore_dump", meta, {}, {}, notes)
+
+
+def _is_ms_dump(path: Path, head: bytes | None) -> bool:
+    return head is None and is_mindspore_dump(path)
+
+
+def _layers(obj: Any) -> MindSporeDump:
+    return open_mindspore_dump(obj if isinstance(obj, (str, Path)) else obj.path)
+
+
+SOURCE = Source("mindspore_dump", 21, _is_ms_dump, read_mindspore_dump,
+                "a MindSpore GRAPH dump (rank_*/NET/GRAPH/ITERATION/*.npy or statistic.csv)",
+                layers=_layers, layers_only=True)
