@@ -30,8 +30,11 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from dumpers.contract import DumpConfig, NonFiniteError, StepBookkeeping, dumps_rank, merge_micro_batches, open_writer
+from dumpers.mindspore_graph_capture import MECHANISM as GRAPH_MECHANISM
+from dumpers.mindspore_graph_capture import GraphLayerCapture
 from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
 
+PYNATIVE_MECHANISM = "Cell.register_forward_hook (outputs) and Tensor.register_hook (output gradients)"
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
 
@@ -162,8 +165,10 @@ class MindSporeDumper(StepBookkeeping):
 
     def __init__(self, net: nn.Cell | None, out: str | os.PathLike | None = None, config: DumpConfig | None = None, *,
                  rank: int | None = None, tp: int = 1, pp: int = 1, world_size: int | None = None,
-                 framework: str = "mindspore", name_scheme: str = "mindspore") -> None:
+                 framework: str = "mindspore", name_scheme: str = "mindspore", graph_capture: bool = False) -> None:
         self.config = config or DumpConfig()
+        self.graph_capture = graph_capture
+        self._graph: Any = None
         out = out if out is not None else self.config.out
         if out is None:
             raise ValueError("MindSporeDumper needs the run-store directory (out, or DumpConfig.out)")
@@ -184,6 +189,11 @@ class MindSporeDumper(StepBookkeeping):
         meta = {"framework": framework, "versions": {"mindspore": ms.__version__},
                 "parallel": {"tp": tp, "pp": pp, "dp": max(1, ws // (tp * pp)), "world_size": ws},
                 "name_scheme": name_scheme, "source": {"kind": "dumper", "path": str(out)}}
+        capture = self.config.tensors != "off" or self.config.nan_trace == "all"
+        if capture:
+            graph = ms.get_context("mode") != ms.PYNATIVE_MODE
+            meta["layer_capture"] = {"mode": "GRAPH" if graph else "PYNATIVE",
+                                     "mechanism": GRAPH_MECHANISM if graph else PYNATIVE_MECHANISM}
         meta.update(self.config.meta)
         rank_info = {k: v for k, v in self.coords.items() if k != "rank"}
         rank_info["world_size"] = ws
@@ -192,7 +202,7 @@ class MindSporeDumper(StepBookkeeping):
             return
         self.writer = open_writer(out, rank=self.coords["rank"], meta=meta, rank_info=rank_info,
                                   background=self.config.background_writes)
-        if self.config.tensors != "off" or self.config.nan_trace == "all":
+        if capture:
             self.watch(net)
 
     # -- failure policy ---------------------------------------------------------------------------------
@@ -220,16 +230,28 @@ class MindSporeDumper(StepBookkeeping):
 
     # -- layer hooks --------------------------------------------------------------------------------------
     def watch(self, net: nn.Cell | None) -> None:
-        """Hook the selected cells. Raises LayerCaptureError in GRAPH mode (hooks would silently not run)."""
+        """Hook the selected cells (PYNATIVE), or wrap them for in-graph capture (GRAPH with
+        ``graph_capture=True``: call before the training cell is first compiled). Raises LayerCaptureError in
+        GRAPH mode otherwise (hooks would silently not run), and for full tensors in GRAPH."""
         if net is None:
             raise LayerCaptureError("layer capture needs the network Cell (MindSporeDumper(net, ...))")
-        if ms.get_context("mode") != ms.PYNATIVE_MODE:
-            raise LayerCaptureError(
-                "layer capture (tensors='stats'/'full' or nan_trace='all') needs PYNATIVE mode: GRAPH mode "
-                "compiles Cell hooks away, so nothing would be captured; use "
-                "ms.set_context(mode=ms.PYNATIVE_MODE) for the capture steps, or tensors='off'")
-        self.unwatch()
         patterns = tuple(self.config.modules)
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            if not self.graph_capture:
+                raise LayerCaptureError(
+                    "layer capture (tensors='stats'/'full' or nan_trace='all') in GRAPH mode compiles Cell hooks "
+                    "away, so nothing would be captured: pass graph_capture=True (statistics computed inside "
+                    "the graph; wraps the watched cells before the first compile), or use PYNATIVE mode "
+                    "(ms.set_context(mode=ms.PYNATIVE_MODE)) for the capture steps, or tensors='off'")
+            if self.config.tensors == "full":
+                raise LayerCaptureError("tensors='full' needs PYNATIVE mode: the GRAPH capture stores "
+                                        "statistics only (tensors='stats')")
+            self.unwatch()
+            self._graph = GraphLayerCapture(net, patterns, backward=self.config.backward)
+            if not self._graph.cells:
+                warnings.warn(f"MindSporeDumper: no cell matched {patterns}", RuntimeWarning, stacklevel=2)
+            return
+        self.unwatch()
         for name, cell in net.cells_and_names():
             if not name or not any(fnmatch.fnmatchcase(name, p) for p in patterns):
                 continue
@@ -238,6 +260,9 @@ class MindSporeDumper(StepBookkeeping):
             warnings.warn(f"MindSporeDumper: no cell matched {patterns}", RuntimeWarning, stacklevel=2)
 
     def unwatch(self) -> None:
+        """Remove the hooks; a GRAPH capture keeps its wrappers (the graph is compiled with them) and stops
+        being read."""
+        self._graph = None
         for handle in self._handles:
             try:
                 handle.remove()
@@ -308,6 +333,22 @@ class MindSporeDumper(StepBookkeeping):
         self._open_step(step)
         self._rows, self._trace_rows, self._trace_tensors = [], [], []
         self._batch, self._scalars, self._norms_done = {}, {}, False
+        if self._graph is not None and self._capturing():
+            try:
+                self._graph.reset_backward()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("graph capture reset", exc)
+
+    def _read_graph_capture(self) -> None:
+        """The GRAPH capture's rows of the step that just ran, stored as the PYNATIVE hooks store them."""
+        for row in self._graph.read():
+            if (row["nan"] or row["inf"]) and self.config.nan_trace == "all" and not any(
+                    r["kind"] == "activation" for r in self._trace_rows):
+                self._add_trace("activation", row["module"], row["module"],
+                                f"{row['kind']}: {row['nan']} nan, {row['inf']} inf of {row['numel']}", None,
+                                row["kind"])
+            if self._tensor_step:
+                self._rows.append({"order": len(self._rows), **row})
 
     def record_batch(self, batch: Mapping[str, Any]) -> None:
         """Record one micro-batch as the model saw it (several are concatenated on dim 0)."""
@@ -420,6 +461,12 @@ class MindSporeDumper(StepBookkeeping):
         if loss is not None:
             scalars["loss"] = loss
         self.log(**scalars)
+        if self._graph is not None and self._capturing():
+            try:
+                self._read_graph_capture()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("graph capture read", exc)
+                return
         step, trace = self._step, list(self._trace_rows)
         try:
             self._flush(step)

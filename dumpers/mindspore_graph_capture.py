@@ -1,0 +1,245 @@
+"""Layer statistics captured inside a GRAPH-compiled MindSpore training step (no Python hooks).
+
+Why: NPU training runs in GRAPH mode, where Cell hooks are compiled away (register_forward_hook and
+register_backward_hook silently never run; ops.HookBackward is eliminated with a warning), ops.TensorDump
+and statistic dumps have no CPU kernel. What does run in the graph, on every backend (ops.Assign and Cell
+``bprop``: "Supported Platforms: Ascend GPU CPU"), is plain graph ops. So each watched cell is wrapped, before
+the first compile, by a :class:`CaptureCell` that
+
+* forward: computes the statistics of every Tensor output (max, min, mean, L2 norm over the finite values,
+  nan and inf counts, float32) and assigns them, with the output's dtype and shape, into pre-allocated
+  Parameters (``ops.depend`` keeps the assign in the graph); the outputs themselves pass unchanged;
+* backward: passes every float output through a :class:`GradTap`, an identity Cell with a custom ``bprop``
+  that assigns the statistics of the incoming gradient (the output gradient) into a Parameter given to it
+  as an input (a ``bprop`` may not use ``self``'s Parameters) and returns the gradient unchanged.
+
+After a step the dumper reads the Parameters from Python (:meth:`GraphLayerCapture.read`) and stores rows
+exactly as the PYNATIVE hooks do (``forward.output.N`` / ``backward.grad_output.N``, the cell's name).
+The statistics are float32 computed on the device (the PYNATIVE hooks compute them in float64 on host).
+Only statistics: full tensors would need Parameters of each output's shape before compiling.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+MECHANISM = "in-graph ops.assign of output statistics into Parameters; gradients via a custom-bprop identity cell"
+SLOTS = 4          # tensor outputs per cell captured (top-level tuple items beyond this are not)
+MAX_RANK = 8
+_STAT_COLS = 7     # max, min, mean, norm, nan, inf, written (1.0 once the graph wrote the row)
+_META_COLS = 3 + MAX_RANK   # written, dtype code, ndim, dims (-1 padded)
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool", "other")
+
+
+def graph_stats(x: Tensor) -> Tensor:
+    """float32 [max, min, mean, L2 norm over the finite values, nan count, inf count, 1.0], in the graph."""
+    x = ops.cast(x, ms.float32)
+    fin = ops.isfinite(x)
+    zero = ops.zeros_like(x)
+    z = ops.select(fin, x, zero)
+    n = ops.cast(fin, ms.float32).sum()
+    mx = ops.select(fin, x, zero - np.inf).max()
+    mn = ops.select(fin, x, zero + np.inf).min()
+    nan = ops.cast(ops.isnan(x), ms.float32).sum()
+    inf = ops.cast(ops.isinf(x), ms.float32).sum()
+    return ops.stack([mx, mn, z.sum() / n, ops.sqrt((z * z).sum()), nan, inf,
+                      ops.ones((), ms.float32)])
+
+
+def _dtype_code(dtype: Any) -> int:
+    if dtype == ms.float32:
+        return 0
+    if dtype == ms.float16:
+        return 1
+    if dtype == ms.bfloat16:
+        return 2
+    if dtype == ms.float64:
+        return 3
+    if dtype == ms.int32:
+        return 4
+    if dtype == ms.int64:
+        return 5
+    if dtype == ms.bool_:
+        return 6
+    return 7
+
+
+def _is_float(dtype: Any) -> bool:
+    return dtype in (ms.float32, ms.float16, ms.bfloat16, ms.float64)
+
+
+class GradTap(nn.Cell):
+    """Identity forward; its ``bprop`` assigns the statistics of the gradient into ``store`` (an input: a
+    ``bprop`` may not use the Cell's own Parameters) and passes the gradient on unchanged."""
+
+    def construct(self, x: Tensor, store: Parameter) -> Tensor:
+        return x
+
+    def bprop(self, x: Tensor, store: Parameter, out: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
+        dout = ops.depend(dout, ops.assign(store, graph_stats(dout)))
+        return dout, ops.zeros_like(store)
+
+
+class CaptureCell(nn.Cell):
+    """``inner`` with the statistics of its outputs (and of their gradients) assigned into Parameters."""
+
+    def __init__(self, inner: nn.Cell, name: str, backward: bool) -> None:
+        super().__init__(auto_prefix=False)
+        self.inner = inner
+        self.backward = backward
+        self.xf_fstats = Parameter(Tensor(np.zeros((SLOTS, _STAT_COLS), np.float32)), requires_grad=False,
+                                   name=f"xf_capture.{name}.forward")
+        self.xf_fmeta = Parameter(Tensor(np.zeros((SLOTS, _META_COLS), np.int32)), requires_grad=False,
+                                  name=f"xf_capture.{name}.meta")
+        self.xf_gstats = ms.ParameterTuple(
+            Parameter(Tensor(np.zeros(_STAT_COLS, np.float32)), requires_grad=False,
+                      name=f"xf_capture.{name}.backward.{i}") for i in range(SLOTS))
+        self.taps = nn.CellList([GradTap() for _ in range(SLOTS)])
+
+    def construct(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        single = isinstance(out, Tensor)
+        items = (out,) if single else out
+        stats = ()
+        metas = ()
+        new = ()
+        for i, x in enumerate(items):
+            if i < SLOTS and isinstance(x, Tensor):
+                shape = x.shape
+                dims = shape + (-1,) * (MAX_RANK - len(shape))
+                stats = stats + (graph_stats(x),)
+                metas = metas + (Tensor((1, _dtype_code(x.dtype), len(shape)) + dims, ms.int32),)
+                if self.backward and _is_float(x.dtype):
+                    x = self.taps[i](x, self.xf_gstats[i])
+            else:
+                stats = stats + (ops.zeros((_STAT_COLS,), ms.float32),)
+                metas = metas + (ops.zeros((_META_COLS,), ms.int32),)
+            new = new + (x,)
+        for _ in range(SLOTS - len(items)):
+            stats = stats + (ops.zeros((_STAT_COLS,), ms.float32),)
+            metas = metas + (ops.zeros((_META_COLS,), ms.int32),)
+        done = ops.depend(ops.assign(self.xf_fstats, ops.stack(stats[:SLOTS])),
+                          ops.assign(self.xf_fmeta, ops.stack(metas[:SLOTS])))
+        kept = ()
+        for x in new:
+            if isinstance(x, Tensor):
+                x = ops.depend(x, done)
+            kept = kept + (x,)
+        if single:
+            return kept[0]
+        return kept
+
+
+def _logical_cells(cell: nn.Cell, prefix: str = "") -> list[tuple[str, nn.Cell, str, nn.Cell]]:
+    """(name as cells_and_names gives it without any capture, parent, attribute, child) of every cell below
+    ``cell``, pre-order; a :class:`CaptureCell` stands for the cell it wraps (its name, its children)."""
+    out = []
+    for attr, child in cell._cells.items():   # noqa: SLF001 - CellList children are only reachable this way
+        if child is None:
+            continue
+        name = f"{prefix}{attr}"
+        out.append((name, cell, attr, child))
+        inner = child.inner if isinstance(child, CaptureCell) else child
+        out.extend(_logical_cells(inner, name + "."))
+    return out
+
+
+class GraphLayerCapture:
+    """Wraps the cells of ``net`` whose names match ``patterns`` in :class:`CaptureCell`; call before the
+    training cell is first compiled. Cells already wrapped (a second dumper on the same net) are reused, so
+    the compiled graph stays valid. Parameter names of the model are kept; the capture's own Parameters
+    (``xf_capture.<cell>.*``, requires_grad False, not in ``trainable_params()``) are new.
+    :meth:`remove` puts the original cells back (before saving a checkpoint, say).
+
+    Limits: a cell called several times in a step (RoPE applied to q and k) keeps its last call; statistics
+    of the first ``SLOTS`` top-level outputs only; rows in cell order with every cell after its children
+    (the execution order of a transformer's leaves, not of sibling cells called out of definition order)."""
+
+    def __init__(self, net: nn.Cell, patterns: Sequence[str] = ("*",), *, backward: bool = True) -> None:
+        self.net = net
+        names = {id(p): p.name for p in net.get_parameters()}
+        chosen = [(n, parent, attr, child) for n, parent, attr, child in _logical_cells(net)
+                  if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        self.cells: dict[str, CaptureCell] = {}
+        # Deepest first: a parent is wrapped after its children (the walk above saw the unwrapped tree).
+        for name, parent, attr, child in sorted(chosen, key=lambda c: -c[0].count(".")):
+            if isinstance(child, CaptureCell):
+                self.cells[name] = child
+                continue
+            wrapper = CaptureCell(child, name, backward)
+            parent.insert_child_to_cell(attr, wrapper)
+            self.cells[name] = wrapper
+        self.order = _post_order([c[0] for c in chosen])
+        self._restore_names(names)
+
+    def _restore_names(self, names: dict[int, str]) -> None:
+        """Inserting a cell re-prefixes the Parameter names below it: give every one its name back."""
+        for p in self.net.get_parameters():
+            if id(p) in names:
+                p.name = names[id(p)]
+        for name, w in self.cells.items():
+            w.xf_fstats.name = f"xf_capture.{name}.forward"
+            w.xf_fmeta.name = f"xf_capture.{name}.meta"
+            for i, g in enumerate(w.xf_gstats):
+                g.name = f"xf_capture.{name}.backward.{i}"
+
+    def reset_backward(self) -> None:
+        """Mark every gradient row unwritten (before a captured step: a gradient that never flows stays so)."""
+        for w in self.cells.values():
+            for g in w.xf_gstats:
+                g.set_data(Tensor(np.zeros(_STAT_COLS, np.float32)))
+
+    def read(self) -> list[dict[str, Any]]:
+        """This step's rows: forward outputs in watch order, then output gradients in reverse (backward) order
+        (the PYNATIVE hooks' order), each {module, kind, dtype, shape, numel, max, min, mean, norm, nan, inf}."""
+        fwd, bwd = [], []
+        for name in self.order:
+            w = self.cells[name]
+            stats, meta = w.xf_fstats.asnumpy(), w.xf_fmeta.asnumpy()
+            grads = [g.asnumpy() for g in w.xf_gstats]
+            for i in range(SLOTS):
+                if meta[i, 0] != 1:
+                    continue
+                ndim = int(meta[i, 2])
+                shape = [int(d) for d in meta[i, 3:3 + ndim]]
+                base = {"module": name, "dtype": _DTYPES[int(meta[i, 1])],
+                        "shape": "x".join(str(d) for d in shape) or "scalar", "numel": int(np.prod(shape))}
+                fwd.append({**base, "kind": f"forward.output.{i}", **_stats(stats[i])})
+                if w.backward and grads[i][6] == 1:
+                    bwd.append({**base, "kind": f"backward.grad_output.{i}", **_stats(grads[i])})
+        return fwd + bwd[::-1]
+
+    def remove(self) -> None:
+        """Put the original cells back (their Parameters keep their names); recompiles the training cell."""
+        names = {id(p): p.name for p in self.net.get_parameters()}
+        for name, parent, attr, child in _logical_cells(self.net):
+            if isinstance(child, CaptureCell) and name in self.cells:
+                parent.insert_child_to_cell(attr, child.inner)
+        self.cells = {}
+        for p in self.net.get_parameters():
+            if id(p) in names:
+                p.name = names[id(p)]
+
+
+def _post_order(names: list[str]) -> list[str]:
+    """Pre-order cell names (cells_and_names) with every cell after the cells inside it: a cell's output
+    is complete after its children's, as the PYNATIVE forward hooks record them."""
+    out: list[str] = []
+    stack: list[str] = []
+    for n in names:
+        while stack and not n.startswith(stack[-1] + "."):
+            out.append(stack.pop())
+        stack.append(n)
+    out.extend(reversed(stack))
+    return out
+
+
+def _stats(row: np.ndarray) -> dict[str, Any]:
+    return {"max": float(row[0]), "min": float(row[1]), "mean": float(row[2]), "norm": float(row[3]),
+            "nan": int(row[4]), "inf": int(row[5])}
