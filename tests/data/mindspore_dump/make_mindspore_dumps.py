@@ -26,16 +26,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def main(which: str) -> None:
-    out = HERE / which
-    tmp = Path(tempfile.mkdtemp())
-    cfg = {"common_dump_settings": {"dump_mode": 0, "path": str(tmp / "dump"), "net_name": "Net",
-                                    "iteration": "all" if which == "base" else "0", "saved_data": "tensor",
-                                    "input_output": 0 if which == "base" else 2, "kernels": [],
-                                    "support_device": [0, 1, 2, 3, 4, 5, 6, 7]},
-           "e2e_dump_settings": {"enable": True, "trans_flag": True}}
-    (tmp / "cfg.json").write_text(json.dumps(cfg))
-    os.environ["MINDSPORE_DUMP_CONFIG"] = str(tmp / "cfg.json")
+def build(which: str):
+    """(net, x): the tiny mcore-named network and its input; ``perturbed``: layer 1's linear_fc2 weight + 1e-3.
+    Import after MINDSPORE_DUMP_CONFIG is set (MindSpore reads it at import)."""
     import mindspore as ms
     import numpy as np
     from mindspore import nn, ops
@@ -120,6 +113,20 @@ def main(which: str) -> None:
         w = net.network.model.decoder.layers[1].mlp.linear_fc2.weight
         w.set_data(w + ms.Tensor(np.full(w.shape, 1e-3, np.float32)))
     x = ms.Tensor(rng.randn(2, 4, h).astype(np.float32))
+    return net, x
+
+
+def main(which: str) -> None:
+    out = HERE / which
+    tmp = Path(tempfile.mkdtemp())
+    cfg = {"common_dump_settings": {"dump_mode": 0, "path": str(tmp / "dump"), "net_name": "Net",
+                                    "iteration": "all" if which == "base" else "0", "saved_data": "tensor",
+                                    "input_output": 0 if which == "base" else 2, "kernels": [],
+                                    "support_device": [0, 1, 2, 3, 4, 5, 6, 7]},
+           "e2e_dump_settings": {"enable": True, "trans_flag": True}}
+    (tmp / "cfg.json").write_text(json.dumps(cfg))
+    os.environ["MINDSPORE_DUMP_CONFIG"] = str(tmp / "cfg.json")
+    net, x = build(which)
     for _ in range(2 if which == "base" else 1):
         print(which, net(x))
     shutil.rmtree(out, ignore_errors=True)
