@@ -27,6 +27,25 @@ an mcore model, below the ``GPTModel`` cell (MindFormers' mcore names are Megatr
 ``decoder.layers.1.mlp.linear_fc2``). MindSpore iterations count from 0: iteration N is step N + 1.
 Measured quirk (CPU): a Reshape kernel's output file keeps its input's shape (a Dense cell's output is
 dumped 8x8 for a 2x4x8 result; same numbers). Not read: backward kernels (``Gradients/...``), parameters.
+
+msprobe's static-graph kernel dump (``PrecisionDebugger`` with ``level: L2`` in GRAPH mode) is this dump:
+* jit_level O0/O1: msprobe writes ``{dump_path}/kernel_kbyk_dump.json`` (net_name ``Net``, statistic_category
+  max/min/avg/l2norm) and points MINDSPORE_DUMP_CONFIG at it (mindstudio-probe 26.2.0,
+  msprobe/mindspore/dump/dump_processor/kernel_kbyk_dump.py, KernelKbykDump.__init__ / handle); MindSpore then
+  writes the layout above under ``{dump_path}/rank_R/Net/``. Measured on CPU: tests/data/msprobe_graph/.
+* jit_level O2 (GE, msprobe built with ``--include-mod=adump``; msprobe docs/en/dump/mindspore_data_dump_instruct.md,
+  "Dump Result File > Static Graph")::
+
+      {dump_path}/acl_dump_{device_id}.json                                   (intermediate file, not read)
+      {dump_path}/rank_{R}/{timestamp}/step_{S}/{op_type}.{op_name}.{task_id}.{stream_id}.{timestamp}
+                                         .{input|output}.{slot}.{format}.{DTYPE}.npy
+      {dump_path}/rank_{R}/{timestamp}/step_{S}/mapping.csv   32-digit file name -> original name (> 255 chars)
+
+  DTYPE is the ACL name (``FLOAT``, ``FLOAT16``, ``BF16``, ``INT32``); a dtype .npy cannot hold (bf16) is
+  written raw, without ``.npy``: such tensors are read only through a statistic.csv beside them. No
+  execution_order: kernels are ordered by timestamp. msprobe counts steps from 0: step_S is step S + 1.
+  Read as documented (O2 needs Ascend), not as measured.
+The L0 (cell) static-graph dump has the dynamic-graph layout (step*/rank*/dump.json): sources/msprobe.py.
 """
 
 from __future__ import annotations
@@ -51,6 +70,9 @@ STAT_CSV = "statistic.csv"
 ORDER_DIR = "execution_order"
 _RANK_RE = re.compile(r"^rank_(\d+)$")
 _ORDER_RE = re.compile(r"^ms_execution_order_graph_(\d+)\.csv$")
+_STEP_RE = re.compile(r"^step_(\d+)$")              # msprobe O2 (adump): rank_R/{timestamp}/step_S/
+MAPPING_CSV = "mapping.csv"
+_ACL_DTYPES = {"BF16": "bfloat16"}                  # the others (FLOAT, FLOAT16, DOUBLE) normalise as they are
 _STAT_HEAD = ("Op Type", "Op Name", "Task ID", "Stream ID", "Timestamp", "IO", "Slot", "Data Size", "Data Type",
               "Shape")
 _STAT_COLS = {"max": "Max Value", "min": "Min Value", "mean": "Avg Value", "norm": "L2Norm Value",
@@ -181,6 +203,33 @@ def read_statistic_csv(path: Path) -> dict[tuple[str, str, int], dict[str, Any]]
     return out
 
 
+def read_mapping_csv(path: Path) -> dict[str, str]:
+    """file name -> original kernel file name of an O2 dump's mapping.csv (a header row, if any, maps nothing)."""
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            rows = list(csv.reader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
+    out = {}
+    for n, r in enumerate(rows, start=1):
+        if not any(c.strip() for c in r):
+            continue
+        if len(r) < 2 or not r[0].strip() or not r[1].strip():
+            raise BadInput(f"{path}: line {n}: expected 'file name,original name' (garbled mapping.csv)")
+        out[r[0].strip()] = r[1].strip()
+    return out
+
+
+def _kernel_file(p: Path, mapping: dict[str, str]) -> tuple[tuple[str, str, int, str, str, int], bool] | None:
+    """(parsed name, is .npy) of a kernel tensor file, through mapping.csv; None for other files."""
+    name = mapping.get(p.name) or mapping.get(p.stem) or p.name
+    if p.suffix == ".npy" and not name.endswith(".npy"):
+        name += ".npy"
+    is_npy = p.suffix == ".npy"
+    parsed = split_npy_name(name if name.endswith(".npy") else name + ".npy")
+    return (parsed, is_npy) if parsed is not None else None
+
+
 def read_execution_order(path: Path) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -227,13 +276,18 @@ class MindSporeDump:
             if stat.is_file():
                 for (op, io, slot), st in read_statistic_csv(stat).items():
                     kernels.setdefault(op, {})[(io, slot)] = dict(st)
+            mfile = folder / MAPPING_CSV
+            mapping = read_mapping_csv(mfile) if mfile.is_file() else {}
             for p in folder.iterdir():
-                parsed = split_npy_name(p.name)
-                if parsed is None:
+                found_file = _kernel_file(p, mapping)
+                if found_file is None:
                     continue
-                op_type, op, ts, io, dtype, slot = parsed
+                (op_type, op, ts, io, dtype, slot), is_npy = found_file
                 t = kernels.setdefault(op, {}).setdefault((io, slot), {"op_type": op_type, "dtype": dtype, "ts": ts})
-                t["file"] = p
+                if is_npy:
+                    t["file"] = p
+                else:
+                    t["dtype"] = dtype                # raw (e.g. bf16): statistics only from statistic.csv
             order: dict[str, tuple[int, str]] = {}
             ofile = self.orders.get(rank, folder) / f"ms_execution_order_graph_{graph}.csv"
             if ofile.is_file():
@@ -262,10 +316,10 @@ class MindSporeDump:
             for (io, slot), t in sorted(tensors.items()):
                 if io != "output" or slot != 0:   # LayerNorm's mean / rstd are kernel outputs, not the cell's
                     continue
-                dtype = normalise_dtype(t.get("dtype"))
-                if dtype is None:
-                    continue
+                dtype = normalise_dtype(_ACL_DTYPES.get(t.get("dtype", ""), t.get("dtype")))
                 f: Path | None = t.get("file")
+                if dtype is None or (f is None and "max" not in t):    # a raw file and no statistic.csv row
+                    continue
                 if f is not None:
                     shape, _ = _npy_info(f)
                     any_file = True
@@ -303,19 +357,35 @@ def _rank_dirs(root: Path) -> dict[int, Path]:
 
 
 def _iteration_dirs(rank_dir: Path) -> list[tuple[int, int, Path]]:
-    """(graph id, iteration, folder) under rank_R/{net_name}/{graph_id}/{iteration}/."""
+    """(graph id, iteration, folder) under rank_R/{net_name}/{graph_id}/{iteration}/, or (0, S, folder) under
+    msprobe O2's rank_R/{timestamp}/step_S/."""
     out = []
     for net in sorted(rank_dir.iterdir()):
         if not net.is_dir() or net.name in (ORDER_DIR, "graphs"):
             continue
         for g in net.iterdir():
-            if g.is_dir() and g.name.isdigit():
+            if not g.is_dir():
+                continue
+            if g.name.isdigit():
                 out += [(int(g.name), int(it.name), it) for it in g.iterdir() if it.is_dir() and it.name.isdigit()]
+            elif m := _STEP_RE.match(g.name):
+                out.append((0, int(m.group(1)), g))
     return sorted(out)
 
 
 def _holds_kernels(folder: Path) -> bool:
-    return (folder / STAT_CSV).is_file() or any(split_npy_name(p.name) for p in folder.iterdir())
+    return ((folder / STAT_CSV).is_file() or (folder / MAPPING_CSV).is_file()
+            or any(_kernel_file(p, {}) for p in folder.iterdir()))
+
+
+def dump_writer(root: Path) -> str:
+    """Who wrote the dump, from the config msprobe leaves in its dump_path."""
+    top = root.parent if _RANK_RE.match(root.name) else root
+    if (top / "kernel_kbyk_dump.json").is_file():
+        return "msprobe L2 (jit_level O0/O1)"
+    if any(top.glob("acl_dump_*.json")) or any(_STEP_RE.match(p.name) for p in top.glob("rank_*/*/*")):
+        return "msprobe L2 (jit_level O2)"
+    return "MindSpore"
 
 
 def is_mindspore_dump(path: str | Path) -> bool:
@@ -345,7 +415,8 @@ def open_mindspore_dump(path: str | Path) -> MindSporeDump:
             orders[rank] = rd / ORDER_DIR
     if not folders:
         raise BadInput(f"{root}: no MindSpore dump iteration with kernel files "
-                       f"(expected rank_*/NET/GRAPH/ITERATION/*.npy or statistic.csv)")
+                       f"(expected rank_*/NET/GRAPH/ITERATION/ or rank_*/TIMESTAMP/step_*/ with *.npy or "
+                       f"statistic.csv)")
     return MindSporeDump(root, folders, orders)
 
 
@@ -354,17 +425,19 @@ def read_mindspore_dump(path: str | Path) -> Run:
     from runstore.run import Run
 
     d = open_mindspore_dump(path)
-    saved = {"npy" if any(split_npy_name(p.name) for p in f.iterdir()) else "" for fs in d.folders.values()
+    saved = {"npy" if any(p.suffix == ".npy" for p in f.iterdir()) else "" for fs in d.folders.values()
              for _, _, f in fs} | {"csv" if (f / STAT_CSV).is_file() else "" for fs in d.folders.values()
                                    for _, _, f in fs}
     saved_data = {"npy": "tensor", "csv": "statistic"}
     mode = "full" if {"npy", "csv"} <= saved else next((saved_data[s] for s in saved if s), "unknown")
-    notes = [f"MindSpore GRAPH-mode dump ({mode}): cell outputs (forward) only, no loss curve"]
-    missing = [r for r, o in d.orders.items() if not o.is_dir()]
+    writer = dump_writer(Path(path))
+    notes = [f"{writer} GRAPH-mode kernel dump ({mode}): cell outputs (forward) only, no loss curve"]
+    missing = [r for r, o in d.orders.items() if not o.is_dir() and writer != "msprobe L2 (jit_level O2)"]
     if missing:
         notes.append(f"rank(s) {', '.join(map(str, missing))} have no execution_order/: kernels ordered by timestamp "
                      f"and scopes split on '-'/'_'")
-    meta = {"framework": "mindspore", "source": {"kind": "mindspore_dump", "path": str(path), "saved_data": mode},
+    meta = {"framework": "mindspore", "source": {"kind": "mindspore_dump", "path": str(path), "saved_data": mode,
+                                                     "writer": writer},
             "name_scheme": "mindspore_dump", "mindspore_dump": {"steps": d.array_steps(), "ranks": sorted(d.folders)}}
     return Run(str(path), "mindspore_dump", meta, {}, {}, notes)
 
@@ -378,5 +451,6 @@ def _layers(obj: Any) -> MindSporeDump:
 
 
 SOURCE = Source("mindspore_dump", 21, _is_ms_dump, read_mindspore_dump,
-                "a MindSpore GRAPH dump (rank_*/NET/GRAPH/ITERATION/*.npy or statistic.csv)",
+                "a MindSpore GRAPH dump, or msprobe's static-graph L2 dump (rank_*/NET/GRAPH/ITERATION/ or "
+                "rank_*/TIMESTAMP/step_*/: *.npy or statistic.csv)",
                 layers=_layers, layers_only=True)
