@@ -191,9 +191,18 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
         where = f"layer {r['layer']}, " if r["layer"] is not None else ""
         if direction == "backward" and "forward" in first:
             where = "(after the forward departure, expected) " + where
-        res.add(Finding(STAGE, r["verdict"], r["module"], r["metric"], r["value"], r["threshold"],
+        verdict, grows = r["verdict"], ""
+        later = _first_failing_after(rows_out, r) if verdict == "warn" and r["mode"] == "stats" else None
+        if later is not None:
+            # Statistics under-state a difference (a norm or an extreme can barely move while the tensor does):
+            # a statistics departure that grows into a failing row downstream fails where it starts.
+            verdict = "fail"
+            grows = (f"; grows to fail at {later['module']} {later['kind']} "
+                     f"({later['metric']} {later['value']:.3g})")
+        res.add(Finding(STAGE, verdict, r["module"], r["metric"], r["value"], r["threshold"],
                         f"first departing {direction} tensor: {where}{r['module']} {r['kind']} "
-                        f"({r['mode']} compare, {_judged(r)}: {r['metric']} {r['value']:.3g} > {r['threshold']:g})"))
+                        f"({r['mode']} compare, {_judged(r)}: {r['metric']} {r['value']:.3g} > {r['threshold']:g})"
+                        f"{grows}"))
     one_sided = bool(unmatched) and bool(one_sided_kinds) and \
         all(u.split(" ")[-1].startswith(one_sided_kinds) for u in unmatched)
     if unmatched and not one_sided:
@@ -221,6 +230,16 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
         res.details["note"] = (f"{len(unmatched)} baseline rows (module inputs / input gradients) have no "
                                "counterpart kind in the candidate's dump; outputs and output gradients are compared")
     return res
+
+
+def _first_failing_after(rows: list[dict[str, Any]], r: dict[str, Any]) -> dict[str, Any] | None:
+    """The first failing row of ``r``'s direction from ``r`` on (rows are in execution order)."""
+    seen = False
+    for x in rows:
+        seen = seen or x is r
+        if seen and x["direction"] == r["direction"] and x["verdict"] == "fail":
+            return x
+    return None
 
 
 def _judged(r: dict[str, Any]) -> str:

@@ -3,9 +3,10 @@
 The candidate model is ``spec.model_kind``: ``llama`` = the legacy LlamaForCausalLM (MindFormers <= 1.6,
 MindSpore .ckpt weights), ``dense`` = MindFormers 2.x's mcore TrainingQwen3ForCausalLM (Megatron's own
 parameter names, safetensors weights, the ``megatron_core__mindformers_mcore_dense`` mapping; built with the
-CPU kernel stand-ins of :mod:`demo.mindformers_mcore_cpu`), both in PYNATIVE so layer hooks run;
-``moe`` / ``mla`` = the mcore TrainingQwen3MoeForCausalLM / TrainingDeepseekV3ForCausalLM, trained in GRAPH with
-layer tensors from a PYNATIVE twin (:func:`trains_in_graph`, :class:`LayerCapture`).
+CPU kernel stand-ins of :mod:`demo.mindformers_mcore_cpu`), ``moe`` / ``mla`` = the mcore
+TrainingQwen3MoeForCausalLM / TrainingDeepseekV3ForCausalLM. The legacy model trains in PYNATIVE (layer hooks);
+the mcore candidates train in GRAPH and take their layer statistics from the GRAPH step itself
+(``MindSporeDumper(graph_capture=True)``, :func:`trains_in_graph`).
 
 ``python -m demo.mindformers_runner SPEC.json`` (see :class:`demo.spec.Spec`). The run converts the
 baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses),
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from demo.spec import MCORE_LAYER_MODULES, MOE_KINDS, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
+from demo.spec import MCORE_LAYER_MODULES, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
 from runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
@@ -43,7 +44,6 @@ from demo import mindformers_mcore_cpu as mcc  # noqa: E402
 from dumpers.mindformers import name_local_norms, optimizer_param_names, optimizer_param_sizes, split_outputs  # noqa: E402
 from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper  # noqa: E402
 from dumpers.mindspore_optimizer_check import run_optimizer_check  # noqa: E402
-from dumpers.steps import parse_steps  # noqa: E402
 
 # Layer profile cells, the MindFormers counterparts of demo.megatron_runner.LAYER_MODULES.
 LAYER_CELLS = ("model.tok_embeddings", "model.layers.*.attention_norm", "model.layers.*.attention",
@@ -211,45 +211,14 @@ def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell:
 
 
 def trains_in_graph(spec: Spec) -> bool:
-    """The moe / mla candidate's main run trains in GRAPH (0.03-0.1 s a step here, 0.5-1 s in PYNATIVE,
-    after a 15-40 s compile); its layer tensors come from a PYNATIVE copy at the tensor steps
-    (:class:`LayerCapture`). The lr = 0 run (no tensor steps, short), the optimizer check and the faults that
-    patch the candidate's Python at run time (nan_param, embedding_fp16) stay in PYNATIVE."""
-    return (spec.model_kind in MOE_KINDS and spec.role == "candidate" and bool(spec.tensor_steps)
+    """The mcore candidate's main run trains in GRAPH (0.02-0.1 s a step here, 0.2-1 s in PYNATIVE, after a
+    10-40 s compile) with its layer statistics captured inside the compiled step at the tensor steps
+    (``MindSporeDumper(graph_capture=True)``: statistics only, no full tensors). The lr = 0 run (no tensor steps,
+    short), the optimizer check and the faults that patch the candidate's Python at run time (nan_param poisons
+    a gradient in ``FaultyTrainOneStepCell``, embedding_fp16 replaces the embedding's ``construct``; GRAPH would
+    compile neither) stay in PYNATIVE with layer hooks and full tensors."""
+    return (is_mcore(spec) and spec.role == "candidate" and bool(spec.tensor_steps)
             and injects(spec, "candidate") not in ("nan_param", "embedding_fp16"))
-
-
-class LayerCapture:
-    """Layer tensors of a GRAPH-trained run: a PYNATIVE twin of the model, given the GRAPH model's weights
-    before each tensor step, runs that step's forward and backward with the dumper's hooks on (GRAPH compiles
-    hooks away). Nothing of it feeds back into training: loss, local norms and the update are the GRAPH
-    step's."""
-
-    def __init__(self, spec: Spec) -> None:
-        self.net = build_mcore_net(spec, "pynative")
-        loss = _FirstOutput(mcc.McoreReplayLoss(self.net))
-        self.grad_fn = ms.value_and_grad(loss, None, self.net.trainable_params())
-        mcc.set_mcore_context("graph")
-
-    def run(self, source_net: nn.Cell, inputs: tuple[Tensor, ...]) -> float:
-        mcc.load_parameter_arrays(self.net, mcc.parameter_arrays(source_net))
-        ms.set_context(mode=ms.PYNATIVE_MODE)
-        try:
-            loss, _ = self.grad_fn(*inputs)
-        finally:
-            ms.set_context(mode=ms.GRAPH_MODE)
-        return float(np.asarray(loss.asnumpy()).reshape(-1)[0])
-
-
-class _FirstOutput(nn.Cell):
-    """The lm loss alone (the mcore model returns lm, MTP, aux and indexer losses)."""
-
-    def __init__(self, inner: nn.Cell) -> None:
-        super().__init__(auto_prefix=False)
-        self.inner = inner
-
-    def construct(self, *inputs: Tensor) -> Tensor:
-        return self.inner(*inputs)[0]
 
 
 def run(spec: Spec) -> dict[str, Any]:
@@ -262,39 +231,34 @@ def run(spec: Spec) -> dict[str, Any]:
     conversion = convert(spec) if spec.init_weights else None
     graph = trains_in_graph(spec)
     net = build_mcore_net(spec, "graph") if graph else build_net(spec)
-    cell = build_cell(net, spec)
-    capture = LayerCapture(spec) if graph else None
     source = ReplaySource(spec.replay_dir, rank=0)
     steps = list(source.steps)[:spec.steps]
+    tensors = ("stats" if graph else "full") if spec.tensor_steps else "off"
     dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [],
                       cells=LAYER_CELLS_MCORE if is_mcore(spec) else LAYER_CELLS,
-                      tensors="full" if spec.tensor_steps else "off", nan_trace="grads",
+                      tensors=tensors, nan_trace="grads",
                       meta={"config": {"kind": "mindformers_yaml", "values": mindformers_config(spec)},
                             "role": spec.role, "inject": spec.inject})
-    if capture is not None:   # hooks on the PYNATIVE twin (hooking needs PYNATIVE at this moment)
-        ms.set_context(mode=ms.PYNATIVE_MODE)
-        dumper = MindSporeDumper(capture.net.model, spec.out, dcfg, framework="mindformers",
-                                 name_scheme="mindformers_mcore")
-        ms.set_context(mode=ms.GRAPH_MODE)
-        dumper.update_meta({"candidate_mode": "graph (layer tensors from a PYNATIVE twin at the tensor steps)"})
-    elif is_mcore(spec):   # hooks on the GPTModel inside: its cells have Megatron's module names
-        dumper = MindSporeDumper(net.model, spec.out, dcfg, framework="mindformers", name_scheme="mindformers_mcore")
+    if is_mcore(spec):   # the GPTModel inside: its cells have Megatron's module names
+        # GRAPH: the watched cells are wrapped for in-graph capture, before build_cell and the first compile
+        dumper = MindSporeDumper(net.model, spec.out, dcfg, framework="mindformers", name_scheme="mindformers_mcore",
+                                 graph_capture=graph)
     else:
         dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
+    dumper.update_meta({"candidate_mode": "graph (layer statistics captured in the graph at the tensor steps)"
+                        if graph else "pynative (layer hooks)"})
+    cell = build_cell(net, spec)
     inputs = mcc.mcore_inputs if is_mcore(spec) else mc.llama_inputs
     opt = cell.optimizer
     names, sizes = optimizer_param_names(opt), optimizer_param_sizes(opt)
     nan_index = names.index(nan_param(spec)) if injects(spec, "candidate") == "nan_param" else None
     losses = []
-    capture_steps = parse_steps(spec.tensor_steps) or frozenset() if capture is not None else frozenset()
     for step in steps:
         batch = source.batch(step)
         dumper.begin_step(step)
         dumper.record_batch({"tokens": batch["input_ids"], "labels": batch["labels"],
                              "loss_mask": batch["loss_mask"]})
         cell.poison_index = nan_index if step == NAN_STEP else None
-        if capture is not None and step in capture_steps:
-            capture.run(net, inputs(batch))
         out = cell(*inputs(batch))
         vals = split_outputs(out)
         gnorm = float(np.asarray(vals["global_norm"]).reshape(-1)[0]) if "global_norm" in vals else None

@@ -151,8 +151,9 @@ def run_jobs(jobs: list[tuple[str, list[Spec]]], work: Path, parallel: int = 2) 
 _MOE_PAIRS = {
     "moe": ("Qwen3-MoE-shaped (q/k layernorm, every MLP 4 routed experts, top-2, softmax router)",
             "MindFormers 2.x mcore TrainingQwen3MoeForCausalLM (<code>use_legacy: False</code>, stacked experts, "
-            "mapping <code>megatron_core__mindformers_mcore_moe</code>; trained in GRAPH, layer tensors from a "
-            "PYNATIVE twin at the tensor steps; CPU stand-ins for the MoE kernels MindSpore 2.10 lacks on CPU; "
+            "mapping <code>megatron_core__mindformers_mcore_moe</code>; trained in GRAPH, layer statistics "
+            "captured inside the compiled step at the tensor steps; CPU stand-ins for the MoE kernels MindSpore "
+            "2.10 lacks on CPU; "
             "attention inputs cast to float16 by MindFormers' flash-attention path)",
             "the baseline run again with data parallelism 2 (each rank half of the same batch, gradients "
             "averaged: another summation order; megatron-core allows MoE with TP only under sequence parallelism, "
@@ -162,9 +163,8 @@ _MOE_PAIRS = {
     "mla": ("DeepSeek-V3-shaped (MLA with q/kv low-rank projections, every MLP 4 routed experts, top-2, sigmoid "
             "router with expert bias, one shared expert)",
             "MindFormers 2.x mcore TrainingDeepseekV3ForCausalLM (<code>use_legacy: False</code>, mapping "
-            "<code>megatron_core__mindformers_mcore_mla</code>; trained in GRAPH, layer tensors from a PYNATIVE "
-            "twin at the tensor steps; CPU stand-ins for the MoE kernels, and per-use splits that fix MLA's "
-            "PYNATIVE gradients)",
+            "<code>megatron_core__mindformers_mcore_mla</code>; trained in GRAPH, layer statistics captured "
+            "inside the compiled step at the tensor steps; CPU stand-ins for the MoE kernels)",
             "the baseline run again with data parallelism 2 (each rank half of the same batch, gradients "
             "averaged: another summation order; megatron-core allows MoE with TP only under sequence "
             "parallelism, which its local norms do not support)."),
@@ -178,7 +178,8 @@ def _candidate_model(kind: str) -> str:
         return _MOE_PAIRS[kind][1]
     return ("MindFormers 2.x mcore TrainingQwen3ForCausalLM (<code>use_legacy: False</code>, q/k layernorm on "
             "both sides, safetensors weights, mapping <code>megatron_core__mindformers_mcore_dense</code>; "
-            "CPU stand-ins for the kernels MindSpore 2.10 lacks on CPU; attention inputs cast to float16 by "
+            "trained in GRAPH, layer statistics captured inside the compiled step at the tensor steps; CPU "
+            "stand-ins for the kernels MindSpore 2.10 lacks on CPU; attention inputs cast to float16 by "
             "MindFormers' flash-attention path, so the report judges attention and what follows it at float16's "
             "line, the embedding and first norm at float32's)")
 

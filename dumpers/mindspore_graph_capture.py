@@ -38,8 +38,11 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "bool"
 
 
 def graph_stats(x: Tensor) -> Tensor:
-    """float32 [max, min, mean, L2 norm over the finite values, nan count, inf count, 1.0], in the graph."""
-    x = ops.cast(x, ms.float32)
+    """float32 [max, min, mean, L2 norm over the finite values, nan count, inf count, 1.0], in the graph.
+
+    Outside autodiff (``stop_gradient``): otherwise the backward pass differentiates these statistics too, and an
+    all-zero output (MoE's aux loss with coefficient 0) turns sqrt's infinite slope at 0 into NaN gradients."""
+    x = ops.stop_gradient(ops.cast(x, ms.float32))
     fin = ops.isfinite(x)
     zero = ops.zeros_like(x)
     z = ops.select(fin, x, zero)

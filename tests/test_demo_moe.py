@@ -5,8 +5,9 @@ Why a file of its own: the dense and llama pairs have theirs (tests/test_demo.py
 pair runs 6 steps (lr = 0 pair: 2) and must pass every stage it judges. The moe pair keeps its repeat (DP=2
 with float16-rounded attention: the band for a candidate that computes attention in float16); the mla pair
 skips it for time (its band then falls back to --rtol, and the band stage is skipped). Measured here on 2 cores:
-moe 52 s, mla 57 s at a load average of ~4 (153 s and 121 s at ~11): mostly framework start-up, the
-candidate's GRAPH compile and its PYNATIVE layer-capture twin.
+moe 52 s, mla 57 s at a load average of ~4 (153 s and 121 s at ~11): mostly framework start-up and the
+candidate's GRAPH compile (measured with the former PYNATIVE layer-capture twin; the layers now come from the GRAPH
+step).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path:
     cfg = cand["config"].get("values", cand["config"])
     want = {"moe": "Qwen3MoeConfig", "mla": "DeepseekV3Config"}[kind]
     assert cfg["use_legacy"] is False and cfg["model"]["model_config"]["type"] == want
-    assert "graph" in cand.get("candidate_mode", "")          # trained in GRAPH, layers from PYNATIVE
+    assert "graph" in cand.get("candidate_mode", "")          # trained in GRAPH, layer statistics from it too
+    assert cand["layer_capture"]["mode"] == "GRAPH" and data["stages"]["layer_tensors"]["mode"] == "stats"
     # the mapping preset is chosen from the candidate's config (Qwen3MoeConfig / DeepseekV3Config)
     assert ln["mapping"] == f"megatron_core__mindformers_mcore_{kind}"
     if repeat:

@@ -3,7 +3,8 @@ the real mcore dense model, MindFormers' own training cell, GRAPH mode on CPU.
 
 (1) capture on vs off: bit-identical losses and weights; (2) the captured statistics equal the PYNATIVE hooks'
 capture of the same weights and batch (and numpy for the embedding output); (3) a weight scaled by 1.001 in one
-linear is named by `align report` on two GRAPH run stores. One GRAPH compile per model (~10-20 s here).
+linear is named by `align report` on two GRAPH run stores; (4) the same for DeepSeek-V3's MLA (capture on/off
+bit-identical, a scaled linear_kv_up_proj named). One GRAPH compile per model (~10-20 s here).
 """
 
 from __future__ import annotations
@@ -167,3 +168,63 @@ def test_graph_stats_equal_pynative_hooks_and_numpy(graph_models) -> None:
     assert g["max"] == emb.max() and g["min"] == emb.min()
     assert g["mean"] == pytest.approx(emb.mean(), rel=1e-5, abs=1e-7)
     assert g["norm"] == pytest.approx(np.sqrt((emb * emb).sum()), rel=1e-6)
+
+
+# DeepSeek-V3's MLA (TrainingDeepseekV3ForCausalLM, dense MLPs: MLA without MoE compiles in ~10 s here). The
+# q/kv projections are watched, linear_proj is not: rows come in cell definition order, and MindFormers defines
+# linear_proj before the q/kv projections, so a departure downstream of it would be listed first.
+MLA_SPEC = mc.TinyModel(kind="mla", num_experts=0)
+MLA_CELLS = ("model.embedding.word_embeddings", "model.decoder.layers.*.input_layernorm",
+             "model.decoder.layers.*.self_attention.linear_q_down_proj",
+             "model.decoder.layers.*.self_attention.linear_q_up_proj",
+             "model.decoder.layers.*.self_attention.linear_kv_down_proj",
+             "model.decoder.layers.*.self_attention.linear_kv_up_proj", "model.decoder.layers.*.self_attention",
+             "model.decoder.layers.*.mlp", "model.output_layer")
+MLA_FAULT = "decoder.layers.1.self_attention.linear_kv_up_proj.weight"
+
+
+def test_mla_graph_capture_is_bit_identical_and_names_a_planted_fault(tmp_path: Path) -> None:
+    """The MLA model in GRAPH: capture on vs off train bit-identically (2 steps), and a 1.001 scale of layer 1's
+    linear_kv_up_proj weight is named by `align report` from the GRAPH statistics alone."""
+    from align.cli import main
+
+    mc.set_mcore_context("graph", seed=0)
+    try:
+        cap_net = mc.build_mcore_model(MLA_SPEC, "graph", seed=0)
+        w0 = _weights(cap_net)
+        dumper = MindSporeDumper(cap_net, tmp_path / "on", DumpConfig(tensors="stats", cells=MLA_CELLS, steps="1"),
+                                 graph_capture=True)
+        cap_cell = mc.build_mcore_train_cell(cap_net, learning_rate=1e-2)
+        plain_net = mc.build_mcore_model(MLA_SPEC, "graph", seed=0)
+        _load(plain_net, w0)
+        plain_cell = mc.build_mcore_train_cell(plain_net, learning_rate=1e-2)
+        assert _train(cap_cell, dumper, steps=2) == _train(plain_cell, None, steps=2)
+        dumper.close()
+        a, b = _weights(cap_net), _weights(plain_net)
+        assert sorted(a) == sorted(w0)
+        for name in a:
+            assert np.array_equal(a[name], b[name]), name
+        reader = RunReader(tmp_path / "on")
+        assert reader.meta["layer_capture"]["mode"] == "GRAPH"
+        table = reader.step_arrays(1).table("tensor_stats")
+        assert {"model.decoder.layers.0.self_attention.linear_kv_up_proj",
+                "model.decoder.layers.1.self_attention.linear_q_down_proj"} <= set(table.module)
+        assert {"forward.output.0", "backward.grad_output.0"} <= set(table.kind)
+        assert int(table["nan"].sum()) == 0 and int(table["inf"].sum()) == 0
+        for label, scale in (("base", 1.0), ("cand", 1.001)):
+            w = dict(w0)
+            w[MLA_FAULT] = (w0[MLA_FAULT] * np.float32(scale)).astype(np.float32)
+            _load(cap_net, w)
+            d = MindSporeDumper(cap_net, tmp_path / label, DumpConfig(tensors="stats", cells=MLA_CELLS),
+                                graph_capture=True)
+            _train(cap_cell, d, steps=1)
+            d.close()
+    finally:
+        mc.reset_mindformers_context()
+    out = tmp_path / "report"
+    assert main(["report", "-q", str(tmp_path / "base"), str(tmp_path / "cand"), "--out", str(out),
+                 "--mapping", "megatron_core__mindformers_mcore_mla"]) in (0, 1)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stages"]["layer_tensors"]["verdict"] in ("warn", "fail"), s["stages"]["layer_tensors"]
+    first = [f for f in s["findings"] if f["stage"] == "layer_tensors" and "first departing forward" in f["message"]]
+    assert first and first[0]["component"] == "model.decoder.layers.1.self_attention.linear_kv_up_proj", first
