@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import mindspore as ms
 import numpy as np
 
 from dumpers.mindspore_dumper import DumpConfig, DumperCallback, LayerCaptureError, MindSporeDumper, to_numpy
@@ -75,22 +76,33 @@ class MindFormersDumperCallback(DumperCallback):
 
     Two ways to build it: from Python with a dumper (``MindFormersDumperCallback(MindSporeDumper(net, out))``),
     or from a YAML ``callbacks:`` entry with keyword arguments only (``out_dir``, ``batch_columns``,
-    ``steps``, ``tensors``, ``cells``, ``backward``, ``nan_trace``, ``meta``): the dumper is then created at
+    ``steps``, ``tensor_steps``, ``tensors``, ``cells``, ``backward``, ``nan_trace``, ``meta``,
+    ``graph_capture``): the dumper is then created at
     the start of training on the network the Trainer built, with this process's rank (MindSpore's
-    ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms); layer tensors
-    need PYNATIVE (``tensors: off`` in GRAPH).
+    ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms) and, with
+    ``tensors: stats``, captures layer statistics inside the compiled step (``graph_capture``, on by default
+    in GRAPH: the watched cells are wrapped in ``on_train_begin``, which MindSpore's ``Model.train`` calls before
+    its first training step compiles the graph). Full tensors (``tensors: full``) need PYNATIVE.
+
+    The wrapping must precede the first compile of the training graph. MindFormers compiles it BEFORE
+    ``on_train_begin`` (``model.build`` in ``transform_and_load_checkpoint`` / ``load_checkpoint_with_safetensors``)
+    when a checkpoint is loaded under ``semi_auto_parallel`` / ``auto_parallel``, or when resuming with the new
+    checkpoint format and ``use_parallel``. Then the capture cannot run: the callback sees a compiled training
+    graph, does not wrap, and says so in meta.json (``layer_capture``) and a warning; the run goes on.
     """
 
     def __init__(self, dumper: MindSporeDumper | None = None, batch_columns: Sequence[str] | None = None, *,
-                 out_dir: str | None = None, steps: Any = None, tensors: str = "off",
+                 out_dir: str | None = None, steps: Any = None, tensor_steps: Any = None, tensors: str = "off",
                  cells: Sequence[str] = ("*",), backward: bool = True, nan_trace: str = "grads",
-                 meta: dict[str, Any] | None = None) -> None:
+                 meta: dict[str, Any] | None = None, graph_capture: bool = True) -> None:
         if dumper is None and not out_dir:
             raise ValueError("MindFormersDumperCallback needs a dumper or out_dir (the run-store directory)")
         super().__init__(dumper, batch_columns)  # type: ignore[arg-type]
         self._pending = None if dumper is not None else (str(out_dir), DumpConfig(
-            steps=steps, tensors=tensors, cells=tuple(cells), backward=backward, nan_trace=nan_trace,
-            meta=dict(meta or {})))
+            steps=steps, tensor_steps=tensor_steps, tensors=tensors, cells=tuple(cells), backward=backward,
+            nan_trace=nan_trace, meta=dict(meta or {})))
+        self._graph_capture = bool(graph_capture)
+        self._capture_checked = False
 
     def on_train_begin(self, run_context: Any) -> None:
         """YAML-built: create the dumper on the network the Trainer trains (the cell inside the wrapper)."""
@@ -100,15 +112,22 @@ class MindFormersDumperCallback(DumperCallback):
         self._pending = None
         cb = run_context.original_args()
         net = _model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None))
+        graph = ms.get_context("mode") != ms.PYNATIVE_MODE
+        capture = self._graph_capture and graph and config.tensors == "stats"
         try:
+            if capture and _training_graph_compiled():
+                raise LayerCaptureError(
+                    "the training graph was compiled before on_train_begin (model.build: a checkpoint loaded "
+                    "under semi_auto_parallel/auto_parallel, or a parallel resume), so the in-graph capture "
+                    "cannot be added")
             self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
-                                          name_scheme="mindformers")
+                                          name_scheme="mindformers", graph_capture=capture)
         except LayerCaptureError as exc:
-            # GRAPH mode compiles hooks away: keep scalars, batches and named norms, never stop the run.
+            # keep scalars, batches and named norms, never stop the run.
             warnings.warn(f"MindFormersDumperCallback: {exc}; dumping without layer tensors", RuntimeWarning,
                           stacklevel=2)
             config.tensors, config.nan_trace = "off", "grads"
-            config.meta = {**config.meta, "layer_capture": "refused in GRAPH mode: re-run steps 1-2 in "
+            config.meta = {**config.meta, "layer_capture": f"refused in GRAPH mode ({exc}): re-run steps 1-2 in "
                                                            "PYNATIVE (context.mode: 1) to capture layers"}
             self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
                                           name_scheme="mindformers")
@@ -119,7 +138,24 @@ class MindFormersDumperCallback(DumperCallback):
 
     def on_train_step_end(self, run_context: Any) -> None:
         if self.dumper is not None:
+            self._check_capture_ran()
             super().on_train_step_end(run_context)
+
+    def _check_capture_ran(self) -> None:
+        """After the first step: a GRAPH capture whose wrappers are not in the compiled graph wrote nothing."""
+        graph = getattr(self.dumper, "_graph", None)
+        if self._capture_checked or graph is None or not graph.cells:
+            return
+        self._capture_checked = True
+        if any(int(w.xf_fmeta.asnumpy()[0, 0]) == 1 for w in graph.cells.values()):
+            return
+        warnings.warn("MindFormersDumperCallback: the GRAPH capture wrote nothing in the first step (the "
+                      "training graph was compiled without the wrapped cells); no layer statistics",
+                      RuntimeWarning, stacklevel=2)
+        self.dumper.update_meta({"layer_capture": {
+            "mode": "GRAPH", "captured": False,
+            "why": "the training graph was compiled before the cells were wrapped: re-run steps 1-2 in "
+                   "PYNATIVE (context.mode: 1) to capture layers"}})
 
     def on_train_end(self, run_context: Any) -> None:
         if self.dumper is not None:
@@ -165,6 +201,16 @@ def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, opti
                     loss_scale=vals["loss_scale"], **({"grad_norm": gnorm} if gnorm is not None else {}),
                     **({"lr": vals["lr"]} if "lr" in vals else {}))
     return named
+
+
+def _training_graph_compiled() -> bool:
+    """Whether this process already compiled a training graph (``model.build`` before ``on_train_begin``)."""
+    try:
+        from mindspore.graph.api import cells_compile_cache
+    except ImportError:
+        return False
+    return any(str(phase).startswith("train") for cache in list(cells_compile_cache.values())
+               for phase in list(cache or ()))
 
 
 def _model_cell(net: Any) -> Any:

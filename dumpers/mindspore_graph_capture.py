@@ -167,8 +167,10 @@ class GraphLayerCapture:
     def __init__(self, net: nn.Cell, patterns: Sequence[str] = ("*",), *, backward: bool = True) -> None:
         self.net = net
         names = {id(p): p.name for p in net.get_parameters()}
+        # Containers (CellList, CellDict) are indexed, never called: wrapping one would break ``layers[i]``.
         chosen = [(n, parent, attr, child) for n, parent, attr, child in _logical_cells(net)
-                  if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+                  if any(fnmatch.fnmatchcase(n, p) for p in patterns)
+                  and not isinstance(child, (nn.CellList, nn.CellDict))]
         self.cells: dict[str, CaptureCell] = {}
         # Deepest first: a parent is wrapped after its children (the walk above saw the unwrapped tree).
         for name, parent, attr, child in sorted(chosen, key=lambda c: -c[0].count(".")):

@@ -109,12 +109,15 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+GRAPH_CAPTURE = {"tensors": "stats", "cells": ["model.layers.*"], "tensor_steps": [1, 3]}
+
+
 @pytest.fixture(scope="module")
 def graph_run(tmp_path_factory: pytest.TempPathFactory, batches: Path, weights: Path) -> Path:
-    """GRAPH mode (the NPU mode), data parallel over 2 msrun workers, 3 steps; the dumper also asks for layer
-    statistics, which GRAPH refuses."""
+    """GRAPH mode (the NPU mode), data parallel over 2 msrun workers, 3 steps; the dumper also captures layer
+    statistics of the decoder layers at steps 1 and 3 inside the compiled step (graph capture)."""
     root = tmp_path_factory.mktemp("graph")
-    msrun_launch(root, launch_yaml(root, batches, steps=3, dumper={"tensors": "stats"}, weights=weights, dp=2),
+    msrun_launch(root, launch_yaml(root, batches, steps=3, dumper=GRAPH_CAPTURE, weights=weights, dp=2),
                  workers=2)
     return root
 
@@ -126,7 +129,7 @@ def test_msrun_run_mindformer_yaml_replays_batches_and_dumps_named_norms(graph_r
 
     reader = RunReader(graph_run / "run")
     assert reader.ranks == [0, 1] and reader.array_steps() == [1, 2, 3]
-    assert "PYNATIVE" in reader.meta["layer_capture"]         # refused, said so, and the run went on
+    assert reader.meta["layer_capture"]["mode"] == "GRAPH"    # captured inside the compiled step
     log = load_run(graph_run / "output" / "msrun_log")   # msrun's worker_0.log and worker_1.log, one run
     assert sorted(log.rank_scalars) == [0, 1]
     for rank in (0, 1):
@@ -139,6 +142,14 @@ def test_msrun_run_mindformer_yaml_replays_batches_and_dumps_named_norms(graph_r
             for col, name in (("input_ids", "tokens"), ("labels", "labels"), ("loss_mask", "loss_mask")):
                 np.testing.assert_array_equal(arrays.data[f"batch/{col}"],
                                               np.load(batches / f"step_{step}" / f"rank_{rank}" / f"{name}.npy"))
+            if step in (1, 3):      # tensor_steps: the decoder layers' outputs and output gradients
+                stats = arrays.table("tensor_stats")
+                assert {"model.layers.0", "model.layers.1.attention", "model.layers.1.feed_forward"} <= set(
+                    stats.module) and all(m.startswith("model.layers.") for m in stats.module)
+                assert {"forward.output.0", "backward.grad_output.0"} <= set(stats.kind)
+                assert np.isfinite(stats.norm.to_numpy()).all() and (stats.norm.to_numpy() > 0).any()
+            else:
+                assert arrays.table("tensor_stats") is None
             norms = arrays.table("local_norm")
             assert len(norms) == 21 and "model.tok_embeddings.embedding_weight" in set(norms.name)
             assert "model.layers.1.feed_forward.w2.weight" in set(norms.name)
@@ -180,3 +191,22 @@ def test_pynative_rerun_of_steps_1_2_captures_layers_and_matches_graph(graph_run
         modules = set(stats.module)
         assert "model.layers.0.attention" in modules and "model.layers.1.feed_forward" in modules
         assert np.isfinite(stats.norm.to_numpy()).all()
+
+
+@pytest.mark.timeout(300)
+def test_graph_capture_leaves_the_losses_bit_identical(graph_run: Path, batches: Path, weights: Path,
+                                                       tmp_path: Path) -> None:
+    """The same msrun launch with ``graph_capture: False``: layer tensors refused with the documented message,
+    and every rank's loss and gradient norm equal, bit for bit, the captured run's."""
+    from runstore import RunReader
+
+    msrun_launch(tmp_path, launch_yaml(tmp_path, batches, steps=3, weights=weights, dp=2,
+                                       dumper={**GRAPH_CAPTURE, "graph_capture": False}), workers=2)
+    plain = RunReader(tmp_path / "run")
+    assert "PYNATIVE" in plain.meta["layer_capture"]          # refused, said so, and the run went on
+    captured = RunReader(graph_run / "run")
+    for rank in (0, 1):
+        a, b = (r.scalars(rank).set_index("step") for r in (captured, plain))
+        np.testing.assert_array_equal(a.loss.to_numpy(), b.loss.to_numpy())
+        np.testing.assert_array_equal(a.grad_norm.to_numpy(), b.grad_norm.to_numpy())
+        assert plain.step_arrays(1, rank).table("tensor_stats") is None
