@@ -62,21 +62,30 @@ def _train(cell, dumper, steps: int = STEPS) -> list[float]:
     return losses
 
 
+def _captured_and_plain(spec, root: Path, cells, steps: str, off_dumper: bool = False):
+    """The same model twice, built for GRAPH with the same weights: one captured in-graph (its dumper made
+    before the training cell, so the wrapped cells are compiled), one plain (with a tensors='off' dumper when
+    ``off_dumper``). Returns (initial weights, (net, cell, dumper), (net, cell, dumper or None))."""
+    cap_net = mc.build_mcore_model(spec, "graph", seed=0)
+    w0 = _weights(cap_net)
+    dumper = MindSporeDumper(cap_net, root / "on", DumpConfig(tensors="stats", cells=cells, steps=steps),
+                             graph_capture=True)
+    cap_cell = mc.build_mcore_train_cell(cap_net, learning_rate=1e-2)
+    plain_net = mc.build_mcore_model(spec, "graph", seed=0)
+    _load(plain_net, w0)
+    off = (MindSporeDumper(plain_net, root / "off", DumpConfig(tensors="off"), graph_capture=True)
+           if off_dumper else None)
+    plain_cell = mc.build_mcore_train_cell(plain_net, learning_rate=1e-2)
+    return w0, (cap_net, cap_cell, dumper), (plain_net, plain_cell, off)
+
+
 @pytest.fixture(scope="module")
 def graph_models(tmp_path_factory):
     """The same model twice in GRAPH: captured (tensors='stats', in-graph) and plain (tensors='off')."""
     mc.set_mcore_context("graph", seed=0)
     root = tmp_path_factory.mktemp("graphcap")
-    cap_net = mc.build_mcore_model(SPEC, "graph", seed=0)
-    w0 = _weights(cap_net)
-    dumper = MindSporeDumper(cap_net, root / "on", DumpConfig(tensors="stats", cells=CELLS, steps="1-2"),
-                             graph_capture=True)
-    cap_cell = mc.build_mcore_train_cell(cap_net, learning_rate=1e-2)
-    plain_net = mc.build_mcore_model(SPEC, "graph", seed=0)
-    _load(plain_net, w0)
-    off = MindSporeDumper(plain_net, root / "off", DumpConfig(tensors="off"), graph_capture=True)
-    plain_cell = mc.build_mcore_train_cell(plain_net, learning_rate=1e-2)
-    yield {"root": root, "w0": w0, "cap": (cap_net, cap_cell, dumper), "plain": (plain_net, plain_cell, off)}
+    w0, cap, plain = _captured_and_plain(SPEC, root, CELLS, "1-2", off_dumper=True)
+    yield {"root": root, "w0": w0, "cap": cap, "plain": plain}
     mc.reset_mindformers_context()
 
 
@@ -190,14 +199,8 @@ def test_mla_graph_capture_is_bit_identical_and_names_a_planted_fault(tmp_path: 
 
     mc.set_mcore_context("graph", seed=0)
     try:
-        cap_net = mc.build_mcore_model(MLA_SPEC, "graph", seed=0)
-        w0 = _weights(cap_net)
-        dumper = MindSporeDumper(cap_net, tmp_path / "on", DumpConfig(tensors="stats", cells=MLA_CELLS, steps="1"),
-                                 graph_capture=True)
-        cap_cell = mc.build_mcore_train_cell(cap_net, learning_rate=1e-2)
-        plain_net = mc.build_mcore_model(MLA_SPEC, "graph", seed=0)
-        _load(plain_net, w0)
-        plain_cell = mc.build_mcore_train_cell(plain_net, learning_rate=1e-2)
+        w0, (cap_net, cap_cell, dumper), (plain_net, plain_cell, _) = _captured_and_plain(
+            MLA_SPEC, tmp_path, MLA_CELLS, "1")
         assert _train(cap_cell, dumper, steps=2) == _train(plain_cell, None, steps=2)
         dumper.close()
         a, b = _weights(cap_net), _weights(plain_net)
