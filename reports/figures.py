@@ -204,6 +204,27 @@ def chart_parameters(parameters: list[dict]) -> list[dict]:
 def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Path) -> bytes | None:
     """Relative difference of every parameter's step-1 gradient norm, names on the axis, grouped by layer
     (the ``MAX_NORM_BARS`` largest when there are more)."""
+    return _parameter_bars(parameters, rtol, None, verdict, path,
+                           xlabel="relative difference of the gradient norm (candidate vs baseline)",
+                           title="Step-1 local norms")
+
+
+def weights_chart(rows: list[dict], verdict: str, path: Path) -> bytes | None:
+    """Relative L2 difference of each parameter's weights (compare-weights), the ``MAX_NORM_BARS`` largest,
+    grouped by layer; a parameter that could not be compared (missing, shape) is drawn as the largest."""
+    params = [{"name": r["name"], "layer": r.get("layer"), "kind": r.get("kind"),
+               "rel_diff": r["rel_l2"] if r.get("rel_l2") is not None else float("inf")} for r in rows]
+    tols = [r for r in rows if r.get("tolerance") is not None]
+    common = max(tols, key=lambda r: sum(t["tolerance"] == r["tolerance"] for t in tols)) if tols else None
+    rtol = float(common["tolerance"]) if common else 1e-4
+    warn = float(common["warn_tolerance"]) if common else None
+    return _parameter_bars(params, rtol, warn, verdict, path,
+                           xlabel="relative L2 difference of the weights, ||candidate - baseline|| / ||baseline||",
+                           title="Weights")
+
+
+def _parameter_bars(parameters: list[dict], rtol: float, warn_tol: float | None, verdict: str, path: Path, *,
+                    xlabel: str, title: str) -> bytes | None:
     if not parameters:
         return None
     shown_of = len(parameters)
@@ -217,19 +238,21 @@ def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Pa
     fig, ax = _figure((width, height))
     fig.subplots_adjust(left=names_in / width, right=0.98, top=1 - 0.45 / height, bottom=0.55 / height)
     y = np.arange(len(rows))
-    ax.barh(y, shown, color=_bar_colours(vals, rtol))
+    ax.barh(y, shown, color=_bar_colours(vals, rtol, warn_tol))
     ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
+    if warn_tol is not None:
+        ax.axvline(warn_tol, color=COLOURS["fail"], ls=":", lw=0.8, label=f"fails above {warn_tol:g}")
     ax.set_yticks(y)
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("relative difference of the gradient norm (candidate vs baseline)")
+    ax.set_xlabel(xlabel)
     layers = [p.get("layer") for p in rows]
     for i in range(1, len(rows)):
         if layers[i] != layers[i - 1]:
             ax.axhline(i - 0.5, color="#bbbbbb", lw=0.6)
     what = "per parameter" if shown_of == len(rows) else f"of the {len(rows)} largest of {shown_of} parameters"
-    fig.suptitle(f"Step-1 local norms {what}, grouped by layer  [{verdict.upper()}]",
+    fig.suptitle(f"{title} {what}, grouped by layer  [{verdict.upper()}]",
                  color=COLOURS.get(verdict, "k"), y=1 - 0.08 / height, va="top")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
