@@ -388,6 +388,12 @@ def compare_weights(baseline: Any, candidate: Any, mapping: Mapping, *, params: 
     experts = params.num_experts or _experts_seen([a, b])
     if experts and any(g.rule.gather for s in (a, b) for g in s.groups.values()):
         a, b = _build(baseline, sa, mapping, experts), _build(candidate, sb, mapping, experts)
+    if sa != sb and not params.num_heads:
+        fused = sorted({g.rule.id for g in a.groups.values() if g.key in b.groups
+                        and g.rule.transform.get("op") in ("split_qkv", "qkv_contiguous")})
+        if fused:
+            raise BadInput(f"mapping {mapping.name} splits fused QKV by attention head (rule {fused[0]}): pass "
+                           "--num-heads (and --num-query-groups for GQA)")
     cmp = _Compare(a, b, mapping, params, tolerances)
     lead = a if a.src.sequential or not b.src.sequential else b
     keys = sorted(set(a.groups) | set(b.groups),
