@@ -575,6 +575,8 @@ class LegacyWeights:
     def __init__(self, path: str | Path, *, gated_fc1: bool | None = None) -> None:
         self.path = Path(path)
         self._root, self._tp, self._gated, self._merged = _legacy_index(path, gated_fc1, mmap=True)
+        #: name -> rel L2 of the most different TP rank's copy of a replicated parameter (filled as read)
+        self.replica_differences: dict[str, float] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
         for name, parts in self._merged.items():
             shape = list(parts[0][1].shape)
@@ -593,7 +595,16 @@ class LegacyWeights:
         return str(self._merged[name][0][1].dtype).replace("torch.", "")
 
     def get(self, name: str) -> np.ndarray:
-        return _to_numpy(_merge_legacy(self._root, name, self._merged[name], self._tp, self._gated))
+        parts = self._merged[name]
+        full = _merge_legacy(self._root, name, parts, self._tp, self._gated)
+        if self._tp > 1 and _tp_dim(name) < 0:     # a replicated parameter: every TP rank should hold the same
+            copies: dict[int, Any] = {}
+            for t, v in parts:
+                copies.setdefault(t, v)
+            ref = full.double()
+            scale = max(float(ref.norm()), 1e-30)
+            self.replica_differences[name] = max(float((v.double() - ref).norm()) / scale for v in copies.values())
+        return _to_numpy(full)
 
     def close(self) -> None:
         self._merged = {}

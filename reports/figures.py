@@ -211,20 +211,26 @@ def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Pa
 
 def weights_chart(rows: list[dict], verdict: str, path: Path) -> bytes | None:
     """Relative L2 difference of each parameter's weights (compare-weights), the ``MAX_NORM_BARS`` largest,
-    grouped by layer; a parameter that could not be compared (missing, shape) is drawn as the largest."""
-    params = [{"name": r["name"], "layer": r.get("layer"), "kind": r.get("kind"),
+    grouped by layer, coloured by each parameter's verdict; a parameter that could not be compared (missing,
+    shape) is drawn as the largest. One tolerance line when every parameter has the same; else (dtypes, or
+    bands from a repeat) a tick on each bar at its own."""
+    params = [{"name": r["name"], "layer": r.get("layer"), "kind": r.get("kind"), "verdict": r.get("verdict"),
+               "tol": r.get("tolerance"),
                "rel_diff": r["rel_l2"] if r.get("rel_l2") is not None else float("inf")} for r in rows]
-    tols = [r for r in rows if r.get("tolerance") is not None]
-    common = max(tols, key=lambda r: sum(t["tolerance"] == r["tolerance"] for t in tols)) if tols else None
-    rtol = float(common["tolerance"]) if common else 1e-4
-    warn = float(common["warn_tolerance"]) if common else None
-    return _parameter_bars(params, rtol, warn, verdict, path,
+    tols = {r.get("tolerance") for r in rows if r.get("tolerance") is not None}
+    warns = {r.get("warn_tolerance") for r in rows if r.get("warn_tolerance") is not None}
+    one = len(tols) == 1
+    return _parameter_bars(params, float(next(iter(tols))) if one else None,
+                           float(next(iter(warns))) if one and len(warns) == 1 else None, verdict, path,
                            xlabel="relative L2 difference of the weights, ||candidate - baseline|| / ||baseline||",
-                           title="Weights")
+                           title="Weights", own_verdicts=True)
 
 
-def _parameter_bars(parameters: list[dict], rtol: float, warn_tol: float | None, verdict: str, path: Path, *,
-                    xlabel: str, title: str) -> bytes | None:
+def _parameter_bars(parameters: list[dict], rtol: float | None, warn_tol: float | None, verdict: str, path: Path, *,
+                    xlabel: str, title: str, own_verdicts: bool = False) -> bytes | None:
+    """Horizontal bars, one per parameter (log scale), names on the axis. ``own_verdicts``: each parameter's
+    ``verdict`` colours its bar and its ``tol`` is ticked on it (tolerances differ per parameter); else the
+    bars are coloured against ``rtol`` / ``warn_tol``, drawn as lines."""
     if not parameters:
         return None
     shown_of = len(parameters)
@@ -238,9 +244,17 @@ def _parameter_bars(parameters: list[dict], rtol: float, warn_tol: float | None,
     fig, ax = _figure((width, height))
     fig.subplots_adjust(left=names_in / width, right=0.98, top=1 - 0.45 / height, bottom=0.55 / height)
     y = np.arange(len(rows))
-    ax.barh(y, shown, color=_bar_colours(vals, rtol, warn_tol))
-    ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
-    if warn_tol is not None:
+    colours = [COLOURS.get(p.get("verdict") or "fail", COLOURS["fail"]) for p in rows] if own_verdicts else \
+        _bar_colours(vals, rtol if rtol is not None else 0.0, warn_tol)
+    ax.barh(y, shown, color=colours)
+    if rtol is not None:
+        ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
+    else:
+        ticks = [(i, p["tol"]) for i, p in enumerate(rows) if p.get("tol")]
+        if ticks:
+            ax.scatter([t for _, t in ticks], [i for i, _ in ticks], marker="|", s=120, color="k", zorder=3,
+                       label="each parameter's tolerance")
+    if rtol is not None and warn_tol is not None:
         ax.axvline(warn_tol, color=COLOURS["fail"], ls=":", lw=0.8, label=f"fails above {warn_tol:g}")
     ax.set_yticks(y)
     ax.set_yticklabels(names, fontsize=7)

@@ -324,3 +324,65 @@ def test_mindspore_ckpt_read_lazily_equals_mindspore(ckpts, tmp_path, capsys) ->
     (tmp_path / "crc.ckpt").write_bytes(bytes(raw))
     rc, _, err = _run(capsys, tmp_path / "crc.ckpt", ckpt, "--out", tmp_path / "o3")
     assert rc == 2 and "crc.ckpt: CRC check failed" in err
+
+
+def _drifted(state: dict, rel: float, seed: int) -> dict:
+    r = np.random.default_rng(seed)
+    return {k: (v + rel * float(np.sqrt(np.mean(v * v))) * r.standard_normal(v.shape)).astype(np.float32)
+            for k, v in state.items()}
+
+
+def _save_legacy_tp2(shards: list[dict], folder: Path) -> Path:
+    import argparse
+
+    for r, shard in enumerate(shards):
+        d = folder / f"mp_rank_{r:02d}"
+        d.mkdir(parents=True)
+        torch.save({"model": {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in shard.items()},
+                    "args": argparse.Namespace(swiglu=True, tensor_model_parallel_size=2)}, d / "model_optim_rng.pt")
+    return folder
+
+
+def test_repeat_band_judges_weights_after_n_steps(ckpts, tmp_path, capsys) -> None:
+    """--repeat: each parameter's tolerance becomes 3 x (fail: 10 x) how far the baseline is from its repeat.
+    A candidate 1e-3 away warns by float32's tolerance alone and passes inside a 2e-3 band; 5e-2 away fails."""
+    from mapping import TransformParams
+    from models import load_mapping
+
+    state = ckpts["state"]
+    repeat = save_legacy(_drifted(state, 2e-3, seed=5), tmp_path / "repeat")
+    m, heads = load_mapping(DENSE), TransformParams(num_heads=NH, num_query_groups=NG)
+    for rel, name in ((1e-3, "near"), (5e-2, "far")):
+        conv, _ = m.convert(_drifted(state, rel, seed=6), "candidate", heads)
+        write_safetensors(conv, tmp_path / f"{name}.safetensors")
+    rc, text, _ = _run(capsys, ckpts["dist"], tmp_path / "near.safetensors", "--out", tmp_path / "alone")
+    assert rc == 0 and _summary(tmp_path / "alone")["verdict"] == "warn" and "--repeat" in text
+    rc, text, _ = _run(capsys, ckpts["dist"], tmp_path / "near.safetensors", "--repeat", repeat,
+                       "--out", tmp_path / "b")
+    rows = _rows(tmp_path / "b")
+    assert rc == 0 and _summary(tmp_path / "b")["verdict"] == "pass", text
+    for r in rows.values():
+        assert r["band"] == pytest.approx(2e-3, rel=0.5) and r["tolerance"] == pytest.approx(3 * r["band"])
+    assert [x["role"] for x in _summary(tmp_path / "b")["runs"]] == ["baseline", "candidate", "repeat"]
+    rc, text, _ = _run(capsys, ckpts["dist"], tmp_path / "far.safetensors", "--repeat", repeat, "--out", tmp_path / "f")
+    assert rc == 1 and all(r["verdict"] == "fail" for r in _rows(tmp_path / "f").values()), text
+    assert "x the baseline's band" in text
+
+
+def test_tp_copies_of_a_replicated_parameter_must_agree(ckpts, tmp_path, capsys) -> None:
+    """A norm weight is replicated on every TP rank; a copy that drifted (its gradient not all-reduced over TP,
+    as qk_layernorm without Megatron's finalize_model_grads) fails, named, even where rank 0 equals the other
+    checkpoint."""
+    from tests.helpers.tiny_checkpoints import tp_shards
+
+    shards = tp_shards(ckpts["state"], 2)
+    name = "decoder.layers.1.input_layernorm.weight"
+    shards[1][name] = shards[1][name] * np.float32(1.02)
+    legacy = _save_legacy_tp2(shards, tmp_path / "legacy")
+    rc, text, _ = _run(capsys, ckpts["dist"], legacy, "--out", tmp_path / "o")
+    data = _summary(tmp_path / "o")
+    bad = [f for f in data["findings"] if f["verdict"] != "pass"]
+    assert rc == 1 and [f["component"] for f in bad] == [name], bad
+    assert bad[0]["metric"] == "tp_replica_rel_l2" and bad[0]["value"] == pytest.approx(0.02, rel=1e-3)
+    assert "copies on the TP ranks" in text
+    assert all(r["verdict"] == "pass" for r in _rows(tmp_path / "o").values())   # rank 0's copy is right

@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("baseline", help="the reference checkpoint (findings use its parameter names)")
     parser.add_argument("candidate", help="the checkpoint compared with it")
     parser.add_argument("--out", required=True, help="folder for summary.json, report.html, weights.csv, figures/")
+    parser.add_argument("--repeat", metavar="CHECKPOINT", help="the baseline's weights from a repeat of its run "
+                        "(same steps, e.g. without determinism or at another TP size): each parameter is then "
+                        "judged against how far the baseline is from itself (pass within 3 x that band, fail "
+                        "beyond 10 x), never tighter than its dtype's tolerance")
     parser.add_argument("--mapping", help="preset name or YAML mapping file (default: the preset whose rules "
                         "cover the most of both checkpoints' names)")
     parser.add_argument("--tolerance", action="append", default=[], metavar="[DTYPE=]PASS[,FAIL]",
@@ -86,16 +90,18 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 0:
         raise BadInput(f"--top {args.top}: expected a number >= 0")
     sizes = parse_sizes(args.size)
-    for p in (args.baseline, args.candidate):
+    for p in (args.baseline, args.candidate, *([args.repeat] if args.repeat else [])):
         if not Path(p).exists():
             raise BadInput(f"{p}: no such file or folder")
     a = open_weights(args.baseline)
     b = open_weights(args.candidate)
+    r = open_weights(args.repeat) if args.repeat else None
     hints = (_hint(a), _hint(b))
     if args.mapping:
         mapping = load_mapping(args.mapping)
     else:
-        preset = preset_for_names((a.names(), hints[0]), (b.names(), hints[1]))
+        preset = preset_for_names((a.names(), hints[0]), (b.names(), hints[1]),
+                                  *([(r.names(), _hint(r))] if r is not None else []))
         if preset is None:
             raise BadInput(f"{args.baseline}, {args.candidate}: no preset covers their tensor names (e.g. "
                            f"{(a.names() or b.names() or ['none'])[0]!r}); pass --mapping with a mapping file")
@@ -104,19 +110,38 @@ def run(args: argparse.Namespace) -> int:
                              num_experts=args.num_experts, sizes=sizes)
     counts = (len(a.names()), len(b.names()))
     try:
-        stage, rows = compare_weights(a, b, mapping, params=params, tolerances=tolerances, sides=hints, top=args.top)
+        bands, repeat_findings = _bands(a, r, mapping, params, hints[0], tolerances) if r is not None else (None, [])
+        stage, rows = compare_weights(a, b, mapping, params=params, tolerances=tolerances, sides=hints, top=args.top,
+                                      bands=bands)
+        for f in repeat_findings:
+            stage.add(f)
     finally:
-        a.close()
-        b.close()
-    data = _write(out, stage, rows, a, b, counts)
+        for src in (a, b, r):
+            if src is not None:
+                src.close()
+    if r is not None:
+        stage.details["repeat"] = str(r.path)
+    data = _write(out, stage, rows, a, b, counts, r)
     _print(data, stage, rows, out)
     if args.strict and data["verdict"] == "warn":
         return 1
     return EXIT[data["verdict"]]
 
 
-def _write(out: Path, stage: Any, rows: list[dict[str, Any]], a: Any, b: Any, counts: tuple[int, int]
-           ) -> dict[str, Any]:
+def _bands(a: Any, r: Any, mapping: Any, params: Any, side: str, tolerances: Any) -> tuple[dict[str, float], list]:
+    """Each baseline parameter's rel L2 difference from the repeat's (the same compare, baseline vs repeat),
+    and what the repeat's own TP copies say (replicated parameters that drifted apart)."""
+    from comparators.weights import compare_weights, replica_findings
+
+    _stage, rows = compare_weights(a, r, mapping, params=params, sides=(side, _hint(r)))
+    bands = {row["name"]: row["rel_l2"] for row in rows if row["rel_l2"] is not None}
+    if not bands:
+        raise BadInput(f"{r.path}: --repeat shares no parameter with {a.path}")
+    return bands, replica_findings(r, "repeat", tolerances)
+
+
+def _write(out: Path, stage: Any, rows: list[dict[str, Any]], a: Any, b: Any, counts: tuple[int, int],
+           r: Any = None) -> dict[str, Any]:
     import pandas as pd
 
     from reports import html
@@ -129,6 +154,9 @@ def _write(out: Path, stage: Any, rows: list[dict[str, Any]], a: Any, b: Any, co
              "notes": [f"{counts[0]} tensors, names on the mapping's {d['baseline_side']} side"]},
             {"role": "candidate", "path": str(b.path), "kind": b.kind, "steps": None,
              "notes": [f"{counts[1]} tensors, names on the mapping's {d['candidate_side']} side"]}]
+    if r is not None:
+        runs.append({"role": "repeat", "path": str(r.path), "kind": r.kind, "steps": None,
+                     "notes": ["the baseline run again: each parameter's band"]})
     top = [{k: r[k] for k in ("name", "verdict", "rel_l2", "max_abs_err", "cosine", "judged_dtype", "diagnosis")}
            for r in stage.details["most_drifted"]]
     fig = Figure("Weights: relative L2 difference per parameter", "weights.png",
@@ -151,6 +179,9 @@ def _print(data: dict[str, Any], stage: Any, rows: list[dict[str, Any]], out: Pa
         lines.append("  every compared parameter is bit-identical")
     elif d["most_drifted"]:
         lines.append("  most drifted: " + ", ".join(f"{r['name']} {r['rel_l2']:.3g}" for r in d["most_drifted"][:3]))
+    if data["verdict"] != "pass" and not d.get("repeat") and d["compared"] and d["max_rel_l2"]:
+        lines.append("  (judged by dtype alone: for weights after N training steps pass --repeat with the baseline's "
+                     "repeat, to judge each parameter against the baseline's own band)")
     lines.append(f"verdict: {data['verdict']}; report: {out / 'report.html'}")
     try:
         print("\n".join(lines), flush=True)
