@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,8 @@ class _Group:
     names: list[str]            # present, in the rule's order, as the source spells them
     missing: list[str]          # expected by the rule, absent
     order: int = 0
+    want: list[str] = field(default_factory=list)   # every name the rule expects, in its order (stripped)
+    spelled: dict[str, str] = field(default_factory=dict)   # stripped name -> the source's spelling
 
 
 @dataclass
@@ -126,14 +128,15 @@ def _build(src: Any, side: str, mapping: Mapping, num_experts: int | None) -> _S
                 continue
         out.groups[key] = _Group(key, gp.match.rule, gp.match.layer, list(present),
                                  [n for n in want if n not in have],
-                                 min((position[n] for n in present), default=len(names)))
+                                 min((position[n] for n in present), default=len(names)), list(want),
+                                 {mapping.strip(n, side): n for n in present})
     return out
 
 
 def _experts_seen(sides: Sequence[_Side]) -> int | None:
     """The routed-expert count the checkpoints show: from a stacked (candidate-side) tensor's rows over one
     expert's input size when one side stacks them, else the highest expert index + 1 of the per-expert names."""
-    per_expert: dict[str, tuple[int, ...]] = {}
+    per_expert: dict[tuple[str, ...], tuple[int, ...]] = {}   # by group key: the schemes' rules share it
     top = -1
     for s in sides:
         if s.side != "baseline":
@@ -141,7 +144,7 @@ def _experts_seen(sides: Sequence[_Side]) -> int | None:
         for g in s.groups.values():
             if g.rule.gather:
                 for n in g.names:
-                    per_expert.setdefault(g.rule.id, s.src.shape(n))
+                    per_expert.setdefault(g.key, s.src.shape(n))
                     m = re.search(r"(?:local_experts\.|\.weight)(\d+)(?:\.|$)", n)
                     if m:
                         top = max(top, int(m.group(1)))
@@ -150,8 +153,8 @@ def _experts_seen(sides: Sequence[_Side]) -> int | None:
             continue
         for g in s.groups.values():
             if g.rule.gather and g.rule.transform.get("op") == "stack_experts" and g.names \
-                    and g.rule.id in per_expert and len(per_expert[g.rule.id]) == 2:
-                rows, inner = s.src.shape(g.names[0])[0], per_expert[g.rule.id][1]
+                    and len(per_expert.get(g.key, ())) == 2:
+                rows, inner = s.src.shape(g.names[0])[0], per_expert[g.key][1]
                 if inner and rows % inner == 0:
                     return rows // inner
     return top + 1 if top >= 0 else None
@@ -298,25 +301,56 @@ class _Compare:
                              problem=f"missing in {who}",
                              diagnosis=f"the {who} lacks {n} (the rest of its group {', '.join(g.names) or '-'} "
                                        "is there)")
+            self.partial(ga, gb)
             return
-        ta = [self.a.src.get(n) for n in ga.names]
+        self.whole(ga, gb)
+
+    def partial(self, ga: _Group, gb: _Group) -> None:
+        """The rest of a group one side holds only in part, compared where that is possible: the same names on
+        both sides, or the experts a baseline holds against the candidate's stacked tensor."""
+        if self.a.side == self.b.side:
+            for n in ga.want:
+                if n in ga.spelled and n in gb.spelled:
+                    self.whole(replace(ga, names=[ga.spelled[n]], missing=[]),
+                               replace(gb, names=[gb.spelled[n]], missing=[]))
+            return
+        if gb.missing or self.a.side != "baseline" or not ga.rule.gather:
+            return
+        present = [ga.spelled[n] for n in ga.want if n in ga.spelled]
+        converted = self.convert(replace(ga, names=list(ga.want)), gb, present)
+        for n, c in zip(ga.want, converted or [], strict=False):
+            if n in ga.spelled:
+                name = ga.spelled[n]
+                self.tensor(name, ga, gb.names, self.a.src.get(name), np.asarray(c), self.a.src.dtype(name),
+                            [self.b.src.dtype(x) for x in gb.names])
+
+    def convert(self, ga: _Group, gb: _Group, report: list[str]) -> list[np.ndarray] | None:
+        """The candidate group's tensors in the baseline's layout; None (a row for each of ``report``) when the
+        rule cannot take them."""
         tb = [self.b.src.get(n) for n in gb.names]
-        if self.a.side != self.b.side:
-            rule = ga.rule if self.a.side == "baseline" else gb.rule
-            experts = len(ga.names if self.a.side == "baseline" else gb.names) // max(
-                len(rule.patterns("baseline")), 1) if rule.gather else self.params.num_experts
-            params = TransformParams(num_heads=self.params.num_heads, num_query_groups=self.params.num_query_groups,
-                                     head_dim=self.params.head_dim, tp=1, num_experts=experts,
-                                     sizes=dict(self.params.sizes))
-            try:
-                tb = rule.apply([np.asarray(t) for t in tb], self.a.side, params)
-            except (BadInput, ValueError, IndexError, ZeroDivisionError) as exc:
-                shapes = ", ".join(f"{n} {list(self.b.src.shape(n))}" for n in gb.names)
-                for n in ga.names:
-                    self.row(n, ga, gb.names, problem="transform failed",
-                             diagnosis=f"rule {rule.id} cannot bring {shapes} into the baseline's layout "
-                                       f"({' '.join(str(exc).split())})")
-                return
+        if self.a.side == self.b.side:
+            return tb
+        rule = ga.rule if self.a.side == "baseline" else gb.rule
+        experts = len(ga.names if self.a.side == "baseline" else gb.names) // max(
+            len(rule.patterns("baseline")), 1) if rule.gather else self.params.num_experts
+        params = TransformParams(num_heads=self.params.num_heads, num_query_groups=self.params.num_query_groups,
+                                 head_dim=self.params.head_dim, tp=1, num_experts=experts,
+                                 sizes=dict(self.params.sizes))
+        try:
+            return rule.apply([np.asarray(t) for t in tb], self.a.side, params)
+        except (BadInput, ValueError, IndexError, ZeroDivisionError) as exc:
+            shapes = ", ".join(f"{n} {list(self.b.src.shape(n))}" for n in gb.names)
+            for n in report:
+                self.row(n, ga, gb.names, problem="transform failed",
+                         diagnosis=f"rule {rule.id} cannot bring {shapes} into the baseline's layout "
+                                   f"({' '.join(str(exc).split())})")
+            return None
+
+    def whole(self, ga: _Group, gb: _Group) -> None:
+        ta = [self.a.src.get(n) for n in ga.names]
+        tb = self.convert(ga, gb, ga.names)
+        if tb is None:
+            return
         if len(tb) != len(ta):
             for n in ga.names:
                 self.row(n, ga, gb.names, problem="group size", diagnosis=f"the baseline's group holds {len(ta)} "

@@ -406,3 +406,12 @@ def test_compare_weights_moe_conversion_exact_and_swapped_expert_named(megatron_
     assert f"holds the baseline's {e.format(2)}" in failing[e.format(1)]
     assert f"holds the baseline's {e.format(1)}" in failing[e.format(2)]
     assert f"FAIL {e.format(1)}" in text
+
+    # one expert absent from a baseline .pt: named, the layer's other experts still compared (and equal)
+    gone = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    torch.save({k: torch.from_numpy(v) for k, v in sd.items() if k != gone}, tmp_path / "three.pt")
+    assert main(["compare-weights", str(tmp_path / "three.pt"), str(mf), "--out", str(tmp_path / "gone")]) == 1
+    data = json.loads((tmp_path / "gone" / "summary.json").read_text())
+    assert [f["component"] for f in data["findings"] if f["verdict"] == "fail"] == [gone]
+    st = data["stages"]["weights"]
+    assert st["compared"] == len(sd) - 1 and st["max_rel_l2"] == 0.0 and st["missing"] == 1
