@@ -22,7 +22,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from core.errors import BadInput
 from core.findings import Finding, StageResult
 from mapping import Mapping, TransformParams
 from mapping.rules import Rule
+
+if TYPE_CHECKING:
+    from checkpoints.weights import Weights
 
 STAGE = "weights"
 #: stored dtype -> (relative L2 difference that passes, that warns). A conversion is exact (0). A bfloat16
@@ -419,7 +422,7 @@ class _Compare:
                     break
 
 
-def compare_weights(baseline: Any, candidate: Any, mapping: Mapping, *, params: TransformParams | None = None,
+def compare_weights(baseline: Weights, candidate: Weights, mapping: Mapping, *, params: TransformParams | None = None,
                     tolerances: dict[str, tuple[float, float]] | None = None,
                     sides: Sequence[str | None] = (None, None), top: int = 10,
                     bands: dict[str, float] | None = None,

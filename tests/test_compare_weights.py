@@ -389,7 +389,7 @@ def test_tp_copies_of_a_replicated_parameter_must_agree(ckpts, tmp_path, capsys)
 
 
 def test_corrupted_checkpoints_compare_right_or_refused(ckpts, tmp_path) -> None:
-    """Fuzz (seeded, 70 cases): each reader's file truncated, bit-flipped or replaced by garbage, compared with
+    """Fuzz (seeded, 45 cases): each reader's file truncated, bit-flipped or replaced by garbage, compared with
     its clean counterpart. Every case reads right (exit 0, everything bit-identical), or is refused (exit 2,
     one line naming the file, nothing written); where the format has no checksum (safetensors, a .ckpt saved
     without crc_check) a flipped bit is a changed value, reported as such (its rel L2 > 0, a fail naming the
@@ -413,7 +413,7 @@ def test_corrupted_checkpoints_compare_right_or_refused(ckpts, tmp_path) -> None
              "legacy rank": ckpts["pt"]}
     outcomes: Counter[str] = Counter()
     problems: list[str] = []
-    for k in range(70):
+    for k in range(45):
         what = list(sources)[k % len(sources)]
         case = tmp_path / f"case{k}"
         src = sources[what]
@@ -460,7 +460,7 @@ def test_corrupted_checkpoints_compare_right_or_refused(ckpts, tmp_path) -> None
             problems.append(f"{label}: {se.getvalue()[-300:]}")
     print(f"\ncompare-weights fuzz: {dict(sorted(outcomes.items()))}")
     assert not problems, problems
-    assert sum(v for k, v in outcomes.items() if k.endswith("exit 2")) > 20     # most damage is refused
+    assert sum(v for k, v in outcomes.items() if k.endswith("exit 2")) > 25     # most damage is refused
 
 
 def test_lazy_reading_loads_each_torch_dist_key_once(ckpts, tmp_path, monkeypatch, capsys) -> None:
