@@ -17,6 +17,7 @@ import os
 import re
 import selectors
 import shutil
+import signal
 import struct
 import subprocess
 import time
@@ -174,7 +175,7 @@ class Chromium:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)   # its own session: the renderers go with it
             self.proc.wait()
         self._sel.close()
         os.close(self._to_w)
