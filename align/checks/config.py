@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from align.checks.data import megatron_vocabulary
 from core.findings import Finding, StageResult
 from models.mindformers_yaml import MCORE_ALIASES, NOT_READ, expert_count, is_float32, is_mcore_yaml, mcore_value
 from models.mindformers_yaml import get as _get
@@ -47,6 +48,8 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "apply_rope_fusion": True, "bias_swiglu_fusion": True,
     "attention_backend": "auto", "transformer_impl": "transformer_engine",
 }
+_VOCAB_ARGS = ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+               "tokenizer_type", "null_tokenizer_eod_id", "null_tokenizer_pad_id")
 _MF_LR = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant",
           "PolynomialWithWarmUpLR": "polynomial", "CosineWithRestartsAndWarmUpLR": "cosine-restarts",
           "WarmUpStableDecayLR": "WSD", "CosineAnnealingLR": "cosine", "constant": "constant"}
@@ -86,10 +89,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     if ffn is None and h:
         ffn = int(4 * h * 2 / 3 / 64) * 64 if g("swiglu") else 4 * h
     tp = g("tensor_model_parallel_size")
-    vocab = g("padded_vocab_size")
-    if vocab is None and g("vocab_size") is not None and g("make_vocab_size_divisible_by") and tp:
-        mult = g("make_vocab_size_divisible_by") * tp
-        vocab = int(math.ceil(g("vocab_size") / mult) * mult)
+    # the padded vocabulary the embedding has (the NullTokenizer's end-of-document id counts: align.checks.data)
+    vocab = megatron_vocabulary({k: g(k) for k in _VOCAB_ARGS if k in a or g(k) is not None}).get("vocab_size")
     compute = "bfloat16" if g("bf16") else "float16" if g("fp16") else (
         "float32" if g("bf16") is not None or g("fp16") is not None else None)
 
