@@ -683,23 +683,30 @@ def _replay_rows(cfg: dict[str, Any], mg: dict[str, Any], mf: dict[str, Any]) ->
         mf["global_batch_size"] = mf["micro_batch_size"] = NOT_READ
         return {"global_batch_size": ("check", note), "micro_batch_size": ("check", note)}
     rows, seq = got["rows"], got["seq_length"]
+    # MegatronReplayDataset hands the network each row as it is (never batched again: batch_size does not
+    # count); the network splits it into micro_batch_num (pipeline) x micro_batch_interleave_num pieces
+    pc = cfg.get("parallel_config") or {}
     dp = mf.get("dp") if isinstance(mf.get("dp"), int) else 1
-    per_step = mf["global_batch_size"] if isinstance(mf.get("global_batch_size"), int) else dp   # rows per step
-    mf["global_batch_size"] = rows * per_step
+    acc = (cfg.get("runner_config") or {}).get("gradient_accumulation_steps", 1) or 1
+    split = (pc.get("micro_batch_num", 1) or 1 if (mf.get("pp") or 1) > 1 else 1) * (
+        mf.get("micro_batch_interleave_num") or 1)
+    mf["global_batch_size"] = rows * dp * acc
     where = (f"read from the replayed {got['layout']} {data_dir} (step {got['step']}, rank {got['rank']}: "
              f"{rows} x {seq} tokens per step")
     micro = got.get("micro_batches")
     where += f", {micro} Megatron micro-batches" if micro else ""
     where += f"; the store's data parallel {got['dp']})" if got.get("dp") else ")"
-    out = {"global_batch_size": ("", f"MindFormers: {rows} samples per replayed row x {per_step} row(s) per step "
-                                     f"(batch_size x data_parallel {dp}), {where}; one row of {REPLAY} is one "
-                                     "whole Megatron step of one rank")}
-    mf["micro_batch_size"] = rows * (mbs or 1)
+    out = {"global_batch_size": ("", f"MindFormers: {rows} samples per replayed row x data_parallel {dp}"
+                                     + (f" x {acc} accumulation steps" if acc != 1 else "")
+                                     + f", {where}; one row of {REPLAY} is one whole Megatron step of one rank "
+                                     f"(the YAML's batch_size {mbs} does not batch it)")}
+    mf["micro_batch_size"] = rows // split if rows % split == 0 else NOT_READ
     mg_mbs = mg.get("micro_batch_size")
     if isinstance(mg_mbs, int) and mg_mbs != mf["micro_batch_size"]:
-        out["micro_batch_size"] = ("check", f"MindFormers runs each replayed step's {mf['micro_batch_size']} rows "
-                                            f"in one forward, Megatron in micro-batches of {mg_mbs}: the loss is "
-                                            f"averaged over the step at once ({where})")
+        how = "in one forward" if split == 1 else f"in {split} pieces"
+        out["micro_batch_size"] = ("check", f"MindFormers runs each replayed step's {rows} rows {how}, Megatron in "
+                                            f"micro-batches of {mg_mbs}: the loss is averaged over other groups "
+                                            f"of samples ({where})")
     mf["replay_seq_length"] = seq
     mg["replay_seq_length"] = mg.get("seq_length")
     out["replay_seq_length"] = ("", f"the replayed batches' sequence length ({where})")
