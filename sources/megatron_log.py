@@ -988,6 +988,8 @@ def _window_entry(series: dict[str, pd.Series], i0: int, i1: int, state: str, wh
         a, first = _at(series, key, i1), _at(series, key, i0)
         if a is None or skipped0 >= 1:
             continue   # iteration i0 skipped: its losses were never added, the printed means exclude it
+        if not math.isfinite(a) or (first is not None and not math.isfinite(first)):
+            continue   # a non-finite mean: nothing to read back (the nonfinite stage names the step)
         printed[key] = a
         if first is None or advanced < 2:
             recovered[key] = None
@@ -1000,7 +1002,7 @@ def _window_entry(series: dict[str, pd.Series], i0: int, i1: int, state: str, wh
         parts.append(f"{key} {advanced} x {a:.6E} - {first:.6E} = {value:.7g} (+-{bound:.1e})")
     if not printed:
         return None
-    if e0 is not None and e1 is not None:
+    if e0 is not None and e1 is not None and math.isfinite(e0) and math.isfinite(e1):
         printed["elapsed_ms"] = e1
         recovered["elapsed_ms"] = (n * e1 - e0) / (n - 1)
         error["elapsed_ms"] = (n * 0.05 + 0.05) / (n - 1)
