@@ -144,9 +144,9 @@ def _step_stage(name: str, nth: int, base: pd.Series, cand: pd.Series, opt: Scal
     if others and any((r <= opt.step_rtol) != (verdict == "pass") for _, _, r in others):
         # one reading of an ambiguous log line passes, the other fails: a warning naming the ambiguity
         x, y, r = next(o for o in others if (o[2] <= opt.step_rtol) != (verdict == "pass"))
-        msg += (f"; read as the step's own loss (not a mean over the first printed window) the values are "
-                f"baseline {x:.7g}, candidate {y:.7g}, relative delta {r:.3g} "
-                f"{'<=' if r <= opt.step_rtol else '>'} {opt.step_rtol:g}: which one holds is not known. "
+        msg += (f"; if the printed line is the mean over the first printed window (Megatron-LM core >= 0.16), the "
+                f"step's own losses are baseline {x:.7g}, candidate {y:.7g}, relative delta {r:.3g} "
+                f"{'<=' if r <= opt.step_rtol else '>'} {opt.step_rtol:g}: which reading holds is not known. "
                 "Give the Megatron-LM log from its start (its arguments block tells the version) to settle it")
         verdict = "warn"
     elif verdict == "fail":
