@@ -501,7 +501,9 @@ def parse_megatron_log(path: str | Path) -> Run:
         end = raw.find(_ARGS_END, start)
         if end < 0:
             notes.append("arguments block not closed; read what was there")
-        config = parse_arguments_block(raw[start: end if end >= 0 else None].decode("utf-8", "replace"))
+        # the end line is part of the block: without it the parser reads the block as cut short
+        block = raw[start: end + len(_ARGS_END) if end >= 0 else None]
+        config = parse_arguments_block(block.decode("utf-8", "replace"))
     windows = first_windows(series, iters, config, notes)
     _validation(counted, series, notes)
     layout = parse_world_line(raw[: start if start >= 0 else 1 << 16].decode("utf-8", "replace"))
