@@ -164,7 +164,7 @@ def megatron_vocabulary(args: Mapping[str, Any]) -> dict[str, Any]:
             source = f"NullTokenizer({size}): ids 0..{size}, end-of-document id {size}"
     divisible, tp = _int(args.get("make_vocab_size_divisible_by")), _int(args.get("tensor_model_parallel_size")) or 1
     if padded is not None:
-        source += f"; padded vocabulary {padded} (--padded-vocab-size)"
+        source += f"; padded vocabulary {padded} (padded_vocab_size)"
     elif divisible and tokenizer is not None:      # only Megatron-LM's own arguments say how it pads
         multiple = divisible * tp
         padded = -(-tokenizer // multiple) * multiple
