@@ -428,12 +428,14 @@ def fingerprint(array: np.ndarray) -> dict[str, Any]:
     h = hashlib.sha256()
     x = np.empty(min(_BLOCK, max(1, words.size)), np.uint64)
     t = np.empty_like(x)
+    y = np.empty(x.size, np.float64)
     mset, sq, total = 0, 0.0, 0.0
     for i in range(0, flat.size, _BLOCK):
         block = flat[i:i + _BLOCK]
         h.update(memoryview(block).cast("B"))
         mset = (mset + _mix_sum(words[i:i + _BLOCK], x, t)) & 0xFFFFFFFFFFFFFFFF
-        b64 = block.astype(np.float64)
+        b64 = y[:block.size]
+        np.copyto(b64, block, casting="unsafe")
         sq += float(np.dot(b64, b64))
         total += float(b64.sum())
     return {"shape": shape, "sha256": h.hexdigest(), "mset": f"{mset:016x}", "norm": math.sqrt(sq),
