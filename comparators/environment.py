@@ -26,6 +26,9 @@ STAGE = "checklist"
 CAPTURE_KIND = "xf-align environment capture"
 _TEXT = {"type": "string"}
 _OPT_TEXT = {"type": ["string", "null"]}
+_SEED = {"type": ["number", "null"]}     # torch's unseeded initial_seed() is a 64-bit unsigned integer
+_GENERATOR = {"type": ["object", "null"], "properties": {
+    "seed": _SEED, "initial_seed": _SEED, "state": _OPT_TEXT, "fresh": {"type": ["boolean", "null"]}}}
 #: The capture's declared shape: what ``align report --baseline-env/--candidate-env`` and a run's
 #: ``meta.json["environment"]`` must hold.
 CAPTURE_SCHEMA: dict[str, Any] = {
@@ -39,7 +42,9 @@ CAPTURE_SCHEMA: dict[str, Any] = {
         "env": {"type": "object", "additionalProperties": _TEXT},
         "versions": {"type": "object", "additionalProperties": _OPT_TEXT},
         "settings": {"type": "object", "additionalProperties": {"type": "object"}},
-        "random": {"type": "object", "properties": {"observed": {"type": "boolean"}}},
+        "random": {"type": "object", "properties": {"observed": {"type": "boolean"}, "note": _OPT_TEXT,
+                                                    **{g: _GENERATOR for g in ("python", "numpy", "torch",
+                                                                               "mindspore")}}},
         "data": {"type": "array", "items": {
             "type": "object", "required": ["path", "files"],
             "properties": {"path": _TEXT, "files": {"type": "array", "items": {

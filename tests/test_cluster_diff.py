@@ -181,3 +181,48 @@ def test_versions_from_driver_files_and_secrets_redacted(tmp_path: Path) -> None
     env = envcap.read_env({"HCCL_AUTH_TOKEN": "hunter2", "NCCL_ALGO": "Ring", "HOME": "/root", "MY_KEY": "x"})
     assert env["NCCL_ALGO"] == "Ring" and "hunter2" not in json.dumps(env) and set(env) == {"HCCL_AUTH_TOKEN",
                                                                                             "NCCL_ALGO"}
+
+
+def test_corrupted_captures_are_refused_or_compared_never_a_crash(tmp_path: Path) -> None:
+    """Seeded mutations of a real capture (keys dropped, values swapped for other JSON types): each one is
+    refused with a one-line BadInput or compared; nothing else is raised."""
+    import random
+
+    (tmp_path / "d.bin").write_bytes(b"x" * 100)
+    good = envcap.capture_environment("torch", by="test", data=[tmp_path / "d.bin"],
+                                      weights=[("decoder.final_layernorm.weight", lambda: np.ones(4, np.float32),
+                                                "float32")])
+    good = json.loads(json.dumps(good))
+    junk = [None, True, -1, 2**70, 1.5, float("nan"), "", "zz", [], [1], {}, {"a": 1}]
+    rng = random.Random(5)
+
+    def paths(obj, at=()):  # noqa: ANN001, ANN202
+        yield at
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+        for k, v in items:
+            yield from paths(v, (*at, k))
+
+    every = [p for p in paths(good) if p]
+    outcomes, last = {"refused": 0, "compared": 0}, ""
+    # torch's seed when nothing seeded it is a random unsigned 64-bit integer: a capture, not bad input
+    from comparators.environment import check_capture
+    check_capture({**good, "random": {"observed": True, "torch": {"seed": 2**64 - 1, "state": "ab"}}}, "x.json")
+    for _ in range(300):
+        doc = json.loads(json.dumps(good))
+        path = rng.choice(every)
+        parent = doc
+        for k in path[:-1]:
+            parent = parent[k]
+        if isinstance(parent, dict) and rng.random() < 0.3:
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = rng.choice(junk)
+        try:
+            compare_environments(good, check_capture(doc, "x.json"))
+            compare_environments(doc, good)
+            outcomes["compared"] += 1
+        except BadInput as exc:
+            assert "\n" not in str(exc) and str(exc).startswith("x.json: ")
+            outcomes["refused"] += 1
+            last = str(exc)
+    assert outcomes["refused"] > 50 and outcomes["compared"] > 50, (outcomes, last)
