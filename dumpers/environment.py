@@ -262,18 +262,24 @@ def random_state(modules: Mapping[str, Any], seeds: Mapping[str, Any] | None = N
     ``seed_everything`` returns). Reading changes no state."""
     seeds = dict(seeds or {})
     out: dict[str, Any] = {"observed": True}
-    st = random.getstate()
-    py = seeds.get("python")
-    out["python"] = {"seed": py, "state": _digest(repr(st).encode()),
-                     "fresh": (random.Random(py).getstate() == st) if isinstance(py, int) else None}
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    npseed = seeds.get("numpy")
-    fresh = None
-    if isinstance(npseed, int):
-        ref = np.random.RandomState(npseed).get_state(legacy=True)
-        fresh = bool(np.array_equal(ref[1], keys) and ref[2] == pos and ref[3] == has_gauss)
-    state = np.asarray(keys).tobytes() + f"{pos},{has_gauss},{cached}".encode()
-    out["numpy"] = {"seed": npseed, "state": _digest(state), "fresh": fresh}
+    py, npseed = seeds.get("python"), seeds.get("numpy")
+
+    def python_state() -> dict[str, Any]:
+        st = random.getstate()
+        return {"seed": py, "state": _digest(repr(st).encode()),
+                "fresh": (random.Random(py).getstate() == st) if isinstance(py, int) else None}
+
+    def numpy_state() -> dict[str, Any]:
+        _name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        fresh = None
+        if isinstance(npseed, int):
+            ref = np.random.RandomState(npseed).get_state(legacy=True)
+            fresh = bool(np.array_equal(ref[1], keys) and ref[2] == pos and ref[3] == has_gauss)
+        state = np.asarray(keys).tobytes() + f"{pos},{has_gauss},{cached}".encode()
+        return {"seed": npseed, "state": _digest(state), "fresh": fresh}
+
+    out["python"] = _quiet(python_state)
+    out["numpy"] = _quiet(numpy_state)
     torch = modules.get("torch")
     if torch is not None:
         def torch_state() -> dict[str, Any]:
@@ -325,7 +331,10 @@ def _files_of(path: str | os.PathLike) -> list[tuple[str, Path]]:
     if p.is_file():
         return [(p.name, p)]
     if p.is_dir():
-        files = sorted((f.relative_to(p).as_posix(), f) for f in p.rglob("*") if f.is_file())
+        try:
+            files = sorted((f.relative_to(p).as_posix(), f) for f in p.rglob("*") if f.is_file())
+        except OSError as exc:
+            raise BadInput(f"{exc.filename or p}: cannot list ({exc.strerror})") from None
         if not files:
             raise BadInput(f"{p}: dataset folder holds no file")
         return files
@@ -442,6 +451,13 @@ def fingerprint(array: np.ndarray) -> dict[str, Any]:
             "sum": total}
 
 
+def _named_fingerprint(name: str, arr: np.ndarray) -> dict[str, Any]:
+    try:
+        return fingerprint(arr)
+    except BadInput as exc:
+        raise BadInput(f"weight {name}: {exc}") from None
+
+
 def fingerprint_weights(items: Iterable[tuple[str, Callable[[], np.ndarray], str]],
                         workers: int | None = None) -> dict[str, Any]:
     """``items``: (name, a function giving the array on the host, stored dtype). Arrays are fetched one at a
@@ -461,7 +477,7 @@ def fingerprint_weights(items: Iterable[tuple[str, Callable[[], np.ndarray], str
         for name, get, dtype in items:
             arr = get()
             nbytes += int(np.asarray(arr).size) * 4
-            pending.append((name, dtype, pool.submit(fingerprint, arr)))
+            pending.append((name, dtype, pool.submit(_named_fingerprint, name, arr)))
             drain(2 * workers)
         drain(0)
     seconds = time.perf_counter() - t0
