@@ -14,6 +14,7 @@ Why lazily: a checkpoint of a large model does not fit in memory twice; the comp
   ``.pt`` / ``.pth`` (a torch state_dict, e.g. what ``align convert-weights --to megatron`` writes).
 
 Nothing is unpickled beyond torch's ``weights_only`` loader and the torch_dist metadata allow-list.
+``read_weights(path)`` reads a whole file at once (name -> numpy), for the cluster capture's fingerprints.
 """
 
 from __future__ import annotations
@@ -129,3 +130,30 @@ def open_weights(path: str | Path) -> Any:
     if suffix in (".pt", ".pth"):
         return TorchFileWeights(p)
     raise BadInput(f"{p}: unknown weights file (expected .safetensors, .ckpt, .pt/.pth, or a checkpoint folder)")
+
+
+def read_weights(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(name -> array, bfloat16 as exact float32; name -> stored dtype) of a weights file or folder."""
+    from checkpoints.convert import megatron_to_numpy, mindformers_to_numpy, optimizer_key
+
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"{p}: no such weights file or checkpoint folder")
+    if p.is_dir():
+        from checkpoints.megatron import read_megatron_checkpoint
+
+        arrays, dtypes = read_megatron_checkpoint(p)
+    elif p.suffix == ".safetensors":
+        from checkpoints.mindformers import read_safetensors
+
+        arrays, dtypes = read_safetensors(p)
+    elif p.suffix == ".ckpt":
+        arrays, dtype = mindformers_to_numpy(p)
+        dtypes = {k: dtype for k in arrays}
+    else:
+        loaded, dtypes = megatron_to_numpy([p])
+        arrays = loaded     # one file: one state_dict
+    weights = {k: v for k, v in arrays.items() if not optimizer_key(k)}
+    if not weights:
+        raise BadInput(f"{p}: holds no weights")
+    return weights, {k: dtypes.get(k, str(v.dtype)) for k, v in weights.items()}
