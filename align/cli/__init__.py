@@ -26,6 +26,7 @@ VERBS = {
     "check-config": "check_config",
     "check-data": "check_data",
     "convert-weights": "convert_weights",
+    "compare-weights": "compare_weights",
     "capture-env": "capture_env",
     "mapping": "mapping",
 }
