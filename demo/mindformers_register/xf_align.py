@@ -1,0 +1,23 @@
+"""The classes a MindFormers YAML names with ``auto_register: xf_align.<Class>`` (``--register_path`` this folder).
+
+Why a folder of its own: MindFormers' ``auto_register`` loads ``REGISTER_PATH/<module>.py`` (copying it to
+``OM_MODULES_CACHE``) and registers the named class; this thin module re-exports the toolkit's classes from
+the xf-align checkout (which must be on ``PYTHONPATH``), so the YAML needs no copied files:
+
+* ``MegatronReplayDataset`` (``train_dataset_task``): replays a Megatron run store / seed layout;
+* ``MindFormersDumperCallback`` (``callbacks``): scalars, replayed batches, named local norms, layer statistics;
+* ``McoreCPUTrainOneStepCell`` (``runner_wrapper``, CPU only): the CPU stand-ins for the kernels MindSpore
+  lacks on CPU, installed on the network the Trainer built, and MindFormers' step with a CPU overflow check;
+* ``CPUTrainOneStepCell`` (``runner_wrapper``, CPU only): the same step for the legacy Llama.
+
+Example: docs/examples/mindformers_qwen3_tiny_cpu.yaml; docs/mindformers-launch.md.
+"""
+
+from __future__ import annotations
+
+from demo.mindformers_cpu import CPUTrainOneStepCell
+from demo.mindformers_mcore_cpu import McoreCPUTrainOneStepCell
+from dumpers.mindformers import MindFormersDumperCallback
+from dumpers.mindformers_replay import MegatronReplayDataset
+
+__all__ = ["CPUTrainOneStepCell", "McoreCPUTrainOneStepCell", "MegatronReplayDataset", "MindFormersDumperCallback"]
