@@ -91,11 +91,11 @@ def launch_env(out: Path) -> dict[str, str]:
 
 
 def run_mindformer(script: Path, config: Path, out: Path, python: list[str] | None = None,
-                   example: Path = EXAMPLE) -> str:
-    """``python SCRIPT --config CONFIG --register_path DIR`` from OUT (MindFormers writes ./output at import);
-    returns its output, raises with the tail when it fails."""
+                   example: Path = EXAMPLE, extra: tuple[str, ...] = ()) -> str:
+    """``python SCRIPT --config CONFIG --register_path DIR [EXTRA]`` from OUT (MindFormers writes ./output at
+    import); returns its output, raises with the tail when it fails."""
     cmd = [*(python or [sys.executable]), str(script), "--config", str(config), "--register_path",
-           str(register_path(example))]
+           str(register_path(example)), *extra]
     proc = subprocess.run(cmd, cwd=out, env=launch_env(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=300, check=False)
     if proc.returncode != 0:
@@ -103,11 +103,14 @@ def run_mindformer(script: Path, config: Path, out: Path, python: list[str] | No
     return proc.stdout
 
 
-def report(baseline: Path, candidate: Path, config: Path, out: Path) -> tuple[int, dict]:
-    """``align report BASELINE CANDIDATE --candidate-config YAML --out DIR``: exit status and summary.json."""
+def report(baseline: Path, candidate: Path, config: Path, out: Path, rerun: Path | None = None
+           ) -> tuple[int, dict]:
+    """``align report BASELINE CANDIDATE --candidate-config YAML [--rerun RUN] --out DIR``: exit status and
+    summary.json."""
     from align.cli import main
 
-    rc = main(["report", str(baseline), str(candidate), "--candidate-config", str(config), "--out", str(out)])
+    rc = main(["report", str(baseline), str(candidate), "--candidate-config", str(config), "--out", str(out),
+               *(["--rerun", str(rerun)] if rerun else [])])
     return rc, json.loads((out / "summary.json").read_text())
 
 
@@ -173,6 +176,27 @@ def test_example_yaml_replays_the_megatron_run_at_its_own_lr(yaml_run: dict[str,
 @pytest.mark.timeout(400)
 def test_align_report_passes_steps_1_and_2_against_megatron(yaml_run: dict[str, Path]) -> None:
     _assert_report_passes_steps_1_2(yaml_run, layer_tensors=True)
+
+
+@pytest.mark.timeout(400)
+def test_pynative_rerun_is_the_same_yaml_with_context_mode_1(yaml_run: dict[str, Path]) -> None:
+    """The debug path for mcore: the same example (another @OUT@) with ``--context.mode 1`` re-runs the GRAPH
+    run's model in PYNATIVE (MindFormers' own training class, named in ``architectures``; layer hooks); the
+    report's rerun_check finds it reproduces the GRAPH run."""
+    from runstore import RunReader
+
+    out = yaml_run["root"] / "mf_pynative"
+    out.mkdir()
+    (out / WEIGHTS).write_bytes((yaml_run["out"] / WEIGHTS).read_bytes())
+    config = example_yaml(yaml_run["store"], out)
+    run_mindformer(REPO / "tests" / "helpers" / "run_mindformer.py", config, out, extra=("--context.mode", "1"))
+    rerun = RunReader(out / "run")
+    assert rerun.meta["layer_capture"]["mode"] == "PYNATIVE"
+    assert {"decoder.layers.0.self_attention.core_attention", "decoder.layers.1.mlp"} <= set(
+        rerun.step_arrays(1).table("tensor_stats").module)
+    _, summary = report(yaml_run["store"], yaml_run["out"] / "run", yaml_run["config"], yaml_run["root"] / "rr",
+                        rerun=out / "run")
+    assert summary["stages"]["rerun_check"]["verdict"] == "pass", summary["stages"]["rerun_check"]
 
 
 def _assert_report_passes_steps_1_2(run: dict[str, Path], layer_tensors: bool) -> None:
