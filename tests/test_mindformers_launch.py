@@ -156,6 +156,12 @@ def test_msrun_run_mindformer_yaml_replays_batches_and_dumps_named_norms(graph_r
             # the dumper's loss is what MFLossMonitor printed (%5.6f) in that rank's worker log
             assert scalars.loc[step, "loss"] == pytest.approx(printed["loss"][step], abs=5e-7)
             assert scalars.loc[step, "grad_norm"] == pytest.approx(printed["grad_norm"][step], rel=1e-6)
+    # the run trained at the YAML's own lr (its lr_schedule block; without one MindFormers uses its default
+    # cosine schedule from 5e-05 whatever optimizer.learning_rate says), in the step outputs and the worker logs
+    lr = float(yaml.safe_load((graph_run / "train.yaml").read_text())["lr_schedule"]["learning_rate"])
+    for rank in (0, 1):
+        np.testing.assert_allclose(reader.scalars(rank).lr.to_numpy(), np.full(3, lr), rtol=1e-6)
+        np.testing.assert_allclose([log.rank_scalars[rank]["lr"][s] for s in (1, 2, 3)], np.full(3, lr), rtol=1e-6)
     r0, r1 = (reader.scalars(r).set_index("step") for r in (0, 1))
     assert r0.loss[1] != r1.loss[1]                             # different batches per rank ...
     assert r0.grad_norm[1] == pytest.approx(r1.grad_norm[1], rel=1e-6)   # ... one all-reduced gradient
