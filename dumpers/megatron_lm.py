@@ -234,7 +234,7 @@ def install(config: DumpConfig | None = None, *, module: ModuleType | str = TARG
     return MegatronLMIntegration(cfg, meta=meta, module=module).install()
 
 
-_VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module")
+_VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module", "--align-capture-data")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -249,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--align-steps", default=None, help="steps with array files, e.g. 1-3,100 (default all)")
     ap.add_argument("--align-tensors", default="off", choices=("off", "stats", "full"))
     ap.add_argument("--align-seed-layout", action="store_true")
+    ap.add_argument("--align-capture-env", action="store_true",
+                    help="record the cluster capture (environment, versions, settings, generators, weights) in "
+                         "meta.json")
+    ap.add_argument("--align-capture-data", action="append", default=[], metavar="PATH",
+                    help="a dataset file or folder the capture hashes (repeat)")
     ap.add_argument("--align-module", default=TARGET,
                     help=f"module whose train_step is wrapped (default {TARGET})")
     ns = ap.parse_args(argv[:i])
@@ -261,8 +266,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"dumpers.megatron_lm: cannot import {ns.align_module} ({exc}); run from a Megatron-LM checkout "
               "or put it on PYTHONPATH", file=sys.stderr)
         raise SystemExit(2) from None
+    capture = ns.align_capture_env or bool(ns.align_capture_data)
     install(DumpConfig(out=ns.align_out, steps=ns.align_steps, tensors=ns.align_tensors,
-                       seed_layout=ns.align_seed_layout), module=module)
+                       seed_layout=ns.align_seed_layout, capture_env=capture,
+                       capture_env_data=ns.align_capture_data), module=module)
     sys.argv = list(argv[i:])
     runpy.run_path(argv[i], run_name="__main__")
 
