@@ -206,11 +206,13 @@ def _assert_report_passes_steps_1_2(run: dict[str, Path], layer_tensors: bool) -
         assert stages[stage]["verdict"] == "pass", (stage, stages[stage])
     if layer_tensors:   # GRAPH statistics vs Megatron's tensors (warns: Megatron dumped more modules)
         assert stages["layer_tensors"]["verdict"] in ("pass", "warn")
-    failing = [f for f in summary["findings"] if f["verdict"] == "fail"]
-    # Only the checklist's global batch may still fail: a replay run's YAML says batch_size 1 (one row = one whole
-    # Megatron step); reading the global batch from the replayed store is being fixed on branch `checks`.
-    assert all(f["stage"] == "checklist" and f["component"] == "global_batch_size" for f in failing), failing
-    assert rc == (1 if failing else 0)
+    assert not [f for f in summary["findings"] if f["verdict"] == "fail"] and rc == 0
+    rows = {r["key"]: r for r in stages["checklist"]["rows"]}
+    # the replay's batch (the YAML says batch_size 1: one row is one whole Megatron step) is read from the store
+    for key in ("global_batch_size", "micro_batch_size", "seq_length", "lr", "weight_decay", "norm_type"):
+        assert rows[key]["status"] == "match", rows[key]
+    # the one difference it reports is real: MindFormers' flash-attention path rounds q, k, v to float16
+    assert [k for k, r in rows.items() if r["status"] not in ("match", "not read")] == ["flash_attention"]
 
 
 @pytest.mark.timeout(400)

@@ -16,11 +16,14 @@ relative ``--config`` / ``--register_path`` against its own folder, so both are 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# importing mindformers (the helpers below do) writes ./output/log unless pointed elsewhere
+os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
