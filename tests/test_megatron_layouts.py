@@ -371,6 +371,25 @@ def test_checkpoint_readers_refuse_unsafe_pickles_with_one_line(stores, tmp_path
         read_megatron_checkpoint(tmp_path / "nothing_here")
 
 
+def test_legacy_checkpoint_with_megatron_lm_rerun_state_reads(tmp_path) -> None:
+    """Megatron-LM (0.12 on) saves its rerun state machine's enums next to the model in the legacy format:
+    plain Enum members, allowed by name, so a real ``--ckpt-format torch`` checkpoint reads."""
+    import torch
+    from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
+
+    from checkpoints.megatron import read_megatron_checkpoint
+
+    d = tmp_path / "iter_0000001" / "mp_rank_00"
+    d.mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    rerun = {"mode": RerunMode.DISABLED, "state": RerunState.NOT_RUNNING_YET,
+             "diagnostic": RerunDiagnostic.CORRECT_RESULT}
+    torch.save({"model": {"decoder.final_layernorm.weight": torch.ones(4)}, "rerun_state_machine": rerun},
+               d / "model_optim_rng.pt")
+    got, _ = read_megatron_checkpoint(tmp_path)
+    np.testing.assert_array_equal(got["decoder.final_layernorm.weight"], np.ones(4, dtype=np.float32))
+
+
 def test_megatron_lm_wrapper_launch_leaves_the_script_alone(stores, tmp_path) -> None:
     """The second documented way in: ``python -m dumpers.megatron_lm --align-out DIR script.py ARGS``."""
     out, results = stores

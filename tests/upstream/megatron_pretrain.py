@@ -11,7 +11,8 @@ What it runs (the checkout is only read; nothing is written into it):
 2. triton and einops, which Megatron-LM imports unconditionally: used from the venv when it has them, else
    installed once with ``pip install --no-deps --target`` into the cache folder (not into the venv);
 3. ``pretrain_gpt.py`` once for the initial weights: one iteration at ``--lr 0`` saved with ``--save
-   --save-interval 1`` (torch_dist). Megatron-LM cannot save at iteration 0 (``save_checkpoint`` runs after
+   --save-interval 1`` (torch_dist; the legacy torch format for core < 0.13, whose torch_dist writer
+   does not match torch 2.13's). Megatron-LM cannot save at iteration 0 (``save_checkpoint`` runs after
    an iteration; ``--ckpt-convert-format`` needs an existing checkpoint), and Adam at lr 0 (with decoupled
    weight decay x lr = 0) leaves every weight bit-equal, so ``OUT/checkpoint/iter_0000001`` holds the
    initial weights. The training run loads it (``--load --finetune``: weights only, iteration 0), so it
@@ -19,8 +20,10 @@ What it runs (the checkout is only read; nothing is written into it):
 4. ``pretrain_gpt.py`` under ``python -m dumpers.megatron_lm --align-out OUT/store``: the demo's dense model
    (demo/model.py ``demo_model()``: vocab 128 = NullTokenizer ``--vocab-size 127`` padded, hidden 64, 2
    layers, 4 heads, 2 query groups, ffn 128, seq 16, micro batch 2, global batch 4, RMSNorm eps 1e-5, qk
-   layernorm, SwiGLU, RoPE, untied output, no bias, ``--transformer-impl local``), mock data, gloo, 4
-   iterations, ``--log-interval 1``; stdout and stderr go to ``OUT/megatron.log``;
+   layernorm, SwiGLU, RoPE, untied output, no bias, ``--transformer-impl local``), gloo, 4 iterations,
+   ``--log-interval 1``; stdout and stderr go to ``OUT/megatron.log``. Data: ``--mock-data``; for core
+   < 0.13 a small indexed dataset made by the checkout's tools/preprocess_data.py (``indexed_data``), as
+   0.12's mock dataset yields token ids up to 4095, beyond the 128 vocabulary;
 5. ``align report OUT/store OUT/megatron.log --out OUT/report``; the verdict and each stage's are printed.
 
 Every process of both runs gets the CPU shim (tests/upstream/megatron_cpu_shim.py, through a
@@ -53,11 +56,11 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--qk-layernorm", "--swiglu",
          "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
          "--transformer-impl", "local", "--attention-dropout", "0", "--hidden-dropout", "0",
-         "--vocab-size", "127", "--tokenizer-type", "NullTokenizer", "--mock-data", "--split", "1,0,0",
+         "--vocab-size", "127", "--tokenizer-type", "NullTokenizer", "--split", "1,0,0",
          "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
          "--distributed-backend", "gloo", "--num-workers", "0", "--use-cpu-initialization",
          "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-         "--no-rope-fusion", "--no-persist-layer-norm", "--ckpt-format", "torch_dist",
+         "--no-rope-fusion", "--no-persist-layer-norm",
          "--clip-grad", "1.0", "--weight-decay", "0.01"]
 TRAIN = ["--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
          "--lr-warmup-iters", "1"]
@@ -154,6 +157,29 @@ def _launch(cmd: list[str], env: dict[str, str], log: Path, cwd: Path, what: str
         raise UpstreamError(f"{what} exited {proc.returncode}: {tail[0] if tail else ''} (log: {log})")
 
 
+def indexed_data(script_dir: Path, env: dict[str, str], build: Path, python: str = sys.executable) -> list[str]:
+    """``--data-path PREFIX``: 64 documents of random token ids in [0, 127), each ending in the NullTokenizer's
+    end-of-document id 127, written by the checkout's own tools/preprocess_data.py (for checkouts whose mock
+    dataset emits ids beyond the vocabulary: core 0.12's yields positions 1..4095)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    src = build / "documents.jsonl"
+    with open(src, "w", encoding="utf-8") as f:
+        for _ in range(64):
+            ids = rng.integers(0, 127, size=int(rng.integers(5, 40)))
+            f.write(json.dumps({"text": " ".join(map(str, ids))}) + "\n")
+    prefix = build / "documents"
+    _launch([python, str(script_dir / "tools" / "preprocess_data.py"), "--input", str(src), "--output-prefix",
+             str(prefix), "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--append-eod",
+             "--workers", "1"], env, build / "preprocess_data.log", build, "tools/preprocess_data.py")
+    return ["--data-path", f"{prefix}_text_document"]
+
+
+def _older(version: str | None, than: tuple[int, int]) -> bool:
+    return version is not None and tuple(int(x) for x in version.split(".")[:2]) < than
+
+
 def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None,
         python: str = sys.executable) -> dict[str, Path]:
     """Initial-weights checkpoint, then the dumped training run; -> paths of store, log and checkpoint."""
@@ -168,10 +194,14 @@ def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None,
     env = _env(checkout, build, build_helpers(checkout, cache, python), python_deps(cache, python))
     paths = {"store": out / "store", "log": out / "megatron.log", "checkpoint": out / "checkpoint",
              "checkpoint_log": out / "checkpoint.log"}
-    _launch([python, str(script), *MODEL, *INITIAL, "--save", str(paths["checkpoint"])], env,
+    old = _older(checkout_version(checkout), (0, 13))
+    data = indexed_data(checkout, env, build, python) if old else ["--mock-data"]
+    # 0.12's torch_dist writer calls torch's _write_item without serialization_format (torch >= 2.7)
+    data += ["--ckpt-format", "torch" if old else "torch_dist"]
+    _launch([python, str(script), *MODEL, *data, *INITIAL, "--save", str(paths["checkpoint"])], env,
             paths["checkpoint_log"], build, "the initial-weights run (--lr 0, --save)")
-    _launch([python, "-m", "dumpers.megatron_lm", "--align-out", str(paths["store"]), str(script), *MODEL, *TRAIN,
-             "--load", str(paths["checkpoint"]), "--finetune"], env, paths["log"], build,
+    _launch([python, "-m", "dumpers.megatron_lm", "--align-out", str(paths["store"]), str(script), *MODEL, *data,
+             *TRAIN, "--load", str(paths["checkpoint"]), "--finetune"], env, paths["log"], build,
             "the training run under dumpers.megatron_lm")
     counts: dict[str, int] = {}
     for f in build.glob("shim_calls.*"):
