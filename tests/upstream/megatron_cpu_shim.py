@@ -10,6 +10,8 @@ tests/upstream/megatron_pretrain.py puts first on PYTHONPATH, when ``XF_ALIGN_ME
   ``Event`` / ``Stream`` / ``stream`` do nothing (the timers and the DDP / optimizer overlap code call them;
   gloo has already waited on every request); ``device_count`` answers 1 and ``is_available`` stays False;
   the memory statistics (``memory_allocated``, ``memory_stats``, ...) answer 0 (the memory report);
+  the device probes (``get_device_capability``, ``get_device_name``, ``get_device_properties``) describe a
+  generic compute-capability 8.0 device named ``cpu`` (core >= 0.18 probes the device while importing);
   ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on a CPU generator kept per process (Megatron's
   CUDA RNG tracker forks a state per model-parallel region; dropout is off here, so the states are
   only kept and restored). Each call is counted (``COUNTS``) and the counts are written to
@@ -44,6 +46,7 @@ import sys
 import typing
 from collections import Counter
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 COUNTS: Counter[str] = Counter()
@@ -119,7 +122,9 @@ def _cuda_calls() -> dict[str, Callable[..., Any]]:
         "max_memory_reserved": zero, "memory_stats": memory_stats, "reset_peak_memory_stats": nothing,
         "Event": _Nothing, "Stream": _Nothing, "stream": lambda *a, **k: contextlib.nullcontext(),
         "current_stream": lambda *a, **k: _Nothing(), "default_stream": lambda *a, **k: _Nothing(),
-        "get_device_capability": lambda *a, **k: (9, 0),
+        "get_device_capability": lambda *a, **k: (8, 0), "get_device_name": lambda *a, **k: "cpu",
+        "get_device_properties": lambda *a, **k: SimpleNamespace(
+            name="cpu", major=8, minor=0, multi_processor_count=1, total_memory=0),
     }
 
 

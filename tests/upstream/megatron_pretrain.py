@@ -64,6 +64,11 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--clip-grad", "1.0", "--weight-decay", "0.01"]
 TRAIN = ["--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
          "--lr-warmup-iters", "1"]
+#: ``--moe``: the demo's MoE shape (4 experts, top 2, expert ffn 32) with the router's losses on, to see the
+#: store's ``load_balancing_loss`` / ``z_loss`` next to the log's
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+       "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
 INITIAL = ["--train-iters", "1", "--lr", "0", "--min-lr", "0", "--lr-decay-style", "constant",
            "--save-interval", "1"]
 
@@ -149,9 +154,12 @@ def _env(checkout: Path, build: Path, helpers: Path, pydeps: Path | None) -> dic
 
 
 def _launch(cmd: list[str], env: dict[str, str], log: Path, cwd: Path, what: str, timeout: int = 600) -> None:
-    env = dict(env, MASTER_PORT=str(_free_port()))
-    with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    for _ in range(3):   # the free port may be taken by another process before gloo binds it: try another
+        env = dict(env, MASTER_PORT=str(_free_port()))
+        with open(log, "w", encoding="utf-8") as f:
+            proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        if proc.returncode == 0 or "EADDRINUSE" not in log.read_text(errors="replace"):
+            break
     if proc.returncode != 0:
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
         raise UpstreamError(f"{what} exited {proc.returncode}: {tail[0] if tail else ''} (log: {log})")
@@ -180,9 +188,10 @@ def _older(version: str | None, than: tuple[int, int]) -> bool:
     return version is not None and tuple(int(x) for x in version.split(".")[:2]) < than
 
 
-def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None,
-        python: str = sys.executable) -> dict[str, Path]:
-    """Initial-weights checkpoint, then the dumped training run; -> paths of store, log and checkpoint."""
+def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None, python: str = sys.executable,
+        extra: list[str] | None = None) -> dict[str, Path]:
+    """Initial-weights checkpoint, then the dumped training run; -> paths of store, log and checkpoint.
+    ``extra``: more Megatron-LM arguments for both runs (e.g. ``MOE``)."""
     checkout, out = Path(checkout).resolve(), Path(out).resolve()
     script = checkout / "pretrain_gpt.py"
     if not script.is_file() or not (checkout / "megatron" / "training").is_dir():
@@ -197,7 +206,7 @@ def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None,
     old = _older(checkout_version(checkout), (0, 13))
     data = indexed_data(checkout, env, build, python) if old else ["--mock-data"]
     # 0.12's torch_dist writer calls torch's _write_item without serialization_format (torch >= 2.7)
-    data += ["--ckpt-format", "torch" if old else "torch_dist"]
+    data += ["--ckpt-format", "torch" if old else "torch_dist", *(extra or [])]
     _launch([python, str(script), *MODEL, *data, *INITIAL, "--save", str(paths["checkpoint"])], env,
             paths["checkpoint_log"], build, "the initial-weights run (--lr 0, --save)")
     _launch([python, "-m", "dumpers.megatron_lm", "--align-out", str(paths["store"]), str(script), *MODEL, *data,
@@ -231,12 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkout", required=True, help="a Megatron-LM checkout (has pretrain_gpt.py)")
     ap.add_argument("--out", required=True, help="folder for the store, log, checkpoint and report")
+    ap.add_argument("--moe", action="store_true", help="the MoE variant (MOE arguments)")
     ap.add_argument("--cache", default=None, help="built helper and pip-installed triton/einops (default "
                                                   "$TMPDIR/xf-align-upstream)")
     ns = ap.parse_args(argv)
     out = Path(ns.out)
     try:
-        paths = run(ns.checkout, out, cache=Path(ns.cache) if ns.cache else None)
+        paths = run(ns.checkout, out, cache=Path(ns.cache) if ns.cache else None, extra=MOE if ns.moe else None)
         summary = report(paths["store"], paths["log"], out / "report")
     except (UpstreamError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         print(f"megatron_pretrain: {exc}", file=sys.stderr)
