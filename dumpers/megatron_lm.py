@@ -498,6 +498,23 @@ def import_failure(target: str, exc: BaseException) -> str:
             "what that line imports: install it into this Python, or use the Python version the checkout needs")
 
 
+def mixed_install(module: ModuleType) -> str | None:
+    """A note when Megatron-LM's training module and ``megatron.core`` come from different places (a
+    checkout's megatron/training over pip's megatron-core: versions apart, errors far from their cause)."""
+    if not module.__name__.startswith("megatron.") or not getattr(module, "__file__", None):
+        return None
+    try:
+        import megatron.core as mcore
+    except Exception:  # noqa: BLE001 - nothing to compare
+        return None
+    depth = module.__name__.count(".")
+    here, there = Path(module.__file__).resolve().parents[depth], Path(mcore.__file__).resolve().parents[2]
+    if here == there:
+        return None
+    return (f"{module.__name__} is from {here} but megatron.core from {there}: put the checkout first on "
+            "PYTHONPATH so that its own megatron/core is used")
+
+
 _VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module")
 
 
@@ -524,6 +541,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure at import time is reported in one line
         print(f"dumpers.megatron_lm: {import_failure(ns.align_module, exc)}", file=sys.stderr)
         raise SystemExit(2) from None
+    mixed = mixed_install(module)
+    if mixed:
+        print(f"dumpers.megatron_lm: warning: {mixed}", file=sys.stderr)
     install(DumpConfig(out=ns.align_out, steps=ns.align_steps, tensors=ns.align_tensors,
                        seed_layout=ns.align_seed_layout), module=module)
     sys.argv = list(argv[i:])

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from dumpers.megatron_lm import learning_rates, main  # noqa: E402
+from dumpers.megatron_lm import learning_rates, main, mixed_install  # noqa: E402
 
 
 def _checkout(root: Path, failing_line: str) -> Path:
@@ -77,3 +77,20 @@ def test_learning_rate_as_older_megatron_lm_logs_it() -> None:
            {"lr": 2e-4, "default_config": True}]
     assert learning_rates(new)["lr"] == 3e-4
     assert "lr" not in learning_rates([{"lr": 1e-3, "default_config": False}])
+
+
+def test_training_module_and_megatron_core_from_different_places_is_named(tmp_path) -> None:
+    """A checkout's megatron/training over pip's megatron-core: the wrapper names both folders."""
+    import types
+
+    import megatron.core
+
+    core_root = Path(megatron.core.__file__).resolve().parents[2]
+    same = types.SimpleNamespace(__name__="megatron.training.training",
+                                 __file__=str(core_root / "megatron" / "training" / "training.py"))
+    assert mixed_install(same) is None
+    other = types.SimpleNamespace(__name__="megatron.training.training",
+                                  __file__=str(tmp_path / "megatron" / "training" / "training.py"))
+    note = mixed_install(other)
+    assert note is not None and str(tmp_path) in note and str(core_root) in note
+    assert mixed_install(types.SimpleNamespace(__name__="megatron_lm_shape", __file__=str(tmp_path / "x.py"))) is None
