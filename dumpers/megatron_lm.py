@@ -306,6 +306,28 @@ def _model_config(model: Any) -> Any:
     return None
 
 
+def logged_scalars(model: Any, optimizer: Any, read_micro_batches: int,
+                   dumper: MegatronDumper | None) -> dict[str, Any]:
+    """What ``train()`` hands to ``training_log`` after this step (router and MTP losses, learning rates, loss
+    scale). Called once per ``train_step`` on every rank, dumping or not: the loss reductions are collectives
+    and must pair up across ranks as ``training_log``'s own do. A value that cannot be read is left out."""
+    cfg = _model_config(model)
+    micro = _num_microbatches(read_micro_batches)
+    out: dict[str, Any] = {}
+    reads = [("learning rate", lambda: learning_rates(getattr(optimizer, "param_groups", []))),
+             ("loss scale", lambda: {"loss_scale": loss_scale(optimizer)})]
+    if cfg is not None:
+        reads[:0] = [("moe aux losses", lambda: moe_aux_losses(cfg, micro)),
+                     ("mtp losses", lambda: mtp_losses(cfg, micro))]
+    for what, read in reads:
+        try:
+            out.update({k: v for k, v in read().items() if v is not None})
+        except Exception as exc:  # noqa: BLE001 - one missing value never costs the others
+            if dumper is not None:
+                dumper._fail(f"megatron_lm.train_step ({what})", exc)
+    return out
+
+
 def _note_in_rank_file(dumper: MegatronDumper, info: Mapping[str, Any]) -> None:
     """Add ``aborted`` to this rank's file of the store (meta.json holds the last rank's that failed)."""
     path = Path(dumper.config.out) / RANK_DIR / f"rank_{dumper.rank:05d}.json"
@@ -368,7 +390,9 @@ class MegatronLMIntegration:
         except Exception as exc:  # noqa: BLE001 - the training step runs regardless
             if self.dumper is not None:
                 self.dumper._fail("megatron_lm.train_step (before)", exc)
-            return original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+            result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+            logged_scalars(model, optimizer, 1, None)   # its reductions still match the other ranks'
+            return result
         try:
             result = original(forward_step_func, wrapped, model, optimizer, *args, **kwargs)
         except BaseException as exc:
@@ -434,20 +458,8 @@ class MegatronLMIntegration:
                 optimizer: Any = None) -> None:
         # Virtual-pipeline chunks read the same micro-batches from their own iterators: keep the fullest.
         best = max(recorders, key=lambda r: len(r.items), default=None)
-        scalars: dict[str, Any] = {}
         # first, on every rank alike (whether it dumps or not): the aux-loss reductions are collectives
-        cfg = _model_config(model)
-        micro = _num_microbatches(len(best.items) if best is not None else 1)
-        for what, read in (("moe aux losses", lambda: moe_aux_losses(cfg, micro)),
-                           ("mtp losses", lambda: mtp_losses(cfg, micro)),
-                           ("learning rate", lambda: learning_rates(getattr(optimizer, "param_groups", []))),
-                           ("loss scale", lambda: {"loss_scale": loss_scale(optimizer)})):
-            if cfg is None and what in ("moe aux losses", "mtp losses"):
-                continue
-            try:
-                scalars.update({k: v for k, v in read().items() if v is not None})
-            except Exception as exc:  # noqa: BLE001 - one missing value never costs the others
-                dumper._fail(f"megatron_lm.train_step ({what})", exc)
+        scalars = logged_scalars(model, optimizer, len(best.items) if best is not None else 1, dumper)
         if best is not None:
             for item in best.items:
                 dumper.record_batch(item)

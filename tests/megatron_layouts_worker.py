@@ -18,7 +18,8 @@ one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loo
   lm_loop_raise  that loop with forward_step raising at iteration 2: the exception Megatron sees, with and
             without the integration.
   ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
-two processes (``--scenarios distopt,pp2,vpp,ep2,ckpt_tp2,ckpt_pp2``)
+two processes (``--scenarios distopt,pp2,vpp,ep2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
+  lm_loop_moe_dp2  lm_loop_moe at DP=2, one micro-batch per rank: the router losses reduced across ranks.
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
   pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
   vpp       4 layers at PP=2 with 2 virtual stages (Megatron's interleaved schedule).
@@ -94,7 +95,8 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
     return out_
 
 
-def lm_loop(out: Path | None, cfg: mc.TinyLlamaConfig, *, iters: int = 3, raise_at: int | None = None) -> dict:
+def lm_loop(out: Path | None, cfg: mc.TinyLlamaConfig, *, iters: int = 3, raise_at: int | None = None,
+            dp_ranks: tuple[int, ...] = (0, 1)) -> dict:
     """The documented integration: install() first, then Megatron-LM's train() runs untouched (``out=None``:
     the same loop without the integration, for the bit-identical check)."""
     from types import SimpleNamespace
@@ -106,13 +108,14 @@ def lm_loop(out: Path | None, cfg: mc.TinyLlamaConfig, *, iters: int = 3, raise_
 
     integration = install(out=out, seed_layout=True, module=shape) if out is not None else None
     shape.ARGS.train_iters, shape.ARGS.raise_at = iters, raise_at
+    shape.ARGS.data_parallel_size = mc.parallel_info().dp
     shape.initialize()
     chunks = mc.build_model_chunks(cfg, seed=1234)
     ddp = [mc.wrap_ddp(c) for c in chunks]
     opt = mc.make_megatron_optimizer(ddp, lr=1e-3, clip_grad=1.0)
     config = ddp[0].config
     config.grad_scale_func = opt.scale_loss   # as Megatron-LM's setup does (the MoE aux-loss scale reads it)
-    train_batches = [mc.synthetic_batch(s, cfg, dp_rank=d) for s in range(1, iters + 1) for d in (0, 1)]
+    train_batches = [mc.synthetic_batch(s, cfg, dp_rank=d) for s in range(1, iters + 1) for d in dp_ranks]
     valid_batches = [mc.synthetic_batch(100 + s, cfg) for s in range(4)]
     res: dict = {"errors": 0, "error_log": []}
     try:
@@ -217,6 +220,9 @@ def main() -> None:
             result[scenario] = checkpoint(out / scenario, dense, info, dist=False)
         elif scenario == "ref_moe":
             result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
+        elif scenario == "lm_loop_moe_dp2":
+            info = mc.set_parallel()
+            result[scenario] = lm_loop(out / scenario, moe_aux, iters=2, dp_ranks=(info.dp_rank,))
         elif scenario == "distopt":
             info = mc.set_parallel()
             result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True)

@@ -56,7 +56,7 @@ def _run(out: Path, scenarios: str, nproc: int) -> dict[int, dict]:
 def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, dict]]]:
     out = tmp_path_factory.mktemp("layouts")
     ones = ("ref", "fp16", "bf16", "ref4", "ref_moe", "lm_loop", "lm_loop_moe", "lm_loop_raise", "ckpt_ref")
-    twos = ("distopt", "pp2", "vpp", "ep2", "ckpt_tp2", "ckpt_pp2")
+    twos = ("distopt", "pp2", "vpp", "ep2", "lm_loop_moe_dp2", "ckpt_tp2", "ckpt_pp2")
     one = _run(out, ",".join(ones), 1)
     two = _run(out, ",".join(twos), 2)
     results = {k: {0: one[0][k]} for k in ones}
@@ -253,6 +253,21 @@ def test_megatron_lm_loop_router_losses_equal_megatron_track_moe_metrics(stores)
             assert sc.loc[step, name] == log[step - 1][name], (step, name)
         assert sc.loc[step, "lr"] == log[step - 1]["learning rate"]
     assert sc.loc[1, "load_balancing_loss"] != sc.loc[2, "load_balancing_loss"]
+    # DP=2, one micro-batch per rank: each rank stores what track_moe_metrics gives on that rank. The
+    # load-balancing loss is reduced over DP (both ranks: the one-process value over the same micro-batches);
+    # megatron-core 0.16 tracks the z loss without a reduce group, so each rank keeps its own (their mean is
+    # the one-process value) and Megatron-LM's log shows the last rank's
+    dp2 = RunReader(out / "lm_loop_moe_dp2")
+    per_rank = {rank: dp2.scalars(rank).set_index("step") for rank in (0, 1)}
+    for rank, sc2 in per_rank.items():
+        log2 = results["lm_loop_moe_dp2"][rank]["log"]
+        for step in (1, 2):
+            for name in ("load_balancing_loss", "z_loss"):
+                assert sc2.loc[step, name] == log2[step - 1][name], (rank, step, name)
+        assert sc2.loc[1, "load_balancing_loss"] == pytest.approx(sc.loc[1, "load_balancing_loss"], rel=1e-6)
+    assert per_rank[0].loc[1, "z_loss"] != per_rank[1].loc[1, "z_loss"]
+    assert (per_rank[0].loc[1, "z_loss"] + per_rank[1].loc[1, "z_loss"]) / 2 == pytest.approx(sc.loc[1, "z_loss"],
+                                                                                               rel=1e-6)
 
 
 def test_megatron_lm_raised_step_is_not_stored_as_complete(stores) -> None:
