@@ -23,6 +23,9 @@ tests/upstream/megatron_pretrain.py puts first on PYTHONPATH, when ``XF_ALIGN_ME
   that library as ``megatron.core.datasets.helpers_cpp`` (``$XF_ALIGN_HELPERS_CPP``).
 * ``megatron.legacy.fused_kernels.load``: a no-op. It reads ``nvcc -V`` and makes a build folder inside
   the checkout; it compiles nothing for this model (the unfused softmax path is used).
+* ``megatron.core.transformer.moe.moe_utils.te_general_gemm``: defined as None when missing. core 0.14-0.16
+  define it only when Transformer Engine imports, and the router reads it (``NameError`` without TE); None
+  is what its own fallback checks for.
 * ``typing.override`` (and ``typing.TypeIs`` / ``typing.ReadOnly`` when missing): taken from
   typing_extensions. Megatron-LM main (core >= 0.18) imports ``typing.override``, new in Python 3.12; the
   decorator only marks methods, so the 3.11 backport behaves the same.
@@ -53,9 +56,9 @@ COUNTS: Counter[str] = Counter()
 _CPU = None
 
 
-def _count(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _count(name: str, fn: Callable[..., Any], prefix: str = "torch.cuda.") -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        COUNTS[f"torch.cuda.{name}"] += 1
+        COUNTS[f"{prefix}{name}"] += 1
         return fn(*args, **kwargs)
     wrapper.__name__ = name
     return wrapper
@@ -176,32 +179,48 @@ _PATCHES: dict[str, Callable[[Any], None]] = {}
 
 
 def _no_compile_helpers(mod: Any) -> None:
-    mod.compile_helpers = _count("compile_helpers(no-op)", lambda: None)
+    mod.compile_helpers = _count("megatron.core.datasets.utils.compile_helpers (no-op)", lambda: None, "")
+
+
+def _te_general_gemm_name(mod: Any) -> None:
+    if not hasattr(mod, "te_general_gemm"):
+        mod.te_general_gemm = None
 
 
 def _no_fused_kernels(mod: Any) -> None:
-    mod.load = _count("fused_kernels.load(no-op)", lambda args=None: None)
+    mod.load = _count("megatron.legacy.fused_kernels.load (no-op)", lambda args=None: None, "")
+
+
+class _PatchedLoader:
+    """The module's own loader; after it ran the module, the patch is applied. Anything else (source lines for
+    tracebacks, ``get_filename``, ...) is the original loader's."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self._loader, self._name = loader, name
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _PATCHES[self._name](module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Applies a patch to a module right after it is imported (the module itself is not touched)."""
+    """Applies a patch to a module right after it is imported (the module's file is not touched)."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if fullname not in _PATCHES:
             return None
         for finder in sys.meta_path:
-            if finder is self:
+            if finder is self or not hasattr(finder, "find_spec"):
                 continue
-            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                loader = spec.loader
-                exec_module = loader.exec_module
-
-                def run(module: Any, exec_module: Any = exec_module, name: str = fullname) -> None:
-                    exec_module(module)
-                    _PATCHES[name](module)
-                spec.loader = type("PatchedLoader", (), {"create_module": loader.create_module,
-                                                        "exec_module": staticmethod(run)})()
+                spec.loader = _PatchedLoader(spec.loader, fullname)
                 return spec
         return None
 
@@ -235,7 +254,8 @@ def install() -> None:
         _device_mode().__enter__()
         _patch_torch_cuda()
     _PATCHES.update({"megatron.core.datasets.utils": _no_compile_helpers,
-                     "megatron.legacy.fused_kernels": _no_fused_kernels})
+                     "megatron.legacy.fused_kernels": _no_fused_kernels,
+                     "megatron.core.transformer.moe.moe_utils": _te_general_gemm_name})
     sys.meta_path.insert(0, _PatchAfterImport())
     helpers = os.environ.get("XF_ALIGN_HELPERS_CPP")
     if helpers:
