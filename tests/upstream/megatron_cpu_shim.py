@@ -3,12 +3,15 @@
 Nothing here is product code and nothing of it is copied from Megatron-LM: it answers the CUDA calls a
 Megatron-LM checkout makes with CPU ones, so that the checkout's real training loop, model and optimizer
 run unchanged. ``install()`` runs in every process of the run (``sitecustomize`` in the build folder that
-tests/upstream/megatron_pretrain.py puts first on PYTHONPATH, when ``XF_ALIGN_MEGATRON_CPU=1``). What it does, and why:
+tests/upstream/megatron_pretrain.py puts first on PYTHONPATH, when ``XF_ALIGN_MEGATRON_CPU=1``). What it
+does, and why:
 
 * ``torch.cuda`` calls (``_cuda_calls``): ``current_device`` answers the CPU device (Megatron allocates its
   buffers, masks and RoPE tables there); ``synchronize`` / ``set_device`` / ``empty_cache`` / ``nvtx`` /
   ``Event`` / ``Stream`` / ``stream`` do nothing (the timers and the DDP / optimizer overlap code call them;
-  gloo has already waited on every request); ``device_count`` answers 1 and ``is_available`` stays False;
+  gloo has already waited on every request); ``device_count`` answers 1 and ``is_available`` True
+  (``initialize_megatron`` asserts it; the CPU build of torch still never initialises CUDA: every call that
+  would is answered here);
   the memory statistics (``memory_allocated``, ``memory_stats``, ...) answer 0 (the memory report);
   the device probes (``get_device_capability``, ``get_device_name``, ``get_device_properties``) describe a
   generic compute-capability 8.0 device named ``cpu`` (core >= 0.18 probes the device while importing);
