@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_JOBS ?= 2
 BENCH_OUT ?= bench_out
 
-.PHONY: env demo test lint bench clean
+.PHONY: env demo test browser lint bench clean
 
 env: $(STAMP)
 
@@ -33,6 +33,20 @@ test: $(STAMP)
 	$(PY) -m ruff check core runstore mapping models sources checkpoints dumpers comparators reports align demo tests benchmarks
 	# two workers, one test file each at a time (a file's shared runs are made once): ~9 min instead of ~12.5
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+
+# The browser tests (report.html in headless Chromium) need Debian's chromium; without it they skip
+# (`.ci/run` sets XF_ALIGN_REQUIRE_BROWSER=1, where they fail instead). Quick when it is already there.
+browser:
+	@if b=$$(command -v chromium || command -v chromium-browser); then \
+		echo "browser: $$b is installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "browser: installing Debian's chromium (apt-get, ~120 MB)"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+	else \
+		echo "browser: chromium is missing and cannot be installed here (needs root and apt-get);" \
+			"run 'sudo apt-get install chromium' (Debian/Ubuntu), or the browser tests skip" >&2; \
+		exit 1; \
+	fi
 
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)

@@ -527,7 +527,7 @@ def mixed_install(module: ModuleType) -> str | None:
             "PYTHONPATH so that its own megatron/core is used")
 
 
-_VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module")
+_VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module", "--align-capture-data")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -542,6 +542,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--align-steps", default=None, help="steps with array files, e.g. 1-3,100 (default all)")
     ap.add_argument("--align-tensors", default="off", choices=("off", "stats", "full"))
     ap.add_argument("--align-seed-layout", action="store_true")
+    ap.add_argument("--align-capture-env", action="store_true",
+                    help="record the cluster capture (environment, versions, settings, generators, weights) in "
+                         "meta.json")
+    ap.add_argument("--align-capture-data", action="append", default=[], metavar="PATH",
+                    help="a dataset file or folder the capture hashes (repeat)")
     ap.add_argument("--align-module", default=TARGET,
                     help=f"module whose train_step is wrapped (default {TARGET})")
     ns = ap.parse_args(argv[:i])
@@ -556,8 +561,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     mixed = mixed_install(module)
     if mixed:
         print(f"dumpers.megatron_lm: warning: {mixed}", file=sys.stderr)
+    capture = ns.align_capture_env or bool(ns.align_capture_data)
     install(DumpConfig(out=ns.align_out, steps=ns.align_steps, tensors=ns.align_tensors,
-                       seed_layout=ns.align_seed_layout), module=module)
+                       seed_layout=ns.align_seed_layout, capture_env=capture,
+                       capture_env_data=ns.align_capture_data), module=module)
     sys.argv = list(argv[i:])
     runpy.run_path(argv[i], run_name="__main__")
 

@@ -419,13 +419,17 @@ def test_megatron_lm_wrapper_launch_leaves_the_script_alone(stores, tmp_path) ->
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     script = ROOT / "tests" / "megatron_lm_script.py"
     cmd = [sys.executable, "-m", "dumpers.megatron_lm", "--align-out", str(tmp_path / "run"), "--align-module",
-           "megatron_lm_shape", str(script), "--log", str(tmp_path / "log.json")]
+           "megatron_lm_shape", "--align-capture-env", str(script), "--log", str(tmp_path / "log.json")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = json.loads((tmp_path / "log.json").read_text())
     r = RunReader(tmp_path / "run")
     assert r.array_steps() == [1, 2, 3]
     assert list(r.scalars()["loss"]) == [e["lm loss"] for e in log]
+    # --align-capture-env: the cluster capture, taken at the first train_step, names the weights as the norms do
+    cap = r.meta["environment"]
+    assert cap["captured"]["by"] == "MegatronDumper" and cap["framework"] == "torch"
+    assert sorted(cap["weights"]["params"]) == sorted(r.step_arrays(1).table("local_norm")["name"])
     same = RunReader(out / "lm_loop")  # install() at the top of the script gave the same store
     for step in (1, 2, 3):
         np.testing.assert_array_equal(r.step_arrays(step).data["batch/tokens"],

@@ -8,6 +8,7 @@ what MindFormers' run_mindformer.py does). GRAPH mode, the NPU mode, data parall
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -210,3 +211,26 @@ def test_graph_capture_leaves_the_losses_bit_identical(graph_run: Path, batches:
         np.testing.assert_array_equal(a.loss.to_numpy(), b.loss.to_numpy())
         np.testing.assert_array_equal(a.grad_norm.to_numpy(), b.grad_norm.to_numpy())
         assert plain.step_arrays(1, rank).table("tensor_stats") is None
+
+
+def test_checklist_reads_a_replay_runs_global_batch_from_the_replayed_batches(batches: Path, tmp_path: Path) -> None:
+    """Issue 22: the YAML the launch tests train with (batch_size 1, MegatronReplayDataset, data_parallel 2)
+    replays 2 samples per rank and step: 4 per step, as Megatron trained; `align check-config` says so."""
+    from align.checks.config import compare_configs
+    from align.cli import main
+    from sources.configs import read_mindformers
+
+    path = launch_yaml(tmp_path, batches, steps=3, dp=2)
+    megatron = {"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 16, "data_parallel_size": 2}
+    rows, res = compare_configs(megatron, read_mindformers(path))
+    row = {r.key: r for r in rows}
+    assert (row["global_batch_size"].mindformers, row["global_batch_size"].status) == (4, "match")
+    assert "step_N/rank_R folders" in row["global_batch_size"].note
+    assert row["micro_batch_size"].status == "match" and row["replay_seq_length"].status == "match"
+    args = tmp_path / "megatron_args.json"
+    args.write_text(json.dumps({**megatron, "global_batch_size": 8}))     # Megatron trained 8 per step
+    out = tmp_path / "check.json"
+    assert main(["check-config", str(args), str(path), "--json", str(out)]) == 1
+    failed = {f["component"]: f for f in json.loads(out.read_text())["findings"] if f["verdict"] == "fail"}
+    assert "Megatron 8 vs MindFormers 4" in failed["global_batch_size"]["message"]
+    assert "micro_batch_size" not in failed and "replay_seq_length" not in failed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from html import escape
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from align.cli import main
 from demo.example_logs import write_examples
+from tests.helpers.browser import chromium, report_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +98,32 @@ def test_names_are_escaped(tmp_path):
     main(["report", str(paths["baseline"]), str(evil), "--out", str(tmp_path / "o"), "-q"])
     html = (tmp_path / "o" / "report.html").read_text()
     assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+HOSTILE = "<img src=x onerror=console.error('xf-align-injected')>"
+
+
+def test_failing_report_with_a_name_like_markup_renders_it_as_text_in_a_browser(tmp_path):
+    """A failing report (a NaN at step 40) on a candidate log named like markup, in headless Chromium
+    (tests/helpers/browser.py): verdict, every stage and figure shown, the name shown as text and no console
+    error; the same page with the name left unescaped is caught (the injected handler logs an error)."""
+    paths = write_examples(tmp_path / "in", steps=60, fault="nan", fault_step=40)
+    evil = paths["candidate"].rename(tmp_path / "in" / f"{HOSTILE}.log")
+    out = tmp_path / "o"
+    assert main(["report", "-q", str(paths["baseline"]), str(evil), "--repeat", str(paths["repeat"]),
+                 "--out", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    figures = sorted((out / "figures").glob("*.png"))
+    html = (out / "report.html").read_text(encoding="utf-8")
+    assert summary["verdict"] == "fail" and escape(HOSTILE) in html
+    with chromium(tmp_path / "chromium") as browser:
+        page = browser.look((out / "report.html").as_uri())
+        assert report_problems(page, summary, figures) == []
+        assert f"{HOSTILE}.log" in page["text"] and len(figures) >= 2
+        raw = tmp_path / "raw.html"
+        raw.write_text(html.replace(escape(HOSTILE), HOSTILE), encoding="utf-8")
+        problems = report_problems(browser.look(raw.as_uri()), summary, figures)
+        assert any("console.error: xf-align-injected" in p for p in problems), problems
 
 
 def run_cli(*args):
