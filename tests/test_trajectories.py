@@ -51,11 +51,13 @@ def batch(step: int) -> dict[str, np.ndarray]:
 def make_store(path: Path, *, seed: int, noise: float = 1e-3, loss_noise: float = 1e-4, mindformers: bool = False,
                drift: tuple[str, int, float] | None = None, loss_spike: tuple[int, float] | None = None,
                grad_spike: tuple[int, float] | None = None, norm_jump: tuple[str, int, float] | None = None,
-               other_batch_at: int | None = None, norms: bool = True) -> Path:
+               other_batch_at: int | None = None, norms: bool = True, updates: bool = True,
+               update_drift: tuple[str, int, float] | None = None) -> Path:
     """A run: loss, grad norm and named norms every step with relative noise ``noise`` (the run's own
     nondeterminism); ``drift`` = (name, step, factor) scales one norm from that step on; ``loss_spike`` /
     ``grad_spike`` = (step, add / factor) at one step; ``norm_jump`` one norm at one step;
-    ``other_batch_at`` trains on a different batch at that step."""
+    ``other_batch_at`` trains on a different batch at that step; ``updates`` also records per-parameter
+    update norms (``update_drift`` as ``drift``)."""
     rng = np.random.default_rng(seed)
     meta = {"framework": "mindformers" if mindformers else "megatron-core"}
     with RunWriter(path, rank=0, meta=meta) as w:
@@ -70,17 +72,21 @@ def make_store(path: Path, *, seed: int, noise: float = 1e-3, loss_noise: float 
                 vals[drift[0]] *= drift[2]
             if norm_jump and s == norm_jump[1]:
                 vals[norm_jump[0]] *= norm_jump[2]
-            names, values = [], []
-            for n, v in vals.items():
-                parts = MF[n] if mindformers else [n]
-                names += parts
-                values += list(v * QKV_PARTS) if len(parts) == 3 else [v]
-            if norms:
-                w.put_table(s, "local_norm", {"name": np.array(names, dtype=object), "norm": np.array(values),
-                                              "numel": np.full(len(names), 16),
-                                              "tp_partition_dim": np.full(len(names), -1),
-                                              "tp_rank": np.zeros(len(names), dtype=np.int64),
-                                              "tp_size": np.ones(len(names), dtype=np.int64)})
+            upd = {n: 1e-3 * v * (1 + noise * rng.standard_normal()) for n, v in truth(s).items()}
+            if update_drift and s >= update_drift[1]:
+                upd[update_drift[0]] *= update_drift[2]
+            for group, table in (("local_norm", vals), ("update_norm", upd)):
+                names, values = [], []
+                for n, v in table.items():
+                    parts = MF[n] if mindformers else [n]
+                    names += parts
+                    values += list(v * QKV_PARTS) if len(parts) == 3 else [v]
+                if norms and (group == "local_norm" or updates):
+                    n = len(names)
+                    w.put_table(s, group, {"name": np.array(names, dtype=object), "norm": np.array(values),
+                                           "numel": np.full(n, 16), "tp_partition_dim": np.full(n, -1),
+                                           "tp_rank": np.zeros(n, dtype=np.int64),
+                                           "tp_size": np.ones(n, dtype=np.int64)})
             loss = 10.0 - 0.05 * s + loss_noise * rng.standard_normal()
             gn = 2.0 + 0.1 * np.sin(s) + 1e-4 * rng.standard_normal()
             if loss_spike and s == loss_spike[0]:
@@ -105,12 +111,13 @@ def stages(b: Path, c: Path, repeats: list[Path], only: list[str]) -> dict:
 
 
 def test_drifting_parameter_is_named_at_its_step(baseline: tuple[Path, Path], tmp_path: Path) -> None:
-    """One parameter's gradient norm 2% off from step 31 on (its band from the repeat is ~0.4%): the loss and
-    the global grad norm see nothing, the trajectory stage fails naming that parameter and step 31, and the
-    report draws its trajectory."""
+    """One parameter's gradient norm 2% off from step 31 on (its band from the repeat is ~0.4%), another's
+    update norm 5% off from step 45: the loss and the global grad norm see nothing, the trajectory stage fails
+    naming each parameter at its step (the gradient one first), and the report draws both kinds."""
     b, rep = baseline
     c = make_store(tmp_path / "c", seed=3, mindformers=True,
-                   drift=("decoder.layers.0.mlp.linear_fc2.weight", 31, 1.02))
+                   drift=("decoder.layers.0.mlp.linear_fc2.weight", 31, 1.02),
+                   update_drift=("decoder.final_layernorm.weight", 45, 1.05))
     code = main(["report", "-q", str(b), str(c), "--repeat", str(rep), "--out", str(tmp_path / "r")])
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     st = s["stages"]["norm_trajectories"]
@@ -120,9 +127,13 @@ def test_drifting_parameter_is_named_at_its_step(baseline: tuple[Path, Path], tm
     assert first["name"] == "decoder.layers.0.mlp.linear_fc2.weight" and first["departure_step"] == 31
     assert st["kinds"]["local_norm"]["departed"] == 1 and st["steps"] == STEPS
     assert st["parameters"] == len(BASE)       # the fused QKV compared as one, through the mapping
+    assert first["norm_kind"] == "local_norm" and st["kinds"]["update_norm"]["departed"] == 1
     fails = [f for f in s["findings"] if f["stage"] == "norm_trajectories" and f["verdict"] == "fail"]
-    assert [(f["component"], f["value"]) for f in fails] == [("decoder.layers.0.mlp.linear_fc2.weight", 31)]
-    assert (tmp_path / "r" / "figures" / "local_norm_trajectories.png").stat().st_size > 10_000
+    assert [(f["metric"], f["component"], f["value"]) for f in fails] == [
+        ("local_norm_departure_step", "decoder.layers.0.mlp.linear_fc2.weight", 31),
+        ("update_norm_departure_step", "decoder.final_layernorm.weight", 45)]
+    for kind in ("local_norm", "update_norm"):
+        assert (tmp_path / "r" / "figures" / f"{kind}_trajectories.png").stat().st_size > 10_000
     assert "linear_fc2" in (tmp_path / "r" / "report.html").read_text()
 
 
@@ -134,7 +145,7 @@ def test_clean_pair_names_nothing(baseline: tuple[Path, Path], tmp_path: Path) -
     st = res["norm_trajectories"]
     assert st.verdict == "pass", [f.message for f in st.findings]
     assert st.details["first_departure"] is None and st.details["kinds"]["local_norm"]["departed"] == 0
-    assert st.details["kinds"]["local_norm"]["judged"] == len(BASE)
+    assert st.details["kinds"]["local_norm"]["judged"] == st.details["kinds"]["update_norm"]["judged"] == len(BASE)
     assert res["spikes"].verdict == "pass" and res["spikes"].details["loss"]["spikes"] == 0
 
 

@@ -73,7 +73,7 @@ def run(ev: Evidence) -> StageResult:
         first = res.details.get("first_departure")
         best = out.details["first_departure"]
         if first and (best is None or first["departure_step"] < best["departure_step"]):
-            out.details["first_departure"] = {"kind": kind, **first}
+            out.details["first_departure"] = {**first, "norm_kind": kind}
     main = out.details["kinds"].get("local_norm") or next(iter(out.details["kinds"].values()), None)
     if main is None or main.get("reason"):
         return skipped(NAME, (main or {}).get("reason") or "no named norms at a step both runs recorded")
