@@ -129,7 +129,7 @@ def _same_layout(a: list[tuple[dict[str, Any], dict[str, np.ndarray]]],
         if ra is not rb or ca.keys() != cb.keys():
             return False
         for k, v in ca.items():
-            if k != "norm" and (v.dtype != cb[k].dtype or not np.array_equal(v, cb[k])):
+            if v.dtype != cb[k].dtype or (k != "norm" and not np.array_equal(v, cb[k])):
                 return False
     return True
 
@@ -348,14 +348,15 @@ def _band(paired: Paired, repeats: list[np.ndarray], cols: np.ndarray, opt: Traj
         total += np.where(ok, d2, 0.0)
         count += ok
     ms = np.where(count > 0, total / np.maximum(count, 1), np.nan)
-    judged = (count > 0).any(axis=0)
     rolled = pd.DataFrame(ms).rolling(opt.band_window, center=True, min_periods=1).mean().to_numpy()
+    banded = np.isfinite(rolled)             # a repeat value within the window: a band to judge against
+    judged = banded.any(axis=0)
     absb = np.abs(b)
     with np.errstate(invalid="ignore"):
         scale = np.nanmax(np.where(np.isfinite(absb), absb, np.nan), axis=0, initial=0.0) if len(b) else 0.0
     floor = np.maximum(opt.rtol * np.nan_to_num(absb, nan=0.0, posinf=0.0), opt.band_floor_ulps * _EPS32 * scale)
     band = np.maximum(opt.band_k * np.sqrt(np.nan_to_num(rolled, nan=0.0)), floor)
-    compared = paired.present[:, cols] & judged[None, :]
+    compared = paired.present[:, cols] & banded
     with np.errstate(invalid="ignore", divide="ignore"):
         outside = compared & (~np.isfinite(delta) | (np.abs(delta) > band))
         ratio = np.abs(delta) / band

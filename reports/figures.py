@@ -322,11 +322,13 @@ def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -
         x = np.asarray(c["steps"])
         band = np.nan_to_num(np.asarray(c["rel_band"], dtype=np.float64), nan=0.0, posinf=0.0)
         bx, by = envelope(x, band)
-        ax.fill_between(bx, -by, by, color="#90caf9", alpha=0.5, step="mid")
-        for r in c.get("repeats", []):
-            ax.plot(*envelope(x, np.asarray(r, dtype=np.float64)), color="#9e9e9e", lw=0.6)
+        handles = [ax.fill_between(bx, -by, by, color="#90caf9", alpha=0.5, step="mid", label="band")]
+        for k, r in enumerate(c.get("repeats", [])):
+            (line,) = ax.plot(*envelope(x, np.asarray(r, dtype=np.float64)), color="#9e9e9e", lw=0.6,
+                              label="repeat - baseline")
+            handles += [line] if k == 0 else []
         d = np.asarray(c["rel_delta"], dtype=np.float64)
-        ax.plot(*envelope(x, d), color="#e07b00", lw=0.9)
+        handles += ax.plot(*envelope(x, d), color="#e07b00", lw=0.9, label="candidate - baseline")
         out = np.asarray(c["outside"], dtype=bool)
         if out.any():
             ax.scatter(*envelope(x[out], np.clip(d[out], -1e30, 1e30)), s=5, color=COLOURS["fail"], zorder=3)
@@ -334,8 +336,7 @@ def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -
             ax.axvline(c["departure_step"], color=COLOURS["fail"], ls="--", lw=1.0)
         ax.axhline(0, color="k", lw=0.5)
         if ax is axes[0]:
-            ax.legend(handles=ax.collections[:1] + ax.lines[-1:], labels=["band", "candidate"], fontsize=7,
-                      loc="upper left")
+            ax.legend(handles=handles, fontsize=7, loc="upper left")
         ax.set_title(f"{c['name']}" + (f"  (leaves at step {c['departure_step']})"
                                         if c.get("departure_step") is not None else ""),
                      fontsize=8, color=COLOURS["fail"] if c.get("departure_step") is not None else "k")

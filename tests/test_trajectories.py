@@ -249,6 +249,13 @@ def test_trajectory_reader_combines_ranks_as_the_step1_reader(tmp_path: Path) ->
             assert t.column(name)[i] == pytest.approx(e.full_norm(), rel=1e-6), (step, name)
     assert t.present is not None and not t.present[:3, 3].any() and t.present[3:, 3].all()
     assert list(read_trajectory(open_store(path), steps=[2, 5]).steps) == [2, 5]
+    # the older layout: a group of one dataset per column
+    with RunWriter(tmp_path / "old", rank=0, meta={"framework": "megatron-core"}) as w:
+        for s in (1, 2):
+            w.put_array(s, "local_norm/name", np.array(["a", "b"], dtype=object))
+            w.put_array(s, "local_norm/norm", np.array([1.0, 2.0 * s]))
+            w.finish_step()
+    assert read_trajectory(open_store(tmp_path / "old")).values.tolist() == [[1.0, 2.0], [1.0, 4.0]]
     # a log's named norms (TrainingStateMonitor lines, one table per step; msrun ranks: the lowest wins)
     tables = {s: pd.DataFrame({"name": ["x", "y", "x"], "norm": [1.0 * s, 2.0, 9.0], "rank": [1, 0, 0]})
               for s in (1, 2)}
