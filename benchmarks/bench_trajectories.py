@@ -4,8 +4,9 @@ Parts (inputs generated here; stores in a temporary folder, removed):
   compare      pair_trajectories + judge on in-memory trajectories: baseline, candidate, one repeat, each
                ``--steps`` x ``--params`` (float32), through the mcore dense preset; one parameter drifts
   figure       the stage's figure of the six parameters that matter most, ``--steps`` points each
-  read         read_trajectory on a run store of ``--store-steps`` step files (one rank, ``--params`` rows):
-               per-file cost, extrapolated to ``--steps`` (opening an HDF5 file is most of it)
+  read         read_trajectory on a run store of ``--store-steps`` step files (one rank, ``--params`` rows),
+               in this process and in forked readers (``--jobs``, default every core): per-file cost,
+               extrapolated to ``--steps`` (opening an HDF5 file is most of it)
 
 Prints min / median wall and CPU seconds over ``--repeats`` and the peak RSS of this process.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import tempfile
@@ -94,7 +96,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--params", type=int, default=291)
-    ap.add_argument("--store-steps", type=int, default=2000)
+    ap.add_argument("--store-steps", type=int, default=6000)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
@@ -109,7 +112,10 @@ def main() -> None:
         from comparators.trajectories import repeat_values
         holder["res"] = judge(paired, [repeat_values(paired, r)], opt)
 
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     res = timed(compare, a.repeats)
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"  peak RSS {rss0:.0f} MB with the three inputs, {rss1:.0f} MB after comparing", flush=True)
     line(f"compare {a.steps} steps x {a.params} parameters (1 repeat)", res)
     got = holder["res"]
     first = got.details["first_departure"]
@@ -125,12 +131,13 @@ def main() -> None:
         store = write_store(Path(tmp) / "store", a.store_steps, a.params)
         print(f"  (wrote {a.store_steps} step files in {time.perf_counter() - t:.1f} s)", flush=True)
         run = open_store(store)
-        rd = timed(lambda: read_trajectory(run), a.repeats)
-        line(f"read {a.store_steps} step files x {a.params} rows", rd)
-        per = min(rd["cpu_s"]) / a.store_steps
-        print(f"  per step file: {1e3 * min(rd['wall_s']) / a.store_steps:.3f} ms wall, {1e3 * per:.3f} ms cpu; "
-              f"{a.steps} steps: ~{per * a.steps:.1f} cpu s per run", flush=True)
-        out["read"] = {**rd, "files": a.store_steps}
+        for jobs in sorted({1, a.jobs}):
+            rd = timed(lambda jobs=jobs: read_trajectory(run, jobs=jobs), a.repeats)
+            line(f"read {a.store_steps} step files x {a.params} rows, jobs={jobs}", rd)
+            per_w, per_c = min(rd["wall_s"]) / a.store_steps, min(rd["cpu_s"]) / a.store_steps
+            print(f"  per step file: {1e3 * per_w:.3f} ms wall, {1e3 * per_c:.3f} ms cpu (this process); "
+                  f"{a.steps} steps: ~{per_w * a.steps:.1f} s wall per run", flush=True)
+            out[f"read_jobs{jobs}"] = {**rd, "files": a.store_steps}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {rss:.0f} MB", flush=True)
     out["peak_rss_mb"] = rss

@@ -11,16 +11,22 @@ first step of ``sustain`` consecutive recorded steps outside it; the first param
 Speed (100k steps x hundreds of parameters): each step file is opened once and only its norm table is read
 (raw, no name decoding); the ranks' rows are combined with the step-1 comparator's own rules
 (comparators.local_norms: TP shards, DP parts, replicas) worked out once per table layout and replayed on
-every step with the same layout as one numpy reduction; pairing through the mapping is done once on names;
-bands, departures and summaries are column-wise numpy / pandas over the [steps x parameters] matrices.
+every step with the same layout as one numpy reduction; long runs are read by forked processes side by side
+(``jobs``); pairing through the mapping is done once on names; bands, departures and summaries are
+column-wise numpy / pandas over the [steps x parameters] matrices, a block of parameters at a time.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
+import sys
+import tempfile
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -88,37 +94,58 @@ def _combine(plan: _Plan, norms: np.ndarray) -> np.ndarray:
     return out
 
 
-def _read_table(path: os.PathLike, group: str) -> dict[str, np.ndarray] | None:
-    """One step file's ``group`` table as raw columns (names stay bytes), or None when the file has none.
-    HDF5's low-level calls: opening the file is most of the cost, so nothing else is done."""
-    try:
-        fid = h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:120]})") from None
-    try:
-        root = h5py.h5g.open(fid, b"/")
-        key = group.encode()
-        if not root.links.exists(key):
-            return None
-        if h5py.h5o.get_info(root, key).type != h5py.h5o.TYPE_DATASET:   # the older layout: a group of columns
-            from runstore import table_columns
-            with h5py.File(fid) as h5:
-                return {k: np.asarray(v) for k, v in table_columns(h5[group]).items()} or None
-        ds = h5py.h5d.open(root, key)
+class _TableReader:
+    """Reads one table from step files with HDF5's low-level calls: opening the file is most of the cost, so
+    nothing else is done per file; the numpy dtype of a table's HDF5 type is built once, not per file."""
+
+    def __init__(self, group: str) -> None:
+        self.group, self.key = group, group.encode()
+        self.types: list[tuple[Any, np.dtype]] = []
+
+    def _dtype(self, ds: Any) -> np.dtype:
+        tid = ds.get_type()
+        for known, dtype in self.types:
+            if tid == known:
+                return dtype
         dtype = ds.dtype
-        if dtype.names is None or len(ds.shape) != 1:
-            raise BadInput(f"{path}: '{group}' is not a table (dtype {dtype}, shape {ds.shape})")
-        n = int(ds.shape[0])
-        if n * dtype.itemsize > max(os.path.getsize(path), 1 << 20):
-            raise BadInput(f"{path}: '{group}' declares {n} rows, more than the file holds")
-        rec = np.empty(n, dtype=dtype)
-        if n:
-            ds.read(h5py.h5s.ALL, h5py.h5s.ALL, rec)
-        return {k: rec[k] for k in dtype.names}
-    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-        raise BadInput(f"{path}: '{group}': unreadable table ({' '.join(str(exc).split())[:120]})") from None
-    finally:
-        fid.close()
+        self.types.append((tid, dtype))
+        return dtype
+
+    def __call__(self, path: os.PathLike) -> dict[str, np.ndarray] | None:
+        """One step file's table as raw columns (names stay bytes), or None when the file has none."""
+        try:
+            fid = h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:120]})") from None
+        try:
+            try:
+                ds = h5py.h5d.open(fid, self.key)
+            except (KeyError, ValueError, TypeError, RuntimeError):   # none, or the older layout: a group
+                return self._group(fid, path)
+            dtype = self._dtype(ds)
+            shape = ds.shape
+            if dtype.names is None or len(shape) != 1:
+                raise BadInput(f"{path}: '{self.group}' is not a table (dtype {dtype}, shape {shape})")
+            n = int(shape[0])
+            if n * dtype.itemsize > 1 << 24 and n * dtype.itemsize > os.path.getsize(path):
+                raise BadInput(f"{path}: '{self.group}' declares {n} rows, more than the file holds")
+            rec = np.empty(n, dtype=dtype)
+            if n:
+                ds.read(h5py.h5s.ALL, h5py.h5s.ALL, rec)
+            return {k: rec[k] for k in dtype.names}
+        except (KeyError, ValueError, RuntimeError, TypeError, OSError) as exc:
+            raise BadInput(f"{path}: '{self.group}': unreadable table ({' '.join(str(exc).split())[:120]})") from None
+        finally:
+            fid.close()
+
+    def _group(self, fid: Any, path: os.PathLike) -> dict[str, np.ndarray] | None:
+        from runstore import table_columns
+
+        h5 = h5py.File(fid)
+        obj = h5.get(self.group)
+        if not isinstance(obj, h5py.Group):
+            return None
+        return {k: np.asarray(v) for k, v in table_columns(obj).items()} or None
 
 
 def _same_layout(a: list[tuple[dict[str, Any], dict[str, np.ndarray]]],
@@ -153,58 +180,144 @@ def norm_groups(run: Any, limit: int = 20) -> list[str]:
     return [k for k in KINDS if k in found]
 
 
-def read_trajectory(run: Any, group: str = "local_norm", steps: Iterable[int] | None = None
+def read_trajectory(run: Any, group: str = "local_norm", steps: Iterable[int] | None = None, jobs: int = 1
                     ) -> Trajectory | None:
     """One run's ``group`` norms at every step that recorded them (or at ``steps`` only), one column per
-    parameter, combined over ranks exactly as the step-1 comparison combines them. None: no such norms."""
-    want = None if steps is None else set(int(s) for s in steps)
-    blocks: list[tuple[_Plan, list[int], list[np.ndarray]]] = []
-    files = 0
+    parameter, combined over ranks exactly as the step-1 comparison combines them. None: no such norms.
+    ``jobs`` > 1 reads a run store's step files in that many forked processes where forking is safe."""
+    want = None if steps is None else {int(s) for s in steps}
     store = getattr(run, "store", None)
     if store is not None:
-        infos: dict[int, dict[str, Any]] = {}
-        last: list[tuple[dict[str, Any], dict[str, np.ndarray]]] | None = None
-        for step in store.array_steps():
-            if want is not None and step not in want:
-                continue
-            tables = []
-            for rank in store.array_ranks(step):
-                files += 1
-                cols = _read_table(store.step_file(step, rank), group)
-                if cols is not None and len(cols.get("norm", ())):
-                    if rank not in infos:
-                        infos[rank] = store.rank_info(rank)
-                    tables.append((infos[rank], cols))
-            if not tables:
-                continue
-            if last is None or not _same_layout(last, tables):
-                blocks.append((_plan(tables, str(store.step_file(step, store.array_ranks(step)[0])), group),
-                               [], []))
-                last = tables
-            blocks[-1][1].append(step)
-            blocks[-1][2].append(np.concatenate([c["norm"] for _, c in tables]))
-    elif group == "local_norm" and getattr(run, "local_norms", None):
-        last_key: tuple[np.ndarray, ...] | None = None
-        for step in sorted(run.local_norms):
-            if want is not None and step not in want:
-                continue
-            t = run.local_norms[step]
-            if t is None or not len(t):
-                continue
-            name = t["name"].to_numpy()
-            rank = t["rank"].to_numpy() if "rank" in t.columns else np.zeros(len(t), dtype=np.int64)
-            if last_key is None or not (np.array_equal(last_key[0], name) and np.array_equal(last_key[1], rank)):
-                order = np.argsort(rank, kind="stable")     # the lowest rank's row of a name wins (DP replicas)
-                plan = _plan([({}, {"name": np.asarray(name[order], dtype=str),
-                                    "norm": t["norm"].to_numpy()[order]})], f"{run.path} step {step}", group)
-                plan.rows = order[plan.rows]
-                blocks.append((plan, [], []))
-                last_key = (name, rank)
-            blocks[-1][1].append(step)
-            blocks[-1][2].append(t["norm"].to_numpy(dtype=np.float64))
-    if not blocks:
+        todo = [s for s in store.array_steps() if want is None or s in want]
+        jobs = min(jobs, len(todo) // FORK_MIN_STEPS)
+        if jobs > 1 and _fork_safe():
+            return _read_forked(store, group, todo, jobs)
+        return _read_store(store, group, todo)
+    if group != "local_norm" or not getattr(run, "local_norms", None):
         return None
-    return _merge(blocks, files)
+    blocks: list[tuple[_Plan, list[int], list[np.ndarray]]] = []
+    last_key: tuple[np.ndarray, ...] | None = None
+    for step in sorted(run.local_norms):
+        if want is not None and step not in want:
+            continue
+        t = run.local_norms[step]
+        if t is None or not len(t):
+            continue
+        name = t["name"].to_numpy()
+        rank = t["rank"].to_numpy() if "rank" in t.columns else np.zeros(len(t), dtype=np.int64)
+        if last_key is None or not (np.array_equal(last_key[0], name) and np.array_equal(last_key[1], rank)):
+            order = np.argsort(rank, kind="stable")     # the lowest rank's row of a name wins (DP replicas)
+            plan = _plan([({}, {"name": np.asarray(name[order], dtype=str),
+                                "norm": t["norm"].to_numpy()[order]})], f"{run.path} step {step}", group)
+            plan.rows = order[plan.rows]
+            blocks.append((plan, [], []))
+            last_key = (name, rank)
+        blocks[-1][1].append(step)
+        blocks[-1][2].append(t["norm"].to_numpy(dtype=np.float64))
+    return _merge(blocks, 0) if blocks else None
+
+
+def _read_store(store: Any, group: str, steps: Iterable[int]) -> Trajectory | None:
+    blocks: list[tuple[_Plan, list[int], list[np.ndarray]]] = []
+    files = 0
+    infos: dict[int, dict[str, Any]] = {}
+    read_table = _TableReader(group)
+    last: list[tuple[dict[str, Any], dict[str, np.ndarray]]] | None = None
+    for step in steps:
+        tables = []
+        for rank in store.array_ranks(step):
+            files += 1
+            cols = read_table(store.step_file(step, rank))
+            if cols is not None and len(cols.get("norm", ())):
+                if rank not in infos:
+                    infos[rank] = store.rank_info(rank)
+                tables.append((infos[rank], cols))
+        if not tables:
+            continue
+        if last is None or not _same_layout(last, tables):
+            blocks.append((_plan(tables, str(store.step_file(step, store.array_ranks(step)[0])), group), [], []))
+            last = tables
+        blocks[-1][1].append(step)
+        blocks[-1][2].append(np.concatenate([c["norm"] for _, c in tables]))
+    return _merge(blocks, files) if blocks else None
+
+
+#: Fewest step files per forked reader: below it, forking costs more than it saves.
+FORK_MIN_STEPS = 2000
+
+
+def _fork_safe() -> bool:
+    """Forking is only an acceleration: where fork exists, no other thread runs (a lock held at the fork
+    could stall the child) and no training framework is loaded (the demo's process)."""
+    return (hasattr(os, "fork") and threading.active_count() == 1
+            and not any(m in sys.modules for m in ("torch", "mindspore")))
+
+
+def _read_forked(store: Any, group: str, steps: list[int], jobs: int) -> Trajectory | None:
+    """Read ``jobs`` contiguous chunks of steps side by side: each forked child writes its chunk's trajectory
+    as an .npz (no pickle) and exits; a child that fails has its chunk read again here (which raises the
+    same one-line error, if the input is bad)."""
+    chunks = [list(c) for c in np.array_split(np.asarray(steps, dtype=np.int64), jobs)]
+    tmp = Path(tempfile.mkdtemp(prefix="xf-align-traj-"))
+    children = []
+    try:
+        for k, chunk in enumerate(chunks[1:], 1):
+            out = tmp / f"{k}.npz"
+            pid = os.fork()
+            if pid == 0:   # the child: read, save, leave without running the parent's exit handlers
+                code = 1
+                try:
+                    t = _read_store(store, group, chunk)
+                    if t is not None:
+                        np.savez(out, steps=t.steps, values=t.values, names=np.array(t.names, dtype=str),
+                                 present=t.present if t.present is not None else np.zeros((0, 0), dtype=bool),
+                                 files=np.int64(t.files))
+                    code = 0
+                except BaseException:   # noqa: BLE001 - any failure: the parent reads this chunk itself
+                    pass
+                os._exit(code)
+            children.append((pid, k, out))
+        parts = [_read_store(store, group, chunks[0])]
+        for pid, k, out in children:
+            _, status = os.waitpid(pid, 0)
+            if os.waitstatus_to_exitcode(status) != 0:
+                parts.append(_read_store(store, group, chunks[k]))
+            elif out.is_file():
+                with np.load(out, allow_pickle=False) as z:
+                    present = z["present"] if z["present"].size else None
+                    parts.append(Trajectory(z["steps"], [str(n) for n in z["names"]], z["values"], present,
+                                            int(z["files"])))
+    finally:
+        for pid, _, _ in children:     # reap any child left (an exception above)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _concat([t for t in parts if t is not None])
+
+
+def _concat(parts: list[Trajectory]) -> Trajectory | None:
+    """Trajectories of consecutive chunks of steps as one (the union of their names)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    names: dict[str, int] = {}
+    for t in parts:
+        for n in t.names:
+            names.setdefault(n, len(names))
+    n_steps = sum(len(t.steps) for t in parts)
+    values = np.full((n_steps, len(names)), np.nan, dtype=np.float32)
+    present = np.zeros(values.shape, dtype=bool)
+    i = 0
+    for t in parts:
+        cols = np.fromiter((names[n] for n in t.names), dtype=np.int64, count=len(t.names))
+        values[i:i + len(t.steps), cols] = t.values
+        present[i:i + len(t.steps), cols] = True if t.present is None else t.present
+        i += len(t.steps)
+    return Trajectory(np.concatenate([t.steps for t in parts]), list(names), values,
+                      None if present.all() else present, sum(t.files for t in parts))
 
 
 def _merge(blocks: list[tuple[_Plan, list[int], list[np.ndarray]]], files: int) -> Trajectory:
@@ -263,8 +376,9 @@ def _gather(t: Trajectory, rows: np.ndarray, groups: list[list[int]]) -> tuple[n
     cols = np.fromiter((c for k in have for c in groups[k]), dtype=np.int64)
     starts = np.cumsum([0] + [len(groups[k]) for k in have[:-1]]).astype(np.int64)
     single = len(cols) == len(have)            # no fused group: a plain column selection
+    every_row = len(rows) == len(t.steps) and bool((rows == np.arange(len(rows))).all())
     for i in range(0, len(rows), _CHUNK):
-        r = rows[i:i + _CHUNK]
+        r = slice(i, i + _CHUNK) if every_row else rows[i:i + _CHUNK]
         sub = t.values[r][:, cols]
         if single:
             out[i:i + _CHUNK, have] = sub

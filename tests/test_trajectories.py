@@ -230,13 +230,16 @@ def _sharded_store(path: Path, steps: int, seed: int) -> Path:
     return path
 
 
-def test_trajectory_reader_combines_ranks_as_the_step1_reader(tmp_path: Path) -> None:
+def test_trajectory_reader_combines_ranks_as_the_step1_reader(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The vectorised reader replays the step-1 comparator's combination (TP shards summed, replicas once,
-    DP parts summed) on every step, through a change of the table's layout, and reads a log's named norms."""
+    DP parts summed) on every step, through a change of the table's layout, in forked readers too, and reads
+    the older table layout and a log's named norms."""
     import pandas as pd
 
     from comparators.local_norms import read_local_norms
     from comparators.trajectories import read_trajectory
+    from core.errors import BadInput
     from runstore import Run, RunReader, open_store
 
     path = _sharded_store(tmp_path / "s", 6, seed=7)
@@ -249,6 +252,17 @@ def test_trajectory_reader_combines_ranks_as_the_step1_reader(tmp_path: Path) ->
             assert t.column(name)[i] == pytest.approx(e.full_norm(), rel=1e-6), (step, name)
     assert t.present is not None and not t.present[:3, 3].any() and t.present[3:, 3].all()
     assert list(read_trajectory(open_store(path), steps=[2, 5]).steps) == [2, 5]
+    # forked readers (chunks of steps side by side) give the same trajectory, across the layout change
+    from comparators import trajectories
+
+    monkeypatch.setattr(trajectories, "FORK_MIN_STEPS", 1)
+    forked = read_trajectory(open_store(path), jobs=3)
+    assert forked.names == t.names and forked.files == t.files and list(forked.steps) == list(t.steps)
+    assert np.array_equal(forked.values, t.values, equal_nan=True) and np.array_equal(forked.present, t.present)
+    bad = sorted((path / "steps").glob("step_*"))[4] / "rank_00001.h5"
+    bad.write_bytes(b"not hdf5")        # in the third chunk: its child fails, the parent says why
+    with pytest.raises(BadInput, match="rank_00001.h5: not a readable HDF5 file"):
+        read_trajectory(open_store(path), jobs=3)
     # the older layout: a group of one dataset per column
     with RunWriter(tmp_path / "old", rank=0, meta={"framework": "megatron-core"}) as w:
         for s in (1, 2):

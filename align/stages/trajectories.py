@@ -3,6 +3,7 @@ stores hold them) at every common step, each against its own band from the basel
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -56,8 +57,9 @@ def run(ev: Evidence) -> StageResult:
                                            "kinds": {}, "first_departure": None})
     for kind in kinds:
         t0 = time.perf_counter()
-        b, c = read_trajectory(ev.baseline, kind), read_trajectory(ev.candidate, kind)
-        reps = [t for t in (read_trajectory(r, kind) for r in repeats[kind]) if t is not None]
+        jobs = ev.options.jobs or os.cpu_count() or 1      # forked step-file readers, where safe
+        b, c = read_trajectory(ev.baseline, kind, jobs=jobs), read_trajectory(ev.candidate, kind, jobs=jobs)
+        reps = [t for t in (read_trajectory(r, kind, jobs=jobs) for r in repeats[kind]) if t is not None]
         t1 = time.perf_counter()
         if b is None or c is None or not reps:
             continue
