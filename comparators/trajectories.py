@@ -228,7 +228,7 @@ def _read_store(store: Any, group: str, steps: Iterable[int]) -> Trajectory | No
         for rank in store.array_ranks(step):
             files += 1
             cols = read_table(store.step_file(step, rank))
-            if cols is not None and len(cols.get("norm", ())):
+            if cols is not None and ("norm" not in cols or len(cols["norm"])):   # no norm: refused by the plan
                 if rank not in infos:
                     infos[rank] = store.rank_info(rank)
                 tables.append((infos[rank], cols))

@@ -275,3 +275,40 @@ def test_trajectory_reader_combines_ranks_as_the_step1_reader(tmp_path: Path,
               for s in (1, 2)}
     log = read_trajectory(Run("log", "mindformers_log", local_norms=tables))
     assert [dict(zip(log.names, row, strict=True)) for row in log.values.tolist()] == [{"x": 9.0, "y": 2.0}] * 2
+
+
+@pytest.mark.parametrize("what", ["norm_text", "name_int", "lengths", "norm_2d", "no_norm", "not_a_table",
+                                  "truncated"])
+def test_bad_norm_table_late_in_the_run_is_bad_input(what: str, baseline: tuple[Path, Path], tmp_path: Path
+                                                      ) -> None:
+    """A step file far from step 1 (only the whole-run stages read it) with a broken norm table: one line
+    naming the file (BadInput: `align report` exits 2 with it)."""
+    import shutil
+
+    import h5py
+
+    from core.errors import BadInput
+
+    b, rep = baseline
+    c = tmp_path / "c"
+    shutil.copytree(b, c)
+    f = next((c / "steps").glob("step_*30/rank_00000.h5"))
+    text = h5py.string_dtype()
+    cols = {"norm_text": {"name": np.array(["a", "b"], dtype=text), "norm": np.array(["x", "y"], dtype=text)},
+            "name_int": {"name": np.array([1, 2]), "norm": np.array([1.0, 2.0])},
+            "lengths": {"name": np.array(["a"], dtype=text), "norm": np.array([1.0, 2.0])},
+            "norm_2d": {"name": np.array(["a", "b"], dtype=text), "norm": np.ones((2, 3))},
+            "no_norm": {"name": np.array(["a", "b"], dtype=text)}}.get(what)
+    if what == "truncated":
+        f.write_bytes(f.read_bytes()[:1000])
+    else:
+        with h5py.File(f, "r+") as h5:
+            del h5["local_norm"]
+            if what == "not_a_table":
+                h5["local_norm"] = np.ones(3)
+            else:
+                for k, v in cols.items():
+                    h5[f"local_norm/{k}"] = v
+    with pytest.raises(BadInput, match=r"step_0*30/rank_00000\.h5") as exc:
+        stages(b, c, [rep], ["norm_trajectories"])
+    assert "\n" not in str(exc.value)
