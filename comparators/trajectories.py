@@ -593,7 +593,11 @@ def compare_trajectories(baseline: Trajectory, candidate: Trajectory, repeats: l
 # -- which parameters jumped at one step ---------------------------------------------------------------------
 def norm_jumps(paired: Paired, step: int, previous: int = 5, top: int = 5) -> list[dict[str, Any]]:
     """At ``step``, each unit's norm over the median of its ``previous`` recorded steps before it, on both
-    sides; the ``top`` units whose norm jumped most (either side, by |log ratio|) first."""
+    sides; the ``top`` units whose jump differs most between the sides first (|log(candidate ratio /
+    baseline ratio)|: a batch both runs find hard moves both alike and cancels; a unit one side lacks there
+    is ranked by the other side's own jump)."""
+    import warnings
+
     hit = np.flatnonzero(paired.steps == step)
     if not len(hit):
         return []
@@ -601,18 +605,20 @@ def norm_jumps(paired: Paired, step: int, previous: int = 5, top: int = 5) -> li
     lo = max(0, i - previous)
     if lo == i:
         return []
-    out = []
-    with np.errstate(invalid="ignore", divide="ignore"):
-        ratios = {}
+    ratios = {}
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)       # a unit with no earlier value: NaN, skipped
         for side, v in (("baseline", paired.baseline), ("candidate", paired.candidate)):
             ref = np.nanmedian(np.where(paired.present[lo:i], v[lo:i], np.nan), axis=0)
             ratios[side] = (v[i] / ref, ref)
-        score = np.fmax(np.abs(np.log(ratios["baseline"][0])), np.abs(np.log(ratios["candidate"][0])))
-    score = np.where(paired.present[i] & ~np.isnan(score), score, -1.0)
+        lb, lc = np.log(ratios["baseline"][0]), np.log(ratios["candidate"][0])
+        score = np.abs(np.where(np.isfinite(lb) & np.isfinite(lc), lc - lb, np.where(np.isfinite(lc), lc, lb)))
+    score = np.where(paired.present[i] & np.isfinite(score), score, -1.0)
+    out = []
     for j in np.argsort(-score, kind="stable")[:top]:
         if score[j] < 0:
             break
-        out.append({"name": paired.names[j], "previous_steps": int(i - lo),
+        out.append({"name": paired.names[j], "previous_steps": int(i - lo), "one_side_jump": float(np.exp(score[j])),
                     **{f"{side}_{k}": float(x) for side, (r, ref) in ratios.items()
                        for k, x in (("ratio", r[j]), ("previous_median", ref[j]))},
                     "baseline_value": float(paired.baseline[i, j]),

@@ -178,13 +178,14 @@ def test_one_side_loss_spike_reported_with_its_evidence(baseline: tuple[Path, Pa
     assert loss[0]["batches"]["baseline"]["tokens_sha1"] != loss[0]["batches"]["candidate"]["tokens_sha1"]
     jumps = loss[0]["norm_jumps"]
     assert jumps[0]["name"] == "output_layer.weight" and jumps[0]["candidate_ratio"] > 4
+    assert jumps[0]["one_side_jump"] > 4 and all(j["one_side_jump"] < 1.2 for j in jumps[1:])
     assert jumps[0]["baseline_ratio"] == pytest.approx(1.0, abs=0.2)
     grad = sp.details["grad_norm"]["reported"]
     assert [x["peak_step"] for x in grad] == [20] and grad[0]["batches"]["same_batch"] is True
     msgs = [f.message for f in sp.findings]
     assert any("step 40" in m and "DIFFER" in m and "output_layer.weight" in m and "the candidate spiked" in m
                for m in msgs), msgs
-    assert any("grad norm" in m and "step 20" in m and "same batch" in m for m in msgs), msgs
+    assert any("grad norm" in m and "step 20" in m and "same batch" in m and "moved alike" in m for m in msgs), msgs
     # a one-step jump of one norm is not a departure of its trajectory
     assert res["norm_trajectories"].details["first_departure"] is None
 

@@ -19,6 +19,7 @@ from runstore.run import Run
 
 NAME = "spikes"
 PREVIOUS = 5       # recorded steps before a spike its named norms are measured against
+JUMP = 1.2         # a norm's jump on one side over the other's from which it is named as jumping
 METRICS = (("loss", "", "long_run"), ("grad_norm", "grad_norm_", "grad_norm"))
 
 
@@ -76,11 +77,16 @@ def _message(sp: dict[str, Any], repeats: int) -> str:
                 f"{bt['candidate']['tokens_sha1']}): look at the data pipeline first")
     else:
         msg += "; batches not recorded by both runs at that step"
-    if sp["norm_jumps"]:
+    jumps = sp["norm_jumps"]
+    if jumps:
         top = ", ".join(f"{j['name']} x{j['candidate_ratio']:.3g} (baseline x{j['baseline_ratio']:.3g})"
-                        for j in sp["norm_jumps"][:3])
-        msg += (f"; named gradient norms that moved most against the {sp['norm_jumps'][0]['previous_steps']} "
-                f"recorded steps before (candidate): {top}")
+                        for j in jumps[:3] if j["one_side_jump"] >= JUMP)
+        before = f"the {jumps[0]['previous_steps']} recorded steps before"
+        if jumps[0]["one_side_jump"] >= JUMP:
+            msg += f"; named gradient norms that jumped most on one side against {before} (candidate): {top}"
+        else:
+            msg += (f"; the named gradient norms moved alike on both sides against {before} (largest "
+                    f"difference x{jumps[0]['one_side_jump']:.3g}: {jumps[0]['name']})")
     return msg
 
 
@@ -122,8 +128,9 @@ def section(res: StageResult) -> str:
             rows.append({"metric": metric, "step": d["peak_step"], "steps out": d["steps_outside"],
                          "baseline": d["baseline"], "candidate": d["candidate"], "band": d["band"],
                          "spiked": d["side"], "same batch": bt["same_batch"],
-                         "norms that jumped (candidate)": ", ".join(
-                             f"{j['name']} x{j['candidate_ratio']:.3g}" for j in d["norm_jumps"][:3])})
+                         "norms that jumped (candidate / baseline)": ", ".join(
+                             f"{j['name']} x{j['candidate_ratio']:.3g} / x{j['baseline_ratio']:.3g}"
+                             for j in d["norm_jumps"][:3] if j["one_side_jump"] >= JUMP)})
     return table(rows)
 
 
