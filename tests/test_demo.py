@@ -144,7 +144,9 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
 def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp_path: Path) -> None:
     """The real pair's named gradient norms at every step, each in its band from the TP=2 repeat: all 19 stay
     in (the clean report passes). A copy of the MindFormers store with one parameter's norm 10% off from step
-    4 names that parameter and step 4."""
+    4 names that parameter and step 4; a one-step loss spike planted there is reported with its step's batches
+    (the same: MindFormers replayed Megatron's) and which run spiked (the candidate: the repeat agrees with
+    the baseline)."""
     import shutil
 
     import h5py
@@ -165,11 +167,22 @@ def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp
                 rec = h5["local_norm"][...]
                 rec["norm"][rec["name"] == planted.encode()] *= 1.1
                 h5["local_norm"][...] = rec
+    # and a one-step loss spike of the candidate at step 8: reported with that step's real batches
+    scalars = tmp_path / "candidate" / "scalars" / "rank_00000.jsonl"
+    lines = [json.loads(x) for x in scalars.read_text().splitlines()]
+    for rec in lines:
+        rec["loss"] += 0.5 if rec["step"] == 8 else 0.0
+    scalars.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     ev = Evidence.load(Inputs(str(runs / "baseline"), str(tmp_path / "candidate"), repeats=[str(runs / "repeat_tp2")],
                               options=Options(scalar=ScalarOptions(sustain=5))))
-    res = run_stages(ev, only=["norm_trajectories"])["norm_trajectories"]
+    got = run_stages(ev, only=["norm_trajectories", "spikes"])
+    res = got["norm_trajectories"]
     assert res.verdict == "fail" and res.details["first_departure"]["name"] == planted
     assert res.details["first_departure"]["departure_step"] == 4 and res.details["kinds"]["local_norm"]["departed"] == 1
+    (spike,) = got["spikes"].details["loss"]["reported"]
+    assert spike["peak_step"] == 8 and spike["side"] == "candidate"
+    # the MindFormers candidate replayed the Megatron baseline's batch of that step
+    assert spike["batches"]["same_batch"] is True and spike["norm_jumps"]
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
