@@ -293,7 +293,7 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
                              num_experts=num_experts, sizes=dict(sizes or {}))
     # optimizer state (adam moments, step counters) lives in the same file: not weights, not converted
     weights = {k: v for k, v in state.items()
-               if (m.match(k, "candidate") is not None or not _optimizer_key(k)) and not m.ignored(k, "candidate")}
+               if (m.match(k, "candidate") is not None or not optimizer_key(k)) and not m.ignored(k, "candidate")}
     problems = check_weights(weights, m, "candidate", str(path))
     try:
         converted, res = m.convert(weights, "baseline", params, scheme=scheme)
@@ -314,7 +314,7 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
     return res
 
 
-def _optimizer_key(name: str) -> bool:
+def optimizer_key(name: str) -> bool:
     return name.startswith(("adam_", "moment1.", "moment2.", "global_step", "learning_rate", "scale_sense",
                             "current_iterator_step", "last_overflow_iterator_step", "epoch_num", "step_num",
                             "loss_scale"))

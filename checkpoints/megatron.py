@@ -86,15 +86,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         return getattr(importlib.import_module(module), name)
 
 
-def _dcp_reader(path: Path) -> Any:
+def _dcp_reader(path: Path, parsed: Any = None) -> Any:
+    """torch's FileSystemReader with ``.metadata`` read by the allow-list unpickler (``parsed``: a metadata
+    object read before, reused so that loading tensor by tensor does not parse the file each time)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            data = (path / ".metadata").read_bytes()
-            metadata = _MetadataUnpickler(io.BytesIO(data), path / ".metadata").load()
+            if parsed is not None:
+                metadata = parsed
+            else:
+                data = (path / ".metadata").read_bytes()
+                metadata = _MetadataUnpickler(io.BytesIO(data), path / ".metadata").load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -205,12 +210,9 @@ def _check_dcp_items(root: Path, meta: Any, declared: Mapping[str, Any]) -> None
             check_zip_crc(io.BytesIO(blob), shard)
 
 
-def read_torch_dist(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Global model tensors of a ``torch_dist`` checkpoint folder, unstacked to per-layer names."""
-    import torch
-    from torch.distributed.checkpoint import load
-
-    root = Path(path)
+def open_torch_dist(root: Path) -> tuple[Any, dict[str, tuple[tuple[int, ...], Any]]]:
+    """The checked metadata of a ``torch_dist`` folder and its declared model tensors (key -> (size, dtype)):
+    every stored record of those tensors CRC-checked, so a damaged shard is refused before anything loads."""
     reader = _dcp_reader(root)
     errors = _dcp_error_types()
     try:
@@ -227,24 +229,48 @@ def read_torch_dist(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
     if not declared:
         raise BadInput(f"{root}: torch_dist checkpoint holds no model tensors")
     _check_dcp_items(root, meta, declared)
-    state: dict[str, Any] = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in declared.items()}
+    return meta, declared
+
+
+def load_torch_dist_keys(root: Path, meta: Any, declared: Mapping[str, tuple[tuple[int, ...], Any]],
+                         keys: list[str]) -> dict[str, Any]:
+    """The global tensors ``keys`` of a checked ``torch_dist`` folder (torch tensors, as stored)."""
+    import torch
+    from torch.distributed.checkpoint import load
+
+    state: dict[str, Any] = {k: torch.empty(declared[k][0], dtype=declared[k][1]) for k in keys}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            load(state, storage_reader=_dcp_reader(root), no_dist=True)
+            load(state, storage_reader=_dcp_reader(root, meta), no_dist=True)
     except BadInput:
         raise
-    except errors as exc:
+    except _dcp_error_types() as exc:
         raise BadInput(f"{root}: torch_dist shards unreadable ({_one_line(exc)})") from None
-    out: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
     for key, t in state.items():
         if tuple(t.shape) != declared[key][0] or t.dtype != declared[key][1]:
             raise BadInput(f"{root}: torch_dist tensor {key!r} came back as {list(t.shape)} {t.dtype}, "
                            f"its metadata says {list(declared[key][0])} {declared[key][1]}")
+    return state
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+
+
+def read_torch_dist(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Global model tensors of a ``torch_dist`` checkpoint folder, unstacked to per-layer names."""
+    root = Path(path)
+    meta, declared = open_torch_dist(root)
+    state = load_torch_dist_keys(root, meta, declared, list(declared))
+    out: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for key, t in state.items():
         for name, part in _unstack(key, t):
             dtypes[name] = str(part.dtype).replace("torch.", "")
-            out[name] = (part.float() if part.dtype == torch.bfloat16 else part).numpy().copy()
+            out[name] = _to_numpy(part)
     return out, dtypes
 
 
@@ -260,20 +286,68 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return f"{type(inner).__name__}: {text[:limit]}"
 
 
-def _unstack(key: str, t: Any) -> list[tuple[str, Any]]:
-    """``decoder.layers.X`` (layers on a leading axis) -> ``decoder.layers.{i}.X``; experts likewise."""
+def _unstacked_names(key: str, size: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """Per-layer names of a stored key and the index into it: ``decoder.layers.X`` (layers on a leading
+    axis) -> ``decoder.layers.{i}.X``; SequentialMLP experts (``...experts.experts.Y``, experts on the next
+    axis) -> ``...experts.local_experts.{j}.Y``."""
     m = re.match(r"^(.*?decoder\.layers)\.(?!\d+\.)(.*)$", key)
-    if not m:
-        return [(key, t)]
-    out = []
-    for i in range(t.shape[0]):
+    if not m or not size:
+        return [(key, ())]
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(size[0]):
         name = f"{m.group(1)}.{i}.{m.group(2)}"
-        e = re.match(r"^(.*\.experts)\.experts\.(.*)$", name)   # SequentialMLP: experts on the next axis
-        if e:
-            out.extend((f"{e.group(1)}.local_experts.{j}.{e.group(2)}", t[i][j]) for j in range(t.shape[1]))
+        e = re.match(r"^(.*\.experts)\.experts\.(.*)$", name)
+        if e and len(size) > 1:
+            out.extend((f"{e.group(1)}.local_experts.{j}.{e.group(2)}", (i, j)) for j in range(size[1]))
         else:
-            out.append((name, t[i]))
+            out.append((name, (i,)))
     return out
+
+
+def _unstack(key: str, t: Any) -> list[tuple[str, Any]]:
+    return [(name, t[idx] if idx else t) for name, idx in _unstacked_names(key, tuple(t.shape))]
+
+
+class TorchDistWeights:
+    """A ``torch_dist`` checkpoint read lazily: the metadata (and every stored record's CRC) checked up
+    front, then one stored key at a time (a key holds every layer of one parameter, stacked) when one of its
+    per-layer names is asked for; the last key stays loaded, so reading in :meth:`names` order loads
+    each key once."""
+
+    sequential = True
+    kind = "megatron torch_dist"
+
+    def __init__(self, root: str | Path) -> None:
+        self.path = Path(root)
+        self._meta, self._declared = open_torch_dist(self.path)
+        self._where: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for key, (size, _dtype) in self._declared.items():
+            for name, idx in _unstacked_names(key, size):
+                self._where[name] = (key, idx)
+        self._cache: dict[str, Any] = {}
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        key, idx = self._where[name]
+        return self._declared[key][0][len(idx):]
+
+    def dtype(self, name: str) -> str:
+        return str(self._declared[self._where[name][0]][1]).replace("torch.", "")
+
+    def get(self, name: str) -> np.ndarray:
+        key, idx = self._where[name]
+        t = self._cache.get(key)
+        if t is None:
+            t = load_torch_dist_keys(self.path, self._meta, self._declared, [key])[key]
+            while self._cache:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = t
+        return _to_numpy(t[idx] if idx else t)
+
+    def close(self) -> None:
+        self._cache.clear()
 
 
 # -- legacy torch format -------------------------------------------------------------------------------------
@@ -281,7 +355,12 @@ def _unstack(key: str, t: Any) -> list[tuple[str, Any]]:
 _ALLOWED_GLOBAL_PREFIXES = ("argparse.Namespace", "numpy.core.multiarray._reconstruct",
                             "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
                             "numpy.dtypes.", "megatron.core.enums.", "megatron.core.transformer.enums.",
-                            "megatron.training.enums.", "torch.")
+                            "megatron.training.enums.", "torch.",
+                            # Megatron-LM >= 0.12 saves its rerun state machine's enums (plain Enum members)
+                            "megatron.core.rerun_state_machine.RerunDiagnostic",
+                            "megatron.core.rerun_state_machine.RerunMode",
+                            "megatron.core.rerun_state_machine.RerunState",
+                            "megatron.core.rerun_state_machine.RerunValidationStatus")
 
 
 def _resolve(qualname: str) -> Any:
@@ -289,8 +368,9 @@ def _resolve(qualname: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def load_legacy_file(path: str | Path) -> dict[str, Any]:
-    """One ``model_optim_rng.pt`` with ``weights_only=True`` and the explicit allow-list above."""
+def load_legacy_file(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """One ``model_optim_rng.pt`` with ``weights_only=True`` and the explicit allow-list above (``mmap``:
+    tensors stay in the memory-mapped file until read)."""
     import torch
     import torch.serialization as ser
 
@@ -307,7 +387,7 @@ def load_legacy_file(path: str | Path) -> dict[str, Any]:
                        "save the model state_dict alone (torch.save(model.state_dict(), ...))")
     try:
         with ser.safe_globals([_resolve(g) for g in unsafe]):
-            obj = torch.load(str(p), map_location="cpu", weights_only=True)
+            obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=mmap)
     except BadInput:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -384,9 +464,10 @@ def _n_layers(sd: Mapping[str, Any]) -> int:
     return len({m.group(2) for k in sd for m in [_LAYER.match(k)] if m})
 
 
-def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
-                ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Merge every ``mp_rank_*`` file into one TP=1 / PP=1 / global-expert state_dict."""
+def _legacy_index(path: str | Path, gated_fc1: bool | None, mmap: bool = False
+                  ) -> tuple[Path, int, bool, dict[str, list[tuple[int, Any]]]]:
+    """Every ``mp_rank_*`` file loaded (``mmap``: tensors left in the files) and its tensors renamed to
+    global layers and experts: (folder, TP size, gated fc1, global name -> [(TP rank, shard), ...])."""
     import torch
 
     root = find_legacy_root(path)
@@ -404,7 +485,7 @@ def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
                        f"EP rank {e} ({tp} x {pp} x {ep} expected from the mp_rank_* folders)")
     loaded: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     for key, f in files:
-        obj = load_legacy_file(f)
+        obj = load_legacy_file(f, mmap=mmap)
         args = obj.get("args")
         if gated_fc1 is None and args is not None:
             gated_fc1 = bool(getattr(args, "swiglu", False))
@@ -442,38 +523,96 @@ def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
                 if m and n_local:
                     name = f"{m.group(1)}.{int(m.group(2)) + e * n_local}.{m.group(3)}"
                 merged.setdefault(name, []).append((t, v))
+    return root, tp, bool(gated_fc1), merged
+
+
+def _merge_legacy(root: Path, name: str, parts: list[tuple[int, Any]], tp: int, gated_fc1: bool) -> Any:
+    """One parameter's TP shards -> the whole tensor (gated fc1 as [gate; up] of the whole)."""
+    import torch
+
+    by_rank: dict[int, Any] = {}
+    for t, v in sorted(parts, key=lambda x: x[0]):   # EP ranks repeat the non-expert tensors: one per TP
+        if t in by_rank and tuple(by_rank[t].shape) != tuple(v.shape):
+            raise BadInput(f"{root}: {name} differs in shape between the EP ranks of TP rank {t}")
+        by_rank.setdefault(t, v)
+    ranks, shards = list(by_rank), list(by_rank.values())
+    dim = _tp_dim(name) if tp > 1 else -1
+    if dim >= 0 and ranks != list(range(tp)):
+        raise BadInput(f"{root}: {name} is in TP ranks {sorted(set(ranks))}, not in each of the {tp} "
+                       "(a tensor split over TP needs every shard)")
+    if dim < 0:
+        if any(tuple(p.shape) != tuple(shards[0].shape) or p.dtype != shards[0].dtype for p in shards[1:]):
+            raise BadInput(f"{root}: {name} differs in shape or dtype between ranks, yet is not split over TP")
+        return shards[0]
+    shapes = [tuple(p.shape) for p in shards]
+    if any(len(sh) <= dim or sh[:dim] + sh[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]
+           for sh in shapes) or len({p.dtype for p in shards}) != 1:
+        raise BadInput(f"{root}: TP shards of {name} do not fit together on dim {dim}: {shapes}")
+    if gated_fc1 and re.search(r"(^|\.)linear_fc1\.(weight|bias)$", name):
+        if any(sh[0] % 2 for sh in shapes):
+            raise BadInput(f"{root}: TP shards of gated {name} have an odd number of rows: {shapes}")
+        halves = [p.chunk(2, dim=0) for p in shards]   # each TP shard is [gate_r; up_r]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def read_legacy(path: str | Path, *, gated_fc1: bool | None = None
+                ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Merge every ``mp_rank_*`` file into one TP=1 / PP=1 / global-expert state_dict."""
+    root, tp, gated, merged = _legacy_index(path, gated_fc1)
     out: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     for name, parts in merged.items():
-        by_rank: dict[int, Any] = {}
-        for t, v in sorted(parts, key=lambda x: x[0]):   # EP ranks repeat the non-expert tensors: one per TP
-            if t in by_rank and tuple(by_rank[t].shape) != tuple(v.shape):
-                raise BadInput(f"{root}: {name} differs in shape between the EP ranks of TP rank {t}")
-            by_rank.setdefault(t, v)
-        ranks, parts = list(by_rank), list(by_rank.values())
-        dim = _tp_dim(name) if tp > 1 else -1
-        if dim >= 0 and ranks != list(range(tp)):
-            raise BadInput(f"{root}: {name} is in TP ranks {sorted(set(ranks))}, not in each of the {tp} "
-                           "(a tensor split over TP needs every shard)")
-        if dim < 0:
-            if any(tuple(p.shape) != tuple(parts[0].shape) or p.dtype != parts[0].dtype for p in parts[1:]):
-                raise BadInput(f"{root}: {name} differs in shape or dtype between ranks, yet is not split over TP")
-            full = parts[0]
-        else:
-            shapes = [tuple(p.shape) for p in parts]
-            if any(len(sh) <= dim or sh[:dim] + sh[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]
-                   for sh in shapes) or len({p.dtype for p in parts}) != 1:
-                raise BadInput(f"{root}: TP shards of {name} do not fit together on dim {dim}: {shapes}")
-            if gated_fc1 and re.search(r"(^|\.)linear_fc1\.(weight|bias)$", name):
-                if any(sh[0] % 2 for sh in shapes):
-                    raise BadInput(f"{root}: TP shards of gated {name} have an odd number of rows: {shapes}")
-                halves = [p.chunk(2, dim=0) for p in parts]   # each TP shard is [gate_r; up_r]
-                full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-            else:
-                full = torch.cat(parts, dim=dim)
+        full = _merge_legacy(root, name, parts, tp, gated)
         dtypes[name] = str(full.dtype).replace("torch.", "")
-        out[name] = (full.float() if full.dtype == torch.bfloat16 else full).numpy().copy()
+        out[name] = _to_numpy(full)
     return out, dtypes
+
+
+class LegacyWeights:
+    """A legacy ``torch`` Megatron checkpoint read lazily: every rank file CRC-checked and loaded
+    memory-mapped up front (names, shapes and the allow-list check), each parameter's TP shards read and
+    merged when it is asked for."""
+
+    sequential = False
+    kind = "megatron legacy (torch)"
+
+    def __init__(self, path: str | Path, *, gated_fc1: bool | None = None) -> None:
+        self.path = Path(path)
+        self._root, self._tp, self._gated, self._merged = _legacy_index(path, gated_fc1, mmap=True)
+        #: name -> rel L2 of the most different TP rank's copy of a replicated parameter (filled as read)
+        self.replica_differences: dict[str, float] = {}
+        self._shape: dict[str, tuple[int, ...]] = {}
+        for name, parts in self._merged.items():
+            shape = list(parts[0][1].shape)
+            dim = _tp_dim(name) if self._tp > 1 else -1
+            if dim >= 0 and len(shape) > dim:
+                shape[dim] = sum(int(v.shape[dim]) for t, v in {t: v for t, v in parts}.items())
+            self._shape[name] = tuple(shape)
+
+    def names(self) -> list[str]:
+        return list(self._merged)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def dtype(self, name: str) -> str:
+        return str(self._merged[name][0][1].dtype).replace("torch.", "")
+
+    def get(self, name: str) -> np.ndarray:
+        parts = self._merged[name]
+        full = _merge_legacy(self._root, name, parts, self._tp, self._gated)
+        if self._tp > 1 and _tp_dim(name) < 0:     # a replicated parameter: every TP rank should hold the same
+            copies: dict[int, Any] = {}
+            for t, v in parts:
+                copies.setdefault(t, v)
+            ref = full.double()
+            scale = max(float(ref.norm()), 1e-30)
+            self.replica_differences[name] = max(float((v.double() - ref).norm()) / scale for v in copies.values())
+        return _to_numpy(full)
+
+    def close(self) -> None:
+        self._merged = {}
 
 
 def read_megatron_checkpoint(path: str | Path, *, gated_fc1: bool | None = None

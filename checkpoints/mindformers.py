@@ -145,8 +145,8 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], d
 _ITEMSIZE = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _NP_DTYPES.items()}}
 
 
-def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """name -> numpy array (bfloat16 as exact float32), and name -> stored dtype ("bfloat16", "float32", ...).
+def index_safetensors(path: str | os.PathLike) -> tuple[dict[str, tuple[str, list[int], int, int]], int]:
+    """name -> (dtype code, shape, byte offset in the file, byte length), and the file size.
 
     The header is checked as the format defines it before any tensor is read: every entry well-formed, each
     tensor's byte range exactly its shape x dtype size, the ranges tiling the data section with no gap, overlap
@@ -185,18 +185,74 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     if start + pos != size:
         raise BadInput(f"{path}: the header describes {pos} bytes of data, the file holds {size - start} "
                        f"({'truncated' if start + pos > size else 'trailing bytes'})")
+    return {name: (st, shape, start + lo, hi - lo) for lo, hi, name, st, shape in entries}, size
+
+
+def _decode(raw: np.ndarray | bytes, st: str, shape: list[int]) -> tuple[np.ndarray, str]:
+    """Stored bytes -> numpy (bfloat16 as exact float32), and the stored dtype's name."""
+    if st == "BF16":
+        return bfloat16_bits_to_float32(np.frombuffer(raw, dtype="<u2")).reshape(shape), "bfloat16"
+    dt = np.dtype(_NP_DTYPES[st])
+    a = np.frombuffer(raw, dtype=dt.newbyteorder("<"))
+    return (a if a.dtype == dt else a.astype(dt)).reshape(shape), dt.name
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """name -> numpy array (bfloat16 as exact float32), and name -> stored dtype ("bfloat16", "float32", ...).
+    The whole file, checked first (:func:`index_safetensors`); :class:`SafetensorsWeights` reads lazily."""
+    path = Path(path)
+    index, _size = index_safetensors(path)
     arrays, dtypes = {}, {}
     with open(path, "rb") as f:
-        for lo, hi, name, st, shape in entries:
-            f.seek(start + lo)
-            raw = f.read(hi - lo)
-            if len(raw) != hi - lo:   # pragma: no cover - the size check above
+        for name, (st, shape, off, n) in index.items():
+            f.seek(off)
+            raw = f.read(n)
+            if len(raw) != n:   # pragma: no cover - the size check above
                 raise BadInput(f"{path}: tensor {name!r} lies outside the file (truncated?)")
-            if st == "BF16":
-                a = bfloat16_bits_to_float32(np.frombuffer(raw, dtype="<u2"))
-                dtypes[name] = "bfloat16"
-            else:
-                a = np.frombuffer(raw, dtype=np.dtype(_NP_DTYPES[st]).newbyteorder("<")).astype(_NP_DTYPES[st])
-                dtypes[name] = np.dtype(_NP_DTYPES[st]).name
-            arrays[name] = a.reshape(shape)
+            a, dtypes[name] = _decode(raw, st, shape)
+            arrays[name] = a.copy() if st != "BF16" else a
     return arrays, dtypes
+
+
+class SafetensorsWeights:
+    """One safetensors file, or a folder of them (MindFormers' unified safetensors, sharded files), read
+    lazily: the headers are checked up front, each tensor is a view of the memory-mapped file taken when it is
+    asked for, so a checkpoint larger than memory compares one parameter at a time."""
+
+    sequential = False
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        files = sorted(self.path.glob("*.safetensors")) if self.path.is_dir() else [self.path]
+        if not files:
+            raise BadInput(f"{self.path}: no .safetensors files in this folder")
+        self.kind = "safetensors" if len(files) == 1 and not self.path.is_dir() else \
+            f"safetensors folder ({len(files)} files)"
+        self._where: dict[str, tuple[Path, str, list[int], int, int]] = {}
+        for f in files:
+            index, _size = index_safetensors(f)
+            for name, (st, shape, off, n) in index.items():
+                if name in self._where:
+                    raise BadInput(f"{f}: tensor {name!r} is also in {self._where[name][0].name}")
+                self._where[name] = (f, st, shape, off, n)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name][2])
+
+    def dtype(self, name: str) -> str:
+        st = self._where[name][1]
+        return "bfloat16" if st == "BF16" else np.dtype(_NP_DTYPES[st]).name
+
+    def get(self, name: str) -> np.ndarray:
+        f, st, shape, off, n = self._where[name]
+        if n == 0:
+            return _decode(b"", st, shape)[0]
+        # a map of this tensor's bytes alone: unmapped when the caller drops the array, so the pages read
+        # do not pile up in the process (one map of the whole file would hold every page ever touched)
+        return _decode(np.memmap(f, dtype=np.uint8, mode="r", offset=off, shape=(n,)), st, shape)[0]
+
+    def close(self) -> None:
+        pass

@@ -85,7 +85,34 @@ def _rel(a: float, b: float) -> float:
     return abs(b - a) / max(abs(a), 1e-12)
 
 
-def _step_stage(name: str, nth: int, base: pd.Series, cand: pd.Series, opt: ScalarOptions) -> StageResult:
+def log_window(run: Run | None, step: int, key: str = "loss") -> dict[str, Any] | None:
+    """The log reader's account of ``step`` when its printed value was (or may be) a mean over the first
+    printed window (``meta["log_windows"]``, sources.megatron_log.first_windows); None otherwise."""
+    if run is None:
+        return None
+    for w in run.meta.get("log_windows") or []:
+        if isinstance(w, dict) and w.get("step") == step and w.get("state") in ("recovered", "ambiguous") \
+                and key in (w.get("printed") or {}):
+            return w
+    return None
+
+
+def _readings(role: str, run: Run | None, step: int, value: float) -> tuple[list[float], list[str]]:
+    """The values a run's step may hold (as stored; and the other reading of an ambiguous log line) and
+    what the finding must say about them."""
+    w = log_window(run, step)
+    if w is None:
+        return [value], []
+    other = (w.get("recovered") or {}).get("loss")
+    if w["state"] == "recovered":
+        return [value], [f"{role}: {w['message']}"]
+    if not isinstance(other, (int, float)) or not math.isfinite(other):
+        return [value], []
+    return [value, float(other)], [f"{role}: {w['message']}"]
+
+
+def _step_stage(name: str, nth: int, base: pd.Series, cand: pd.Series, opt: ScalarOptions,
+                runs: tuple[Run | None, Run | None] = (None, None)) -> StageResult:
     common = _common(base, cand)
     if nth == 2 and len(common) == 1:      # one common step: the step-1 pass must not read as an all-clear
         st = StageResult(name, details={"step": None, "common_steps": 1})
@@ -105,8 +132,27 @@ def _step_stage(name: str, nth: int, base: pd.Series, cand: pd.Series, opt: Scal
     what = "forward (same weights and data?)" if nth == 1 else "optimizer update (lr, betas, eps, decay?)"
     msg = (f"{label} loss (step {step}): baseline {b:.6g}, candidate {c:.6g}, relative delta {rel:.3g} "
            f"{'<=' if verdict == 'pass' else '>'} {opt.step_rtol:g}")
-    if verdict == "fail":
+    bvals, bnotes = _readings("baseline", runs[0], step, b)
+    cvals, cnotes = _readings("candidate", runs[1], step, c)
+    if bnotes or cnotes:
+        st.details["log_windows"] = bnotes + cnotes
+    if len(bvals) == 2 and len(cvals) == 2:
+        # two logs of unknown version: read both the same way (made by the same Megatron-LM, presumably)
+        others = [(bvals[1], cvals[1], _rel(bvals[1], cvals[1]))]
+    else:
+        others = [(x, y, _rel(x, y)) for x in bvals for y in cvals if (x, y) != (b, c)]
+    if others and any((r <= opt.step_rtol) != (verdict == "pass") for _, _, r in others):
+        # one reading of an ambiguous log line passes, the other fails: a warning naming the ambiguity
+        x, y, r = next(o for o in others if (o[2] <= opt.step_rtol) != (verdict == "pass"))
+        msg += (f"; if the printed line is the mean over the first printed window (Megatron-LM core >= 0.16), the "
+                f"step's own losses are baseline {x:.7g}, candidate {y:.7g}, relative delta {r:.3g} "
+                f"{'<=' if r <= opt.step_rtol else '>'} {opt.step_rtol:g}: which reading holds is not known. "
+                "Give the Megatron-LM log from its start (its arguments block tells the version) to settle it")
+        verdict = "warn"
+    elif verdict == "fail":
         msg += f"; suspect the {what}"
+    if bnotes or cnotes:
+        msg += ". " + " ".join(bnotes + cnotes)
     st.add(Finding(name, verdict, "loss", "rel_delta", rel, opt.step_rtol, msg))
     return st
 
@@ -147,8 +193,8 @@ def compare_scalars(baseline: Run, candidate: Run, repeats: list[Run] | None = N
     repeats = repeats or []
     stages: dict[str, StageResult] = {}
     base, cand = baseline.series("loss"), candidate.series("loss")
-    stages["step1_loss"] = _step_stage("step1_loss", 1, base, cand, opt)
-    stages["step2_loss"] = _step_stage("step2_loss", 2, base, cand, opt)
+    stages["step1_loss"] = _step_stage("step1_loss", 1, base, cand, opt, (baseline, candidate))
+    stages["step2_loss"] = _step_stage("step2_loss", 2, base, cand, opt, (baseline, candidate))
     stages["nonfinite"] = _nonfinite_stage(baseline, candidate, repeats)
     stages["lr_schedule"] = _lr_stage(baseline, candidate, opt)
 

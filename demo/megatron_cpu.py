@@ -432,7 +432,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, batch: Mapping[str, torch
     Works for a plain ``torch.optim`` optimizer on a bare GPTModel, and for ``MegatronOptimizerCPU`` on a
     model wrapped in Megatron's DDP (``wrap_ddp``).
     """
-    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
     ddp = isinstance(model, DistributedDataParallel)
     if ddp:
@@ -442,8 +442,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, batch: Mapping[str, torch
     loss.backward()
     grad_norm = None
     if ddp:
-        with cpu_device_redirect():
-            model.finish_grad_sync()
+        with cpu_device_redirect():   # as Megatron's train_step: DP sync, then TP all-reduce of qk_layernorm grads
+            finalize_model_grads([model])
     else:
         allreduce_grads_dp(model)
     result = optimizer.step()

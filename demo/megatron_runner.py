@@ -187,6 +187,8 @@ def run(spec: Spec) -> dict[str, Any]:
             **({"attention": "q, k, v and output rounded through float16"} if spec.attention_fp16 else {}),
             "data": {"vocab_size": spec.model.vocab_size, "eos_id": spec.eos_id, "pad_id": spec.pad_id}}
     dumper = MegatronDumper(ddp, opt, cfg, meta=meta)
+    from megatron.core.distributed import finalize_model_grads
+
     source = BatchSource(spec, mutate_cache=injects(spec, "baseline") == "loss_mask_mutation")
     params = _named_params(ddp)
     nan_hook = None
@@ -205,8 +207,8 @@ def run(spec: Spec) -> dict[str, Any]:
         opt.zero_grad()
         loss = forward_loss(ddp, batch)
         loss.backward()
-        with cpu_device_redirect():
-            ddp.finish_grad_sync()
+        with cpu_device_redirect():   # as Megatron's train_step: DP sync, then TP all-reduce of qk_layernorm grads
+            finalize_model_grads([ddp])
         if nan_hook is not None and step == NAN_STEP:
             nan_hook.main_grad.view(-1)[0] = float("nan")
         if step == 1 and evidence is not None:

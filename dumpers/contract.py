@@ -58,6 +58,12 @@ class DumpConfig:
     background_writes: write step files on a background thread (full tensors are then copied to host
         memory in the hook, written while training computes; ``end_step`` waits for the step file).
         Off: each full tensor is written in its hook (torch: straight from the tensor's memory, no copy).
+    capture_env: record the cluster capture (dumpers/environment.py: numerics-relevant environment variables,
+        versions, determinism / precision settings, the random generators' state) in meta.json
+        ``environment`` when the dumper is built (rank 0; build it once the weights are loaded, right before
+        training, or call ``capture_environment()`` then). ``capture_env_data``: dataset files or folders to
+        hash with it; ``capture_env_weights``: fingerprint the model's parameters too (compared through the
+        mapping by the report's checklist).
     """
 
     out: str | os.PathLike | None = None
@@ -75,6 +81,9 @@ class DumpConfig:
     ranks: Iterable[int] | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     background_writes: bool = False
+    capture_env: bool = False
+    capture_env_data: Sequence[str] = ()
+    capture_env_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.tensors not in TENSOR_MODES:
@@ -88,6 +97,8 @@ class DumpConfig:
             if tuple(self.modules) not in (("*",), cells):
                 raise ValueError(f"modules={tuple(self.modules)!r} and cells={cells!r}: give one of the two")
             self.modules = self.cells = cells
+        if isinstance(self.capture_env_data, (str, os.PathLike)):
+            self.capture_env_data = (self.capture_env_data,)
 
 
 def dumps_rank(config: DumpConfig, rank: int) -> bool:

@@ -77,7 +77,7 @@ class MindFormersDumperCallback(DumperCallback):
     Two ways to build it: from Python with a dumper (``MindFormersDumperCallback(MindSporeDumper(net, out))``),
     or from a YAML ``callbacks:`` entry with keyword arguments only (``out_dir``, ``batch_columns``,
     ``steps``, ``tensor_steps``, ``tensors``, ``cells``, ``backward``, ``nan_trace``, ``meta``,
-    ``graph_capture``): the dumper is then created at
+    ``graph_capture``, ``capture_env``, ``capture_env_data``): the dumper is then created at
     the start of training on the network the Trainer built, with this process's rank (MindSpore's
     ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms) and, with
     ``tensors: stats``, captures layer statistics inside the compiled step (``graph_capture``, on by default
@@ -94,13 +94,15 @@ class MindFormersDumperCallback(DumperCallback):
     def __init__(self, dumper: MindSporeDumper | None = None, batch_columns: Sequence[str] | None = None, *,
                  out_dir: str | None = None, steps: Any = None, tensor_steps: Any = None, tensors: str = "off",
                  cells: Sequence[str] = ("*",), backward: bool = True, nan_trace: str = "grads",
-                 meta: dict[str, Any] | None = None, graph_capture: bool = True) -> None:
+                 meta: dict[str, Any] | None = None, graph_capture: bool = True, capture_env: bool = False,
+                 capture_env_data: Sequence[str] = ()) -> None:
         if dumper is None and not out_dir:
             raise ValueError("MindFormersDumperCallback needs a dumper or out_dir (the run-store directory)")
         super().__init__(dumper, batch_columns)  # type: ignore[arg-type]
         self._pending = None if dumper is not None else (str(out_dir), DumpConfig(
             steps=steps, tensor_steps=tensor_steps, tensors=tensors, cells=tuple(cells), backward=backward,
-            nan_trace=nan_trace, meta=dict(meta or {})))
+            nan_trace=nan_trace, meta=dict(meta or {}), capture_env=bool(capture_env),
+            capture_env_data=tuple(capture_env_data or ())))
         self._graph_capture = bool(graph_capture)
         self._capture_checked = False
 
@@ -111,7 +113,7 @@ class MindFormersDumperCallback(DumperCallback):
         out_dir, config = self._pending
         self._pending = None
         cb = run_context.original_args()
-        net = _model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None))
+        net, scheme = _named_model(_model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None)))
         graph = ms.get_context("mode") != ms.PYNATIVE_MODE
         capture = self._graph_capture and graph and config.tensors == "stats"
         try:
@@ -121,7 +123,7 @@ class MindFormersDumperCallback(DumperCallback):
                     "under semi_auto_parallel/auto_parallel, or a parallel resume), so the in-graph capture "
                     "cannot be added")
             self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
-                                          name_scheme="mindformers", graph_capture=capture)
+                                          name_scheme=scheme, graph_capture=capture)
         except LayerCaptureError as exc:
             # keep scalars, batches and named norms, never stop the run.
             warnings.warn(f"MindFormersDumperCallback: {exc}; dumping without layer tensors", RuntimeWarning,
@@ -129,8 +131,7 @@ class MindFormersDumperCallback(DumperCallback):
             config.tensors, config.nan_trace = "off", "grads"
             config.meta = {**config.meta, "layer_capture": f"refused in GRAPH mode ({exc}): re-run steps 1-2 in "
                                                            "PYNATIVE (context.mode: 1) to capture layers"}
-            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
-                                          name_scheme="mindformers")
+            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers", name_scheme=scheme)
 
     def on_train_step_begin(self, run_context: Any) -> None:
         if self.dumper is not None:
@@ -223,6 +224,22 @@ def _model_cell(net: Any) -> Any:
             return net
         net, seen = inner, seen + 1
     return net
+
+
+def _named_model(net: Any) -> tuple[Any, str]:
+    """The cell whose sub-cell names are the parameters' names, with its name scheme.
+
+    Why: a MindFormers 2.x mcore model (``Training*ForCausalLM``, ``use_legacy: False``) is built with
+    ``auto_prefix=False``: its parameters carry Megatron's names (``decoder.layers.0...``) while its cells sit
+    under ``model.`` (the GPTModel inside). Layer patterns (``cells``) and layer rows then use Megatron's module
+    names (``decoder.layers.*.mlp``), as the mapping does. The legacy Llama keeps ``model.layers...`` for both.
+    """
+    inner = getattr(net, "model", None)
+    if isinstance(inner, ms.nn.Cell) and inner is not net:
+        names = [p.name for p in net.get_parameters()]
+        if names and not any(n.startswith("model.") for n in names):
+            return inner, "mindformers_mcore"
+    return net, "mindformers"
 
 
 def _register() -> None:

@@ -204,6 +204,33 @@ class MindSporeDumper(StepBookkeeping):
                                   background=self.config.background_writes)
         if capture:
             self.watch(net)
+        if self.config.capture_env:
+            self.capture_environment(seeds=self.config.meta.get("seed"))
+
+    def capture_environment(self, seeds: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """Write the cluster capture (``DumpConfig.capture_env``) into meta.json ``environment`` (rank 0): this
+        process's variables, versions and settings, the generators as they are now (``seeds``: the record
+        ``seed_everything`` returned), ``capture_env_data`` hashed and, with ``capture_env_weights``, every
+        trainable parameter's fingerprint by its name (this rank's shards under TP / PP)."""
+        if self.writer is None or self.coords["rank"] != 0:
+            return None
+        try:
+            from dumpers.environment import capture_environment
+
+            weights = None
+            if self.config.capture_env_weights and self.net is not None:
+                weights = [(p.name, (lambda p=p: to_numpy(p)), dtype_name(p.dtype))
+                           for p in self.net.trainable_params()]
+            par = {"tp": self.coords["tp_size"], "pp": self.coords["pp_size"]}
+            capture = capture_environment("mindspore", by=type(self).__name__, data=self.config.capture_env_data,
+                                          weights=weights, weights_source="model parameters at capture",
+                                          parallel=par, seeds=seeds)
+            self.writer.update_meta({"environment": capture})
+            return capture
+        except Exception as exc:  # noqa: BLE001 - never take the training run down; the dump goes on without it
+            warnings.warn(f"MindSporeDumper: environment capture failed ({exc!r}); dumping goes on without it",
+                          RuntimeWarning, stacklevel=2)
+            return None
 
     # -- failure policy ---------------------------------------------------------------------------------
     def _fail(self, what: str, exc: BaseException) -> None:

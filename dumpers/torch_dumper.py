@@ -238,6 +238,33 @@ class TorchDumper(StepBookkeeping):
             self._install_hooks()
         except Exception as exc:  # never break the training script
             self._fail("init", exc)
+            return
+        if self.config.capture_env:
+            self.capture_environment(seeds=(meta or {}).get("seed") or self.config.meta.get("seed"))
+
+    def capture_environment(self, seeds: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """Write the cluster capture (``DumpConfig.capture_env``) into meta.json ``environment`` (rank 0): this
+        process's variables, versions and settings, the generators as they are now (``seeds``: the record
+        ``seed_everything`` returned, to tell whether anything drew since), ``capture_env_data`` hashed and,
+        with ``capture_env_weights``, every trained parameter's fingerprint (this rank's shards under TP / PP)."""
+        if self._writer is None or self.rank != 0:
+            return None
+        try:
+            from dumpers.environment import capture_environment
+
+            weights = None
+            if self.config.capture_env_weights:
+                weights = [(name, (lambda p=p: p.detach().float().cpu().numpy()), _dtype_name(p.dtype))
+                           for name, p, _ in self.params]
+            par = {k: self.rank_info.get(k, 1) for k in ("tp", "pp", "ep")}
+            capture = capture_environment("torch", by=type(self).__name__, data=self.config.capture_env_data,
+                                          weights=weights, weights_source="model parameters at capture",
+                                          parallel=par, seeds=seeds)
+            self._writer.update_meta({"environment": capture})
+            return capture
+        except Exception as exc:  # noqa: BLE001 - never break the training script
+            self._fail("capture_env", exc)
+            return None
 
     # -- identity -------------------------------------------------------------------------------------
     @staticmethod

@@ -97,10 +97,35 @@ def preset_for_weights(path: str | Path) -> str | None:
     return None
 
 
+def preset_for_names(*named: tuple[list[str], str]) -> str | None:
+    """The preset that covers the most of these tensor names, each list on its side (``(names, "baseline")``
+    for Megatron's, ``(names, "candidate")`` for MindFormers'; ignored names count as covered), or None when
+    none covers any. Among presets covering as many, the one with the fewest rules left unused wins (mcore
+    names are the same on both sides, so a dense checkpoint is covered by the MLA presets too; they leave
+    their MLA rules unused), then the family asked first. Why from names: a checkpoint carries no config, and
+    its names tell MoE (stacked experts), MLA and the legacy Llama apart."""
+    best, best_score = None, (0, 0)
+    for f in families():
+        for preset in f.presets:
+            m = load_mapping(preset)
+            covered, used = 0, set()
+            for names, side in named:
+                for n in names:
+                    hit = m.match(n, side)
+                    if hit is not None:
+                        used.add(hit.rule.id)
+                    if hit is not None or m.ignored(n, side):
+                        covered += 1
+            score = (covered, -(len(m.rules) - len(used)))
+            if covered and score > best_score:
+                best, best_score = preset, score
+    return best
+
+
 def demo_presets() -> dict[str, str]:
     """The demo's model kinds (``--model``) -> the preset of their family."""
     return {f.demo_kind: f.main_preset for f in families() if f.demo_kind}
 
 
 __all__ = ["DEFAULT_PRESET", "Family", "demo_presets", "families", "family", "load_mapping", "preset_for_config",
-           "preset_for_scheme", "preset_for_weights", "preset_path", "presets"]
+           "preset_for_names", "preset_for_scheme", "preset_for_weights", "preset_path", "presets"]

@@ -204,6 +204,33 @@ def chart_parameters(parameters: list[dict]) -> list[dict]:
 def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Path) -> bytes | None:
     """Relative difference of every parameter's step-1 gradient norm, names on the axis, grouped by layer
     (the ``MAX_NORM_BARS`` largest when there are more)."""
+    return _parameter_bars(parameters, rtol, None, verdict, path,
+                           xlabel="relative difference of the gradient norm (candidate vs baseline)",
+                           title="Step-1 local norms")
+
+
+def weights_chart(rows: list[dict], verdict: str, path: Path) -> bytes | None:
+    """Relative L2 difference of each parameter's weights (compare-weights), the ``MAX_NORM_BARS`` largest,
+    grouped by layer, coloured by each parameter's verdict; a parameter that could not be compared (missing,
+    shape) is drawn as the largest. One tolerance line when every parameter has the same; else (dtypes, or
+    bands from a repeat) a tick on each bar at its own."""
+    params = [{"name": r["name"], "layer": r.get("layer"), "kind": r.get("kind"), "verdict": r.get("verdict"),
+               "tol": r.get("tolerance"),
+               "rel_diff": r["rel_l2"] if r.get("rel_l2") is not None else float("inf")} for r in rows]
+    tols = {r.get("tolerance") for r in rows if r.get("tolerance") is not None}
+    warns = {r.get("warn_tolerance") for r in rows if r.get("warn_tolerance") is not None}
+    one = len(tols) == 1
+    return _parameter_bars(params, float(next(iter(tols))) if one else None,
+                           float(next(iter(warns))) if one and len(warns) == 1 else None, verdict, path,
+                           xlabel="relative L2 difference of the weights, ||candidate - baseline|| / ||baseline||",
+                           title="Weights", own_verdicts=True)
+
+
+def _parameter_bars(parameters: list[dict], rtol: float | None, warn_tol: float | None, verdict: str, path: Path, *,
+                    xlabel: str, title: str, own_verdicts: bool = False) -> bytes | None:
+    """Horizontal bars, one per parameter (log scale), names on the axis. ``own_verdicts``: each parameter's
+    ``verdict`` colours its bar and its ``tol`` is ticked on it (tolerances differ per parameter); else the
+    bars are coloured against ``rtol`` / ``warn_tol``, drawn as lines."""
     if not parameters:
         return None
     shown_of = len(parameters)
@@ -217,19 +244,29 @@ def local_norm_chart(parameters: list[dict], rtol: float, verdict: str, path: Pa
     fig, ax = _figure((width, height))
     fig.subplots_adjust(left=names_in / width, right=0.98, top=1 - 0.45 / height, bottom=0.55 / height)
     y = np.arange(len(rows))
-    ax.barh(y, shown, color=_bar_colours(vals, rtol))
-    ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
+    colours = [COLOURS.get(p.get("verdict") or "fail", COLOURS["fail"]) for p in rows] if own_verdicts else \
+        _bar_colours(vals, rtol if rtol is not None else 0.0, warn_tol)
+    ax.barh(y, shown, color=colours)
+    if rtol is not None:
+        ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
+    else:
+        ticks = [(i, p["tol"]) for i, p in enumerate(rows) if p.get("tol")]
+        if ticks:
+            ax.scatter([t for _, t in ticks], [i for i, _ in ticks], marker="|", s=120, color="k", zorder=3,
+                       label="each parameter's tolerance")
+    if rtol is not None and warn_tol is not None:
+        ax.axvline(warn_tol, color=COLOURS["fail"], ls=":", lw=0.8, label=f"fails above {warn_tol:g}")
     ax.set_yticks(y)
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("relative difference of the gradient norm (candidate vs baseline)")
+    ax.set_xlabel(xlabel)
     layers = [p.get("layer") for p in rows]
     for i in range(1, len(rows)):
         if layers[i] != layers[i - 1]:
             ax.axhline(i - 0.5, color="#bbbbbb", lw=0.6)
     what = "per parameter" if shown_of == len(rows) else f"of the {len(rows)} largest of {shown_of} parameters"
-    fig.suptitle(f"Step-1 local norms {what}, grouped by layer  [{verdict.upper()}]",
+    fig.suptitle(f"{title} {what}, grouped by layer  [{verdict.upper()}]",
                  color=COLOURS.get(verdict, "k"), y=1 - 0.08 / height, va="top")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(axis="x", alpha=0.3)

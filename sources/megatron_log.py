@@ -495,14 +495,17 @@ def parse_megatron_log(path: str | Path) -> Run:
     if n_loss > n_records:  # a head garbled beyond recognition: its values have no step to go to
         notes.append(f"{n_loss - n_records} line(s) hold 'lm loss:' without a readable "
                      "'iteration N/ M |' head; not read")
-    _validation(counted, series, notes)
     config: dict[str, Any] = {}
     start = raw.find(_ARGS_START)
     if start >= 0:
         end = raw.find(_ARGS_END, start)
         if end < 0:
             notes.append("arguments block not closed; read what was there")
-        config = parse_arguments_block(raw[start: end if end >= 0 else None].decode("utf-8", "replace"))
+        # the end line is part of the block: without it the parser reads the block as cut short
+        block = raw[start: end + len(_ARGS_END) if end >= 0 else None]
+        config = parse_arguments_block(block.decode("utf-8", "replace"))
+    windows = first_windows(series, iters, config, notes)
+    _validation(counted, series, notes)
     layout = parse_world_line(raw[: start if start >= 0 else 1 << 16].decode("utf-8", "replace"))
     meta: dict[str, Any] = {
         "framework": "megatron-lm",
@@ -516,6 +519,11 @@ def parse_megatron_log(path: str | Path) -> Run:
         ("dp", "data_parallel_size"), ("world_size", "world_size"))}
     if any(v is not None for v in parallel.values()):
         meta["parallel"] = parallel  # a size the log does not state stays None (unknown), never a default
+    if windows:
+        meta["log_windows"] = windows
+    vocab = padded_vocab_line(raw)
+    if vocab:
+        meta["data"] = vocab
     n_tb = counted.count(b"Traceback (most recent call last)")
     if n_tb:
         notes.append(f"{n_tb} traceback(s) in the log")
@@ -849,3 +857,185 @@ def _fixed_width_numbers(heads: Any, width: int, start: int, slash: int) -> np.n
 def _line_end(raw: bytes, pos: int) -> int:
     end = raw.find(b"\n", pos)
     return len(raw) if end < 0 else end
+
+
+# ------------------------------------------------------------------------------------------------------
+# The first printed window: from Megatron-LM core 0.16 the line after the first printed iteration also
+# averages that iteration (training.py ``should_reset = not is_first_iteration``)
+# ------------------------------------------------------------------------------------------------------
+
+#: Arguments Megatron-LM added in core 0.16.0 (none of them in 0.15.3 or earlier; all in 0.16.0 to 0.19.0 and
+#: main of 2026-08): 0.16.0 is the release whose ``training_log`` prints the first iteration of a process
+#: without resetting its accumulators, so the next printed line is the mean over both.
+SINCE_CORE_0_16 = ("save_wgrads_interval", "save_dgrads_interval", "log_max_attention_logit", "exit_signal",
+                   "mtp_standalone", "batch_invariant_mode")
+#: Megatron-LM prints every argument it has (450+ in core 0.12); a block this short was cut by hand.
+FULL_BLOCK = 100
+_F32 = 2.0 ** -23   # float32 rounding of the accumulated sum (relative, generous)
+_MAX_SEGMENTS = 20  # process starts looked at (a log concatenated from many restarts: the first 20)
+
+
+def _window_keys(series: dict[str, pd.Series]) -> list[str]:
+    """The keys Megatron accumulates over a printed window and divides by its iteration count: every loss
+    of ``total_loss_dict`` (``lm loss``, MoE ``load_balancing_loss`` / ``z_loss``, ``mtp_1 loss``, ...)."""
+    return sorted(k for k in series if k == "loss" or k.endswith("_loss"))
+
+
+def _half_unit(value: float) -> float:
+    """Half the last printed digit of ``%.6E`` (how Megatron prints every averaged loss)."""
+    if not math.isfinite(value) or value == 0.0:
+        return 0.0
+    return 0.5 * 10.0 ** (math.floor(math.log10(abs(value))) - 6)
+
+
+def averaging_evidence(config: dict[str, Any]) -> tuple[str, str]:
+    """Whether the log's Megatron-LM keeps its first printed iteration in the next line's mean:
+    ``("averaged" | "single" | "unknown", why)``, told by the arguments block (Megatron-LM prints no version)."""
+    if not config:
+        return "unknown", "the log has no arguments block to tell the Megatron-LM version"
+    found = [a for a in SINCE_CORE_0_16 if a in config]
+    if len(found) >= 2:
+        return "averaged", (f"the arguments block lists {found[0]} and {found[1]}, arguments of Megatron-LM core "
+                            ">= 0.16, whose line after the first printed iteration is the mean over both")
+    if not getattr(config, "abbreviated", False) and len(config) >= FULL_BLOCK:
+        return "single", (f"the arguments block ({len(config)} arguments) has none of {', '.join(SINCE_CORE_0_16)}:"
+                          " Megatron-LM before core 0.16, which resets its means after every printed line")
+    return "unknown", (f"the arguments block is cut short ({len(config)} arguments) and does not tell the "
+                       "Megatron-LM version")
+
+
+def _first_pairs(iters: np.ndarray) -> list[tuple[int, int]]:
+    """(first, second) iteration printed by each process in the log (a record not above the one before it
+    starts a new process: a restart), where no later record of the log prints those iterations again."""
+    n = len(iters)
+    if n < 2:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(iters[1:] <= iters[:-1]) + 1))
+    out = []
+    for s in starts[:_MAX_SEGMENTS]:
+        s = int(s)
+        if s + 1 >= n or iters[s + 1] <= iters[s]:
+            continue
+        i0, i1 = int(iters[s]), int(iters[s + 1])
+        if len(starts) > 1 and (np.flatnonzero(iters == i0)[-1] != s or np.flatnonzero(iters == i1)[-1] != s + 1):
+            continue    # printed again by a later process: the series hold that process's values
+        out.append((i0, i1))
+    return out
+
+
+def _at(series: dict[str, pd.Series], key: str, step: int) -> float | None:
+    s = series.get(key)
+    if s is None or step not in s.index:
+        return None
+    return float(s.loc[step])
+
+
+def first_windows(series: dict[str, pd.Series], iters: np.ndarray, config: dict[str, Any],
+                  notes: list[str]) -> list[dict[str, Any]]:
+    """Read the line after each process's first printed iteration as what it is.
+
+    From Megatron-LM core 0.16, ``training_log`` prints a process's first iteration i0 and keeps it in its
+    accumulators, so the next line (i1) averages the losses over [i0, i1] and its elapsed time too; with
+    ``--log-interval 1`` iteration 2 prints the mean of iterations 1 and 2. Where the arguments block says
+    so, the step's own values are recovered (``n*A - L(i0)`` over the rest of the window) and the series hold
+    them; where the version cannot be told, the values stay as printed and the entry holds the other
+    reading, so a comparison can weigh both. Returns the entries for ``meta["log_windows"]``."""
+    state, why = averaging_evidence(config)
+    interval = config.get("log_interval") if config else None
+    interval = interval if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0 else None
+    out: list[dict[str, Any]] = []
+    if state == "single":
+        return out
+    for i0, i1 in _first_pairs(iters):
+        # the window [i0, i1] has one iteration more than a regular one only when i0 is itself on a boundary
+        if (i1 - i0 != interval) if interval is not None else (i1 != i0 + 1):
+            continue
+        entry = _window_entry(series, i0, i1, state, why)
+        if entry is None:
+            continue
+        out.append(entry)
+        if state == "averaged":
+            for key, value in entry["recovered"].items():
+                s = series[key].copy()
+                if value is None:
+                    s = s.drop(i1)
+                else:
+                    s.loc[i1] = value
+                series[key] = s
+        notes.append(entry["message"])
+    return out
+
+
+def _window_entry(series: dict[str, pd.Series], i0: int, i1: int, state: str, why: str) -> dict[str, Any] | None:
+    """The values iteration ``i1`` printed, the values of iteration i1 alone had it averaged [i0, i1], their
+    rounding bounds and the sentence saying so; None where the log itself shows no averaging."""
+    n = i1 - i0 + 1
+    e0, e1 = _at(series, "elapsed_ms", i0), _at(series, "elapsed_ms", i1)
+    if e0 is not None and e1 is not None and n * (e1 + 0.05) < e0 - 0.05:
+        # averaged, the time printed at i1 would be at least the first iteration's over n: it is not
+        if state == "averaged":
+            return {"step": i1, "first": i0, "iterations": n, "state": "single", "printed": {}, "recovered": {},
+                    "error": {}, "message": f"iteration {i1}: not read as a mean over iterations {i0}-{i1} although "
+                    f"{why}: its elapsed time ({e1:g} ms) is below iteration {i0}'s over {n} ({e0:g} ms / {n}), "
+                    "so this Megatron-LM resets after the first printed line"}
+        return None
+    skipped0 = _at(series, "skipped_iterations", i0) or 0.0
+    skipped = _at(series, "skipped_iterations", i1) or 0.0
+    advanced = n - int(skipped)            # iterations whose losses the printed means add up
+    printed: dict[str, float] = {}
+    recovered: dict[str, float | None] = {}
+    error: dict[str, float] = {}
+    parts: list[str] = []
+    for key in _window_keys(series):
+        a, first = _at(series, key, i1), _at(series, key, i0)
+        if a is None or skipped0 >= 1:
+            continue   # iteration i0 skipped: its losses were never added, the printed means exclude it
+        if not math.isfinite(a) or (first is not None and not math.isfinite(first)):
+            continue   # a non-finite mean: nothing to read back (the nonfinite stage names the step)
+        printed[key] = a
+        if first is None or advanced < 2:
+            recovered[key] = None
+            parts.append(f"{key} unknown (iteration {i0}'s {key} not printed)" if first is None
+                         else f"{key} unknown (no other iteration of the window advanced)")
+            continue
+        value = (advanced * a - first) / (advanced - 1)
+        bound = (advanced * (_half_unit(a) + _F32 * abs(a)) + _half_unit(first)) / (advanced - 1)
+        recovered[key], error[key] = value, bound
+        parts.append(f"{key} {advanced} x {a:.6E} - {first:.6E} = {value:.7g} (+-{bound:.1e})")
+    if not printed:
+        return None
+    if e0 is not None and e1 is not None and math.isfinite(e0) and math.isfinite(e1):
+        printed["elapsed_ms"] = e1
+        recovered["elapsed_ms"] = (n * e1 - e0) / (n - 1)
+        error["elapsed_ms"] = (n * 0.05 + 0.05) / (n - 1)
+    if state == "unknown" and (recovered.get("loss") or 0.0) < 0.0:
+        return None    # a negative cross-entropy: the printed value is no mean over the window
+    precision = ("Megatron prints means with %.6E (7 significant digits) and sums them in float32; the bound "
+                 "adds both roundings")
+    if state == "averaged":
+        message = (f"iteration {i1}: Megatron-LM printed the mean over iterations {i0}-{i1} ({why}); iteration "
+                   f"{i1}'s own values recovered: {'; '.join(parts)}. {precision}")
+    else:
+        message = (f"iteration {i1}: its values may be the mean over iterations {i0}-{i1} (Megatron-LM core >= 0.16"
+                   f" prints that on the line after a process's first iteration, here with a log interval of "
+                   f"{i1 - i0}) and {why}: kept as printed; read as a mean, iteration {i1}'s own would be: "
+                   f"{'; '.join(parts)}. The step comparisons weigh both readings")
+    return {"step": i1, "first": i0, "iterations": n, "state": "recovered" if state == "averaged" else "ambiguous",
+            "printed": printed, "recovered": recovered, "error": error, "message": message}
+
+
+_PADDED = re.compile(rb"> padded vocab \(size: (\d{1,12})\) with (\d{1,12}) dummy tokens \(new size: (\d{1,12})\)")
+
+
+def padded_vocab_line(raw: bytes) -> dict[str, Any]:
+    """``> padded vocab (size: 128) with 0 dummy tokens (new size: 128)``, printed by every Megatron-LM when it
+    builds the tokenizer: the tokenizer's vocabulary and the padded one the embedding has."""
+    i = raw.find(b"> padded vocab (size:")
+    m = _PADDED.search(raw, i, i + 200) if i >= 0 else None
+    if m is None:
+        return {}
+    size, extra, padded = (int(g) for g in m.groups())
+    if size + extra != padded:
+        return {}
+    return {"vocab_size": padded, "tokenizer_vocab_size": size,
+            "vocab_source": f"the log's '> padded vocab (size: {size}) ... (new size: {padded})' line"}

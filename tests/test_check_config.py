@@ -476,3 +476,55 @@ def test_bad_types_of_the_new_keys_are_one_line(tmp_path: Path) -> None:
     mf["train_dataset"]["data_loader"]["config"]["seed"] = "x"
     with pytest.raises(BadInput, match="seed"):
         _check(str(CONFIGS / "megatron_qwen3_32b.sh"), _yaml(tmp_path, mf), tmp_path)
+
+
+# --- issue 22: a replay run's global batch is read from the batches it replays ---------------------------
+
+def _docs_replay_yaml(data_dir: Path) -> dict:
+    """The replay block of docs/mindformers-launch.md, as a user copies it, pointed at ``data_dir``."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "mindformers-launch.md").read_text()
+    block = next(b.split("\n", 1)[1] for b in text.split("```yaml")[1:] if "MegatronReplayDataset" in b)
+    block = block.split("```", 1)[0]
+    assert "/path/to/megatron_batches" in block
+    cfg = yaml.safe_load(block.replace("/path/to/megatron_batches", str(data_dir)))
+    cfg["parallel_config"] = {"data_parallel": 1}
+    return cfg
+
+
+def test_replay_of_a_run_store_gives_the_global_batch_and_says_so(tmp_path: Path) -> None:
+    """A Megatron run store of 2 micro-batches of 2 per step (what the dumper writes), replayed as the docs'
+    YAML says (batch_size 1: one row per whole step): 4 samples per step on both sides."""
+    import numpy as np
+
+    from runstore import RunWriter
+
+    store = tmp_path / "megatron_run"
+    with RunWriter(store, rank=0, meta={"framework": "megatron-core", "parallel": {"tp": 1, "pp": 1, "dp": 1}}) as w:
+        for step in (1, 2, 3):
+            tokens = np.arange(4 * 16).reshape(4, 16) % 50
+            w.put_array(step, "batch/tokens", tokens, {"micro_batches": 2})
+            w.put_array(step, "batch/labels", np.roll(tokens, -1, axis=1), {"micro_batches": 2})
+    cfg = _docs_replay_yaml(store)
+    mg = {"global_batch_size": 4, "micro_batch_size": 2, "seq_length": 16, "num_layers": 2,
+          "tensor_model_parallel_size": 1}
+    assert cc.mindformers_common(cfg)["global_batch_size"] == 1          # what the YAML alone says
+    rows, res = cc.compare_configs(mg, cfg)
+    row = {r.key: r for r in rows}
+    gbs = row["global_batch_size"]
+    assert (gbs.megatron, gbs.mindformers, gbs.status) == (4, 4, "match")
+    assert f"replayed run store {store}" in gbs.note and "2 Megatron micro-batches" in gbs.note
+    assert row["replay_seq_length"].status == "match"
+    mbs = row["micro_batch_size"]     # one forward of 4 rows against Megatron's 2 micro-batches of 2
+    assert (mbs.mindformers, mbs.status) == (4, "check") and "one forward" in mbs.note
+    batch = {"global_batch_size", "micro_batch_size", "replay_seq_length"}
+    assert not [f for f in res.findings if f.verdict == "fail" and f.component in batch]
+    rows, res = cc.compare_configs({**mg, "global_batch_size": 8, "seq_length": 32}, cfg)    # real mismatches
+    assert {f.component for f in res.findings if f.verdict == "fail"} >= {"global_batch_size", "replay_seq_length"}
+
+
+def test_replay_of_a_folder_not_here_is_a_check_not_a_fail(tmp_path: Path) -> None:
+    cfg = _docs_replay_yaml(tmp_path / "@STORE@")
+    rows, res = cc.compare_configs({"global_batch_size": 4, "micro_batch_size": 2}, cfg)
+    gbs = {r.key: r for r in rows}["global_batch_size"]
+    assert gbs.status == "check" and "does not exist" in gbs.note
+    assert not [f for f in res.findings if f.verdict == "fail" and "batch" in f.component]

@@ -190,3 +190,88 @@ def test_duplicate_steps_fail(tmp_path: Path) -> None:
     rc, rep = _cli(store)
     msgs = [f["message"] for f in rep["findings"] if f["metric"] == "duplicate_step"]
     assert rc == 1 and any("step_00000002" in m and "step_2" in m for m in msgs), msgs
+
+
+# --- issue 22: the vocabulary is the padded one the model has; the tokenizer's own ids are not padding -----
+
+def mock_data_batches(vocab_size: int, steps: int = 2, seq: int = 64) -> list[tuple[int, int, dict]]:
+    """Batches of the data `pretrain_gpt.py --mock-data` trains on: megatron-core's MockGPTDataset tokenized by
+    its NullTokenizer (core 0.16: ids 0..vocab_size, the end-of-document id being vocab_size), samples as
+    GPTDataset returns them, MBS per step."""
+    gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    cfg = gpt.GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend=None, split="1,0,0",
+                               reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                               tokenizer=NullTokenizer(vocab_size), mid_level_dataset_surplus=0.005)
+    ds = BlendedMegatronDatasetBuilder(gpt.MockGPTDataset, [steps * MBS, None, None], lambda: True, cfg).build()[0]
+    out = []
+    for step in range(1, steps + 1):
+        samples = [ds[i] for i in range((step - 1) * MBS, step * MBS)]
+        out.append((step, 0, {k: np.stack([s[k].numpy() for s in samples]) for k in ("tokens", "labels", "loss_mask")}))
+    return out
+
+
+# The tokenizer part of the arguments block a 0.16 pretrain_gpt.py --mock-data run prints (padded_vocab_size
+# is still None when the block is printed: the tokenizer is built later).
+NULL_ARGS = {"tokenizer_type": "NullTokenizer", "vocab_size": 127, "padded_vocab_size": None,
+             "make_vocab_size_divisible_by": 128, "tensor_model_parallel_size": 1}
+
+
+def test_mock_data_of_a_clean_run_is_in_the_padded_vocabulary() -> None:
+    """The clean run of the issue: --vocab-size 127 with the NullTokenizer: id 127 (end of document, and
+    MockGPTDataset's ids run 0..127) is in the model's 128 rows; reading 127 as the vocabulary failed it."""
+    batches = mock_data_batches(127)
+    assert max(int(b["tokens"].max()) for _, _, b in batches) == 127
+    ids = cd.megatron_vocabulary(NULL_ARGS)
+    assert (ids["vocab_size"], ids["special_ids"]) == (128, [127]) and "tokenizer_vocab_size" not in ids
+    res = cd.check_batches(batches, **ids)
+    assert res.verdict == "pass", [f.message for f in res.findings]
+    old = cd.check_batches(batches, vocab_size=127)       # the arguments' vocab_size as the bound (before)
+    assert old.verdict == "fail"
+
+
+def test_ids_in_padding_rows_warn_beyond_the_padded_vocabulary_fail() -> None:
+    """--vocab-size 100: the tokenizer's ids are 0..100, the embedding 128 rows; an id in 101..127 reaches a
+    padding row (a warning, with the reason), 128 is outside the model (a failure)."""
+    batches = mock_data_batches(100, steps=1)
+    ids = cd.megatron_vocabulary({**NULL_ARGS, "vocab_size": 100})
+    assert (ids["vocab_size"], ids["tokenizer_vocab_size"], ids["special_ids"]) == (128, 101, [100])
+    assert cd.check_batches(batches, **ids).verdict == "pass"
+    b = {k: v.copy() for k, v in batches[0][2].items()}
+
+    def plant(batch: dict, pos: int, token: int) -> dict:
+        batch["tokens"][0, pos] = batch["labels"][0, pos - 1] = token     # labels stay tokens shifted by one
+        return batch
+    res = cd.check_batches([(1, 0, plant(b, 5, 120))], **ids)
+    warn = [f for f in res.findings if f.metric == "token_id_in_padding_rows"]
+    assert res.verdict == "warn" and [f.metric for f in res.findings] == ["token_id_in_padding_rows",
+                                                                         "label_id_in_padding_rows"]
+    assert "[101, 128)" in warn[0].message and "NullTokenizer(100)" in warn[0].message
+    assert "token_id_out_of_range" in {f.metric for f in cd.check_batches([(1, 0, plant(b, 6, 128))], **ids).findings}
+    # core >= 0.18 prints null_tokenizer_eod_id: vocab_size ids, the eod id where it says
+    new = cd.megatron_vocabulary({**NULL_ARGS, "vocab_size": 100, "null_tokenizer_eod_id": 120})
+    assert (new["tokenizer_vocab_size"], new["special_ids"]) == (100, [120])
+    b = {k: v % 100 if k != "loss_mask" else v for k, v in batches[0][2].items()}
+    assert cd.check_batches([(1, 0, plant(b, 5, 120))], **new).verdict == "pass"    # the tokenizer's eod
+    assert cd.check_batches([(1, 0, plant(b, 7, 110))], **new).verdict == "warn"
+
+
+def test_report_data_checks_read_the_vocabulary_from_the_megatron_arguments(tmp_path: Path) -> None:
+    """The data_checks stage of `align report` on a store whose snapshot holds the arguments of the run."""
+    from align.stages.data_checks import data_ids
+    from align.stages.data_checks import run as data_stage
+    from align.stages.evidence import Evidence, Inputs
+
+    root = tmp_path / "run"
+    with RunWriter(root, rank=0, meta={"framework": "megatron-core",
+                                       "config": {"kind": "megatron_args", "values": NULL_ARGS}}) as w:
+        for step, _, b in mock_data_batches(127):
+            for k, v in b.items():
+                w.put_array(step, f"batch/{k}", v)
+            w.log_scalars(step, {"loss": 4.8})
+    ev = Evidence.load(Inputs(str(root), str(root)))
+    assert data_ids(ev)["vocab_size"] == 128
+    res = data_stage(ev)
+    assert res.verdict == "pass", [f.message for f in res.findings]

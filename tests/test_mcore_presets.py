@@ -333,3 +333,85 @@ def test_mtp_modules_pair_for_layer_tensors(case, megatron_states, mindformers_s
         other = m.map_module(name)
         assert other is not None and any(x == other or x.startswith(other + ".") for x in mf), (name, other)
         assert m.map_module(other, "candidate") == name
+
+
+def _save_stacked_torch_dist(state: dict[str, np.ndarray], folder) -> None:
+    """A torch_dist folder as megatron-core's dist_checkpointing lays it out: every per-layer parameter stacked
+    on a leading layer axis (``decoder.layers.X``), sequential experts on the next (``...experts.experts.Y``)."""
+    import re
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    stacks: dict[str, dict[tuple[int, ...], np.ndarray]] = {}
+    flat = {}
+    for k, v in state.items():
+        m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", k)
+        if not m:
+            flat[k] = torch.from_numpy(v.copy())
+            continue
+        e = re.match(r"^(.*\.experts)\.local_experts\.(\d+)\.(.*)$", m.group(2))
+        key, idx = (f"decoder.layers.{e.group(1)}.experts.{e.group(3)}", (int(m.group(1)), int(e.group(2)))) if e \
+            else (f"decoder.layers.{m.group(2)}", (int(m.group(1)),))
+        stacks.setdefault(key, {})[idx] = v
+    for key, parts in stacks.items():
+        shape = tuple(max(i[d] for i in parts) + 1 for d in range(len(next(iter(parts)))))
+        arr = np.empty(shape + next(iter(parts.values())).shape, np.float32)
+        for idx, v in parts.items():
+            arr[idx] = v
+        flat[key] = torch.from_numpy(arr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+
+
+def test_compare_weights_moe_conversion_exact_and_swapped_expert_named(megatron_states, tmp_path, capsys) -> None:
+    """The real megatron-core MoE model saved as torch_dist (layers and experts stacked as Megatron stores them),
+    converted by `align convert-weights` to MindFormers' stacked experts: compare-weights finds it bit-identical
+    (the MoE preset chosen from the names); the same file with experts 1 and 2 of layer 1 swapped in
+    ``experts.weight1`` fails on exactly those two experts, each named as holding the other's weights."""
+    import json
+
+    from align.cli import main
+    from checkpoints.mindformers import read_safetensors, write_safetensors
+
+    spec = SPECS["moe"]
+    m = load_mapping(PRESET["moe"])
+    sd = {k: v for k, v in megatron_states["moe"].items() if not m.ignored(k, "baseline")}
+    _save_stacked_torch_dist(sd, tmp_path / "dist")
+    mf = tmp_path / "moe.safetensors"
+    assert main(["convert-weights", str(tmp_path / "dist"), "--to", "mindformers", "--out", str(mf), "--mapping",
+                 PRESET["moe"], "--num-heads", str(spec.num_attention_heads), "--num-query-groups",
+                 str(spec.num_query_groups)]) == 0
+    assert main(["compare-weights", str(tmp_path / "dist"), str(mf), "--out", str(tmp_path / "ok")]) == 0
+    st = json.loads((tmp_path / "ok" / "summary.json").read_text())["stages"]["weights"]
+    assert st["mapping"] == PRESET["moe"] and st["max_rel_l2"] == 0.0 and st["compared"] == len(sd)
+    assert st["failed"] == st["unmapped_baseline"] == st["unmapped_candidate"] == 0
+
+    arrays, _ = read_safetensors(mf)
+    w1 = arrays["decoder.layers.1.mlp.experts.weight1"].copy()      # [E * H, 2F]: expert e is rows e*H..
+    h = spec.hidden_size
+    w1[h:2 * h], w1[2 * h:3 * h] = arrays["decoder.layers.1.mlp.experts.weight1"][2 * h:3 * h], \
+        arrays["decoder.layers.1.mlp.experts.weight1"][h:2 * h]
+    arrays["decoder.layers.1.mlp.experts.weight1"] = w1
+    write_safetensors(arrays, tmp_path / "swapped.safetensors")
+    capsys.readouterr()
+    assert main(["compare-weights", str(tmp_path / "dist"), str(tmp_path / "swapped.safetensors"), "--out",
+                 str(tmp_path / "bad")]) == 1
+    text = capsys.readouterr().out
+    data = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    failing = {f["component"]: f["message"] for f in data["findings"] if f["verdict"] == "fail"}
+    e = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc1.weight"
+    assert sorted(failing) == [e.format(1), e.format(2)], failing
+    assert f"holds the baseline's {e.format(2)}" in failing[e.format(1)]
+    assert f"holds the baseline's {e.format(1)}" in failing[e.format(2)]
+    assert f"FAIL {e.format(1)}" in text
+
+    # one expert absent from a baseline .pt: named, the layer's other experts still compared (and equal)
+    gone = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    torch.save({k: torch.from_numpy(v) for k, v in sd.items() if k != gone}, tmp_path / "three.pt")
+    assert main(["compare-weights", str(tmp_path / "three.pt"), str(mf), "--out", str(tmp_path / "gone")]) == 1
+    data = json.loads((tmp_path / "gone" / "summary.json").read_text())
+    assert [f["component"] for f in data["findings"] if f["verdict"] == "fail"] == [gone]
+    st = data["stages"]["weights"]
+    assert st["compared"] == len(sd) - 1 and st["max_rel_l2"] == 0.0 and st["missing"] == 1

@@ -275,3 +275,25 @@ def test_strip_module_prefix() -> None:
     assert strip_module_prefix("module.module.decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
     assert strip_module_prefix("module") == ""
     assert strip_module_prefix("embedding.module.x") == "embedding.module.x"
+
+
+def test_report_of_a_store_and_its_core_0_16_log_passes_step2(single: tuple[Path, dict], tmp_path: Path) -> None:
+    """Issue 22: a run's store and the log Megatron-LM core >= 0.16 prints for that run (--log-interval 1: the
+    line of iteration 2 is the mean of iterations 1 and 2, the arguments block tells the version):
+    `align report STORE LOG` reads iteration 2's loss back and passes step2_loss, saying why."""
+    from align.cli import main
+    from runstore import open_store
+    from tests.helpers.megatron_log_text import CORE_0_16_ARGS, megatron_log
+
+    store = single[0] / "identical" / "megatron_opt"
+    loss = open_store(store).series("loss")
+    assert list(loss.index) == [1, 2, 3] and abs(loss[1] - loss[2]) > 1e-4
+    args = {"log_interval": 1, "num_layers": 2, "tensor_model_parallel_size": 1, "train_iters": 3, **CORE_0_16_ARGS}
+    log = tmp_path / "megatron.log"
+    log.write_text(megatron_log(loss.tolist(), [1800.0, 40.0, 41.0], args))
+    assert main(["report", "-q", str(store), str(log), "--out", str(tmp_path / "r")]) in (0, 1)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    step2 = [f for f in summary["findings"] if f["stage"] == "step2_loss"]
+    assert summary["stages"]["step2_loss"]["verdict"] == "pass" and summary["stages"]["step1_loss"]["verdict"] == "pass"
+    assert step2[0]["value"] < 1e-6, step2[0]["message"]        # the printed mean is ~|L1 - L2| / 2 away
+    assert "mean over iterations 1-2" in step2[0]["message"] and "save_wgrads_interval" in step2[0]["message"]

@@ -537,7 +537,8 @@ def test_an_inf_printed_as_inf_is_still_read_in_bulk(tmp_path, monkeypatch):
     assert ml._read_canonical(p.read_bytes()) is not None
     fast, careful = _both(monkeypatch, p)
     _same(fast, careful)
-    assert math.isinf(fast.series("grad_norm")[7]) and fast.notes == []
+    assert math.isinf(fast.series("grad_norm")[7])
+    assert [x for x in fast.notes if "may be the mean over iterations 1-2" not in x] == []   # no block: version unknown
 
 
 def test_a_control_byte_in_a_validation_step_or_value_is_not_read(tmp_path):
@@ -549,3 +550,110 @@ def test_a_control_byte_in_a_validation_step_or_value_is_not_read(tmp_path):
     run = parse_megatron_log(write(tmp_path, text, "b.log"))
     assert "val_loss" not in run.scalars and run.series("val_ppl").to_dict() == {3: 19000.0}
     assert any("1 validation value(s) not read" in x for x in run.notes)
+
+
+# --- issue 22: from core 0.16 the line after a process's first iteration is a mean over both -------------
+
+from comparators.scalars import compare_scalars  # noqa: E402
+from runstore.run import Run, make_series  # noqa: E402
+from tests.helpers.megatron_log_text import CORE_0_16_ARGS, megatron_log  # noqa: E402
+
+LOSSES = [4.804650, 4.858390, 4.771200, 4.702031, 4.650112]
+TIMES = [2150.0, 48.0, 51.0, 47.5, 49.0]      # the first iteration carries start-up
+BASE_ARGS = {"log_interval": 1, "num_layers": 2, "tensor_model_parallel_size": 1, "vocab_size": 127,
+             "tokenizer_type": "NullTokenizer", "make_vocab_size_divisible_by": 128, "train_iters": 5}
+ARGS_0_16 = {**BASE_ARGS, **CORE_0_16_ARGS}
+# A whole pre-0.16 block: Megatron prints every argument it has (450+ in core 0.12), none of the 0.16 ones.
+ARGS_0_12 = {**BASE_ARGS, **{f"setting_{i:03d}": i for i in range(120)}}
+
+
+def _mean12() -> float:
+    return float((np.float32(LOSSES[0]) + np.float32(LOSSES[1])) / 2)
+
+
+def _true_run(losses=LOSSES) -> Run:
+    return Run("store", "runstore", {}, {"loss": make_series(range(1, len(losses) + 1), losses, "loss")})
+
+
+def test_core_0_16_line_2_is_the_mean_of_iterations_1_and_2_and_is_read_back(tmp_path):
+    """What a 0.16.1 run prints with --log-interval 1 (its accumulators kept after iteration 1): iteration 2's
+    'lm loss' is the float32 mean of iterations 1 and 2; the arguments block tells the version."""
+    text = megatron_log(LOSSES, TIMES, ARGS_0_16)
+    assert f"lm loss: {_mean12():.6E} |" in text
+    run = parse_megatron_log(write(tmp_path, text))
+    w = run.meta["log_windows"]
+    assert len(w) == 1 and w[0]["state"] == "recovered" and (w[0]["first"], w[0]["step"]) == (1, 2)
+    assert w[0]["printed"]["loss"] == pytest.approx(_mean12(), abs=1e-6)
+    loss = run.series("loss")
+    err = w[0]["error"]["loss"]
+    assert err < 3e-6 and abs(loss[2] - LOSSES[1]) <= err      # 2 x 4.831520E+00 - 4.804650E+00
+    assert [round(loss[s], 6) for s in (1, 3, 4, 5)] == [LOSSES[0], *LOSSES[2:]]
+    assert abs(run.series("elapsed_ms")[2] - TIMES[1]) <= w[0]["error"]["elapsed_ms"]   # (2150 + 48) / 2 read back
+    note = [n for n in run.notes if "mean over iterations 1-2" in n]
+    assert note and "save_wgrads_interval" in note[0] and "%.6E" in note[0]
+    st = compare_scalars(_true_run(), run).stages["step2_loss"]
+    assert st.verdict == "pass" and "recovered" in st.findings[0].message
+
+
+def test_before_core_0_16_line_2_is_iteration_2(tmp_path):
+    text = megatron_log(LOSSES, TIMES, ARGS_0_12, keep_first=False)
+    run = parse_megatron_log(write(tmp_path, text))
+    assert run.series("loss").round(6).tolist() == LOSSES
+    assert "log_windows" not in run.meta and not any("mean over" in n for n in run.notes)
+
+
+def test_an_unknown_version_is_weighed_both_ways_never_a_false_fail(tmp_path):
+    """No arguments block: the step-2 line may be a mean or not; compared with the store's own losses, the
+    printed mean fails and the read-back value passes: a warning that names the ambiguity, not a fail."""
+    run = parse_megatron_log(write(tmp_path, megatron_log(LOSSES, [50.0] * 5, None)))
+    assert run.series("loss")[2] == pytest.approx(_mean12(), abs=1e-6)     # kept as printed
+    assert run.meta["log_windows"][0]["state"] == "ambiguous"
+    assert any("may be the mean over iterations 1-2" in n for n in run.notes)
+    st = compare_scalars(_true_run(), run).stages["step2_loss"]
+    assert st.verdict == "warn", st.findings[0].message
+    assert "not known" in st.findings[0].message and "arguments block" in st.findings[0].message
+    # the same log against a run that trained differently at step 2: both readings fail
+    st = compare_scalars(_true_run([LOSSES[0], 5.2, *LOSSES[2:]]), run).stages["step2_loss"]
+    assert st.verdict == "fail"
+    # two such logs are read the same way: a pass
+    twin = parse_megatron_log(write(tmp_path, megatron_log(LOSSES, [50.0] * 5, None), "twin.log"))
+    assert compare_scalars(twin, run).stages["step2_loss"].verdict == "pass"
+
+
+def test_a_later_megatron_that_resets_after_line_1_is_told_by_its_elapsed_times(tmp_path):
+    """A 0.16-style block over lines that reset after iteration 1 (the upstream fix, NVIDIA/Megatron-LM#7092):
+    averaged, iteration 2's time would be >= (2150 ms) / 2; it prints 48 ms, so it is read as printed."""
+    run = parse_megatron_log(write(tmp_path, megatron_log(LOSSES, TIMES, ARGS_0_16, keep_first=False)))
+    assert run.series("loss").round(6).tolist() == LOSSES
+    assert any("resets after the first printed line" in n for n in run.notes)
+    assert compare_scalars(_true_run(), run).stages["step2_loss"].verdict == "pass"
+
+
+def test_windows_of_other_intervals_and_a_resumed_run(tmp_path):
+    """--log-interval 2 from iteration 0: lines 1 (alone) and 2 (mean of 1-2, as every release prints it):
+    nothing to read back. Resumed at 4 with interval 2 (a first iteration on a boundary): line 6 averages
+    iterations 4-6, read back as the mean of 5-6, as a regular line would hold."""
+    losses = LOSSES + [4.6, 4.55]
+    run = parse_megatron_log(write(tmp_path, megatron_log(losses, [50.0] * 7, {**ARGS_0_16, "log_interval": 2},
+                                                          interval=2)))
+    assert "log_windows" not in run.meta
+    assert run.series("loss")[2] == pytest.approx(_mean12(), abs=1e-6)
+    resumed = megatron_log(losses[3:], [50.0] * 4, {**ARGS_0_16, "log_interval": 2}, interval=2, start=3)
+    run = parse_megatron_log(write(tmp_path, resumed, "resumed.log"))
+    assert list(run.series("loss").index) == [4, 6]
+    assert run.meta["log_windows"][0]["iterations"] == 3
+    assert run.series("loss")[6] == pytest.approx((losses[4] + losses[5]) / 2, abs=3e-6)
+
+
+def test_a_skipped_first_iteration_leaves_line_2_as_printed(tmp_path):
+    """fp16 overflow at iteration 1: it adds no loss, so the mean printed at 2 is iteration 2's own."""
+    run = parse_megatron_log(write(tmp_path, megatron_log(LOSSES, TIMES, ARGS_0_16, skipped=(1,))))
+    assert 1 not in run.series("loss").index
+    assert run.series("loss")[2] == pytest.approx(LOSSES[1], abs=1e-6)
+    assert run.series("skipped_iterations")[2] == 1.0
+    assert "log_windows" not in run.meta
+
+
+def test_the_padded_vocab_line_gives_the_model_vocabulary(tmp_path):
+    run = parse_megatron_log(write(tmp_path, megatron_log(LOSSES, TIMES, ARGS_0_16, vocab=(128, 256))))
+    assert run.meta["data"]["vocab_size"] == 256 and run.meta["data"]["tokenizer_vocab_size"] == 128

@@ -41,7 +41,8 @@ def train(batches: list[dict[str, np.ndarray]], dumper_dir: Path | None) -> tupl
     cell = mc.build_train_cell(net, learning_rate=1e-2)
     dumper = None
     if dumper_dir is not None:
-        dumper = MindSporeDumper(net, dumper_dir, DumpConfig(tensors="full", cells=("*",), backward=True))
+        dumper = MindSporeDumper(net, dumper_dir, DumpConfig(tensors="full", cells=("*",), backward=True,
+                                                             capture_env=True))
     losses = []
     for step, batch in enumerate(batches, 1):
         if dumper:
@@ -68,6 +69,16 @@ def test_hooks_change_nothing_and_capture_in_execution_order(batches: list, tmp_
     assert not np.array_equal(base_params["lm_head.weight"], mc.build_tiny_llama(seed=0).lm_head.weight.asnumpy())
 
     reader = RunReader(tmp_path / "run")
+    # the cluster capture (taken when the dumper was built): MindSpore's settings, generators, initial weights
+    env = reader.meta["environment"]
+    assert env["framework"] == "mindspore" and env["captured"]["by"] == "MindSporeDumper"
+    assert env["settings"]["mindspore"]["mode"] == "PYNATIVE" and env["settings"]["mindspore"]["deterministic"]
+    assert env["random"]["mindspore"]["state"] and env["versions"]["mindspore"] == ms.__version__
+    from dumpers.environment import fingerprint
+    init = {p.name: p.asnumpy() for p in mc.build_tiny_llama(seed=0).trainable_params()}
+    assert sorted(env["weights"]["params"]) == sorted(init)
+    w = env["weights"]["params"]["model.layers.0.attention.wq.weight"]
+    assert w == {**fingerprint(init["model.layers.0.attention.wq.weight"]), "dtype": "float32"}
     arrays = reader.step_arrays(2)
     stats = arrays.table("tensor_stats")
     assert list(stats.order) == list(range(len(stats)))

@@ -73,12 +73,26 @@ class _null:
 
 def test_bit_identical_and_contents(tmp_path: Path) -> None:
     base_losses, (base_norms, base_params), _ = train(None)
-    losses, (norms, params), d = train(tmp_path, tensors="full", nan_trace="all", seed_layout=True)
+    (tmp_path / "data.bin").write_bytes(b"tokens" * 1000)
+    losses, (norms, params), d = train(tmp_path / "run", tensors="full", nan_trace="all", seed_layout=True,
+                                       capture_env=True, capture_env_data=[str(tmp_path / "data.bin")])
     assert d.errors == 0, d.error_log
     assert losses == base_losses and norms == base_norms
     assert all(torch.equal(a, b) for a, b in zip(base_params, params, strict=True))
-    r = RunReader(tmp_path)
+    r = RunReader(tmp_path / "run")
     assert r.meta["framework"] == "torch" and r.array_steps() == [1, 2, 3]
+    # the cluster capture, taken when the dumper was built: the initial weights, the generators, the data
+    env = r.meta["environment"]
+    assert env["framework"] == "torch" and env["captured"]["by"] == "TorchDumper"
+    seed_everything(7, deterministic=False)
+    init = dict(Net().named_parameters())
+    w = env["weights"]["params"]
+    assert sorted(w) == ["emb.weight", "fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    from dumpers.environment import fingerprint
+    assert w["fc1.weight"] == {**fingerprint(init["fc1.weight"].detach().numpy()), "dtype": "float32"}
+    assert env["random"]["torch"]["seed"] == 7 and env["random"]["torch"]["fresh"] is False   # Net() drew
+    assert env["settings"]["torch"]["deterministic_algorithms"] is False
+    assert env["data"][0]["files"][0]["size"] == 6000 and env["versions"]["torch"] == torch.__version__
     a = r.step_arrays(1)
     ln = a.table("local_norm")
     assert list(ln["name"]) == ["emb.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]

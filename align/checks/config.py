@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from align.checks.data import megatron_vocabulary
 from core.findings import Finding, StageResult
 from models.mindformers_yaml import MCORE_ALIASES, NOT_READ, expert_count, is_float32, is_mcore_yaml, mcore_value
 from models.mindformers_yaml import get as _get
@@ -47,6 +49,8 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "apply_rope_fusion": True, "bias_swiglu_fusion": True,
     "attention_backend": "auto", "transformer_impl": "transformer_engine",
 }
+_VOCAB_ARGS = ("vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+               "tokenizer_type", "null_tokenizer_eod_id", "null_tokenizer_pad_id")
 _MF_LR = {"CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear", "ConstantWarmUpLR": "constant",
           "PolynomialWithWarmUpLR": "polynomial", "CosineWithRestartsAndWarmUpLR": "cosine-restarts",
           "WarmUpStableDecayLR": "WSD", "CosineAnnealingLR": "cosine", "constant": "constant"}
@@ -86,10 +90,8 @@ def megatron_common(a: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     if ffn is None and h:
         ffn = int(4 * h * 2 / 3 / 64) * 64 if g("swiglu") else 4 * h
     tp = g("tensor_model_parallel_size")
-    vocab = g("padded_vocab_size")
-    if vocab is None and g("vocab_size") is not None and g("make_vocab_size_divisible_by") and tp:
-        mult = g("make_vocab_size_divisible_by") * tp
-        vocab = int(math.ceil(g("vocab_size") / mult) * mult)
+    # the padded vocabulary the embedding has (the NullTokenizer's end-of-document id counts: align.checks.data)
+    vocab = megatron_vocabulary({k: g(k) for k in _VOCAB_ARGS if k in a or g(k) is not None}).get("vocab_size")
     compute = "bfloat16" if g("bf16") else "float16" if g("fp16") else (
         "float32" if g("bf16") is not None or g("fp16") is not None else None)
 
@@ -578,6 +580,139 @@ _KERNEL_DEPENDENT = {
 _LAYOUT = {"tp", "pp", "cp", "ep", "sequence_parallel", "micro_batch_size"}
 
 
+REPLAY = "MegatronReplayDataset"
+
+
+def replay_dir(cfg: dict[str, Any]) -> tuple[str | None, Any, Any] | None:
+    """(data_dir, steps, rank) of a YAML whose training data is Megatron's replayed batches
+    (dumpers.mindformers_replay.MegatronReplayDataset, as docs/mindformers-launch.md writes it); None when the
+    YAML trains on anything else."""
+    task = cfg.get("train_dataset_task") or {}
+    loader = _get(cfg, "train_dataset.data_loader") or {}
+    names = [task.get("type"), task.get("auto_register"), loader.get("type") if isinstance(loader, dict) else None]
+    if not any(isinstance(n, str) and n.rsplit(".", 1)[-1] == REPLAY for n in names):
+        return None
+    sources = [task.get("dataset_config") or {}, cfg.get("train_dataset") or {},
+               loader if isinstance(loader, dict) else {}]
+    sources = [d for d in sources if isinstance(d, dict)]
+    data_dir = _first(*(d.get("data_dir") for d in sources), *(d.get("dataset_dir") for d in sources))
+    steps = _first(*(d.get("steps") for d in sources))
+    rank = _first(*(d.get("rank") for d in sources))
+    return (str(data_dir) if data_dir is not None else None), steps, rank
+
+
+def replay_shape(data_dir: str, steps: Any = None, rank: Any = None) -> dict[str, Any]:
+    """What a replay of ``data_dir`` feeds one MindFormers rank per step: ``rows`` (samples: Megatron's
+    micro-batches of that DP rank, concatenated), ``seq_length``, ``micro_batches`` (when the run store says),
+    the store's ``dp``, read from the file headers of the first replayed step (a run store or the
+    ``step_N/rank_R`` npy folders). BadInput (one line) when the folder holds no batch."""
+    import h5py
+
+    from core.errors import BadInput
+    from runstore import STEP_DIR, RunReader, seed_steps
+    from runstore.seed_layout import npy_header
+
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise BadInput(f"{root}: the replayed batch folder does not exist")
+    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
+    wanted = [s for s in steps if isinstance(s, int)] if isinstance(steps, list) else []
+    out: dict[str, Any] = {"rank": rank}
+    if (root / STEP_DIR).is_dir():
+        reader = RunReader(root)
+        available = reader.array_steps()
+        step = wanted[0] if wanted else (available[0] if available else None)
+        if step is None or step not in available:
+            raise BadInput(f"{root}: no batches of step {step} in the run store")
+        # tokens live on the first pipeline stage and labels on the last: any rank of this DP rank holds one
+        dp_rank = reader.rank_info(rank).get("dp_rank")
+        ranks = [rank] + [r for r in reader.array_ranks(step)
+                          if r != rank and dp_rank is not None and reader.rank_info(r).get("dp_rank") == dp_rank]
+        for r in ranks:
+            if r not in reader.array_ranks(step):
+                continue
+            with h5py.File(reader.step_file(step, r), "r") as h5:
+                for name in ("batch/tokens", "batch/labels"):
+                    if name in h5:
+                        shape = h5[name].shape
+                        micro = h5[name].attrs.get("micro_batches")
+                        out.update(step=step, shape=tuple(int(n) for n in shape), layout="run store",
+                                   micro_batches=int(micro) if micro is not None else None)
+                        break
+            if "shape" in out:
+                break
+        dp = (reader.meta.get("parallel") or {}).get("dp")
+        out["dp"] = dp if isinstance(dp, int) else None
+    else:
+        seed = seed_steps(root)
+        step = wanted[0] if wanted else (min(seed) if seed else None)
+        folder = seed.get(step, {}).get(rank) if step is not None else None
+        if folder is not None:
+            for name in ("tokens", "labels"):
+                if (folder / f"{name}.npy").is_file():
+                    out.update(step=step, shape=npy_header(folder / f"{name}.npy")[0], layout="step_N/rank_R folders",
+                               micro_batches=None, dp=len(seed[step]))
+                    break
+    if "shape" not in out:
+        raise BadInput(f"{root}: no tokens or labels of rank {rank} to replay (step {step})")
+    shape = out.pop("shape")
+    if len(shape) != 2:
+        raise BadInput(f"{root}: step {out['step']} rank {rank}: tokens of shape {shape}, not [samples, sequence]")
+    out["rows"], out["seq_length"] = shape
+    return out
+
+
+def _replay_rows(cfg: dict[str, Any], mg: dict[str, Any], mf: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """A replay YAML's batch keys from the replayed store: one dataset row is a whole Megatron step of
+    ``rows`` samples, so the YAML's batch_size counts steps, not samples. Returns {key: (status or "",
+    note)} for the rows it set (status "" keeps the usual comparison)."""
+    from core.errors import BadInput
+
+    found = replay_dir(cfg)
+    if found is None:
+        return {}
+    data_dir, steps, rank = found
+    mbs = mf.get("micro_batch_size")
+    try:
+        if data_dir is None:
+            raise BadInput("the YAML names no data_dir")
+        got = replay_shape(data_dir, steps, rank)
+    except BadInput as exc:
+        note = (f"the YAML replays Megatron's batches ({REPLAY}) but {exc}: its global batch is the replayed "
+                f"rows per step x data_parallel, not the YAML's batch_size (which counts whole steps); check by hand")
+        mf["global_batch_size"] = mf["micro_batch_size"] = NOT_READ
+        return {"global_batch_size": ("check", note), "micro_batch_size": ("check", note)}
+    rows, seq = got["rows"], got["seq_length"]
+    # MegatronReplayDataset hands the network each row as it is (never batched again: batch_size does not
+    # count); the network splits it into micro_batch_num (pipeline) x micro_batch_interleave_num pieces
+    pc = cfg.get("parallel_config") or {}
+    dp = mf.get("dp") if isinstance(mf.get("dp"), int) else 1
+    acc = (cfg.get("runner_config") or {}).get("gradient_accumulation_steps", 1) or 1
+    split = (pc.get("micro_batch_num", 1) or 1 if (mf.get("pp") or 1) > 1 else 1) * (
+        mf.get("micro_batch_interleave_num") or 1)
+    mf["global_batch_size"] = rows * dp * acc
+    where = (f"read from the replayed {got['layout']} {data_dir} (step {got['step']}, rank {got['rank']}: "
+             f"{rows} x {seq} tokens per step")
+    micro = got.get("micro_batches")
+    where += f", {micro} Megatron micro-batches" if micro else ""
+    where += f"; the store's data parallel {got['dp']})" if got.get("dp") else ")"
+    out = {"global_batch_size": ("", f"MindFormers: {rows} samples per replayed row x data_parallel {dp}"
+                                     + (f" x {acc} accumulation steps" if acc != 1 else "")
+                                     + f", {where}; one row of {REPLAY} is one whole Megatron step of one rank "
+                                     f"(the YAML's batch_size {mbs} does not batch it)")}
+    mf["micro_batch_size"] = rows // split if rows % split == 0 else NOT_READ
+    mg_mbs = mg.get("micro_batch_size")
+    if isinstance(mg_mbs, int) and mg_mbs != mf["micro_batch_size"]:
+        how = "in one forward" if split == 1 else f"in {split} pieces"
+        out["micro_batch_size"] = ("check", f"MindFormers runs each replayed step's {rows} rows {how}, Megatron in "
+                                            f"micro-batches of {mg_mbs}: the loss is averaged over other groups "
+                                            f"of samples ({where})")
+    mf["replay_seq_length"] = seq
+    mg["replay_seq_length"] = mg.get("seq_length")
+    out["replay_seq_length"] = ("", f"the replayed batches' sequence length ({where})")
+    return out
+
+
 @dataclass
 class Row:
     key: str
@@ -599,10 +734,21 @@ def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any]) -> tuple[li
     """Rows for every common key, and the findings: mismatch -> fail, check by hand -> warn."""
     mg, defaulted = megatron_common(mg_args)
     mf = mindformers_common(mf_cfg)
+    replay = _replay_rows(mf_cfg, mg, mf)     # a replay YAML: the batch keys come from the replayed store
     rows: list[Row] = []
     for key in mg:
         a, b = mg[key], mf.get(key, NOT_READ)
         if key in _INFO_ONLY:
+            continue
+        if key in replay:
+            status, note = replay[key]
+            if status:
+                rows.append(Row(key, a, "not read" if b is NOT_READ else b, status, note))
+                continue
+            if a is None or b is None or b is NOT_READ:
+                rows.append(Row(key, a, "not read" if b is NOT_READ else b, "check", f"set on one side only; {note}"))
+            else:
+                rows.append(Row(key, a, b, "match" if _equal(a, b) else "mismatch", note))
             continue
         if a is None and (b is None or b is NOT_READ):
             continue

@@ -10,7 +10,7 @@ layout ``step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy``; one step 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,10 +132,82 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
             yield step, rank, {**check_batch(folder, batch), "_file": str(folder)}
 
 
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def megatron_vocabulary(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The vocabulary a Megatron-LM run's model has, from its arguments (a log's block or a dumper's snapshot).
+
+    ``vocab_size``: the embedding rows (ids must lie below it): ``--padded-vocab-size``, else the tokenizer's
+    vocabulary padded up to a multiple of make_vocab_size_divisible_by x TP as Megatron pads it;
+    ``tokenizer_vocab_size``: the ids the tokenizer can produce (above it: padding rows no real text
+    reaches); ``special_ids``: the tokenizer's own ids. The NullTokenizer (mock data) of core <= 0.17 has
+    vocab_size + 1 ids, its end-of-document id being vocab_size; from core 0.18 (which prints
+    ``null_tokenizer_eod_id``) it has vocab_size ids, eod ``--null-tokenizer-eod-id`` or vocab_size - 1.
+    Other tokenizers read their vocabulary from files the arguments do not hold: ``--vocab-size`` is taken as
+    theirs. {} when the arguments name no vocabulary size."""
+    size, padded = _int(args.get("vocab_size")), _int(args.get("padded_vocab_size"))
+    if size is None and padded is None:
+        return {}
+    tokenizer, special, source = size, [], "--vocab-size"
+    if args.get("tokenizer_type") == "NullTokenizer" and size is not None:
+        if "null_tokenizer_eod_id" in args:
+            eod = _int(args.get("null_tokenizer_eod_id"))
+            special = [size - 1 if eod is None else eod]
+            pad = _int(args.get("null_tokenizer_pad_id"))
+            if pad is not None and pad >= 0:
+                special.append(pad)
+            source = f"NullTokenizer({size}): {size} ids, end-of-document id {special[0]}"
+        else:
+            tokenizer, special = size + 1, [size]
+            source = f"NullTokenizer({size}): ids 0..{size}, end-of-document id {size}"
+    divisible, tp = _int(args.get("make_vocab_size_divisible_by")), _int(args.get("tensor_model_parallel_size")) or 1
+    if padded is not None:
+        source += f"; padded vocabulary {padded} (padded_vocab_size)"
+    elif divisible and tokenizer is not None:      # only Megatron-LM's own arguments say how it pads
+        multiple = divisible * tp
+        padded = -(-tokenizer // multiple) * multiple
+        source += f"; padded to {padded} (a multiple of make_vocab_size_divisible_by {divisible} x TP {tp})"
+    else:
+        padded = tokenizer
+    out: dict[str, Any] = {"vocab_size": padded, "vocab_source": source}
+    if tokenizer is not None and tokenizer < padded:
+        out["tokenizer_vocab_size"] = tokenizer
+    if special:
+        out["special_ids"] = special
+    return out
+
+
+def _padding_rows(ids: np.ndarray, live: np.ndarray | None, tokenizer: int | None, vocab: int | None,
+                  special: frozenset[int]) -> tuple[int, list[int]]:
+    """Ids in [tokenizer vocabulary, padded vocabulary) that are not the tokenizer's special ids: (count, a
+    few of them)."""
+    if tokenizer is None or vocab is None or tokenizer >= vocab:
+        return 0, []
+    hit = (ids >= tokenizer) & (ids < vocab)
+    if live is not None:
+        hit &= live
+    if not hit.any():
+        return 0, []
+    values = ids[hit]
+    if special:
+        values = values[~np.isin(values, list(special))]
+    return int(values.size), sorted({int(v) for v in values[:1000]})[:5]
+
+
 def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | None = None,
-                  pad_id: int | None = None, ignore_index: int = -100) -> StageResult:
-    """Run every check over ``batches`` (an iterable of (step, rank, batch dict))."""
+                  pad_id: int | None = None, ignore_index: int = -100, tokenizer_vocab_size: int | None = None,
+                  special_ids: Iterable[int] = (), vocab_source: str | None = None) -> StageResult:
+    """Run every check over ``batches`` (an iterable of (step, rank, batch dict)).
+
+    ``vocab_size``: the model's (padded) vocabulary: an id at or above it fails. ``tokenizer_vocab_size``:
+    the ids a tokenizer produces; one between it and ``vocab_size`` reaches an embedding row Megatron added
+    as padding (never trained by real text): a warning, unless it is one of the tokenizer's ``special_ids``.
+    ``vocab_source`` says where the sizes came from (the findings repeat it)."""
     res = StageResult(STAGE)
+    special = frozenset(int(i) for i in special_ids)
+    whence = f" (vocabulary: {vocab_source})" if vocab_source else ""
     per_step: dict[int, dict[str, Any]] = {}
     eod_total = eod_trained = 0
     n = 0
@@ -170,7 +242,12 @@ def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | 
             bad = int(((tokens < 0) | ((tokens >= vocab_size) if vocab_size else False)).sum())
             res.add(Finding(STAGE, "fail", where, "token_id_out_of_range", tmax if tmin >= 0 else tmin,
                             vocab_size, f"{where}: {bad} token ids outside [0, {vocab_size}) "
-                            f"(min {tmin}, max {tmax})"))
+                            f"(min {tmin}, max {tmax}){whence}"))
+        n_pad, examples = _padding_rows(tokens, None, tokenizer_vocab_size, vocab_size, special)
+        if n_pad:
+            res.add(Finding(STAGE, "warn", where, "token_id_in_padding_rows", n_pad, tokenizer_vocab_size,
+                            _padding_message(where, "token", n_pad, examples, tokenizer_vocab_size, vocab_size,
+                                             whence)))
         if mask is not None:
             mask = np.asarray(mask, dtype=np.float64).reshape(tokens.shape)
             bad = ~np.isfinite(mask) | (mask < 0)
@@ -196,7 +273,12 @@ def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | 
                 out = live & ((labels < 0) | (labels >= vocab_size))
                 if out.any():
                     res.add(Finding(STAGE, "fail", where, "label_id_out_of_range", int(out.sum()), vocab_size,
-                                    f"{where}: {int(out.sum())} label ids outside [0, {vocab_size})"))
+                                    f"{where}: {int(out.sum())} label ids outside [0, {vocab_size}){whence}"))
+                n_pad, examples = _padding_rows(labels, live, tokenizer_vocab_size, vocab_size, special)
+                if n_pad:
+                    res.add(Finding(STAGE, "warn", where, "label_id_in_padding_rows", n_pad, tokenizer_vocab_size,
+                                    _padding_message(where, "label", n_pad, examples, tokenizer_vocab_size,
+                                                     vocab_size, whence)))
             if tokens.shape[1] > 1:
                 shifted = labels[:, :-1] != tokens[:, 1:]
                 frac = float(shifted.mean())
@@ -226,6 +308,13 @@ def check_batches(batches: Any, *, vocab_size: int | None = None, eos_id: int | 
                         f"{n} batches over {len(steps)} steps: ids in range, labels shifted, masks steady"))
     res.details = {"batches": n, "steps": steps, "eod_targets": eod_total, "eod_trained": eod_trained}
     return res
+
+
+def _padding_message(where: str, what: str, n: int, examples: list[int], tokenizer: int | None, vocab: int | None,
+                     whence: str) -> str:
+    return (f"{where}: {n} {what} ids in [{tokenizer}, {vocab}) (e.g. {examples}): the embedding rows Megatron "
+            f"adds to pad the tokenizer's {tokenizer} ids, which no real text reaches and no special id of the "
+            f"tokenizer names{whence}; were the data tokenized with another vocabulary?")
 
 
 def _missing_ranks(res: StageResult, ranks_at: dict[int, set[int]]) -> None:

@@ -26,6 +26,8 @@ VERBS = {
     "check-config": "check_config",
     "check-data": "check_data",
     "convert-weights": "convert_weights",
+    "compare-weights": "compare_weights",
+    "capture-env": "capture_env",
     "mapping": "mapping",
 }
 # a missing top-level module -> the pyproject extra that installs it

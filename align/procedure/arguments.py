@@ -30,6 +30,10 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="the candidate's re-run of its first steps (e.g. PYNATIVE, for layer capture): compared "
                         "with the candidate first; its layer tensors stand in for the candidate's only as far as "
                         "it reproduces the candidate")
+    e.add_argument("--baseline-env", metavar="FILE",
+                   help="the baseline cluster's environment capture (align capture-env; default: the run's meta)")
+    e.add_argument("--candidate-env", metavar="FILE",
+                   help="the candidate cluster's environment capture (align capture-env; default: the run's meta)")
     e.add_argument("--mapping", default=None, metavar="PRESET_OR_FILE",
                    help="name mapping (default: Megatron-core <-> MindFormers Llama)")
     e.add_argument("--vocab-size", type=int, help="data checks: ids must be in [0, vocab)")
@@ -108,7 +112,8 @@ def report_inputs(args: argparse.Namespace) -> Inputs:
     return Inputs(args.baseline, args.candidate, repeats=args.repeat, lr0=tuple(args.lr0) if args.lr0 else None,
                   baseline_config=args.baseline_config, candidate_config=args.candidate_config,
                   optimizer_check=args.optimizer_check, conversion=args.conversion, mapping=args.mapping,
-                  rerun=getattr(args, "rerun", None),
+                  rerun=getattr(args, "rerun", None), baseline_env=getattr(args, "baseline_env", None),
+                  candidate_env=getattr(args, "candidate_env", None),
                   options=options)
 
 

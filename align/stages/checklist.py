@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from align.checks.config import compare_configs
 from align.stages import Stage
+from align.stages.cluster_diff import CAPTURE, with_environment
+from align.stages.cluster_diff import section as environment_section
 from align.stages.evidence import Evidence
 from core.findings import Finding, StageResult, skipped
 from reports.html import table
 
 
 def run(ev: Evidence) -> StageResult:
+    return with_environment(ev, _config(ev))
+
+
+def _config(ev: Evidence) -> StageResult:
     b, c = ev.config("baseline"), ev.config("candidate")
     if b is None or c is None:
         missing = [role for role, cfg in (("baseline", b), ("candidate", c)) if cfg is None]
@@ -28,13 +34,14 @@ def run(ev: Evidence) -> StageResult:
 def section(res: StageResult) -> str:
     rows = [{"setting": r["key"], "Megatron": r["megatron"], "MindFormers": r["mindformers"],
              "status": r["status"], "note": r.get("note") or ""} for r in res.details.get("rows", [])]
-    return table(rows, row_class="status")
+    return (table(rows, row_class="status") if rows else "") + environment_section(res)
 
 
 STAGE = Stage(
-    name="checklist", order=10, title="Checklist: Megatron arguments vs MindFormers config",
-    needs="the baseline's Megatron arguments and the candidate's MindFormers config",
+    name="checklist", order=10, title="Checklist: Megatron arguments vs MindFormers config, and the cluster diff",
+    needs="the baseline's Megatron arguments and the candidate's MindFormers config; or both clusters' "
+          "environment captures",
     capture="dumpers record them in meta.json (MegatronDumper(meta={'config': ...}), MindSporeDumper "
             "DumpConfig(meta={'config': ...})); or pass --baseline-config (Megatron log, launch script or "
-            "arguments JSON) and --candidate-config (the MindFormers YAML)",
+            f"arguments JSON) and --candidate-config (the MindFormers YAML); {CAPTURE}",
     run=run, section=section)

@@ -5,31 +5,44 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.checks.data import check_batches, compare_batches, iter_batches
+from align.checks.data import check_batches, compare_batches, iter_batches, megatron_vocabulary
 from align.stages import Stage
 from align.stages.evidence import Evidence
 from core.errors import BadInput
 from core.findings import StageResult, skipped
 
+_IDS = ("vocab_size", "eos_id", "pad_id", "tokenizer_vocab_size")
+
 
 def data_ids(ev: Evidence) -> dict[str, Any]:
-    """vocab_size, eos_id, pad_id: the command line, else a run's meta ``data`` block, else the config."""
+    """vocab_size (the model's padded vocabulary), tokenizer_vocab_size, special_ids, eos_id, pad_id: the
+    command line, else a run's meta ``data`` block (a dumper's, or a Megatron log's '> padded vocab' line),
+    else what a run's Megatron arguments say (align.checks.data.megatron_vocabulary)."""
     out: dict[str, Any] = {}
     for run in (ev.baseline, ev.candidate):
         data = run.meta.get("data")
         if isinstance(data, dict):
-            for k in ("vocab_size", "eos_id", "pad_id"):
-                if isinstance(data.get(k), int):
+            for k in _IDS:
+                if isinstance(data.get(k), int) and not isinstance(data.get(k), bool):
                     out.setdefault(k, data[k])
-    cfg = ev.config("baseline")
-    if cfg and "vocab_size" not in out:
-        v = cfg[1].get("padded_vocab_size") or cfg[1].get("vocab_size")
-        if isinstance(v, int):
-            out["vocab_size"] = v
+            if "vocab_size" in data and isinstance(data.get("vocab_source"), str):
+                out.setdefault("vocab_source", data["vocab_source"])
+    for role in ("baseline", "candidate"):
+        cfg = ev.config(role)
+        if not cfg or cfg[0] != "megatron_args":
+            continue
+        derived = megatron_vocabulary(cfg[1])
+        if "vocab_size" in out and derived.get("vocab_size") != out["vocab_size"]:
+            derived = {k: v for k, v in derived.items() if k == "special_ids"}
+        for k, v in derived.items():
+            out.setdefault(k, v)
     for k in ("vocab_size", "eos_id", "pad_id"):
         v = getattr(ev.options, k)
         if v is not None:
             out[k] = v
+            if k == "vocab_size":
+                out["vocab_source"] = "--vocab-size"
+                out.pop("tokenizer_vocab_size", None)
     return out
 
 

@@ -56,6 +56,8 @@ class Inputs:
     conversion: str | None = None
     mapping: str | None = None
     rerun: str | None = None        # the candidate's re-run of its first steps (PYNATIVE, for layer capture)
+    baseline_env: str | None = None     # environment captures (align capture-env); default: the runs' meta
+    candidate_env: str | None = None
     options: Options = field(default_factory=Options)
 
 
@@ -84,6 +86,7 @@ class Evidence:
                                             if "lr0_baseline" in runs else None)
         self.rerun: Run | None = runs.get("rerun")
         self._configs: dict[str, tuple[str, dict[str, Any]] | None] = {}
+        self.environments: dict[str, dict[str, Any]] = {}   # role -> environment capture (the cluster diff)
 
     @classmethod
     def load(cls, inputs: Inputs, progress: Callable[[str], None] | None = None) -> Evidence:
@@ -98,6 +101,9 @@ class Evidence:
                       inputs.conversion):
             if extra is not None and not Path(extra).exists():
                 raise BadInput(f"{extra}: no such file or directory")
+        from comparators.environment import check_capture, read_capture
+        env_files = {role: read_capture(p) for role, p in (("baseline", inputs.baseline_env),
+                                                           ("candidate", inputs.candidate_env)) if p is not None}
         if inputs.mapping is not None:     # a bad --mapping is bad input even where no stage needs a mapping
             from models import load_mapping
             load_mapping(inputs.mapping)
@@ -117,7 +123,13 @@ class Evidence:
                 if progress:
                     progress(f"{role}: {path} ({kinds[role]}, {_size(path)}): {len(runs[role].steps)} steps in "
                              f"{took:.2f} s")
-        return cls(inputs, runs)
+        ev = cls(inputs, runs)
+        for role in ("baseline", "candidate"):
+            meta_env = runs[role].meta.get("environment")
+            if role not in env_files and meta_env is not None:
+                env_files[role] = check_capture(meta_env, f"{runs[role].path}/meta.json (environment)")
+        ev.environments = env_files
+        return ev
 
     # -- evidence by meaning ------------------------------------------------------------------------------
     def evidence_file(self, run: Run, name: str) -> Path | None:
@@ -126,6 +138,10 @@ class Evidence:
             return None
         p = Path(run.path) / EVIDENCE_DIR / name
         return p if p.is_file() else None
+
+    def environment(self, role: str) -> dict[str, Any] | None:
+        """A run's environment capture: the file named on the command line, else its meta.json's."""
+        return self.environments.get(role)
 
     def config(self, role: str) -> tuple[str, dict[str, Any]] | None:
         """(kind, values) of a run's config: the file named on the command line, else the snapshot the
