@@ -469,14 +469,15 @@ def _band(paired: Paired, repeats: list[np.ndarray], cols: np.ndarray, opt: Traj
     with np.errstate(invalid="ignore"):
         scale = np.nanmax(np.where(np.isfinite(absb), absb, np.nan), axis=0, initial=0.0) if len(b) else 0.0
     floor = np.maximum(opt.rtol * np.nan_to_num(absb, nan=0.0, posinf=0.0), opt.band_floor_ulps * _EPS32 * scale)
-    band = np.maximum(opt.band_k * np.sqrt(np.nan_to_num(rolled, nan=0.0)), floor)
+    spread = opt.band_k * np.sqrt(np.nan_to_num(rolled, nan=0.0))
+    band = np.maximum(spread, floor)
     compared = paired.present[:, cols] & banded
     with np.errstate(invalid="ignore", divide="ignore"):
         outside = compared & (~np.isfinite(delta) | (np.abs(delta) > band))
         ratio = np.abs(delta) / band
     ratio = np.where(compared, np.where(np.isnan(ratio), np.inf, ratio), 0.0)
     return {"b": b, "delta": delta, "band": band, "outside": outside, "ratio": ratio, "compared": compared,
-            "judged": judged}
+            "judged": judged, "at_floor": compared & (spread <= floor)}
 
 
 def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kind: str = "local_norm"
@@ -495,6 +496,7 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
     judged = np.zeros(n_par, dtype=bool)
     at: dict[str, np.ndarray] = {k: np.full(n_par, np.nan) for k in ("band_start", "band_peak", "ratio_peak",
                                                                       "ratio_start")}
+    at_floor = 0
     block = max(1, 1_250_000 // max(n_steps, 1))
     for lo in range(0, n_par, block):
         cols = np.arange(lo, min(n_par, lo + block))
@@ -503,6 +505,7 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         pk = g["ratio"].argmax(axis=0) if n_steps else np.zeros(len(cols), dtype=np.int64)
         start[cols], peak[cols], judged[cols] = st, pk, g["judged"]
         counted[cols] = g["compared"].sum(axis=0)
+        at_floor += int(g["at_floor"].sum())
         frac[cols] = g["outside"].sum(axis=0) / np.maximum(counted[cols], 1)
         k = np.arange(len(cols))
         at["band_peak"][cols], at["ratio_peak"][cols] = g["band"][pk, k], g["ratio"][pk, k]
@@ -532,6 +535,7 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         "band": f"per parameter: max({opt.band_k:g} x rolling RMS (window {opt.band_window}) of repeat - "
                 f"baseline, {opt.rtol:g} x |baseline|)",
         "rtol": opt.rtol, "sustain": opt.sustain, "departed": len(departed),
+        "band_at_floor_fraction": at_floor / max(int(counted.sum()), 1),
         "first_departure": row(departed[0]) if departed else None,
         "worst": [row(j) for j in ranked[:opt.top]],
         "not_judged": not_judged[:opt.top],
@@ -559,12 +563,20 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
                         f"{names[j]}: its {what} is outside its band at {frac[j]:.1%} of {int(counted[j])} steps "
                         f"without staying out (largest {at['ratio_peak'][j]:.3g} x the band at step "
                         f"{int(steps[peak[j]])}); {len(loose)} parameter(s) like it"))
+    floor_note = ""
+    if res.details["band_at_floor_fraction"] > 0.5:
+        floor_note = (f"; the band is its floor ({opt.rtol:g} x |baseline|) at "
+                      f"{res.details['band_at_floor_fraction']:.0%} of the points: the repeat hardly differs from "
+                      "the baseline (deterministic?), so the run's own noise over many steps is not measured; "
+                      "repeat the baseline without determinism")
     if not departed and not loose and len(judged_idx):
         j = ranked[0]
         res.add(Finding(STAGE, "pass", names[j], f"{kind}_max_ratio", float(at["ratio_peak"][j]), 1.0,
                         f"every one of {len(judged_idx)} parameters' {what}s stays inside its band over {n_steps} "
                         f"steps; closest: {names[j]} at {at['ratio_peak'][j]:.3g} x its band (step "
-                        f"{int(steps[peak[j]])})"))
+                        f"{int(steps[peak[j]])}){floor_note}"))
+    elif floor_note and res.findings:
+        res.findings[0].message += floor_note
     if not_judged:
         res.add(Finding(STAGE, "warn", None, f"{kind}_not_judged", len(not_judged), 0,
                         f"{len(not_judged)} of {n_par} parameters have no value in the repeat(s), so no band: not "

@@ -147,6 +147,10 @@ def test_clean_pair_names_nothing(baseline: tuple[Path, Path], tmp_path: Path) -
     assert st.details["first_departure"] is None and st.details["kinds"]["local_norm"]["departed"] == 0
     assert st.details["kinds"]["local_norm"]["judged"] == st.details["kinds"]["update_norm"]["judged"] == len(BASE)
     assert res["spikes"].verdict == "pass" and res["spikes"].details["loss"]["spikes"] == 0
+    # the baseline as its own repeat: every band is its floor, and the report says the repeat measures nothing
+    st = stages(b, c, [b], ["norm_trajectories"])["norm_trajectories"]
+    assert st.details["kinds"]["local_norm"]["band_at_floor_fraction"] == 1.0
+    assert "deterministic?" in st.findings[0].message
 
 
 def test_without_repeat_says_what_to_capture(baseline: tuple[Path, Path], tmp_path: Path) -> None:
@@ -198,6 +202,16 @@ def test_spike_on_both_sides_is_not_one_side(tmp_path: Path) -> None:
     sp = stages(b, c, [rep], ["spikes"])["spikes"]
     assert sp.verdict == "pass" and sp.details["loss"]["spikes"] == 0 and sp.details["loss"]["reported"] == []
     assert "no one-side spike" in sp.findings[0].message
+
+
+def test_no_lone_spikes_in_a_run_outside_its_band(baseline: tuple[Path, Path], tmp_path: Path) -> None:
+    """A candidate whose loss is off at most steps fails the long run; its short departures are not spikes."""
+    b, rep = baseline
+    c = make_store(tmp_path / "c", seed=5, mindformers=True, loss_noise=3e-3)
+    res = stages(b, c, [rep], ["spikes", "long_run"])
+    assert res["long_run"].details["outside_band_fraction"] > 0.05
+    assert res["spikes"].details["loss"]["spikes"] is None and "outside the band at" in res["spikes"].details[
+        "loss"]["reason"]
 
 
 def test_without_repeat_the_spike_side_is_unknown(baseline: tuple[Path, Path], tmp_path: Path) -> None:
