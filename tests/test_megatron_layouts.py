@@ -111,6 +111,24 @@ def test_distributed_optimizer_named_norms_equal_one_process(stores) -> None:
                                                            read_local_norms(out / "distopt", 1)[0].items()}
 
 
+def test_trajectory_reader_equals_step_reader_on_every_layout(stores) -> None:
+    """The named norms over the whole run (comparators.trajectories, vectorised) combine the real layouts'
+    rank files exactly as the step-1 reader does, at every step: DP parts, pipeline and virtual-pipeline
+    stages, expert parallelism."""
+    from comparators.trajectories import read_trajectory
+    from runstore import open_store
+
+    out, _ = stores
+    for name in ("ref", "distopt", "pp2", "vpp", "ep2"):
+        t = read_trajectory(open_store(out / name))
+        assert t is not None and len(t.steps) >= 2, name
+        for i, step in enumerate(t.steps):
+            entries, _ = read_local_norms(out / name, int(step))
+            assert sorted(entries) == sorted(t.names), (name, step)
+            for n, e in entries.items():
+                assert t.column(n)[i] == pytest.approx(e.full_norm(), rel=1e-6), (name, step, n)
+
+
 def test_fp16_norms_unscaled_and_dtypes_recorded(stores) -> None:
     out, results = stores
     meta = RunReader(out / "fp16").meta

@@ -61,9 +61,12 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--distributed-backend", "gloo", "--num-workers", "0", "--use-cpu-initialization",
          "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
          "--no-rope-fusion", "--no-persist-layer-norm",
-         "--clip-grad", "1.0", "--weight-decay", "0.01"]
-TRAIN = ["--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-         "--lr-warmup-iters", "1"]
+         "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+         "--adam-eps", "1e-8"]
+#: the optimizer and schedule of the example YAML (docs/examples/mindformers_qwen3_tiny_cpu.yaml), so that the
+#: pair check (tests/upstream/check.py) compares like with like: AdamW, constant lr 1e-3, no warmup
+TRAIN = ["--train-iters", "4", "--lr", "1e-3", "--min-lr", "0", "--lr-decay-style", "constant",
+         "--lr-warmup-iters", "0"]
 #: ``--moe``: the demo's MoE shape (4 experts, top 2, expert ffn 32) with the router's losses on, to see the
 #: store's ``load_balancing_loss`` / ``z_loss`` next to the log's
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
