@@ -2,17 +2,19 @@
 
 The candidate model is ``spec.model_kind``: ``llama`` = the legacy LlamaForCausalLM (MindFormers <= 1.6,
 MindSpore .ckpt weights), ``dense`` = MindFormers 2.x's mcore TrainingQwen3ForCausalLM (Megatron's own
-parameter names, safetensors weights, the ``megatron_core__mindformers_mcore_dense`` mapping; built with the
-CPU kernel stand-ins of :mod:`demo.mindformers_mcore_cpu`), ``moe`` / ``mla`` = the mcore
-TrainingQwen3MoeForCausalLM / TrainingDeepseekV3ForCausalLM. The legacy model trains in PYNATIVE (layer hooks);
-the mcore candidates train in GRAPH and take their layer statistics from the GRAPH step itself
-(``MindSporeDumper(graph_capture=True)``, :func:`trains_in_graph`).
+parameter names, safetensors weights, the ``megatron_core__mindformers_mcore_dense`` mapping), ``moe`` / ``mla`` =
+the mcore TrainingQwen3MoeForCausalLM / TrainingDeepseekV3ForCausalLM. The legacy model trains in PYNATIVE (layer
+hooks); the mcore candidates train in GRAPH and take their layer statistics from the GRAPH step itself
+(``MindSporeDumper(graph_capture=True)``, :func:`demo.spec.trains_in_graph`).
 
 ``python -m demo.mindformers_runner SPEC.json`` (see :class:`demo.spec.Spec`). The run converts the
-baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses),
-builds the model and optimizer from the MindFormers config in :func:`demo.spec.mindformers_config`
-(AdamW with MindFormers' own weight-decay grouping, its lr schedule, CPUTrainOneStepCell with clipping and
-local norms), replays every baseline step through ``ReplaySource`` and dumps what MindFormers computed.
+baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses) and
+builds everything from the MindFormers YAML of :func:`demo.spec.mindformers_config`, which the run store records
+and the checklist reads: an mcore model through MindFormers' own ``build_context`` and ``build_network``, as
+run_mindformer.py's Trainer builds it (:func:`build_mcore_net`), the YAML's ``runner_wrapper`` around it
+(``McoreCPUTrainOneStepCell`` installs the CPU stand-ins of :mod:`demo.mindformers_mcore_cpu`, as in a YAML-only
+run), AdamW with MindFormers' own weight-decay grouping and the YAML's lr schedule. It replays every baseline
+step through ``ReplaySource`` and dumps what MindFormers computed.
 
 Role ``optimizer_check`` instead feeds the baseline's step-1 gradients (converted to MindFormers names)
 through the candidate's clipping and optimizer once and saves the updated weights: the optimizer stage
