@@ -33,7 +33,9 @@ Judged per step: the first two common steps at ``step_rtol`` (the step-1 / step-
 later step at ``step_rtol`` too when no repeat of the baseline logged the loss (no evidence of noise: one
 step outside fails, named), else against the band the repeats set (as the loss's long run: share of steps
 outside, sustained divergence). Never below the float32 floor of the loss's own scale, nor below half the
-last printed digit of a MindFormers log (``%5.6f``).
+last printed digit of a MindFormers log (``%5.6f``). A Megatron-LM log line that may be the mean over a
+process's first printed window (version unknown) and is outside only as printed is a warning naming both
+readings, as for the step-2 loss.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class AuxRun:
     series: dict[str, pd.Series] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)       # name -> how the values were read
     refused: dict[str, str] = field(default_factory=dict)     # name -> why they cannot be compared
+    parts: dict[str, list[str]] = field(default_factory=dict)  # a derived sum -> the keys it adds up
 
 
 def is_aux(key: str) -> bool:
@@ -162,10 +165,29 @@ def read_aux(run: Run) -> AuxRun:
             idx = idx.intersection(p.index)
         ar.series["mtp_loss"] = make_series(idx, sum(p.reindex(idx).to_numpy() for p in parts), "mtp_loss")
         ar.notes["mtp_loss"] = f"summed here from {', '.join(k for _, k in layers)}"
+        ar.parts["mtp_loss"] = [k for _, k in layers]
         refused = [ar.refused[k] for _, k in layers if k in ar.refused]
         if refused:
             ar.refused["mtp_loss"] = refused[0]
     return ar
+
+
+def other_readings(ar: AuxRun, key: str) -> dict[int, float]:
+    """{step: value} where a Megatron-LM log line may be the mean over a process's first printed window and
+    the log does not tell (``meta["log_windows"]``, state ``ambiguous``): the step's own value in that
+    reading (sources.megatron_log.first_windows); a derived sum adds up its parts' readings."""
+    out: dict[int, float] = {}
+    for w in ar.run.meta.get("log_windows") or []:
+        if not isinstance(w, dict) or w.get("state") != "ambiguous" or not isinstance(w.get("step"), int):
+            continue
+        rec, step = w.get("recovered") or {}, w["step"]
+        keys = ar.parts.get(key, [key])
+        if not any(isinstance(rec.get(k), (int, float)) for k in keys):
+            continue
+        vals = [rec[k] if isinstance(rec.get(k), (int, float)) else ar.series[k].get(step) for k in keys]
+        if all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals):
+            out[step] = float(sum(vals))
+    return out
 
 
 def _megatron_version(run: Run) -> tuple[int, int] | None:
@@ -284,8 +306,32 @@ def _resolution(ar: AuxRun, k: float) -> float:
     return MF_PRINT_RESOLUTION * abs(k) if src.get("kind") == "mindformers_log" else 0.0
 
 
+def _ambiguous(st: StageResult, name: str, step: int, b: float, c: float, tol: float, opt: ScalarOptions,
+               alts: tuple[dict[int, float], dict[int, float]]) -> bool:
+    """A step outside as printed that is inside in the other reading of an ambiguous Megatron-LM log line:
+    a warning naming both readings (True), never a fail; False where no reading brings it inside."""
+    ab, ac = alts[0].get(step), alts[1].get(step)
+    if ab is None and ac is None:
+        return False
+    readings = [(ab, ac)] if ab is not None and ac is not None else [
+        (x, y) for x in (b, ab) for y in (c, ac) if x is not None and y is not None and (x, y) != (b, c)]
+    inside = [(x, y) for x, y in readings if abs(y - x) <= tol]
+    if not inside:
+        return False
+    x, y = inside[0]
+    r = abs(y - x) / max(abs(x), 1e-30)
+    st.add(Finding(STAGE, "warn", name, "ambiguous_log_line", step, opt.step_rtol,
+                   f"{name} at step {step}: baseline {b:.7g}, candidate {c:.7g} as printed differ beyond "
+                   f"{opt.step_rtol:g}; if the printed line is the mean over the first printed window (Megatron-LM "
+                   f"core >= 0.16) the step's own values are {x:.7g} and {y:.7g} (relative {r:.3g}): which "
+                   "reading holds is not known. Give the Megatron-LM log from its start (its arguments block "
+                   "tells the version) to settle it"))
+    return True
+
+
 def _compare_one(st: StageResult, name: str, b: pd.Series, c: pd.Series, reps: list[pd.Series],
-                 opt: ScalarOptions, extra_floor: float, how: str) -> dict[str, Any]:
+                 opt: ScalarOptions, extra_floor: float, how: str,
+                 alts: tuple[dict[int, float], dict[int, float]] = ({}, {})) -> dict[str, Any]:
     common = b.index.intersection(c.index)
     row: dict[str, Any] = {"loss": name, "steps": int(len(common))}
     if not len(common):
@@ -299,6 +345,9 @@ def _compare_one(st: StageResult, name: str, b: pd.Series, c: pd.Series, reps: l
     delta = cv - bv
     rel = np.where(same, 0.0, np.abs(delta) / np.maximum(np.abs(bv), 1e-30))
     outside = ~same & ~(np.abs(delta) <= tol)
+    for i in np.flatnonzero(outside):
+        if _ambiguous(st, name, int(common[i]), float(bv[i]), float(cv[i]), float(tol[i]), opt, alts):
+            outside[i] = False
     band_reps = [r for r in reps if r.reindex(common).notna().any()]
     fin = rel[np.isfinite(rel)]
     row.update(max_rel_delta=float(fin.max()) if len(fin) else math.nan, tolerance=opt.step_rtol,
@@ -376,8 +425,9 @@ def compare_aux_losses(baseline: Run, candidate: Run, repeats: list[Run] | None 
             "" if why == "same scaling" else f"; {why}")
         how += f"; {note}" if note else ""
         row.update(factor=k, conversion=why)
+        alts = (other_readings(b, bk), {step: v * k for step, v in other_readings(c, ck).items()})
         row.update(_compare_one(st, name, b.series[bk], c.series[ck] * k, rep_series, opt,
-                                _resolution(b, 1.0) + _resolution(c, k), how))
+                                _resolution(b, 1.0) + _resolution(c, k), how, alts))
         st.details["losses"].append(row)
         st.details["compared"].append(name)
     if not st.findings:

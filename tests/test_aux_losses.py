@@ -10,11 +10,13 @@ import numpy as np
 import yaml
 
 from align.cli import main
-from comparators.aux_losses import AuxSettings, compare_aux_losses
+from comparators.aux_losses import MEGATRON, MINDFORMERS, AuxSettings, compare_aux_losses, convention
 from comparators.scalars import ScalarOptions
 from runstore import RunWriter
-from runstore.run import open_store
+from runstore.run import Run, make_series, open_store
+from sources.megatron_log import parse_megatron_log
 from sources.mindformers_log import parse_mindformers_log
+from tests.helpers.megatron_log_text import training_lines
 
 DATA = Path(__file__).resolve().parent / "data" / "mindformers_2x"
 STEPS = 20
@@ -181,8 +183,6 @@ def test_mindformers_log_line_against_a_megatron_store(tmp_path: Path) -> None:
 def test_mindformers_load_balancing_pairs_with_the_megatron_type_logged() -> None:
     """MindFormers logs one load_balancing_loss whatever its type; Megatron names the global one
     global_load_balancing_loss: paired, and the note says so."""
-    from runstore.run import Run, make_series
-
     steps = np.arange(1, 6)
     lb = 1.0 + 0.01 * steps
     mg = Run("mg", "runstore", {"framework": "megatron-core"},
@@ -196,3 +196,42 @@ def test_mindformers_load_balancing_pairs_with_the_megatron_type_logged() -> Non
     row = res.details["losses"][0]
     assert (row["baseline_key"], row["candidate_key"]) == ("global_load_balancing_loss", "load_balancing_loss")
     assert "paired with Megatron-LM's global_load_balancing_loss" in res.findings[0].message
+
+
+def test_a_megatron_log_line_that_may_be_a_window_mean_warns_never_fails(tmp_path: Path) -> None:
+    """A Megatron-LM log without its arguments block (version unknown): from core 0.16 its iteration-2 line
+    is the mean of iterations 1 and 2, for the aux losses as for the lm loss. Against the store's own values
+    the printed mean is outside the step tolerance and the read-back value inside: a warning naming both."""
+    losses, lb = [4.80465, 4.83152, 4.79, 4.75, 4.7], [1.30, 1.10, 1.12, 1.11, 1.10]
+    printed = [lb[0], float((np.float32(lb[0]) + np.float32(lb[1])) / 2), *lb[2:]]
+    lines = [line.replace(" loss scale:", f" load_balancing_loss: {v:.6E} | loss scale:")
+             for line, v in zip(training_lines(losses, [50.0] * 5), printed, strict=True)]
+    (tmp_path / "log.txt").write_text("\n".join(lines) + "\n")
+    log = parse_megatron_log(tmp_path / "log.txt")
+    assert log.meta["log_windows"][0]["state"] == "ambiguous"
+    steps = np.arange(1, 6)
+
+    def truth(values: list[float]) -> Run:
+        return Run("store", "runstore", {"framework": "megatron-core"},
+                   {"loss": make_series(steps, losses, "loss"),
+                    "load_balancing_loss": make_series(steps, values, "load_balancing_loss")})
+
+    res = compare_aux_losses(truth(lb), log)
+    assert res.verdict == "warn", [f.message for f in res.findings]
+    [w] = [f for f in res.findings if f.verdict == "warn"]
+    assert (w.component, w.metric, w.value) == ("load_balancing_loss", "ambiguous_log_line", 2)
+    assert "which reading holds is not known" in w.message
+    # a run that differs at step 2 in either reading still fails
+    res = compare_aux_losses(truth([lb[0], 1.5, *lb[2:]]), log)
+    assert [(f.component, f.value) for f in res.findings if f.verdict == "fail"] == [("load_balancing_loss", 2)]
+
+
+def test_which_scaling_a_source_has() -> None:
+    """TensorBoard holds either framework's tags under the same keys: MindFormers' lm-loss tag (loss_key
+    lm_loss) or Megatron-LM's per-layer MTP / z-loss tags tell which."""
+    s = make_series([1], [1.0], "x")
+    assert convention(Run("tb", "tensorboard", {"framework": "tensorboard", "loss_key": "lm_loss"}))[0] == MINDFORMERS
+    assert convention(Run("tb", "tensorboard", {"framework": "tensorboard"}, {"mtp_1_loss": s}))[0] == MEGATRON
+    assert convention(Run("tb", "tensorboard", {"framework": "tensorboard"}, {"load_balancing_loss": s}))[0] is None
+    assert convention(Run("mf", "mindformers_log", {"framework": "mindformers"}))[0] == MINDFORMERS
+    assert convention(Run("gv", "golden_values", {"framework": "megatron-lm"}))[0] == MEGATRON
