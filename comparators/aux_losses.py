@@ -139,9 +139,9 @@ def _combine_ranks(ar: AuxRun, key: str, per: dict[int, pd.Series]) -> pd.Series
         return ar.run.series(key)
     par = ar.run.meta.get("parallel") if isinstance(ar.run.meta.get("parallel"), dict) else {}
     if par.get("pp") in (None, 1):
-        ar.notes[key] = (f"its {len(per)} ranks disagree (megatron-core 0.16 keeps z_loss per rank: no reduce group): "
-                         "their mean over the data-parallel replicas, what one process over the same micro-batches "
-                         "logs")
+        why = " (megatron-core 0.16 tracks it without a reduce group)" if key == "z_loss" else ""
+        ar.notes[key] = (f"its {len(per)} ranks disagree{why}: their mean over the ranks (pp 1), what one process "
+                         "over the same micro-batches logs")
         return make_series(common, stack.mean(axis=0), key)
     ar.refused[key] = (f"its {len(per)} ranks disagree and the layout (pp {par.get('pp')}) does not say how to "
                        "combine them")
