@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from align.cli import main as cli_main
+from align.stages import Evidence, Inputs, run_stages
 from comparators.scalars import compare_scalars
 from runstore import RunReader, open_store
 
@@ -286,6 +287,16 @@ def test_megatron_lm_loop_router_losses_equal_megatron_track_moe_metrics(stores)
     assert per_rank[0].loc[1, "z_loss"] != per_rank[1].loc[1, "z_loss"]
     assert (per_rank[0].loc[1, "z_loss"] + per_rank[1].loc[1, "z_loss"]) / 2 == pytest.approx(sc.loc[1, "z_loss"],
                                                                                                rel=1e-6)
+    # two stores, one process against DP=2: the learning rates and both router losses compare step by step
+    # (z_loss as the mean of the DP=2 store's ranks, which disagree)
+    ev = Evidence.load(Inputs(str(out / "lm_loop_moe"), str(out / "lm_loop_moe_dp2")))
+    stages = run_stages(ev, only=["lr_schedule", "aux_losses"])
+    assert stages["lr_schedule"].verdict == "pass" and stages["lr_schedule"].details["steps"] == 2
+    aux = stages["aux_losses"].details
+    assert stages["aux_losses"].verdict == "pass" and aux["compared"] == ["load_balancing_loss", "z_loss"]
+    rows = {r["loss"]: r for r in aux["losses"]}
+    assert all(r["steps"] == 2 and r["max_rel_delta"] < 1e-5 for r in rows.values())
+    assert "2 ranks disagree" in rows["z_loss"]["candidate_scaling"]
 
 
 def test_megatron_lm_raised_step_is_not_stored_as_complete(stores) -> None:
@@ -478,6 +489,8 @@ def test_megatron_lm_wrapper_launch_leaves_the_script_alone(stores, tmp_path) ->
     assert cli_main(["report", str(out / "lm_loop"), str(tmp_path / "run"), "--out", str(summary)]) == 0
     lr = json.loads((summary / "summary.json").read_text())["stages"]["lr_schedule"]
     assert lr["verdict"] == "pass" and lr["steps"] == 3 and lr["mismatched_steps"] == 0
+    aux = json.loads((summary / "summary.json").read_text())["stages"]["aux_losses"]   # a dense model: none
+    assert aux["verdict"] == "skipped" and "dumpers.megatron_lm" in aux["capture"]
     # a store whose schedule decays over 2 iterations instead of 3: lr differs from step 2 on
     lr = compare_scalars(open_store(out / "lm_loop"), open_store(out / "lm_loop_moe")).stages["lr_schedule"]
     assert lr.verdict == "fail" and lr.details["first_mismatch_step"] == 2
