@@ -502,6 +502,72 @@ def set_mcore_context(mode: str = "graph", *, seed: int | None = None) -> None:
     set_cpu_context(mode, seed=seed)
 
 
+def set_yaml_context(config: Mapping[str, Any]) -> str:
+    """MindFormers' context from a YAML (as a dict), as run_mindformer.py sets it: ``build_context`` (use_legacy,
+    run_mode, ``context``, ``parallel``), then the YAML's seed. Returns the mode ("graph" / "pynative").
+
+    The context is a process-wide singleton that cannot be built twice (CPU affinity is set once): when one
+    exists (an earlier run in this process), only ``use_legacy`` and ``context.mode`` are taken from the YAML.
+    """
+    import copy
+
+    from mindformers.core.context import build_context
+    from mindformers.core.context.build_context import Context, MFContextOperator
+    from mindformers.tools.register import MindFormerConfig
+
+    mode = "pynative" if int((config.get("context") or {}).get("mode", 0)) == 1 else "graph"
+    if Context.is_exists() and MFContextOperator.get_mf_ctx_instance() is not None:
+        MFContextOperator.get_mf_ctx_instance().use_legacy = config.get("use_legacy", True) is not False
+    else:
+        build_context(MindFormerConfig(**copy.deepcopy(dict(config))))
+    set_cpu_context(mode, seed=config.get("seed"))
+    return mode
+
+
+# MindFormers 2.x's GRAPH training classes of its mcore models (module, class)
+TRAINING_MODELS = (("mindformers.models.qwen3.modeling_qwen3_train", "TrainingQwen3ForCausalLM"),
+                   ("mindformers.models.qwen3_moe.modeling_qwen3_moe_train", "TrainingQwen3MoeForCausalLM"),
+                   ("mindformers.models.deepseek3.modeling_deepseek_v3_train", "TrainingDeepseekV3ForCausalLM"))
+
+
+def register_training_models() -> None:
+    """Register MindFormers' own mcore training classes under their names, so that a YAML's
+    ``model_config.architectures`` can name them. Why: for ``Qwen3ForCausalLM`` (etc.) MindFormers picks
+    ``PyNative*ForCausalLM`` in PYNATIVE mode, which needs ``hyper_parallel`` (not installable here); the
+    training class runs in both modes. Idempotent."""
+    import importlib
+
+    for module, name in TRAINING_MODELS:
+        cls = getattr(importlib.import_module(module), name)
+        MindFormerRegister.register_cls(cls, MindFormerModuleType.MODELS, legacy=False)
+
+
+def build_yaml_model(config: Mapping[str, Any]) -> nn.Cell:
+    """The model a MindFormers YAML (as a dict) describes, built as MindFormers' Trainer builds it for training:
+    ``MindFormerConfig`` -> ``build_parallel_config`` -> ``build_network(config.model, default_args)`` with the
+    Trainer's default arguments (for ``use_legacy: False``: the config class from ``model_type``, every
+    ``model_config`` key passed to it, the model class from ``architectures``). No CPU stand-ins: the
+    ``runner_wrapper`` installs them (:class:`McoreCPUTrainOneStepCell`), as in a YAML-only run.
+
+    Call :func:`set_yaml_context` first (``use_legacy`` decides which builder path MindFormers takes).
+    """
+    import copy
+
+    from mindformers.core.parallel_config import build_parallel_config
+    from mindformers.models import build_network
+    from mindformers.tools.register import MindFormerConfig
+
+    register_training_models()
+    cfg = MindFormerConfig(**copy.deepcopy(dict(config)))
+    build_parallel_config(cfg)
+    net = build_network(cfg.model, default_args={
+        "parallel_config": cfg.parallel_config, "moe_config": cfg.moe_config, "dataset_config": cfg.train_dataset,
+        "calculate_per_token_loss": bool(cfg.get("calculate_per_token_loss", False)),
+        "batch_size": cfg.runner_config.batch_size})
+    net.set_train(True)
+    return net
+
+
 def reset_mindformers_context() -> None:
     """Give ``use_legacy`` its default (True) back, so legacy Llama cells built later in this process take
     MFTrainOneStepCell's legacy step (it reads the flag when a cell is built)."""

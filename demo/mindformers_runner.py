@@ -2,17 +2,19 @@
 
 The candidate model is ``spec.model_kind``: ``llama`` = the legacy LlamaForCausalLM (MindFormers <= 1.6,
 MindSpore .ckpt weights), ``dense`` = MindFormers 2.x's mcore TrainingQwen3ForCausalLM (Megatron's own
-parameter names, safetensors weights, the ``megatron_core__mindformers_mcore_dense`` mapping; built with the
-CPU kernel stand-ins of :mod:`demo.mindformers_mcore_cpu`), ``moe`` / ``mla`` = the mcore
-TrainingQwen3MoeForCausalLM / TrainingDeepseekV3ForCausalLM. The legacy model trains in PYNATIVE (layer hooks);
-the mcore candidates train in GRAPH and take their layer statistics from the GRAPH step itself
-(``MindSporeDumper(graph_capture=True)``, :func:`trains_in_graph`).
+parameter names, safetensors weights, the ``megatron_core__mindformers_mcore_dense`` mapping), ``moe`` / ``mla`` =
+the mcore TrainingQwen3MoeForCausalLM / TrainingDeepseekV3ForCausalLM. The legacy model trains in PYNATIVE (layer
+hooks); the mcore candidates train in GRAPH and take their layer statistics from the GRAPH step itself
+(``MindSporeDumper(graph_capture=True)``, :func:`demo.spec.trains_in_graph`).
 
 ``python -m demo.mindformers_runner SPEC.json`` (see :class:`demo.spec.Spec`). The run converts the
-baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses),
-builds the model and optimizer from the MindFormers config in :func:`demo.spec.mindformers_config`
-(AdamW with MindFormers' own weight-decay grouping, its lr schedule, CPUTrainOneStepCell with clipping and
-local norms), replays every baseline step through ``ReplaySource`` and dumps what MindFormers computed.
+baseline's initial Megatron weights with ``align convert-weights`` (the same mapping the comparison uses) and
+builds everything from the MindFormers YAML of :func:`demo.spec.mindformers_config`, which the run store records
+and the checklist reads: an mcore model through MindFormers' own ``build_context`` and ``build_network``, as
+run_mindformer.py's Trainer builds it (:func:`build_mcore_net`), the YAML's ``runner_wrapper`` around it
+(``McoreCPUTrainOneStepCell`` installs the CPU stand-ins of :mod:`demo.mindformers_mcore_cpu`, as in a YAML-only
+run), AdamW with MindFormers' own weight-decay grouping and the YAML's lr schedule. It replays every baseline
+step through ``ReplaySource`` and dumps what MindFormers computed.
 
 Role ``optimizer_check`` instead feeds the baseline's step-1 gradients (converted to MindFormers names)
 through the candidate's clipping and optimizer once and saves the updated weights: the optimizer stage
@@ -31,7 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from demo.spec import MCORE_LAYER_MODULES, NAN_STEP, Spec, injects, mindformers_config, nan_param, read_spec
+from demo.spec import (
+    MCORE_LAYER_MODULES,
+    NAN_STEP,
+    Spec,
+    injects,
+    mindformers_config,
+    nan_param,
+    read_spec,
+    trains_in_graph,
+)
 from runstore import CONVERSION_EVIDENCE, EVIDENCE_DIR, atomic_write_json
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), "xf_align_mindformers"))
@@ -59,13 +70,6 @@ def is_mcore(spec: Spec) -> bool:
 def mcore_preset(spec: Spec) -> str:
     """The mapping preset of an mcore candidate kind (the conversion and the report use the same one)."""
     return mcc.MCORE_PRESETS[spec.model_kind]
-
-
-def mcore_spec(spec: Spec) -> mcc.TinyModel:
-    """The mcore model of the run's spec (same sizes, eps and RoPE base as the Megatron baseline)."""
-    from demo.model import for_kind
-
-    return for_kind(spec.model, spec.model_kind)
 
 
 def _qk_swap_rows(arr: np.ndarray, *, num_heads: int, num_query_groups: int, head_dim: int) -> np.ndarray:
@@ -119,12 +123,18 @@ def model_overrides(spec: Spec) -> dict[str, Any]:
     return mcfg
 
 
-def build_mcore_net(spec: Spec, mode: str = "pynative") -> nn.Cell:
-    """The mcore model (TrainingQwen3ForCausalLM + CPU stand-ins) loaded from the converted safetensors."""
+def build_mcore_net(spec: Spec) -> nn.Cell:
+    """The mcore model of the run's MindFormers YAML (:func:`demo.spec.mindformers_config`, the config the run
+    store records and the checklist reads), built as MindFormers' Trainer builds it: the context from the YAML
+    (``build_context``: ``use_legacy: False``, ``context.mode``), then ``build_network`` (``model_type`` ->
+    config class, ``architectures`` -> model class), loaded from the converted safetensors. The CPU stand-ins
+    come with the YAML's ``runner_wrapper`` (:func:`build_cell`), as in a YAML-only run. The demo's own hooks
+    (the embedding_fp16 fault) are applied to this network."""
     from checkpoints.mindformers import read_safetensors
 
-    mcc.set_mcore_context(mode, seed=spec.seed)
-    net = mcc.build_mcore_model(mcore_spec(spec), mode, seed=spec.seed)
+    cfg = mindformers_config(spec)
+    mcc.set_yaml_context(cfg)
+    net = mcc.build_yaml_model(cfg)
     arrays, _ = read_safetensors(spec.converted)
     mcc.load_parameter_arrays(net, arrays)
     if injects(spec, "candidate") == "embedding_fp16":
@@ -181,7 +191,8 @@ def build_optimizer(net: nn.Cell, spec: Spec) -> nn.Optimizer:
 
 
 class FaultyTrainOneStepCell(mc.CPUTrainOneStepCell):
-    """CPUTrainOneStepCell that can poison one parameter's gradient (the nan_param fault, PYNATIVE only)."""
+    """The legacy Llama's ``runner_wrapper`` (CPUTrainOneStepCell) that can poison one parameter's gradient (the
+    nan_param fault, PYNATIVE only)."""
 
     poison_index: int | None = None
 
@@ -192,6 +203,15 @@ class FaultyTrainOneStepCell(mc.CPUTrainOneStepCell):
             grads = grads[:i] + (grads[i] * Tensor(float("nan"), ms.float32),) + grads[i + 1:]
         return loss, grads, factor
 
+
+class FaultyMcoreTrainOneStepCell(mcc.McoreCPUTrainOneStepCell):
+    """The mcore ``runner_wrapper`` (McoreCPUTrainOneStepCell: installs the CPU stand-ins on the network it wraps,
+    as in a YAML-only run) that can poison one parameter's gradient (the nan_param fault, PYNATIVE only).
+
+    (One class per base: with a shared non-Cell mixin calling ``super()`` the GRAPH compile segfaulted here.)"""
+
+    poison_index: int | None = None
+
     def grads_for_mcore(self, *args: Any) -> Any:
         loss, grads, factor = super().grads_for_mcore(*args)
         if self.poison_index is not None:
@@ -200,25 +220,19 @@ class FaultyTrainOneStepCell(mc.CPUTrainOneStepCell):
         return loss, grads, factor
 
 
-def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell:
-    wrap = mindformers_config(spec)["runner_wrapper"]
+# runner_wrapper type in the YAML -> the class the demo builds (the same, plus the nan_param hook)
+WRAPPERS = {"CPUTrainOneStepCell": FaultyTrainOneStepCell, "McoreCPUTrainOneStepCell": FaultyMcoreTrainOneStepCell}
+
+
+def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell | FaultyMcoreTrainOneStepCell:
+    """The YAML's ``runner_wrapper`` (its type and every value) around the network and the YAML's optimizer."""
+    wrap = dict(mindformers_config(spec)["runner_wrapper"])
+    cls = WRAPPERS[wrap.pop("type")]
     opt = build_optimizer(net, spec)
     inner = mcc.McoreReplayLoss(net) if is_mcore(spec) else net
-    cell = FaultyTrainOneStepCell(inner, opt, local_norm=True, use_clip_grad=wrap["use_clip_grad"],
-                                  max_grad_norm=wrap["max_grad_norm"])
+    cell = cls(inner, opt, **wrap)
     cell.set_train(True)
     return cell
-
-
-def trains_in_graph(spec: Spec) -> bool:
-    """The mcore candidate's main run trains in GRAPH (0.02-0.1 s a step here, 0.2-1 s in PYNATIVE, after a
-    10-40 s compile) with its layer statistics captured inside the compiled step at the tensor steps
-    (``MindSporeDumper(graph_capture=True)``: statistics only, no full tensors). The lr = 0 run (no tensor steps,
-    short), the optimizer check and the faults that patch the candidate's Python at run time (nan_param poisons
-    a gradient in ``FaultyTrainOneStepCell``, embedding_fp16 replaces the embedding's ``construct``; GRAPH would
-    compile neither) stay in PYNATIVE with layer hooks and full tensors."""
-    return (is_mcore(spec) and spec.role == "candidate" and bool(spec.tensor_steps)
-            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16"))
 
 
 def run(spec: Spec) -> dict[str, Any]:
@@ -230,7 +244,8 @@ def run(spec: Spec) -> dict[str, Any]:
         mc.set_cpu_context("pynative", seed=spec.seed)
     conversion = convert(spec) if spec.init_weights else None
     graph = trains_in_graph(spec)
-    net = build_mcore_net(spec, "graph") if graph else build_net(spec)
+    net = build_net(spec)
+    cell = build_cell(net, spec)     # mcore: the runner_wrapper installs the CPU stand-ins, before the capture
     source = ReplaySource(spec.replay_dir, rank=0)
     steps = list(source.steps)[:spec.steps]
     tensors = ("stats" if graph else "full") if spec.tensor_steps else "off"
@@ -240,14 +255,14 @@ def run(spec: Spec) -> dict[str, Any]:
                       meta={"config": {"kind": "mindformers_yaml", "values": mindformers_config(spec)},
                             "role": spec.role, "inject": spec.inject})
     if is_mcore(spec):   # the GPTModel inside: its cells have Megatron's module names
-        # GRAPH: the watched cells are wrapped for in-graph capture, before build_cell and the first compile
+        # GRAPH: the watched cells are wrapped for in-graph capture before the first compile (as the YAML's
+        # dumper callback does in on_train_begin, after the Trainer built the wrapper)
         dumper = MindSporeDumper(net.model, spec.out, dcfg, framework="mindformers", name_scheme="mindformers_mcore",
                                  graph_capture=graph)
     else:
         dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
     dumper.update_meta({"candidate_mode": "graph (layer statistics captured in the graph at the tensor steps)"
                         if graph else "pynative (layer hooks)"})
-    cell = build_cell(net, spec)
     inputs = mcc.mcore_inputs if is_mcore(spec) else mc.llama_inputs
     opt = cell.optimizer
     names, sizes = optimizer_param_names(opt), optimizer_param_sizes(opt)

@@ -4,7 +4,9 @@ framework.
 
 :class:`TinyModel` names every field as Megatron does (num_attention_heads, rms_norm_eps, ...). Its defaults
 are the framework tests' small model; :func:`demo_model` is the demo's (wider) model, which the run spec
-carries (:class:`demo.spec.Spec`); :func:`for_kind` is that model as one candidate kind builds it.
+carries (:class:`demo.spec.Spec`); :func:`for_kind` is that model for one model kind, as the demo's Megatron
+runner builds it (the MindFormers candidate is built from the YAML :func:`demo.spec.mindformers_config` writes
+from the same fields).
 :func:`megatron_extra` / :func:`megatron_config_kwargs` turn it into demo.megatron_cpu's TinyLlamaConfig
 (the Megatron builder's arguments); :func:`spec_from_megatron` reads one back. Which mapping preset each
 mcore kind uses comes from its model family (``models/<family>``, ``demo_kind``).
@@ -73,7 +75,7 @@ def demo_model() -> TinyModel:
 
 
 def for_kind(model: TinyModel, kind: str) -> TinyModel:
-    """``model`` as candidate kind ``kind`` builds it: only mla has the shared expert."""
+    """``model`` for model kind ``kind`` (the Megatron side of the pair): only mla has the shared expert."""
     return replace(model, kind=kind, shared_expert_size=model.shared_expert_size if kind == "mla" else 0)
 
 

@@ -184,6 +184,14 @@ def _candidate_model(kind: str) -> str:
             "line, the embedding and first norm at float32's)")
 
 
+def _candidate_build(kind: str) -> str:
+    if kind == "llama":
+        return "built in Python with the LlamaConfig values of its MindFormers YAML (the one the checklist reads)"
+    return ("built from its MindFormers YAML (the one the checklist reads) by MindFormers' own "
+            "<code>build_context</code> and <code>build_network</code>, as run_mindformer.py's Trainer builds it; "
+            "the YAML's runner wrapper installs the CPU stand-ins")
+
+
 def _model_shape(kind: str) -> str:
     if kind in _MOE_PAIRS:
         return _MOE_PAIRS[kind][0]
@@ -212,10 +220,11 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
         "named local norms (inside Megatron's grad-norm call), scalars, and layer statistics at steps "
         f"{html.escape(b.tensor_steps)}.</p>"
         f"<p><b>Candidate:</b> {_candidate_model(b.model_kind)} from the converted baseline weights "
-        "(<code>align convert-weights</code>), MindFormers AdamW over MindFormers' own weight-decay groups, its lr "
-        "schedule, CPUTrainOneStepCell (MFTrainOneStepCell with a CPU overflow check) with clipping and "
-        "local norms; it replays the baseline's batches (MegatronReplayDataset's reader) and the MindSporeDumper "
-        "records the same evidence.</p>"
+        f"(<code>align convert-weights</code>), {_candidate_build(b.model_kind)}, MindFormers AdamW over "
+        "MindFormers' own weight-decay groups, its lr schedule, "
+        f"{'CPUTrainOneStepCell' if b.model_kind == 'llama' else 'McoreCPUTrainOneStepCell'} (MFTrainOneStepCell "
+        "with a CPU overflow check) with clipping and local norms; it replays the baseline's batches "
+        "(MegatronReplayDataset's reader) and the MindSporeDumper records the same evidence.</p>"
         f"{band_html}"
         f"<p><b>lr = 0 pair:</b> {specs['lr0_baseline'].steps} steps each, learning rate 0 (weights never move), "
         "loss and global grad norm compared per step.</p>"

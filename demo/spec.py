@@ -312,8 +312,23 @@ def _megatron_moe_args(spec: Spec) -> dict[str, Any]:
     return args
 
 
+def trains_in_graph(spec: Spec) -> bool:
+    """Whether the candidate run trains in GRAPH (its YAML's ``context.mode`` 0) rather than PYNATIVE (1).
+
+    The mcore candidate's main run trains in GRAPH (0.02-0.1 s a step here, 0.2-1 s in PYNATIVE, after a
+    10-40 s compile) with its layer statistics captured inside the compiled step at the tensor steps
+    (``MindSporeDumper(graph_capture=True)``: statistics only, no full tensors). The lr = 0 run (no tensor steps,
+    short), the optimizer check and the faults that patch the candidate's Python at run time (nan_param poisons
+    a gradient in the training cell, embedding_fp16 replaces the embedding's ``construct``; GRAPH would compile
+    neither) stay in PYNATIVE with layer hooks and full tensors; so does the legacy Llama."""
+    return (spec.model_kind != "llama" and spec.role == "candidate" and bool(spec.tensor_steps)
+            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16"))
+
+
 def mindformers_config(spec: Spec) -> dict[str, Any]:
-    """The MindFormers YAML (as a dict) of the candidate run; the runner trains from these very values."""
+    """The MindFormers YAML (as a dict) of the candidate run: the runner builds the model (mcore: through
+    MindFormers' own ``build_network``), optimizer, schedule and training cell from these very values, and the
+    run store records them for the checklist."""
     if spec.model_kind not in MODEL_KINDS:
         raise ValueError(f"model kind {spec.model_kind!r}: expected one of {', '.join(MODEL_KINDS)}")
     m = spec.model
@@ -351,19 +366,25 @@ def _common_yaml(spec: Spec, lr_schedule: dict[str, Any]) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "betas": [spec.adam_beta1, spec.adam_beta2], "eps": spec.adam_eps,
                       "weight_decay": spec.weight_decay, "learning_rate": spec.lr},
         "lr_schedule": lr_schedule,
-        "runner_wrapper": {"type": "CPUTrainOneStepCell", "scale_sense": 1.0, "use_clip_grad": spec.clip_grad > 0,
-                           "max_grad_norm": spec.clip_grad, "local_norm": True},
+        # CPU only: MindFormers' MFTrainOneStepCell with a CPU overflow check; the mcore one also installs the CPU
+        # stand-ins on the network it wraps (demo.mindformers_mcore_cpu), as a YAML-only run_mindformer.py run does
+        "runner_wrapper": {"type": "CPUTrainOneStepCell" if spec.model_kind == "llama" else "McoreCPUTrainOneStepCell",
+                           "scale_sense": 1.0, "use_clip_grad": spec.clip_grad > 0, "max_grad_norm": spec.clip_grad,
+                           "local_norm": True},
         "parallel_config": {"data_parallel": 1, "model_parallel": 1, "pipeline_stage": 1, "micro_batch_num": 1},
         "train_dataset": {"data_dir": spec.replay_dir, "columns": ["input_ids", "labels", "loss_mask"],
                           "construct_args_key": ["input_ids", "labels", "loss_mask"], "batch_size": 1},
         "train_dataset_task": {"type": "MegatronReplayDataset"},
-        "context": {"mode": 1, "device_target": "CPU"},
+        "context": {"mode": 0 if trains_in_graph(spec) else 1, "device_target": "CPU", "max_call_depth": 10000},
     }
 
 
 def _mcore_model(spec: Spec) -> dict[str, Any]:
     """MindFormers 2.x (``use_legacy: False``) model block of the mcore dense candidate: Qwen3Config keys.
 
+    As in MindFormers' own mcore YAMLs, ``model_type`` picks the config class and ``architectures`` the model
+    class (MindFormers' GRAPH training class, named directly: ``Qwen3ForCausalLM`` would pick the PYNATIVE
+    class, which needs hyper_parallel; demo.mindformers_mcore_cpu registers the training classes).
     pad_token_id is -1 because MindFormers hides keys whose token equals it from attention, and Megatron
     never does (the packed data has no padding)."""
     m = spec.model
@@ -371,13 +392,14 @@ def _mcore_model(spec: Spec) -> dict[str, Any]:
         return _mcore_moe_model(spec)
     return {
         "load_ckpt_format": "safetensors",
-        "model": {"arch": {"type": "TrainingQwen3ForCausalLM"}, "model_config": {
-            "type": "Qwen3Config", "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
+        "model": {"model_config": {
+            "model_type": "qwen3", "architectures": ["TrainingQwen3ForCausalLM"],
+            "batch_size": m.micro_batch_size, "seq_length": m.seq_length,
             "max_position_embeddings": m.seq_length, "hidden_size": m.hidden_size,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
             "num_key_value_heads": m.num_query_groups, "head_dim": m.head_dim,
             "intermediate_size": m.ffn_hidden_size, "vocab_size": m.vocab_size, "rms_norm_eps": m.rms_norm_eps,
-            "rope_theta": 10000.0, "hidden_act": "silu", "qk_layernorm": True, "attention_bias": False,
+            "rope_theta": m.rope_theta, "hidden_act": "silu", "qk_layernorm": True, "attention_bias": False,
             "tie_word_embeddings": False, "hidden_dropout": m.hidden_dropout,
             "attention_dropout": m.attention_dropout, "pad_token_id": -1, "eos_token_id": spec.eos_id,
             "compute_dtype": "float32", "params_dtype": "float32", "layernorm_compute_dtype": "float32",
@@ -396,11 +418,12 @@ def _mcore_moe_model(spec: Spec) -> dict[str, Any]:
            "norm_topk_prob": True, "moe_router_topk_scaling_factor": 1.0, "moe_grouped_gemm": True,
            "moe_aux_loss_coeff": 0.0}
     if spec.model_kind == "moe":
-        cfg = {**dense, "type": "Qwen3MoeConfig", "num_experts": m.num_experts, "decoder_sparse_step": 1, **moe}
-        arch = "TrainingQwen3MoeForCausalLM"
+        cfg = {**dense, "model_type": "qwen3_moe", "architectures": ["TrainingQwen3MoeForCausalLM"],
+               "num_experts": m.num_experts, "decoder_sparse_step": 1, **moe}
     else:
         dense.pop("head_dim")
-        cfg = {**dense, "type": "DeepseekV3Config", "num_key_value_heads": m.num_attention_heads,
+        cfg = {**dense, "model_type": "deepseek_v3", "architectures": ["TrainingDeepseekV3ForCausalLM"],
+               "num_key_value_heads": m.num_attention_heads,
                "n_routed_experts": m.num_experts, **moe,
                "n_shared_experts": m.shared_expert_size // m.moe_ffn_hidden_size, "first_k_dense_replace": 0,
                "moe_shared_expert_intermediate_size": m.shared_expert_size, "use_shared_expert_gating": False,
@@ -410,8 +433,7 @@ def _mcore_moe_model(spec: Spec) -> dict[str, Any]:
                "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                "moe_router_bias_update_rate": 0.0,
                "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": m.seq_length}}
-        arch = "TrainingDeepseekV3ForCausalLM"
-    return {"load_ckpt_format": "safetensors", "model": {"arch": {"type": arch}, "model_config": cfg}}
+    return {"load_ckpt_format": "safetensors", "model": {"model_config": cfg}}
 
 
 def write_spec(spec: Spec, path: str | Path) -> Path:

@@ -133,7 +133,10 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
     cand_meta = json.loads((runs / "candidate" / "meta.json").read_text())
     assert cand_meta["framework"] == "mindformers"
     cfg = cand_meta["config"].get("values", cand_meta["config"])
-    assert cfg["use_legacy"] is False and cfg["model"]["model_config"]["type"] == "Qwen3Config"
+    mcfg = cfg["model"]["model_config"]     # the YAML the candidate was built from (MindFormers' build_network)
+    assert cfg["use_legacy"] is False and (mcfg["model_type"], mcfg["architectures"]) == (
+        "qwen3", ["TrainingQwen3ForCausalLM"])
+    assert cfg["context"]["mode"] == 0 and cfg["runner_wrapper"]["type"] == "McoreCPUTrainOneStepCell"
     assert (runs / "mindformers_init.safetensors").is_file()
     cmd = (out / "report_command.txt").read_text()
     assert "--mapping" not in cmd and "rtol" not in cmd   # the preset and the precision come from the runs

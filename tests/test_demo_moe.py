@@ -49,11 +49,13 @@ def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path:
     runs = tmp_path / kind / "runs"
     cand = json.loads((runs / "candidate" / "meta.json").read_text())
     cfg = cand["config"].get("values", cand["config"])
-    want = {"moe": "Qwen3MoeConfig", "mla": "DeepseekV3Config"}[kind]
-    assert cfg["use_legacy"] is False and cfg["model"]["model_config"]["type"] == want
+    want = {"moe": ("qwen3_moe", ["TrainingQwen3MoeForCausalLM"]),
+            "mla": ("deepseek_v3", ["TrainingDeepseekV3ForCausalLM"])}[kind]
+    mcfg = cfg["model"]["model_config"]     # the YAML the candidate was built from (MindFormers' build_network)
+    assert cfg["use_legacy"] is False and (mcfg["model_type"], mcfg["architectures"]) == want
     assert "graph" in cand.get("candidate_mode", "")          # trained in GRAPH, layer statistics from it too
     assert cand["layer_capture"]["mode"] == "GRAPH" and data["stages"]["layer_tensors"]["mode"] == "stats"
-    # the mapping preset is chosen from the candidate's config (Qwen3MoeConfig / DeepseekV3Config)
+    # the mapping preset is chosen from the candidate's config (model_type qwen3_moe / deepseek_v3)
     assert ln["mapping"] == f"megatron_core__mindformers_mcore_{kind}"
     if repeat:
         rep = json.loads((runs / "repeat_dp2" / "meta.json").read_text())

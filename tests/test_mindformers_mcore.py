@@ -290,3 +290,41 @@ def test_pynative_standins_train_the_same_model_as_graph(dense_graph, train_cell
     finally:
         mc.set_mcore_context("graph")
         mc.load_parameter_arrays(dense_graph, weights)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The demo's candidate: built from its YAML
+# ---------------------------------------------------------------------------------------------------------
+
+def test_demo_candidate_is_built_from_its_yaml(tmp_path, monkeypatch) -> None:
+    """The demo's mcore candidate is the model its recorded MindFormers YAML describes, built by MindFormers'
+    ``build_network`` as the Trainer builds it (not from the run spec's TinyModel): a YAML value that differs
+    from the TinyModel reaches the network, and the YAML's runner_wrapper installs the CPU stand-ins."""
+    import copy
+
+    import demo.mindformers_runner as runner
+    from checkpoints.mindformers import write_safetensors
+    from demo.spec import BatchSource, Spec, mindformers_config
+
+    spec = Spec(role="optimizer_check", out=str(tmp_path / "run"), steps=1,
+                converted=str(tmp_path / "init.safetensors"))
+    cfg = mindformers_config(spec)
+    assert cfg["context"]["mode"] == 1 and cfg["runner_wrapper"]["type"] == "McoreCPUTrainOneStepCell"
+    batch = BatchSource(spec)(1)
+    try:
+        assert mc.set_yaml_context(cfg) == "pynative"
+        write_safetensors(mc.parameter_arrays(mc.build_yaml_model(cfg)), spec.converted)
+        net = runner.build_mcore_net(spec)
+        assert type(net).__name__ == "TrainingQwen3ForCausalLM"
+        cell = runner.build_cell(net, spec)
+        assert isinstance(cell, mc.McoreCPUTrainOneStepCell)
+        loss = mc.forward_loss(net, batch)             # runs on CPU: the wrapper installed the stand-ins
+        changed = copy.deepcopy(cfg)
+        changed["model"]["model_config"]["rms_norm_eps"] = 1e-2
+        monkeypatch.setattr(runner, "mindformers_config", lambda _spec: changed)
+        net2 = runner.build_mcore_net(spec)
+        runner.build_cell(net2, spec)
+        assert spec.model.rms_norm_eps == 1e-5 and net2.get_gpt_transformer_config().layernorm_epsilon == 1e-2
+        assert abs(mc.forward_loss(net2, batch) - loss) > 1e-4
+    finally:
+        mc.set_mcore_context("graph")

@@ -24,27 +24,12 @@ Example: docs/examples/mindformers_qwen3_tiny_cpu.yaml; docs/mindformers-launch.
 from __future__ import annotations
 
 from demo.mindformers_cpu import CPUTrainOneStepCell
-from demo.mindformers_mcore_cpu import McoreCPUTrainOneStepCell
+from demo.mindformers_mcore_cpu import TRAINING_MODELS, McoreCPUTrainOneStepCell, register_training_models
 from dumpers.mindformers import MindFormersDumperCallback
 from dumpers.mindformers_replay import MegatronReplayDataset
 
 __all__ = ["CPUTrainOneStepCell", "McoreCPUTrainOneStepCell", "MegatronReplayDataset", "MindFormersDumperCallback",
            "TRAINING_MODELS"]
 
-# module path, class: MindFormers 2.x's GRAPH training classes of its mcore models
-TRAINING_MODELS = (("mindformers.models.qwen3.modeling_qwen3_train", "TrainingQwen3ForCausalLM"),
-                   ("mindformers.models.qwen3_moe.modeling_qwen3_moe_train", "TrainingQwen3MoeForCausalLM"),
-                   ("mindformers.models.deepseek3.modeling_deepseek_v3_train", "TrainingDeepseekV3ForCausalLM"))
-
-
-def _register_training_models() -> None:
-    import importlib
-
-    from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
-
-    for module, name in TRAINING_MODELS:
-        cls = getattr(importlib.import_module(module), name)
-        MindFormerRegister.register_cls(cls, MindFormerModuleType.MODELS, legacy=False)
-
-
-_register_training_models()
+# Registers MindFormers' GRAPH training classes of its mcore models under their names (see above).
+register_training_models()
