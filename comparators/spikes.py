@@ -19,9 +19,12 @@ import pandas as pd
 
 MAX_REPORTED = 5       # spikes per metric given their step's evidence (the largest); the rest are counted
 #: A short departure is a spike when its peak |delta| is at least this many times the band. The band is 3 x
-#: the repeat's RMS delta, so a single step just outside it is the 0.3% tail of the runs' own noise (300
-#: steps of a 100k-step run); twice the band is 6 RMS, which noise does not reach.
-SPIKE_FACTOR = 2.0
+#: the repeat's RMS delta; if the pair's deltas were the repeat's Gaussian noise, twice the band (6 RMS) would
+#: never be reached. They are not: the clean dense demo pair (300 steps, float16 attention on the candidate
+#: side) has one-step excursions of 2.0-2.4 x the band at 4 steps, the heavier tails of another framework's
+#: rounding. A spike users mean is a jump, many times the noise: 5 x the band is twice the largest clean
+#: excursion measured.
+SPIKE_FACTOR = 5.0
 
 
 @dataclass
