@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from demo import megatron_cpu as mc  # noqa: E402
 from dumpers.megatron import MegatronDumper  # noqa: E402
+from dumpers.optimizer_evidence import OptimizerEvidence  # noqa: E402
 from dumpers.torch_dumper import DumpConfig  # noqa: E402
 
 STEPS = 2
@@ -49,7 +50,8 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": 
 
 
 def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distopt: bool = False,
-                 loss_scale: float | None = None, grad_fp32: bool = True, dump: bool = True) -> dict:
+                 loss_scale: float | None = None, grad_fp32: bool = True, dump: bool = True,
+                 dump_config: dict | None = None, evidence: bool = False) -> dict:
     """Train STEPS steps of the current layout with the dumper (or without: ``dump=False``, for the
     bit-identical check); micro = DP ranks whose batches this rank runs."""
     from megatron.core.distributed import finalize_model_grads
@@ -64,8 +66,9 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
     config = ddp[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
-    dumper = MegatronDumper(ddp, opt, DumpConfig(out=out, seed_layout=True),
+    dumper = MegatronDumper(ddp, opt, DumpConfig(out=out, seed_layout=True, **(dump_config or {})),
                             meta={"config": {"kind": "megatron_args", "values": cfg.as_dict()}}) if dump else None
+    ev = OptimizerEvidence(ddp, out, opt) if evidence else None
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         if dumper is not None:
@@ -74,9 +77,17 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
             c.zero_grad_buffer()
         opt.zero_grad()
         batches = [mc.synthetic_batch(step, cfg, dp_rank=d) for d in micro]
+        if cfg.extra.get("context_parallel_size", 1) > 1:   # Megatron's own zig-zag split (2 x CP chunks)
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            batches = [get_batch_on_this_cp_rank(b) for b in batches]
         reduced = mc.pipeline_forward_backward(ddp, batches, cfg,
                                                on_batch=dumper.record_batch if dumper is not None else None)
+        if step == 1 and ev is not None:
+            ev.before_step()
         ok, gnorm, _ = opt.step()
+        if step == 1 and ev is not None:
+            ev.after_step()
         loss = mc.reduce_lm_loss(reduced)
         losses.append(loss)
         norms.append(gnorm)
@@ -91,6 +102,8 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
     if dumper is not None:
         dumper.close()
         out_.update(errors=dumper.errors, error_log=dumper.error_log)
+    if ev is not None and ev.error:
+        out_.update(errors=out_["errors"] + 1, error_log=[*out_["error_log"], f"evidence: {ev.error}"])
     return out_
 
 
@@ -163,7 +176,7 @@ def main() -> None:
     result: dict = {"rank": info.rank}
     for scenario in args.scenarios.split(","):
         if scenario == "ref":
-            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True)
         elif scenario == "fp16":
             cfg16 = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="float16")
             result[scenario] = train_layout(out / scenario, cfg16, micro=[0, 1], loss_scale=1024.0,
@@ -189,7 +202,8 @@ def main() -> None:
             result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
         elif scenario == "distopt":
             info = mc.set_parallel()
-            result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True)
+            result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True,
+                                            evidence=True)
             result[scenario]["undumped"] = train_layout(out / "none", dense, micro=[info.dp_rank], distopt=True,
                                                         dump=False)
         elif scenario == "ref4":
@@ -203,6 +217,15 @@ def main() -> None:
         elif scenario == "pp2":
             info = mc.set_parallel(pp=2)
             result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+        elif scenario == "sp":
+            info = mc.set_parallel(tp=2)
+            cfg_sp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"sequence_parallel": True})
+            result[scenario] = train_layout(out / scenario, cfg_sp, micro=[0, 1], evidence=True)
+        elif scenario == "cp2":
+            info = mc.set_parallel(cp=2)
+            cfg_cp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"context_parallel_size": 2,
+                                                                   "calculate_per_token_loss": True})
+            result[scenario] = train_layout(out / scenario, cfg_cp, micro=[0, 1], evidence=True)
         elif scenario == "ep2":
             info = mc.set_parallel(ep=2)
             result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank])

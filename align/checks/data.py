@@ -91,7 +91,8 @@ def _scalar_duplicates(reader: Any) -> list[Finding]:
 def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(step, rank, {tokens, labels, loss_mask, ...}) from a run store or the seed layout; each batch names
     its file under ``_file``. Structural faults (a step or rank recorded twice) come first, as
-    ``(step, rank, {"_finding": Finding})``."""
+    ``(step, rank, {"_finding": Finding})``. In a run store ``rank`` is the DP rank and the batch is the one
+    it trained on, joined from its TP / pipeline / context-parallel ranks (``runstore.batches``)."""
     import runstore
     from runstore.layout import _RANK_H5_RE, _SEED_RANK_RE, _STEP_RE
 
@@ -107,14 +108,17 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
             yield -1, -1, {"_finding": f}
         faults = []
         found = False
+        # one batch per DP rank: its TP copies, pipeline stages' parts and CP chunks joined (runstore.batches)
+        groups = runstore.data_groups(reader, reader.ranks)
         for step in reader.array_steps():
-            for rank in reader.array_ranks(step):
-                sa = reader.step_arrays(step, rank)
-                batch = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
+            for dp, batch, files, notes in runstore.dp_batches(reader, step, groups=groups):
+                for note in notes:
+                    yield step, dp, {"_finding": Finding(STAGE, "warn", f"step {step} rank {dp}",
+                                                         "rank_copies_differ", None, None, note)}
                 if batch:
                     found = True
-                    yield step, rank, {**check_batch(reader.step_file(step, rank), batch),
-                                       "_file": str(reader.step_file(step, rank))}
+                    where = ", ".join(str(f) for f in files)
+                    yield step, dp, {**check_batch(where, batch), "_file": where}
         if found or not seed:
             if not found:
                 raise BadInput(f"{p}: run store has no batch/* arrays")
