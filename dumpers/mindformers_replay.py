@@ -217,7 +217,7 @@ class ReplaySource:
             # this DP rank's batch: other stages' parts, TP copies, CP chunks joined (runstore.batches)
             present = set(self._reader.array_ranks(step))
             members = [(r, self._reader.rank_info(r)) for r in self._batch_ranks() if r in present]
-            out, _, _ = join_group(self._reader, step, members, names)
+            out, _, _, _ = join_group(self._reader, step, members, names)
             for name in names:
                 if name not in out:
                     raise BadInput(f"{self._rank_path(step)}: no batch/{name} array (the dump lacks '{name}')")

@@ -10,7 +10,7 @@ schemas), ``reader`` (``RunReader``), ``seed_layout`` (the replayed ``step_N/ran
 
 from runstore.atomic import atomic_file, atomic_write_bytes, atomic_write_json
 from runstore.background import BackgroundWriter, WriterErrors
-from runstore.batches import cp_join, cp_split, data_groups, dp_batches
+from runstore.batches import cp_join, cp_split, data_groups, dp_batches, global_batch
 from runstore.layout import (
     CONVERSION_EVIDENCE,
     EVIDENCE_DIR,
@@ -35,8 +35,7 @@ __all__ = [
     "SCHEMA", "SEED_BATCH_KEYS", "STEP_DIR", "TABLE_SCHEMAS", "BackgroundWriter", "Incomplete", "Run",
     "RunReader", "RunWriter", "StepArrays", "WriterErrors", "atomic_file", "atomic_write_bytes",
     "atomic_write_json", "check_table", "cp_join", "cp_split", "data_groups", "dp_batches", "evidence_path",
-    "load_npy",
-    "make_series", "open_store", "read_h5", "read_seed_batch",
+    "global_batch", "load_npy", "make_series", "open_store", "read_h5", "read_seed_batch",
     "read_step1_file", "save_run", "seed_steps", "series_from_records", "step_dir", "table_columns",
     "write_step1_file",
 ]

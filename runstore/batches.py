@@ -70,8 +70,9 @@ def _coord(info: dict[str, Any], key: str, default: int = 0) -> int:
 
 
 def join_group(reader: Any, step: int, members: Sequence[tuple[int, dict[str, Any]]],
-               keys: Iterable[str] | None = None) -> tuple[dict[str, np.ndarray], list[Path], list[str]]:
-    """One DP rank's batch of ``step`` from its ranks' ``batch/*`` arrays: (batch, files read, notes).
+               keys: Iterable[str] | None = None) -> tuple[dict[str, np.ndarray], list[Path], list[str], int]:
+    """One DP rank's batch of ``step`` from its ranks' ``batch/*`` arrays: (batch, files read, notes, number
+    of micro-batches stacked in it, from the ``micro_batches`` attribute the dumpers write; 1 when absent).
 
     Notes name copies that disagree (TP ranks that loaded different data). A CP rank with no part, or
     parts that cannot be joined, is a BadInput naming the step file.
@@ -84,12 +85,17 @@ def join_group(reader: Any, step: int, members: Sequence[tuple[int, dict[str, An
     owner: dict[tuple[int, str], int] = {}
     files: list[Path] = []
     notes: list[str] = []
+    micro = 1
     present = set(reader.array_ranks(step))
     for rank, info in order:
         if rank not in present:
             continue
-        data = reader.step_arrays(step, rank).data
-        got = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith("batch/")}
+        sa = reader.step_arrays(step, rank)
+        got = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
+        for k in got:
+            n = (sa.attrs.get(f"batch/{k}") or {}).get("micro_batches")
+            if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0:
+                micro = max(micro, int(n))
         if want is not None:
             got = {k: v for k, v in got.items() if k in want}
         if not got:
@@ -105,7 +111,7 @@ def join_group(reader: Any, step: int, members: Sequence[tuple[int, dict[str, An
                              f"{owner[(_coord(info, 'cp_rank'), key)]}'s copy (same DP rank: they must hold "
                              "the same data)")
     if cp == 1 or not parts:
-        return (parts[min(parts)] if parts else {}), files, notes
+        return (parts[min(parts)] if parts else {}), files, notes, micro
     missing = [r for r in range(cp) if r not in parts]
     where = files[0] if files else Path(reader.root)
     if missing:
@@ -120,13 +126,13 @@ def join_group(reader: Any, step: int, members: Sequence[tuple[int, dict[str, An
             out[key] = cp_join([parts[r][key] for r in range(cp)], seq_dim(key))
         except ValueError as exc:
             raise BadInput(f"{where}: step {step}: batch/{key}: {exc}") from None
-    return out, files, notes
+    return out, files, notes, micro
 
 
 def dp_batches(reader: Any, step: int, keys: Iterable[str] | None = None,
                groups: dict[int, list[tuple[int, dict[str, Any]]]] | None = None
-               ) -> Iterable[tuple[int, dict[str, np.ndarray], list[Path], list[str]]]:
-    """(dp rank, batch, files, notes) of ``step`` for every DP rank with a file at that step, in DP rank
+               ) -> Iterable[tuple[int, dict[str, np.ndarray], list[Path], list[str], int]]:
+    """(dp rank, batch, files, notes, micro-batches) of ``step`` for every DP rank with a file at that step, in DP rank
     order. ``groups``: :func:`data_groups` of the store's ranks, computed once by a caller that reads many
     steps."""
     keys = list(keys) if keys is not None else None
@@ -136,5 +142,22 @@ def dp_batches(reader: Any, step: int, keys: Iterable[str] | None = None,
     for dp, members in sorted(groups.items()):
         members = [m for m in members if m[0] in present]
         if members:
-            batch, files, notes = join_group(reader, step, members, keys)
-            yield dp, batch, files, notes
+            yield (dp, *join_group(reader, step, members, keys))
+
+
+def global_batch(per_dp: Sequence[tuple[dict[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
+    """The step's global batch from the DP ranks' batches (in DP rank order, each with its micro-batch
+    count): Megatron's sampler hands micro-batch m of DP rank d the samples at (m x DP + d) x mbs, so the
+    global order is micro-batch major. Keys every DP rank holds; equal micro-batch counts are required."""
+    if not per_dp:
+        return {}
+    counts = {m for _, m in per_dp}
+    keys = set.intersection(*(set(b) for b, _ in per_dp))
+    if len(counts) != 1:
+        raise ValueError(f"DP ranks stacked different numbers of micro-batches {sorted(counts)}")
+    micro = counts.pop()
+    out = {}
+    for key in sorted(keys):
+        pieces = [np.split(np.asarray(b[key]), micro, axis=0) for b, _ in per_dp]
+        out[key] = np.concatenate([p[m] for m in range(micro) for p in pieces], axis=0)
+    return out

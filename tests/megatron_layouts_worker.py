@@ -7,6 +7,7 @@ batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the 
 
 one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
+            ref, distopt, sp and cp2 write the optimizer evidence of step 1 (dumpers.optimizer_evidence).
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
   bf16      the same in bf16 (fp32 grad accumulation, Megatron's default).
   ref4      like ref with 4 layers (the reference of vpp).
@@ -14,8 +15,11 @@ one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,ckpt_ref``)
   lm_loop   the integration (dumpers.megatron_lm.install) on a loop shaped like Megatron-LM's train()
             (tests/megatron_lm_shape.py): 3 iterations, evaluation after iteration 2.
   ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
-two processes (``--scenarios distopt,pp2,vpp,ep2,ckpt_tp2,ckpt_pp2``)
+two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,ckpt_tp2,ckpt_pp2``)
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
+  sp        TP=2 with sequence parallelism (demo.megatron_cpu's norm stand-in: torch's norms refuse SP).
+  cp2       CP=2: Megatron's get_batch_on_this_cp_rank splits each micro-batch (2 x CP zig-zag chunks);
+            demo.megatron_cpu's all-gather attention (the local attention refuses CP); per-token loss.
   pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
   vpp       4 layers at PP=2 with 2 virtual stages (Megatron's interleaved schedule).
   ep2       the MoE model at EP=2 (DP=2 for dense parameters), a ChainedOptimizer (dense + expert).
@@ -44,6 +48,9 @@ from dumpers.optimizer_evidence import OptimizerEvidence  # noqa: E402
 from dumpers.torch_dumper import DumpConfig  # noqa: E402
 
 STEPS = 2
+# the first norm's activations at step 1: split on the sequence under SP and CP
+NORM_STATS = {"tensors": "stats", "tensor_steps": [1], "modules": ["decoder.layers.0.input_layernorm"],
+              "backward": False}
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
        "moe_aux_loss_coeff": 0.0, "moe_ffn_hidden_size": 64, "moe_shared_expert_intermediate_size": 64,
        "moe_shared_expert_gate": True, "moe_router_load_balancing_type": "none"}
@@ -220,12 +227,12 @@ def main() -> None:
         elif scenario == "sp":
             info = mc.set_parallel(tp=2)
             cfg_sp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"sequence_parallel": True})
-            result[scenario] = train_layout(out / scenario, cfg_sp, micro=[0, 1], evidence=True)
+            result[scenario] = train_layout(out / scenario, cfg_sp, micro=[0, 1], evidence=True, dump_config=NORM_STATS)
         elif scenario == "cp2":
             info = mc.set_parallel(cp=2)
             cfg_cp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"context_parallel_size": 2,
                                                                    "calculate_per_token_loss": True})
-            result[scenario] = train_layout(out / scenario, cfg_cp, micro=[0, 1], evidence=True)
+            result[scenario] = train_layout(out / scenario, cfg_cp, micro=[0, 1], evidence=True, dump_config=NORM_STATS)
         elif scenario == "ep2":
             info = mc.set_parallel(ep=2)
             result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank])

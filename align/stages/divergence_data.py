@@ -23,7 +23,7 @@ def _batch(run: Run, step: int) -> dict[str, np.ndarray] | None:
     if run.store is None or step not in run.store.array_steps():
         return None
     # DP rank 0's batch, joined from its TP / pipeline / context-parallel ranks
-    batch = next((b for _, b, _, _ in dp_batches(run.store, step)), {})
+    batch = next((b for _, b, _, _, _ in dp_batches(run.store, step)), {})
     return batch if "tokens" in batch else None
 
 
