@@ -68,7 +68,8 @@ def _named(model: Any) -> list[tuple[str, Any]]:
     for chunk in chunks:
         name_of = global_namer(chunk)
         for name, p in chunk.named_parameters():
-            if p.requires_grad and id(p) not in seen:
+            # the last stage's copy of a tied embedding (``shared``) is the first stage's parameter again
+            if p.requires_grad and id(p) not in seen and not getattr(p, "shared", False):
                 seen.add(id(p))
                 out.append((name_of(name), p))
     return out

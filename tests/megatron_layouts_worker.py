@@ -7,7 +7,8 @@ batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the 
 
 one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
-            ref, distopt, sp and cp2 write the optimizer evidence of step 1 (dumpers.optimizer_evidence).
+            ref, ref_moe, distopt, pp2, ep2, sp and cp2 write the optimizer evidence of step 1
+            (dumpers.optimizer_evidence).
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
   bf16      the same in bf16 (fp32 grad accumulation, Megatron's default).
   ref4      like ref with 4 layers (the reference of vpp).
@@ -206,7 +207,7 @@ def main() -> None:
             info = mc.set_parallel(pp=2)
             result[scenario] = checkpoint(out / scenario, dense, info, dist=False)
         elif scenario == "ref_moe":
-            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
+            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1], evidence=True)
         elif scenario == "distopt":
             info = mc.set_parallel()
             result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True,
@@ -223,7 +224,7 @@ def main() -> None:
             result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
         elif scenario == "pp2":
             info = mc.set_parallel(pp=2)
-            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True)
         elif scenario == "sp":
             info = mc.set_parallel(tp=2)
             cfg_sp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"sequence_parallel": True})
@@ -235,7 +236,7 @@ def main() -> None:
             result[scenario] = train_layout(out / scenario, cfg_cp, micro=[0, 1], evidence=True, dump_config=NORM_STATS)
         elif scenario == "ep2":
             info = mc.set_parallel(ep=2)
-            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank])
+            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank], evidence=True)
             result[scenario]["undumped"] = train_layout(out / "none", moe, micro=[info.dp_rank], dump=False)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
