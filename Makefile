@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_JOBS ?= 2
 BENCH_OUT ?= bench_out
 
-.PHONY: env demo test browser lint bench clean
+.PHONY: env demo test browser upstream-check lint bench clean
 
 env: $(STAMP)
 
@@ -47,6 +47,14 @@ browser:
 			"run 'sudo apt-get install chromium' (Debian/Ubuntu), or the browser tests skip" >&2; \
 		exit 1; \
 	fi
+
+# By hand (CI cannot download upstream code): real Megatron-LM pretrain_gpt.py and, with MINDFORMERS_SRC, real
+# MindFormers run_mindformer.py on CPU, dumped, converted and compared (tests/upstream/check.py).
+UPSTREAM_OUT ?= upstream_out
+upstream-check: $(STAMP)
+	@test -n "$(MEGATRON_LM)" || { echo "usage: make upstream-check MEGATRON_LM=DIR [MINDFORMERS_SRC=DIR]" >&2; exit 2; }
+	PYTHONPATH=$(CURDIR) $(PY) tests/upstream/check.py --megatron-lm $(MEGATRON_LM) \
+		$(if $(MINDFORMERS_SRC),--mindformers $(MINDFORMERS_SRC)) --out $(UPSTREAM_OUT)
 
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)

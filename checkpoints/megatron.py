@@ -355,7 +355,12 @@ class TorchDistWeights:
 _ALLOWED_GLOBAL_PREFIXES = ("argparse.Namespace", "numpy.core.multiarray._reconstruct",
                             "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
                             "numpy.dtypes.", "megatron.core.enums.", "megatron.core.transformer.enums.",
-                            "megatron.training.enums.", "torch.")
+                            "megatron.training.enums.", "torch.",
+                            # Megatron-LM >= 0.12 saves its rerun state machine's enums (plain Enum members)
+                            "megatron.core.rerun_state_machine.RerunDiagnostic",
+                            "megatron.core.rerun_state_machine.RerunMode",
+                            "megatron.core.rerun_state_machine.RerunState",
+                            "megatron.core.rerun_state_machine.RerunValidationStatus")
 
 
 def _resolve(qualname: str) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,13 @@ class ShardNorm:
     replica_disagree: float = 0.0   # largest relative spread between DP / CP replicas of one TP shard
     dp_size: int = 1                # > 1: gradient reduce-scattered over DP ranks (distributed optimizer)
     dp_parts: dict[int, dict[int, tuple[float, int]]] | None = None  # tp_rank -> dp_rank -> (norm, numel)
+    rows: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp_rank, dp_rank or -1) -> row kept
 
     def add(self, tp_rank: int, norm: float, numel: int, dp_shard: int = 0, dp_rank: int = 0,
-            dp_size: int = 1) -> None:
-        """One rank's row: a whole (TP shard of the) gradient, or a DP rank's part of it."""
+            dp_size: int = 1, row: int = -1) -> None:
+        """One rank's row: a whole (TP shard of the) gradient, or a DP rank's part of it. ``row`` (its index
+        in the rows read) is remembered when the row is kept, so the same combination can be replayed on
+        other steps' norms without this loop (``contributing_rows``)."""
         if dp_shard and dp_size > 1:
             self.dp_size = max(self.dp_size, int(dp_size))
             if self.dp_parts is None:
@@ -61,6 +64,7 @@ class ShardNorm:
             if dp_rank in parts:
                 return
             parts[dp_rank] = (norm, numel)
+            self.rows[(tp_rank, dp_rank)] = row
             self.shards[tp_rank] = math.sqrt(sum(v * v for v, _ in parts.values()))
             self.numel[tp_rank] = sum(n for _, n in parts.values())
             return
@@ -73,6 +77,15 @@ class ShardNorm:
             self.disagree = max(self.disagree, abs(norm - ref) / max(abs(ref), 1e-30))
         self.shards[tp_rank] = norm
         self.numel[tp_rank] = int(numel)
+        self.rows[(tp_rank, -1)] = row
+
+    def contributing_rows(self) -> list[int]:
+        """The rows whose squares sum to ``full_norm() ** 2``: every kept row of a TP-partitioned parameter,
+        the lowest TP rank's rows of a duplicated one."""
+        if self.partition_dim < 0:
+            low = min(self.shards)
+            return [r for (tp, _), r in self.rows.items() if tp == low]
+        return list(self.rows.values())
 
     def full_norm(self) -> float:
         if self.partition_dim < 0:
@@ -140,28 +153,34 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
         info["tables"] += 1
         if info["global_norm"] is None and "global_norm" in attrs:
             info["global_norm"] = float(attrs["global_norm"])
-        rinfo = reader.rank_info(rank)
-        pp_rank = int(rinfo.get("pp_rank", 0) or 0)
-        n = len(cols["name"])
-        tp_rank = cols.get("tp_rank", np.full(n, int(rinfo.get("tp_rank", 0) or 0)))
-        tp_size = cols.get("tp_size", np.ones(n, dtype=np.int64))
-        pdim = cols.get("tp_partition_dim", np.full(n, -1))
-        numel = cols.get("numel", np.zeros(n, dtype=np.int64))
-        dp_shard = cols.get("dp_shard", np.zeros(n, dtype=np.int64))
-        dp_rank = cols.get("dp_rank", np.zeros(n, dtype=np.int64))
-        dp_size = cols.get("dp_size", np.ones(n, dtype=np.int64))
-        for i in range(n):
-            name = str(cols["name"][i])
-            e = out.get(name)
-            if e is None:
-                e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
-            e.pp_ranks.add(pp_rank)
-            e.add(int(tp_rank[i]), float(cols["norm"][i]), int(numel[i]), int(dp_shard[i]), int(dp_rank[i]),
-                  int(dp_size[i]))
+        add_rank_table(out, cols, reader.rank_info(rank))
     if info["tables"] == 0:
         raise BadInput(f"{reader.root}: step {step} has no local_norm table on any rank")
     info["tp"] = max((e.tp_size for e in out.values()), default=1)
     return out, info
+
+
+def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo: dict[str, Any],
+                   row0: int = 0) -> None:
+    """Add one rank's ``local_norm`` table to ``out`` (name -> ShardNorm); row ``i`` is remembered as
+    ``row0 + i``. Missing layout columns default to a whole, unsharded gradient on the rank's TP rank."""
+    pp_rank = int(rinfo.get("pp_rank", 0) or 0)
+    n = len(cols["name"])
+    tp_rank = cols.get("tp_rank", np.full(n, int(rinfo.get("tp_rank", 0) or 0)))
+    tp_size = cols.get("tp_size", np.ones(n, dtype=np.int64))
+    pdim = cols.get("tp_partition_dim", np.full(n, -1))
+    numel = cols.get("numel", np.zeros(n, dtype=np.int64))
+    dp_shard = cols.get("dp_shard", np.zeros(n, dtype=np.int64))
+    dp_rank = cols.get("dp_rank", np.zeros(n, dtype=np.int64))
+    dp_size = cols.get("dp_size", np.ones(n, dtype=np.int64))
+    for i in range(n):
+        name = str(cols["name"][i])
+        e = out.get(name)
+        if e is None:
+            e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
+        e.pp_ranks.add(pp_rank)
+        e.add(int(tp_rank[i]), float(cols["norm"][i]), int(numel[i]), int(dp_shard[i]), int(dp_rank[i]),
+              int(dp_size[i]), row0 + i)
 
 
 def _norms_from_table(run: Any, step: int) -> tuple[dict[str, ShardNorm], dict[str, Any]]:
@@ -192,6 +211,48 @@ def _rel(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     return abs(a - b) / max(abs(a), 1e-30)
+
+
+@dataclass(frozen=True)
+class NormPair:
+    """One compared unit: named by the baseline (the report's name), with the names on each side whose norms
+    combine into it (sqrt of the sum of squares: a fused parameter's parts)."""
+
+    name: str
+    baseline: list[str]
+    candidate: list[str]
+    layer: int | None
+    kind: str
+
+
+@dataclass
+class NormPairing:
+    """How two runs' named norms pair through a mapping: complete pairs, groups one side lacks a part of
+    ((name, missing names)), names no rule covers (per side), and the mapping as oriented to these names."""
+
+    mapping: Any
+    pairs: list[NormPair]
+    incomplete: list[tuple[str, list[str]]]
+    unmapped: dict[str, list[str]]
+
+
+def pair_norms(b_names: Iterable[str], c_names: Iterable[str], mapping: Any) -> NormPairing:
+    """Pair baseline and candidate parameter names through the mapping (oriented to the names first): the one
+    name resolution every named-norm comparison uses (step-1 local norms, norm trajectories, spikes)."""
+    b_names, c_names = list(b_names), list(c_names)
+    m = mapping.oriented(b_names, c_names)
+    groups, unmapped, _ignored = m.pair(b_names, c_names)
+    pairs, incomplete = [], []
+    for gp in groups:
+        if not gp.complete:
+            have = set(gp.baseline_present) | set(gp.candidate_present)
+            miss = [n for n in gp.match.baseline + gp.match.candidate
+                    if n not in {m.strip(h, s) for h in have for s in ("baseline", "candidate")}]
+            incomplete.append((gp.name, miss))
+            continue
+        pairs.append(NormPair(m.strip(gp.baseline_present[0], "baseline"), list(gp.baseline_present),
+                              list(gp.candidate_present), gp.match.layer, _kind_of(gp.match.rule.kind)))
+    return NormPairing(m, pairs, incomplete, unmapped)
 
 
 def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, step: int = 1,
@@ -240,30 +301,23 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
                 res.add(Finding(STAGE, "warn", name, "name_on_several_pp_stages", len(e.pp_ranks), 1,
                                 f"{side} {name} appears on pipeline stages {sorted(e.pp_ranks)}: names must "
                                 "carry global layer numbers"))
-    m = m.oriented(b_norms, c_norms)
-    pairs, unmapped, _ignored = m.pair(b_norms, c_norms)
+    pairing = pair_norms(b_norms, c_norms, m)
     rows = []
-    for gp in pairs:
-        if not gp.complete:
-            have = set(gp.baseline_present) | set(gp.candidate_present)
-            miss = [n for n in gp.match.baseline + gp.match.candidate
-                    if n not in {m.strip(h, s) for h in have for s in ("baseline", "candidate")}]
-            res.add(Finding(STAGE, "warn", gp.name, "missing_counterpart", None, None,
-                            f"{gp.name}: not compared, the other run has no {', '.join(miss)}"))
-            continue
-        b = math.sqrt(sum(b_norms[n].full_norm() ** 2 for n in gp.baseline_present))
-        c = math.sqrt(sum(c_norms[n].full_norm() ** 2 for n in gp.candidate_present))
-        bn = sum(b_norms[n].full_numel() for n in gp.baseline_present)
-        cn = sum(c_norms[n].full_numel() for n in gp.candidate_present)
-        rows.append({"name": m.strip(gp.baseline_present[0], "baseline"),
-                     "candidate": ",".join(gp.candidate_present), "layer": gp.match.layer,
-                     "kind": _kind_of(gp.match.rule.kind), "baseline_norm": b, "candidate_norm": c,
-                     "abs_diff": abs(b - c), "rel_diff": _rel(b, c), "numel_baseline": bn,
-                     "numel_candidate": cn})
+    for name, miss in pairing.incomplete:
+        res.add(Finding(STAGE, "warn", name, "missing_counterpart", None, None,
+                        f"{name}: not compared, the other run has no {', '.join(miss)}"))
+    for p in pairing.pairs:
+        b = math.sqrt(sum(b_norms[n].full_norm() ** 2 for n in p.baseline))
+        c = math.sqrt(sum(c_norms[n].full_norm() ** 2 for n in p.candidate))
+        bn = sum(b_norms[n].full_numel() for n in p.baseline)
+        cn = sum(c_norms[n].full_numel() for n in p.candidate)
+        rows.append({"name": p.name, "candidate": ",".join(p.candidate), "layer": p.layer, "kind": p.kind,
+                     "baseline_norm": b, "candidate_norm": c, "abs_diff": abs(b - c), "rel_diff": _rel(b, c),
+                     "numel_baseline": bn, "numel_candidate": cn})
     for side in ("baseline", "candidate"):
-        for n in unmapped[side]:
+        for n in pairing.unmapped[side]:
             res.add(Finding(STAGE, "warn", n, "unmapped", None, None,
-                            f"{side} parameter {n} has no rule in mapping {m.name}; "
+                            f"{side} parameter {n} has no rule in mapping {pairing.mapping.name}; "
                             "its norm was not compared"))
     failing = 0
     for r in rows:

@@ -73,10 +73,11 @@ def build_model(spec: Spec) -> torch.nn.Module:
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         qk_layernorm=qk_norm)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
-    return GPTModel(config=tcfg, transformer_layer_spec=layer_spec,
-                    vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                    parallel_output=True)
+    model = GPTModel(config=tcfg, transformer_layer_spec=layer_spec,
+                     vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     parallel_output=True)
+    return round_attention_fp16(model) if spec.attention_fp16 else model
 
 
 def build_moe_model(spec: Spec) -> torch.nn.Module:
@@ -93,8 +94,8 @@ def build_moe_model(spec: Spec) -> torch.nn.Module:
 
 def round_attention_fp16(model: torch.nn.Module) -> torch.nn.Module:
     """Round every core attention's q, k, v and output through float16 (forward and, by the casts' backward,
-    the gradients): what MindFormers' flash-attention path does to a float32 run. The moe repeat uses it so
-    the error band spans that precision (:func:`demo.spec.repeat_layout`)."""
+    the gradients): what MindFormers' flash-attention path does to a float32 run. The dense and moe repeats
+    use it so the error band spans that precision (:func:`demo.spec.repeat_layout`)."""
     def inputs(_module: torch.nn.Module, args: tuple) -> tuple:
         q, k, v, *rest = args
         return (*(t.half().float() for t in (q, k, v)), *rest)

@@ -169,7 +169,9 @@ def trainer_config(data_dir: str, *, steps: int, output_dir: str, mode: str = "p
                    columns: Sequence[str] = ("input_ids", "labels", "loss_mask")) -> dict[str, Any]:
     """A complete MindFormers YAML-equivalent config: tiny Llama, CPU cell, replayed Megatron batches.
 
-    ``warmup_steps`` switches from a constant lr to CosineWithWarmUpLR over ``steps``.
+    The lr is the ``lr_schedule`` block's: a constant ``learning_rate`` (ConstantWarmUpLR, no warm-up), or
+    with ``warmup_steps`` CosineWithWarmUpLR over ``steps``. Without an ``lr_schedule`` block MindFormers
+    trains at its default schedule (cosine from 5e-05), whatever ``optimizer.learning_rate`` says.
     ``data_dir`` is a run store or seed-layout folder read by MegatronReplayDataset; one dataset row is
     one step, so the runner's batch_size is 1 and ``sink_mode`` is off.
     """
@@ -178,6 +180,9 @@ def trainer_config(data_dir: str, *, steps: int, output_dir: str, mode: str = "p
         # A cosine schedule with warm-up, so the logged lr changes each step as in real runs.
         extra["lr_schedule"] = {"type": "CosineWithWarmUpLR", "learning_rate": float(learning_rate),
                                 "warmup_steps": int(warmup_steps), "total_steps": int(steps), "lr_end": 0.0}
+    else:
+        extra["lr_schedule"] = {"type": "ConstantWarmUpLR", "learning_rate": float(learning_rate),
+                                "warmup_steps": 0, "total_steps": int(steps)}
     model_cfg = {"type": "LlamaConfig", **TINY_LLAMA, **(model or {})}
     model_cfg["checkpoint_name_or_path"] = ""
     dataset = {"data_dir": str(data_dir), "columns": list(columns), "batch_size": 1,

@@ -36,6 +36,7 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
+from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
 from mindspore import Tensor, nn, ops
 
 from demo.mindformers_cpu import CPUTrainOneStepCell, set_cpu_context
@@ -427,6 +428,27 @@ def _install_dispatcher_standins(cell: nn.Cell, counts: dict[str, int]) -> None:
             counts[key] = counts.get(key, 0) + 1
 
 
+def _refuse_broken_attention(cell: nn.Cell) -> None:
+    """``use_flash_attention: False`` with grouped-query attention: refused in one line, before a compile fails.
+
+    Why: MindFormers 2.1.0's training ``Attention`` then calls ``_repeat_kv`` on the key/value of layout
+    [seq, batch, kv_heads, dim] as if it were [batch, kv_heads, seq, dim]: the batch comes out
+    heads/groups times too large and the core attention (FlashAttention in either case) cannot reshape it
+    (``Reshape x_shape {8,2,2,32,16} -> {4,4,32,16}``). That is MindFormers' code, not a kernel this module
+    could stand in for, and it fails the same way on an NPU.
+    """
+    if getattr(cell, "use_flash_attention", True) is not False or not hasattr(cell, "_repeat_kv"):
+        return
+    rep = int(getattr(cell, "n_rep", 1) or 1)
+    if rep > 1:
+        heads = getattr(cell, "num_heads", "?")
+        raise ValueError(
+            f"model_config.use_flash_attention: False with grouped-query attention ({heads} heads, "
+            f"{getattr(cell, 'kv_num_heads', '?')} kv heads) does not run in MindFormers' mcore training model "
+            f"({type(cell).__name__}._repeat_kv treats [seq, batch, heads, dim] as [batch, heads, seq, dim]); "
+            "set use_flash_attention: True (on CPU the attention stand-in computes FlashAttentionScore's math)")
+
+
 def install_cpu_standins(net: nn.Cell, mode: str = "graph", *, fix_pynative_split: bool = True
                          ) -> dict[str, int]:
     """Swap every primitive without a CPU kernel inside ``net`` for its stand-in; returns counts by kind.
@@ -438,6 +460,7 @@ def install_cpu_standins(net: nn.Cell, mode: str = "graph", *, fix_pynative_spli
     pynative = mode.lower() == "pynative"
     counts: dict[str, int] = {}
     for _, cell in list(net.cells_and_names()):
+        _refuse_broken_attention(cell)
         _install_dispatcher_standins(cell, counts)
         if pynative and type(cell).__name__ in ("SharedExpertMLP", "SharedExpertMLPInterleaved"):
             cell.construct = _shared_experts_construct(cell)
@@ -627,6 +650,27 @@ def build_mcore_train_cell(net: nn.Cell, *, learning_rate: float = 1e-3, weight_
                                use_clip_grad=use_clip_grad, max_grad_norm=max_grad_norm)
     cell.set_train(True)
     return cell
+
+
+@MindFormerRegister.register(MindFormerModuleType.WRAPPER)
+class McoreCPUTrainOneStepCell(CPUTrainOneStepCell):
+    """The ``runner_wrapper`` a YAML names to train an mcore model on CPU with ``run_mindformer.py``.
+
+    Why a wrapper: it is the one class a YAML names that MindFormers' Trainer builds *with the network*
+    before the training graph compiles (``Model.train`` / ``model.build``; checkpoints load by name
+    afterwards), so it can install the CPU stand-ins (:func:`install_cpu_standins`, and the MoE names of
+    :func:`install_moe_module_standins`) on the very network that trains. The step is CPUTrainOneStepCell's:
+    MindFormers' own MFTrainOneStepCell with the CPU overflow check. CPU support only: on an NPU use
+    MindFormers' ``MFTrainOneStepCell``.
+    """
+
+    def __init__(self, network: nn.Cell, optimizer: nn.Optimizer, **kwargs: Any) -> None:
+        mode = "pynative" if ms.get_context("mode") == ms.PYNATIVE_MODE else "graph"
+        if mode == "pynative":
+            ms.runtime.launch_blocking()     # synchronous launch: ~10x faster PYNATIVE steps on a small CPU
+        install_moe_module_standins()
+        install_cpu_standins(network, mode)
+        super().__init__(network, optimizer, **kwargs)
 
 
 def mcore_inputs(batch: Mapping[str, np.ndarray]) -> tuple[Tensor, Tensor, Tensor]:

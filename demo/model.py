@@ -106,7 +106,10 @@ def megatron_extra(model: TinyModel) -> dict[str, Any]:
                      v_head_dim=model.v_head_dim, moe_router_enable_expert_bias=True,
                      # MLATransformerConfig defaults to YaRN x40 RoPE; both sides use plain RoPE here
                      rope_type="rope",
-                     moe_router_score_function="sigmoid")
+                     moe_router_score_function="sigmoid",
+                     # the candidate's expert bias is not updated (MindFormers moe_router_bias_update_rate 0);
+                     # Megatron updates it in finalize_model_grads at 1e-3 by default
+                     moe_router_bias_update_rate=0.0)
         if model.first_k_dense:   # build_tiny_llama uses one layer spec for every layer: all MoE
             raise ValueError("the Megatron tiny model has no dense first layers: set first_k_dense=0")
     return extra

@@ -146,9 +146,14 @@ def repeat_layout(model_kind: str) -> dict[str, Any]:
     into loss deltas of ~1e-4 within a few steps, which a float32 repeat (deltas ~1e-7) cannot cover. Its
     repeat therefore rounds Megatron's q, k, v and attention output through float16 too (measured: that
     baseline variant lands within ~1e-5 of the candidate at every step), so the band spans the precision the
-    candidate computes in. The MLA candidate keeps float32 attention and a float32 repeat."""
+    candidate computes in. The dense candidate (Qwen3, flash attention by default) computes attention in
+    float16 the same way, so its TP=2 repeat rounds too: with Megatron's TP all-reduce of the q/k layernorm
+    gradients (finalize_model_grads) a float32 TP=2 repeat equals the baseline to ~1e-7, a band that says
+    nothing about float16 attention. The MLA candidate keeps float32 attention and a float32 repeat."""
     if model_kind == "moe":
         return {"tp": 1, "dp": 2, "attention_fp16": True}
+    if model_kind == "dense":   # the Qwen3 candidate's flash attention: float16 q, k, v as well
+        return {"tp": 2, "dp": 1, "attention_fp16": True}
     return {"tp": 1, "dp": 2} if model_kind in MOE_KINDS else {"tp": 2, "dp": 1}
 
 

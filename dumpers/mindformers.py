@@ -113,7 +113,7 @@ class MindFormersDumperCallback(DumperCallback):
         out_dir, config = self._pending
         self._pending = None
         cb = run_context.original_args()
-        net = _model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None))
+        net, scheme = _named_model(_model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None)))
         graph = ms.get_context("mode") != ms.PYNATIVE_MODE
         capture = self._graph_capture and graph and config.tensors == "stats"
         try:
@@ -123,7 +123,7 @@ class MindFormersDumperCallback(DumperCallback):
                     "under semi_auto_parallel/auto_parallel, or a parallel resume), so the in-graph capture "
                     "cannot be added")
             self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
-                                          name_scheme="mindformers", graph_capture=capture)
+                                          name_scheme=scheme, graph_capture=capture)
         except LayerCaptureError as exc:
             # keep scalars, batches and named norms, never stop the run.
             warnings.warn(f"MindFormersDumperCallback: {exc}; dumping without layer tensors", RuntimeWarning,
@@ -131,8 +131,7 @@ class MindFormersDumperCallback(DumperCallback):
             config.tensors, config.nan_trace = "off", "grads"
             config.meta = {**config.meta, "layer_capture": f"refused in GRAPH mode ({exc}): re-run steps 1-2 in "
                                                            "PYNATIVE (context.mode: 1) to capture layers"}
-            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers",
-                                          name_scheme="mindformers")
+            self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers", name_scheme=scheme)
 
     def on_train_step_begin(self, run_context: Any) -> None:
         if self.dumper is not None:
@@ -225,6 +224,22 @@ def _model_cell(net: Any) -> Any:
             return net
         net, seen = inner, seen + 1
     return net
+
+
+def _named_model(net: Any) -> tuple[Any, str]:
+    """The cell whose sub-cell names are the parameters' names, with its name scheme.
+
+    Why: a MindFormers 2.x mcore model (``Training*ForCausalLM``, ``use_legacy: False``) is built with
+    ``auto_prefix=False``: its parameters carry Megatron's names (``decoder.layers.0...``) while its cells sit
+    under ``model.`` (the GPTModel inside). Layer patterns (``cells``) and layer rows then use Megatron's module
+    names (``decoder.layers.*.mlp``), as the mapping does. The legacy Llama keeps ``model.layers...`` for both.
+    """
+    inner = getattr(net, "model", None)
+    if isinstance(inner, ms.nn.Cell) and inner is not net:
+        names = [p.name for p in net.get_parameters()]
+        if names and not any(n.startswith("model.") for n in names):
+            return inner, "mindformers_mcore"
+    return net, "mindformers"
 
 
 def _register() -> None:

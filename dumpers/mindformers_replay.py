@@ -14,12 +14,12 @@ Two sources are read, both without pickle:
 * the seed layout ``ROOT/step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy``.
 
 Use from a MindFormers YAML, launched as users do (``run_mindformer.py --config X.yaml --register_path
-/path/to/xf-align/dumpers``, under msrun or not): ``auto_register`` loads and registers the class, no Python
-glue (docs/mindformers-launch.md)::
+/path/to/xf-align/demo/mindformers_register`` with the checkout on PYTHONPATH, under msrun or not):
+``auto_register`` loads and registers the class, no Python glue (docs/mindformers-launch.md)::
 
     train_dataset_task:
       type: MegatronReplayDataset
-      auto_register: mindformers_replay.MegatronReplayDataset
+      auto_register: xf_align.MegatronReplayDataset
       dataset_config:
         data_dir: /path/to/run_or_seed_root
         construct_args_key: [input_ids, labels, loss_mask]

@@ -337,3 +337,49 @@ def lr0_pair(rows: list[dict]) -> bytes | None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     return buf.getvalue()
+
+
+def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -> bytes | None:
+    """A few parameters' named-norm trajectories, one panel each: the candidate's relative difference from
+    the baseline per step inside the parameter's own band (shaded; the repeats' own differences in grey),
+    steps outside it in red, the step the parameter leaves its band marked. ``curves``: ``steps``,
+    ``rel_delta``, ``rel_band``, ``outside``, ``repeats``, ``departure_step`` and ``name`` each."""
+    if not curves:
+        return None
+    ncols = 2 if len(curves) > 1 else 1
+    nrows = -(-len(curves) // ncols)
+    fig = Figure(figsize=(5.2 * ncols, 2.3 * nrows + 0.5))
+    FigureCanvasAgg(fig)
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.5 / (2.3 * nrows + 0.5) + 0.04,
+                        top=1 - 0.55 / (2.3 * nrows + 0.5), hspace=0.55, wspace=0.22)
+    fig.suptitle(f"Per-parameter {what} over the run: (candidate - baseline) / |baseline| in its band  "
+                 f"[{verdict.upper()}]", fontsize=10, color=COLOURS.get(verdict, "k"))
+    for ax, c in zip(axes, curves, strict=False):
+        x = np.asarray(c["steps"])
+        band = np.nan_to_num(np.asarray(c["rel_band"], dtype=np.float64), nan=0.0, posinf=0.0)
+        bx, by = envelope(x, band)
+        handles = [ax.fill_between(bx, -by, by, color="#90caf9", alpha=0.5, step="mid", label="band")]
+        for k, r in enumerate(c.get("repeats", [])):
+            (line,) = ax.plot(*envelope(x, np.asarray(r, dtype=np.float64)), color="#9e9e9e", lw=0.6,
+                              label="repeat - baseline")
+            handles += [line] if k == 0 else []
+        d = np.asarray(c["rel_delta"], dtype=np.float64)
+        handles += ax.plot(*envelope(x, d), color="#e07b00", lw=0.9, label="candidate - baseline")
+        out = np.asarray(c["outside"], dtype=bool)
+        if out.any():
+            ax.scatter(*envelope(x[out], np.clip(d[out], -1e30, 1e30)), s=5, color=COLOURS["fail"], zorder=3)
+        if c.get("departure_step") is not None:
+            ax.axvline(c["departure_step"], color=COLOURS["fail"], ls="--", lw=1.0)
+        ax.axhline(0, color="k", lw=0.5)
+        if ax is axes[0]:
+            ax.legend(handles=handles, fontsize=7, loc="upper left")
+        ax.set_title(f"{c['name']}" + (f"  (leaves at step {c['departure_step']})"
+                                        if c.get("departure_step") is not None else ""),
+                     fontsize=8, color=COLOURS["fail"] if c.get("departure_step") is not None else "k")
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(curves):]:
+        ax.set_visible(False)
+    axes[(nrows - 1) * ncols].set_xlabel("step", fontsize=8)
+    return _save(fig, path)

@@ -153,7 +153,8 @@ _SCALAR_TYPES = (int, float, str, bool, type(None), list, dict)
 #: ("1e-3", "x") or a JSON true there is refused, never converted.
 NUMERIC_SCALARS = frozenset({
     "loss", "lm_loss", "grad_norm", "global_norm", "lr", "learning_rate", "loss_scale", "num_zeros",
-    "mtp_loss", "load_balancing_loss", "aux_loss", "z_loss", "skipped_iter", "nan_iter", "global_batch_size",
+    "mtp_loss", "load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "aux_loss", "z_loss",
+    "skipped_iter", "nan_iter", "global_batch_size",
     "consumed_samples", "iteration_time", "throughput", "tokens_per_sec"})
 
 

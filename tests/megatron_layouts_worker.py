@@ -5,7 +5,7 @@ launch runs its layouts one after the other, re-initialising Megatron's parallel
 (``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
 batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
 
-one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,ckpt_ref``)
+one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loop_raise,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
             ref, ref_moe, distopt, pp2, ep2, sp and cp2 write the optimizer evidence of step 1
             (dumpers.optimizer_evidence).
@@ -14,9 +14,14 @@ one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,ckpt_ref``)
   ref4      like ref with 4 layers (the reference of vpp).
   ref_moe   MoE (4 experts, top-2, allgather dispatcher, shared expert with gate), EP=1.
   lm_loop   the integration (dumpers.megatron_lm.install) on a loop shaped like Megatron-LM's train()
-            (tests/megatron_lm_shape.py): 3 iterations, evaluation after iteration 2.
+            (tests/megatron_lm_shape.py): 3 iterations, evaluation after iteration 2, megatron-core's
+            OptimizerParamScheduler (warmup 1, cosine); the same loop again without the integration.
+  lm_loop_moe  that loop on the MoE model with the router's load-balancing and z losses on (2 iterations).
+  lm_loop_raise  that loop with forward_step raising at iteration 2: the exception Megatron sees, with and
+            without the integration.
   ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
-two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,ckpt_tp2,ckpt_pp2``)
+two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
+  lm_loop_moe_dp2  lm_loop_moe at DP=2, one micro-batch per rank: the router losses reduced across ranks.
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
   sp        TP=2 with sequence parallelism (demo.megatron_cpu's norm stand-in: torch's norms refuse SP).
   cp2       CP=2: Megatron's get_batch_on_this_cp_rank splits each micro-batch (2 x CP zig-zag chunks);
@@ -101,11 +106,7 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
         norms.append(gnorm)
         if dumper is not None:
             dumper.end_step(loss=loss)
-    digest = hashlib.sha256()
-    for c in ddp:
-        for _, prm in c.named_parameters():
-            digest.update(prm.detach().float().contiguous().numpy().tobytes())
-    out_ = {"losses": losses, "grad_norms": norms, "digest": digest.hexdigest(),
+    out_ = {"losses": losses, "grad_norms": norms, "digest": _digest(ddp),
             "optimizer": type(opt.inner).__name__, "errors": 0, "error_log": []}
     if dumper is not None:
         dumper.close()
@@ -115,8 +116,10 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
     return out_
 
 
-def lm_loop(out: Path, cfg: mc.TinyLlamaConfig) -> dict:
-    """The documented integration: install() first, then Megatron-LM's train() runs untouched."""
+def lm_loop(out: Path | None, cfg: mc.TinyLlamaConfig, *, iters: int = 3, raise_at: int | None = None,
+            dp_ranks: tuple[int, ...] = (0, 1)) -> dict:
+    """The documented integration: install() first, then Megatron-LM's train() runs untouched (``out=None``:
+    the same loop without the integration, for the bit-identical check)."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -124,19 +127,41 @@ def lm_loop(out: Path, cfg: mc.TinyLlamaConfig) -> dict:
 
     from dumpers.megatron_lm import install
 
-    integration = install(out=out, seed_layout=True, module=shape)
+    integration = install(out=out, seed_layout=True, module=shape) if out is not None else None
+    shape.ARGS.train_iters, shape.ARGS.raise_at = iters, raise_at
+    shape.ARGS.data_parallel_size = mc.parallel_info().dp
+    shape.initialize()
     chunks = mc.build_model_chunks(cfg, seed=1234)
     ddp = [mc.wrap_ddp(c) for c in chunks]
     opt = mc.make_megatron_optimizer(ddp, lr=1e-3, clip_grad=1.0)
-    train_batches = [mc.synthetic_batch(s, cfg, dp_rank=d) for s in (1, 2, 3) for d in (0, 1)]
+    config = ddp[0].config
+    config.grad_scale_func = opt.scale_loss   # as Megatron-LM's setup does (the MoE aux-loss scale reads it)
+    train_batches = [mc.synthetic_batch(s, cfg, dp_rank=d) for s in range(1, iters + 1) for d in dp_ranks]
     valid_batches = [mc.synthetic_batch(100 + s, cfg) for s in range(4)]
-    log = shape.train(shape.forward_step, ddp, opt, None, iter(train_batches), iter(valid_batches),
-                      SimpleNamespace(seq_len=cfg.seq_length, mbs=cfg.micro_batch_size))
-    integration.close()
-    dumper = integration.dumper
-    return {"log": log, "errors": dumper.errors, "error_log": dumper.error_log,
-            "train_tokens": [b["tokens"].tolist() for b in train_batches],
-            "valid_tokens": [b["tokens"].tolist() for b in valid_batches]}
+    res: dict = {"errors": 0, "error_log": []}
+    try:
+        res["log"] = shape.train(shape.forward_step, ddp, opt, shape.scheduler(opt), iter(train_batches),
+                                 iter(valid_batches), SimpleNamespace(seq_len=cfg.seq_length, mbs=cfg.micro_batch_size))
+    except Exception as exc:  # noqa: BLE001 - what Megatron-LM would see
+        res["raised"] = [type(exc).__name__, str(exc)]
+    finally:
+        if integration is not None:
+            integration.uninstall()
+            integration.close()
+    if integration is not None:
+        res.update(errors=integration.dumper.errors, error_log=integration.dumper.error_log)
+    res.update(train_tokens=[b["tokens"].tolist() for b in train_batches],
+               valid_tokens=[b["tokens"].tolist() for b in valid_batches],
+               digest=_digest(ddp))
+    return res
+
+
+def _digest(chunks: list) -> str:
+    digest = hashlib.sha256()
+    for c in chunks:
+        for _, prm in c.named_parameters():
+            digest.update(prm.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def save_legacy(root: Path, model: torch.nn.Module, info: mc.ParallelInfo, pp: int) -> None:
@@ -180,6 +205,8 @@ def main() -> None:
     out = Path(args.out)
     dense = mc.TinyLlamaConfig(micro_batch_size=2)
     moe = mc.TinyLlamaConfig(micro_batch_size=2, extra=dict(MOE))
+    moe_aux = mc.TinyLlamaConfig(micro_batch_size=2, extra={**MOE, "moe_router_load_balancing_type": "aux_loss",
+                                                            "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3})
     deep = mc.TinyLlamaConfig(micro_batch_size=2, num_layers=4)
     result: dict = {"rank": info.rank}
     for scenario in args.scenarios.split(","):
@@ -193,6 +220,12 @@ def main() -> None:
                                                         grad_fp32=False, dump=False)
         elif scenario == "lm_loop":
             result[scenario] = lm_loop(out / scenario, dense)
+            result[scenario]["undumped"] = lm_loop(None, dense)
+        elif scenario == "lm_loop_moe":
+            result[scenario] = lm_loop(out / scenario, moe_aux, iters=2)
+        elif scenario == "lm_loop_raise":
+            result[scenario] = lm_loop(out / scenario, dense, raise_at=2)
+            result[scenario]["undumped"] = lm_loop(None, dense, raise_at=2)
         elif scenario == "ckpt_ref":
             model = mc.build_model_chunks(dense, seed=1234)[0]
             (out / scenario).mkdir(parents=True, exist_ok=True)
@@ -208,6 +241,9 @@ def main() -> None:
             result[scenario] = checkpoint(out / scenario, dense, info, dist=False)
         elif scenario == "ref_moe":
             result[scenario] = train_layout(out / scenario, moe, micro=[0, 1], evidence=True)
+        elif scenario == "lm_loop_moe_dp2":
+            info = mc.set_parallel()
+            result[scenario] = lm_loop(out / scenario, moe_aux, iters=2, dp_ranks=(info.dp_rank,))
         elif scenario == "distopt":
             info = mc.set_parallel()
             result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True,

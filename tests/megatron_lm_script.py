@@ -21,9 +21,10 @@ if __name__ == "__main__":
     cfg = mc.TinyLlamaConfig(micro_batch_size=2)
     ddp = [mc.wrap_ddp(c) for c in mc.build_model_chunks(cfg, seed=1234)]
     opt = mc.make_megatron_optimizer(ddp, lr=1e-3, clip_grad=1.0)
+    shape.initialize()
     train = iter([mc.synthetic_batch(s, cfg, dp_rank=d) for s in (1, 2, 3) for d in (0, 1)])
     valid = iter([mc.synthetic_batch(100 + s, cfg) for s in range(4)])
-    log = shape.train(shape.forward_step, ddp, opt, None, train, valid,
+    log = shape.train(shape.forward_step, ddp, opt, shape.scheduler(opt), train, valid,
                       SimpleNamespace(seq_len=cfg.seq_length, mbs=cfg.micro_batch_size))
     out.write_text(json.dumps(log))
     mc.destroy_megatron_cpu()

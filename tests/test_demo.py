@@ -33,7 +33,7 @@ STEPS = 12
 LR0_STEPS = 3
 ALL_STAGES = ("checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
               "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite",
-              "band", "nan_trace")
+              "band", "nan_trace", "norm_trajectories", "spikes")
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +139,52 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
     assert "--mapping" not in cmd and "rtol" not in cmd   # the preset and the precision come from the runs
     assert json.loads((runs / "repeat_tp2" / "meta.json").read_text())["parallel"]["tp"] == 2
     assert (runs / "baseline" / "step_1" / "rank_0" / "tokens.npy").is_file()   # seed layout for replay
+
+
+def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp_path: Path) -> None:
+    """The real pair's named gradient norms at every step, each in its band from the TP=2 repeat: all 19 stay
+    in (the clean report passes). A copy of the MindFormers store with one parameter's norm 10% off from step
+    4 names that parameter and step 4; a one-step loss spike planted there is reported with its step's batches
+    (the same: MindFormers replayed Megatron's) and which run spiked (the candidate: the repeat agrees with
+    the baseline)."""
+    import shutil
+
+    import h5py
+
+    from align.stages import Evidence, Inputs, Options, run_stages
+    from comparators.scalars import ScalarOptions
+
+    out, data = clean
+    st = data["stages"]["norm_trajectories"]
+    assert st["steps"] == STEPS and st["parameters"] == 19 and st["first_departure"] is None
+    assert st["kinds"]["local_norm"]["judged"] == 19 and st["kinds"]["local_norm"]["repeats"] == 1
+    runs = out / "runs"
+    shutil.copytree(runs / "candidate", tmp_path / "candidate")
+    planted = "decoder.layers.1.mlp.linear_fc2.weight"
+    for f in (tmp_path / "candidate" / "steps").glob("step_*/rank_*.h5"):
+        if int(f.parent.name.split("_")[1]) >= 4:
+            with h5py.File(f, "r+") as h5:
+                rec = h5["local_norm"][...]
+                rec["norm"][rec["name"] == planted.encode()] *= 1.1
+                h5["local_norm"][...] = rec
+    # and a one-step loss spike of the candidate at step 8: reported with that step's real batches (a 1e-3 loss
+    # band floor keeps this independent of how far the repeat is from the baseline)
+    scalars = tmp_path / "candidate" / "scalars" / "rank_00000.jsonl"
+    lines = [json.loads(x) for x in scalars.read_text().splitlines()]
+    for rec in lines:
+        rec["loss"] += 0.5 if rec["step"] == 8 else 0.0
+    scalars.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    ev = Evidence.load(Inputs(str(runs / "baseline"), str(tmp_path / "candidate"), repeats=[str(runs / "repeat_tp2")],
+                              options=Options(scalar=ScalarOptions(sustain=5, band_floor=1e-3,
+                                                                        max_outside=0.1))))
+    got = run_stages(ev, only=["norm_trajectories", "spikes"])
+    res = got["norm_trajectories"]
+    assert res.verdict == "fail" and res.details["first_departure"]["name"] == planted
+    assert res.details["first_departure"]["departure_step"] == 4 and res.details["kinds"]["local_norm"]["departed"] == 1
+    (spike,) = got["spikes"].details["loss"]["reported"]
+    assert spike["peak_step"] == 8 and spike["side"] == "candidate"
+    # the MindFormers candidate replayed the Megatron baseline's batch of that step
+    assert spike["batches"]["same_batch"] is True and spike["norm_jumps"]
 
 
 @pytest.mark.parametrize("name", list(FAULTS))

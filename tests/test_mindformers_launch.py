@@ -1,7 +1,8 @@
 """MindFormers launched as users launch it: msrun + run_mindformer.py --config X.yaml --register_path DIR.
 
 The YAML names every class (MegatronReplayDataset, MindFormersDumperCallback, the CPU training cell) with
-``auto_register``; nothing else runs in the training process (tests/helpers/run_mindformer.py does only
+``auto_register: xf_align.<Class>`` (``--register_path`` the checkout's demo/mindformers_register, the checkout on
+PYTHONPATH); nothing else runs in the training process (tests/helpers/run_mindformer.py does only
 what MindFormers' run_mindformer.py does). GRAPH mode, the NPU mode, data parallel over two msrun workers;
 ``use_parallel: True`` so msrun's communication is initialised and each rank replays its own batches.
 """
@@ -37,11 +38,11 @@ def launch_yaml(root: Path, batches: Path, steps: int, mode: str = "graph",
     cfg["train_dataset_task"]["dataset_config"]["steps"] = list(range(1, steps + 1))   # replay steps 1..N
     if weights is not None:       # the same start on every launch (a converted Megatron checkpoint in practice)
         cfg.update(load_checkpoint=str(weights), load_ckpt_format="ckpt")
-    cfg["train_dataset_task"]["auto_register"] = "mindformers_replay.MegatronReplayDataset"
-    cfg["runner_wrapper"]["auto_register"] = "mindformers_cpu.CPUTrainOneStepCell"
+    cfg["train_dataset_task"]["auto_register"] = "xf_align.MegatronReplayDataset"
+    cfg["runner_wrapper"]["auto_register"] = "xf_align.CPUTrainOneStepCell"
     cfg["callbacks"] = [
         {"type": "MFLossMonitor"},
-        {"type": "MindFormersDumperCallback", "auto_register": "mindformers.MindFormersDumperCallback",
+        {"type": "MindFormersDumperCallback", "auto_register": "xf_align.MindFormersDumperCallback",
          "out_dir": str(root / "run"), "batch_columns": ["input_ids", "labels", "loss_mask"], **(dumper or {})}]
     path = root / "train.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -60,10 +61,7 @@ def msrun_launch(root: Path, config: Path, workers: int = 1) -> Path:
     msrun = shutil.which("msrun", path=str(Path(sys.executable).parent))
     if msrun is None:
         pytest.skip("msrun (MindSpore's launcher) not installed")
-    register = root / "register"     # the user's register_path: the module files the YAML names
-    register.mkdir(exist_ok=True)
-    for src in ("dumpers/mindformers_replay.py", "dumpers/mindformers.py", "demo/mindformers_cpu.py"):
-        shutil.copy(REPO / src, register / Path(src).name)
+    register = REPO / "demo" / "mindformers_register"     # the module the YAML names (xf_align.py)
     env = dict(os.environ, PYTHONPATH=str(REPO), OM_MODULES_CACHE=str(root / "modules"),
                LOCAL_DEFAULT_PATH=str(root / "output"),
                PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
@@ -157,6 +155,12 @@ def test_msrun_run_mindformer_yaml_replays_batches_and_dumps_named_norms(graph_r
             # the dumper's loss is what MFLossMonitor printed (%5.6f) in that rank's worker log
             assert scalars.loc[step, "loss"] == pytest.approx(printed["loss"][step], abs=5e-7)
             assert scalars.loc[step, "grad_norm"] == pytest.approx(printed["grad_norm"][step], rel=1e-6)
+    # the run trained at the YAML's own lr (its lr_schedule block; without one MindFormers uses its default
+    # cosine schedule from 5e-05 whatever optimizer.learning_rate says), in the step outputs and the worker logs
+    lr = float(yaml.safe_load((graph_run / "train.yaml").read_text())["lr_schedule"]["learning_rate"])
+    for rank in (0, 1):
+        np.testing.assert_allclose(reader.scalars(rank).lr.to_numpy(), np.full(3, lr), rtol=1e-6)
+        np.testing.assert_allclose([log.rank_scalars[rank]["lr"][s] for s in (1, 2, 3)], np.full(3, lr), rtol=1e-6)
     r0, r1 = (reader.scalars(r).set_index("step") for r in (0, 1))
     assert r0.loss[1] != r1.loss[1]                             # different batches per rank ...
     assert r0.grad_norm[1] == pytest.approx(r1.grad_norm[1], rel=1e-6)   # ... one all-reduced gradient

@@ -6,6 +6,7 @@ The model is built once per module (a GRAPH compile costs 8-14 s here).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,17 @@ def test_dense_model_has_megatron_names_and_mindformers_layouts(dense_graph) -> 
     assert names["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * f, h)
     assert names["output_layer.weight"] == (SPEC.vocab_size, h)
     assert not any(n.startswith("model.") for n in names)
+
+
+def test_use_flash_attention_false_with_gqa_is_refused_in_one_line(dense_graph) -> None:
+    """MindFormers' own ``_repeat_kv`` breaks GQA on that path (batch and sequence mixed: ``Reshape ... failed``
+    at compile, on CPU and NPU alike); the stand-ins refuse it before the compile, naming the option. MHA
+    (no kv repeat) on that path builds."""
+    with pytest.raises(ValueError, match=r"^model_config\.use_flash_attention: False with grouped-query") as err:
+        mc.build_mcore_model(SPEC, "graph", seed=0, use_flash_attention=False)
+    assert "\n" not in str(err.value) and "_repeat_kv" in str(err.value)
+    mha = replace(SPEC, num_query_groups=SPEC.num_attention_heads)
+    assert mc.build_mcore_model(mha, "graph", seed=0, use_flash_attention=False) is not None
 
 
 @pytest.fixture(scope="module")

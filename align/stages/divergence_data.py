@@ -19,7 +19,8 @@ from runstore.run import Run
 BEFORE, AFTER = 3, 2     # steps shown before and after the divergence step
 
 
-def _batch(run: Run, step: int) -> dict[str, np.ndarray] | None:
+def step_batch(run: Run, step: int) -> dict[str, np.ndarray] | None:
+    """The batch a run store recorded at ``step`` (its first rank's), or None."""
     if run.store is None or step not in run.store.array_steps():
         return None
     # DP rank 0's batch, joined from its TP / pipeline / context-parallel ranks
@@ -46,7 +47,7 @@ def run(ev: Evidence) -> StageResult:
         for role, r in (("baseline", ev.baseline), ("candidate", ev.candidate)):
             row[f"loss_{role}"] = _value(r, "loss", s)
             row[f"grad_norm_{role}"] = _value(r, "grad_norm", s)
-        bb, cb = _batch(ev.baseline, s), _batch(ev.candidate, s)
+        bb, cb = step_batch(ev.baseline, s), step_batch(ev.candidate, s)
         if bb is not None:
             row.update({f"baseline_{k}": v for k, v in batch_digest(bb).items()})
         if bb is not None and cb is not None:
