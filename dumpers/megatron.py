@@ -18,7 +18,11 @@ Layouts users train with, each read from the optimizer and model rather than gue
   global expert index (EP rank x local experts + e); the last stage's copy of a tied embedding
   (``shared``) is left out, as Megatron's own norm leaves it out;
 * a chained optimizer (dense + expert) calls ``get_grad_norm_fp32`` once per sub-optimizer: every
-  parameter is captured at the first call and the step's global norm is sqrt(sum of the calls' squares).
+  parameter is captured at the first call and the step's global norm is sqrt(sum of the calls' squares);
+* sequence parallelism: norm / bias gradients are read after ``finalize_model_grads`` all-reduced them over
+  TP (duplicated, like any norm); context parallelism: each rank records its zig-zag chunks of the batch and
+  its ``cp_rank`` (``runstore.batches`` joins them), its gradients being DP x CP replicas. meta.json
+  ``parallel`` carries ``cp`` and ``sequence_parallel`` (docs/layouts.md).
 """
 
 from __future__ import annotations
