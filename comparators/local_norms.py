@@ -6,7 +6,10 @@ full norm is sqrt(sum over its TP group of the shard norms^2), while a duplicate
 ``tp_partition_dim == -1``) is counted once. With the distributed optimizer each DP rank records only its
 reduce-scattered part of a parameter (``dp_shard == 1``, ``dp_rank``, ``dp_size``): the parts' squares add
 up to the full gradient's. Names are global (pipeline stages and EP ranks renamed by the dumper), so the
-ranks of a pipeline or of an expert-parallel group just contribute different names. Reading is streaming:
+ranks of a pipeline or of an expert-parallel group just contribute different names. Sequence parallelism
+changes nothing here: its norm / bias gradients are TP-duplicated once finalize_model_grads has all-reduced
+them, which is where the dumper reads them; context-parallel ranks are replicas like DP ranks (gradients
+all-reduced over DP x CP), and replicas that disagree are named. Reading is streaming:
 only the ``local_norm`` group of each rank file is read, one file at a time, so memory grows with the
 number of parameters, not with the dump.
 """
@@ -43,6 +46,7 @@ class ShardNorm:
     numel: dict[int, int]           # tp_rank -> numel of the shard
     pp_ranks: set[int]
     disagree: float = 0.0           # duplicated parameter: largest relative spread between TP ranks
+    replica_disagree: float = 0.0   # largest relative spread between DP / CP replicas of one TP shard
     dp_size: int = 1                # > 1: gradient reduce-scattered over DP ranks (distributed optimizer)
     dp_parts: dict[int, dict[int, tuple[float, int]]] | None = None  # tp_rank -> dp_rank -> (norm, numel)
     rows: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp_rank, dp_rank or -1) -> row kept
@@ -64,7 +68,9 @@ class ShardNorm:
             self.shards[tp_rank] = math.sqrt(sum(v * v for v, _ in parts.values()))
             self.numel[tp_rank] = sum(n for _, n in parts.values())
             return
-        if tp_rank in self.shards:
+        if tp_rank in self.shards:   # a DP or CP replica: the all-reduced gradient, the same on every replica
+            ref = self.shards[tp_rank]
+            self.replica_disagree = max(self.replica_disagree, abs(norm - ref) / max(abs(ref), 1e-30))
             return
         if self.partition_dim < 0 and self.shards:
             ref = next(iter(self.shards.values()))
@@ -283,7 +289,14 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
             if e.disagree > 1e-3:
                 res.add(Finding(STAGE, "warn", name, "tp_replica_disagree", e.disagree, 1e-3,
                                 f"{side} {name} is duplicated across TP ranks but their gradient "
-                                f"norms differ by {e.disagree:.2e} (sequence-parallel grads not reduced?)"))
+                                f"norms differ by {e.disagree:.2e}: under sequence parallelism each TP rank "
+                                "holds its part of a norm / bias gradient until finalize_model_grads "
+                                "all-reduces it over TP; capture after it (the grad-norm hook does)"))
+            if e.replica_disagree > 1e-3:
+                res.add(Finding(STAGE, "warn", name, "dp_replica_disagree", e.replica_disagree, 1e-3,
+                                f"{side} {name}: its data-parallel / context-parallel replicas hold gradients "
+                                f"whose norms differ by {e.replica_disagree:.2e}: not all-reduced over the "
+                                "DP x CP group (captured before the reduction?); the lowest rank's is compared"))
             if len(e.pp_ranks) > 1:
                 res.add(Finding(STAGE, "warn", name, "name_on_several_pp_stages", len(e.pp_ranks), 1,
                                 f"{side} {name} appears on pipeline stages {sorted(e.pp_ranks)}: names must "

@@ -8,8 +8,11 @@ DDP). This module bridges exactly those places and nothing else, so the model's 
 * ``torch.cuda.current_device`` is redirected to the CPU device (process-wide, on ``init_megatron_cpu``);
 * ``parallel_state``'s global memory buffer is replaced by one that allocates on CPU;
 * the RNG tracker is Megatron's inference tracker (``inference_rng_tracker=True``; its ``fork`` is a no-op);
-* ``cpu_device_redirect()`` rewrites ``device='cuda'`` literals to CPU for the span where Megatron's
-  optimizer runs (``MegatronOptimizerCPU`` wraps ``step`` in it).
+* ``cpu_device_redirect()`` rewrites ``device='cuda'`` literals to CPU (and drops ``pin_memory``) for the span
+  where Megatron's optimizer runs (``MegatronOptimizerCPU`` wraps ``step`` in it);
+* sequence parallelism: the local spec's torch norms refuse it, :class:`SequenceParallelNorm` is them with
+  weights marked as apex / TE mark theirs; context parallelism: the local attention refuses it,
+  :func:`context_parallel_attention_cls` is that attention over the all-gathered sequence.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class _CpuDeviceMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if not args[0].is_cuda else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):   # RoPE's CP slice pins its index (no pinned allocator without CUDA)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
@@ -133,7 +138,7 @@ class ParallelInfo:
 
 
 def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | None = None, *, ep: int = 1,
-                      vpp: int | None = None) -> ParallelInfo:
+                      vpp: int | None = None, cp: int = 1) -> ParallelInfo:
     """Initialise gloo, Megatron's parallel state, its RNG tracker and CPU bridges for this process.
 
     Under torchrun the rendezvous comes from the environment; a lone process makes a one-rank group.
@@ -159,7 +164,8 @@ def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | No
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  pipeline_model_parallel_size=pp,
                                                  virtual_pipeline_model_parallel_size=vpp,
-                                                 expert_model_parallel_size=ep)
+                                                 expert_model_parallel_size=ep,
+                                                 context_parallel_size=cp)
     _install_cpu_memory_buffer()
     _define_missing_te_names()
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
@@ -167,7 +173,7 @@ def init_megatron_cpu(tp: int = 1, pp: int = 1, seed: int = 1234, port: int | No
 
 
 def set_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None,
-                 seed: int = 1234) -> ParallelInfo:
+                 seed: int = 1234, cp: int = 1) -> ParallelInfo:
     """Re-initialise Megatron's parallel state with another layout in the same process group.
 
     One torchrun launch then runs several layouts (DP=2, PP=2, EP=2 ...), which keeps the tests short.
@@ -175,7 +181,7 @@ def set_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None,
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    return init_megatron_cpu(tp=tp, pp=pp, seed=seed, ep=ep, vpp=vpp)
+    return init_megatron_cpu(tp=tp, pp=pp, seed=seed, ep=ep, vpp=vpp, cp=cp)
 
 
 def _define_missing_te_names() -> None:
@@ -262,6 +268,7 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
     # local experts unless moe_grouped_gemm), multi_latent_attention (DeepSeek-V3 MLA: MLATransformerConfig);
     # mtp_num_layers (a TransformerConfig field) also adds the MTP block on the last stage.
     extra = dict(cfg.extra)
+    extra.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
     mla = bool(extra.pop("multi_latent_attention", False))
     grouped = bool(extra.pop("moe_grouped_gemm", False))
     spec = get_gpt_layer_local_spec(num_experts=extra.get("num_moe_experts"), moe_grouped_gemm=grouped,
@@ -298,6 +305,15 @@ def build_tiny_llama(cfg: TinyLlamaConfig | None = None, seed: int = 1234, *, vp
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         mtp_spec = get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=False, vp_stage=vp_stage)
+    if tcfg.context_parallel_size > 1:   # the local attention refuses CP: its all-gather stand-in
+        spec.submodules.self_attention.submodules.core_attention = context_parallel_attention_cls()
+    if tcfg.sequence_parallel:   # torch's norms refuse sequence parallelism: the stand-in that marks weights
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        _swap_norms(spec, WrappedTorchNorm, SequenceParallelNorm)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
+                                          layer_norm=SequenceParallelNorm)
     model = GPTModel(config=tcfg, transformer_layer_spec=spec,
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
@@ -352,6 +368,88 @@ def init_weights_by_name(chunks: list[torch.nn.Module], seed: int = 1234, std: f
                 elif dim >= 0:
                     full = full.chunk(tp, dim=dim)[tp_rank]
                 p.copy_(full.to(p.dtype))
+
+
+class SequenceParallelNorm:
+    """The local spec's norm (torch's RMSNorm / LayerNorm, as ``WrappedTorchNorm`` builds it) with its weights
+    marked ``sequence_parallel``, as apex's FusedLayerNorm and TE's TENorm mark them.
+
+    Why: megatron-core's ``WrappedTorchNorm`` (transformer/torch_norm.py) asserts ``not
+    config.sequence_parallel``, and apex / TE do not run on CPU. Under sequence parallelism each TP rank
+    normalises its own slice of the sequence, so a norm weight's gradient is partial per rank; the mark is
+    what makes ``finalize_model_grads`` all-reduce it over TP, as on a GPU cluster. (A class, not a function:
+    ``build_module`` hands functions back uncalled.)
+    """
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:  # noqa: D102
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _swap_norms(spec: Any, old: Any, new: Any, seen: set[int] | None = None) -> Any:
+    """Replace the class ``old`` by ``new`` wherever a (nested) layer spec names it, in place."""
+    import dataclasses
+
+    seen = set() if seen is None else seen
+    if id(spec) in seen or not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        return spec
+    seen.add(id(spec))
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if value is old:
+            setattr(spec, f.name, new)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                _swap_norms(item, old, new, seen)
+        else:
+            _swap_norms(value, old, new, seen)
+    return spec
+
+
+def context_parallel_attention_cls() -> type:
+    """A stand-in for TE's context-parallel attention on CPU, built on megatron-core's local attention.
+
+    Why: the local spec's ``DotProductAttention`` asserts ``context_parallel_size == 1`` ("Context
+    parallelism is only supported by TEDotProductAttention!", transformer/dot_product_attention.py), and TE
+    needs CUDA. This class is that attention, unchanged, over the CP group's whole sequence: K and V are
+    all-gathered over CP (backward: reduce-scattered, megatron's own sequence-parallel mappings), and this
+    rank's queries (its two zig-zag chunks, as ``get_batch_on_this_cp_rank`` and RoPE split them) are masked
+    causally by global position. The math is the all-gather CP variant (``cp_comm_type='all_gather'``).
+    """
+    import copy
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    def positions(rank: int, cp: int, chunk: int) -> torch.Tensor:
+        return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                          torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+    class ContextParallelDotProductAttention(DotProductAttention):
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            local = copy.copy(config)
+            local.context_parallel_size = 1
+            super().__init__(local, *args, **kwargs)
+            self.config = config
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None
+                    ) -> torch.Tensor:
+            group = ps.get_context_parallel_group()
+            cp, rank = group.size(), group.rank()
+            key = gather_from_sequence_parallel_region(key, True, group=group)
+            value = gather_from_sequence_parallel_region(value, True, group=group)
+            chunk = query.size(0) // 2
+            q_pos = positions(rank, cp, chunk)
+            k_pos = torch.cat([positions(r, cp, chunk) for r in range(cp)])
+            mask = (k_pos[None, :] > q_pos[:, None]).view(1, 1, q_pos.numel(), k_pos.numel())
+            return super().forward(query, key, value, mask, attn_mask_type, attention_bias, packed_seq_params)
+
+    return ContextParallelDotProductAttention
 
 
 def _mla_dot_product_attention_cls() -> type:

@@ -196,7 +196,8 @@ def run(spec: Spec) -> dict[str, Any]:
     if injects(spec, "baseline") == "nan_param":
         p = dict(params)[NAN_PARAM_BASELINE]
         nan_hook = p
-    evidence = OptimizerEvidence(ddp, spec.out) if spec.optimizer_evidence and lead else None
+    # every rank: under torch.distributed each writes the part it owns (evidence/optimizer_step1/rank_R.npz)
+    evidence = OptimizerEvidence(ddp, spec.out, opt) if spec.optimizer_evidence else None
     losses = []
     for step in range(1, spec.steps + 1):
         arrays = dp_share(source(step), info.dp_rank, info.dp)

@@ -18,7 +18,11 @@ Layouts users train with, each read from the optimizer and model rather than gue
   global expert index (EP rank x local experts + e); the last stage's copy of a tied embedding
   (``shared``) is left out, as Megatron's own norm leaves it out;
 * a chained optimizer (dense + expert) calls ``get_grad_norm_fp32`` once per sub-optimizer: every
-  parameter is captured at the first call and the step's global norm is sqrt(sum of the calls' squares).
+  parameter is captured at the first call and the step's global norm is sqrt(sum of the calls' squares);
+* sequence parallelism: norm / bias gradients are read after ``finalize_model_grads`` all-reduced them over
+  TP (duplicated, like any norm); context parallelism: each rank records its zig-zag chunks of the batch and
+  its ``cp_rank`` (``runstore.batches`` joins them), its gradients being DP x CP replicas. meta.json
+  ``parallel`` carries ``cp`` and ``sequence_parallel`` (docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -269,12 +273,23 @@ class MegatronDumper(TorchDumper):
                            ep=ps.get_expert_model_parallel_world_size())
             except Exception:  # noqa: BLE001 - older cores without expert groups
                 pass
+            try:   # the batch a CP rank records is its two zig-zag chunks of the sequence (runstore.batches)
+                out.update(cp_rank=ps.get_context_parallel_rank(), cp=ps.get_context_parallel_world_size())
+            except Exception:  # noqa: BLE001 - cores without context parallelism
+                pass
             return out
         except Exception:  # noqa: BLE001 - coordinates are best effort; the global rank is always there
             return {}
 
     def _clean_name(self, name: str) -> str:
         return strip_module_prefix(name)
+
+    def _parallel_meta(self) -> dict[str, Any]:
+        out = super()._parallel_meta()
+        out["cp"] = int(self.rank_info.get("cp", 1))
+        cfg = next((getattr(m, "config", None) for m in self.models if hasattr(m, "config")), None)
+        out["sequence_parallel"] = bool(getattr(cfg, "sequence_parallel", False))
+        return out
 
     def _chunk_namer(self, index: int, model: torch.nn.Module) -> Callable[[str], str]:
         return global_namer(model)

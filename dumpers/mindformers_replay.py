@@ -9,7 +9,8 @@ Two sources are read, both without pickle:
 * a run store (``RUN/steps/step_N/rank_R.h5`` with ``batch/tokens``, ``batch/labels``, ...); under pipeline
   parallelism a stage holds only its part of the batch (tokens / position ids on the first stage, labels /
   loss mask on the last), so a missing array is taken from the ranks of the same DP rank (other stages,
-  other TP ranks) that recorded it;
+  other TP ranks) that recorded it; under context parallelism the CP ranks' zig-zag chunks are joined into
+  the whole sequence (``runstore.batches``);
 * the seed layout ``ROOT/step_N/rank_R/{tokens,labels,loss_mask,attention_mask}.npy``.
 
 Use from a MindFormers YAML, launched as users do (``run_mindformer.py --config X.yaml --register_path
@@ -41,6 +42,7 @@ import numpy as np
 
 from core.errors import BadInput
 from runstore import STEP_DIR, RunReader, read_seed_batch, seed_steps
+from runstore.batches import join_group, seq_dim
 
 # MindFormers column name -> Megatron batch name.
 COLUMN_SOURCES = {
@@ -194,6 +196,9 @@ class ReplaySource:
             for name in names:
                 if name not in out:
                     raise BadInput(f"{where}: no batch/{name} array (the dump lacks '{name}')")
+            cp = self._reader.rank_info(self.rank).get("cp", 1)
+            if isinstance(cp, int) and cp > 1:   # the CP ranks' chunks join into the whole sequence
+                out = {k: tuple(n * cp if i == seq_dim(k) else n for i, n in enumerate(v)) for k, v in out.items()}
             return out
         for name in names:
             path = where / f"{name}.npy"
@@ -209,17 +214,10 @@ class ReplaySource:
         """The Megatron arrays of ``step`` for this rank, as stored (no casting)."""
         names = [COLUMN_SOURCES[c] for c in self.columns]
         if self._reader is not None:
-            out = {}
-            for rank in self._batch_ranks():
-                if rank != self.rank and rank not in self._reader.array_ranks(step):
-                    continue
-                arrays = self._reader.step_arrays(step, rank)
-                for name in names:
-                    key = f"batch/{name}"
-                    if name not in out and key in arrays.data:
-                        out[name] = np.asarray(arrays.data[key])
-                if len(out) == len(names):
-                    break
+            # this DP rank's batch: other stages' parts, TP copies, CP chunks joined (runstore.batches)
+            present = set(self._reader.array_ranks(step))
+            members = [(r, self._reader.rank_info(r)) for r in self._batch_ranks() if r in present]
+            out, _, _, _ = join_group(self._reader, step, members, names)
             for name in names:
                 if name not in out:
                     raise BadInput(f"{self._rank_path(step)}: no batch/{name} array (the dump lacks '{name}')")

@@ -64,10 +64,7 @@ def run_optimizer_check(optimizer: Any, baseline_file: str | Path, out: str | Pa
     from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, atomic_file, read_step1_file
 
 
-    src = Path(baseline_file)
-    if src.is_dir():
-        src = src / EVIDENCE_DIR / OPTIMIZER_EVIDENCE
-    grads_b = read_step1_file(src)["grad"]
+    grads_b = read_step1_file(Path(baseline_file))["grad"]   # a run store's file or its merged per-rank shards
     m = mapping if isinstance(mapping, Mapping) else load_mapping(mapping)
     grads_c, _ = m.convert(grads_b, "candidate", TransformParams(num_heads=num_heads,
                                                                  num_query_groups=num_query_groups or num_heads))

@@ -333,9 +333,7 @@ class TorchDumper(StepBookkeeping):
     def _open_writer(self, meta: Mapping[str, Any] | None) -> None:
         m = {"framework": self.framework, "name_scheme": self.name_scheme,
              "versions": self._versions(), "source": {"kind": "dumper", "path": str(self.config.out)},
-             "parallel": {"tp": self.rank_info.get("tp", 1), "pp": self.rank_info.get("pp", 1),
-                          "dp": self.rank_info.get("dp", self.world_size), "ep": self.rank_info.get("ep", 1),
-                          "world_size": self.world_size},
+             "parallel": self._parallel_meta(),
              "dumper": {"tensors": self.config.tensors, "modules": list(self.config.modules),
                         "nan_trace": self.config.nan_trace, "local_norms": self.config.local_norms},
              "dtypes": self._dtypes()}
@@ -344,6 +342,12 @@ class TorchDumper(StepBookkeeping):
         m.update(meta or {})
         self._writer = open_writer(self.config.out, rank=self.rank, meta=m, rank_info=self.rank_info,
                                    background=self.config.background_writes)
+
+    def _parallel_meta(self) -> dict[str, Any]:
+        """meta.json ``parallel``: the layout's sizes (a framework layer adds its own, e.g. cp)."""
+        return {"tp": self.rank_info.get("tp", 1), "pp": self.rank_info.get("pp", 1),
+                "dp": self.rank_info.get("dp", self.world_size), "ep": self.rank_info.get("ep", 1),
+                "world_size": self.world_size}
 
     def _versions(self) -> dict[str, str]:
         return {"torch": torch.__version__}

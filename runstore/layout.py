@@ -8,6 +8,7 @@ Layout of a run directory::
     RUN/steps/step_00000001/rank_00000.h5  arrays of one step on one rank (batch, local norms, tensors)
     RUN/step_1/rank_0/tokens.npy           optional seed layout that MindFormers replays
     RUN/evidence/optimizer_step1.npz       files a stage reads as a whole (not per step)
+    RUN/evidence/optimizer_step1/rank_00000.npz   ... or its per-rank shards (a distributed run)
 
 Why these choices: a JSON line appended and flushed per step costs microseconds and survives a kill
 (at most the last line is torn, and the reader says so); one HDF5 file per step and rank means ranks
@@ -26,6 +27,7 @@ META = "meta.json"
 # Files a stage reads as a whole (not per step): evidence/optimizer_step1.npz, evidence/conversion.json
 EVIDENCE_DIR = "evidence"
 OPTIMIZER_EVIDENCE = "optimizer_step1.npz"
+OPTIMIZER_EVIDENCE_SHARDS = "optimizer_step1"     # evidence/optimizer_step1/rank_R.npz: one per rank
 CONVERSION_EVIDENCE = "conversion.json"
 STEP_DIR = "steps"
 SCALAR_DIR = "scalars"

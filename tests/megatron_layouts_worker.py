@@ -7,6 +7,8 @@ batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the 
 
 one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loop_raise,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
+            ref, ref_moe, distopt, pp2, ep2, sp and cp2 write the optimizer evidence of step 1
+            (dumpers.optimizer_evidence).
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
   bf16      the same in bf16 (fp32 grad accumulation, Megatron's default).
   ref4      like ref with 4 layers (the reference of vpp).
@@ -18,9 +20,12 @@ one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loo
   lm_loop_raise  that loop with forward_step raising at iteration 2: the exception Megatron sees, with and
             without the integration.
   ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
-two processes (``--scenarios distopt,pp2,vpp,ep2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
+two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
   lm_loop_moe_dp2  lm_loop_moe at DP=2, one micro-batch per rank: the router losses reduced across ranks.
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
+  sp        TP=2 with sequence parallelism (demo.megatron_cpu's norm stand-in: torch's norms refuse SP).
+  cp2       CP=2: Megatron's get_batch_on_this_cp_rank splits each micro-batch (2 x CP zig-zag chunks);
+            demo.megatron_cpu's all-gather attention (the local attention refuses CP); per-token loss.
   pp2       PP=2 with Megatron's 1F1B schedule, both micro-batches.
   vpp       4 layers at PP=2 with 2 virtual stages (Megatron's interleaved schedule).
   ep2       the MoE model at EP=2 (DP=2 for dense parameters), a ChainedOptimizer (dense + expert).
@@ -45,16 +50,21 @@ import torch  # noqa: E402
 
 from demo import megatron_cpu as mc  # noqa: E402
 from dumpers.megatron import MegatronDumper  # noqa: E402
+from dumpers.optimizer_evidence import OptimizerEvidence  # noqa: E402
 from dumpers.torch_dumper import DumpConfig  # noqa: E402
 
 STEPS = 2
+# the first norm's activations at step 1: split on the sequence under SP and CP
+NORM_STATS = {"tensors": "stats", "tensor_steps": [1], "modules": ["decoder.layers.0.input_layernorm"],
+              "backward": False}
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
        "moe_aux_loss_coeff": 0.0, "moe_ffn_hidden_size": 64, "moe_shared_expert_intermediate_size": 64,
        "moe_shared_expert_gate": True, "moe_router_load_balancing_type": "none"}
 
 
 def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distopt: bool = False,
-                 loss_scale: float | None = None, grad_fp32: bool = True, dump: bool = True) -> dict:
+                 loss_scale: float | None = None, grad_fp32: bool = True, dump: bool = True,
+                 dump_config: dict | None = None, evidence: bool = False) -> dict:
     """Train STEPS steps of the current layout with the dumper (or without: ``dump=False``, for the
     bit-identical check); micro = DP ranks whose batches this rank runs."""
     from megatron.core.distributed import finalize_model_grads
@@ -69,8 +79,9 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
     config = ddp[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
-    dumper = MegatronDumper(ddp, opt, DumpConfig(out=out, seed_layout=True),
+    dumper = MegatronDumper(ddp, opt, DumpConfig(out=out, seed_layout=True, **(dump_config or {})),
                             meta={"config": {"kind": "megatron_args", "values": cfg.as_dict()}}) if dump else None
+    ev = OptimizerEvidence(ddp, out, opt) if evidence else None
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         if dumper is not None:
@@ -79,9 +90,17 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
             c.zero_grad_buffer()
         opt.zero_grad()
         batches = [mc.synthetic_batch(step, cfg, dp_rank=d) for d in micro]
+        if cfg.extra.get("context_parallel_size", 1) > 1:   # Megatron's own zig-zag split (2 x CP chunks)
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            batches = [get_batch_on_this_cp_rank(b) for b in batches]
         reduced = mc.pipeline_forward_backward(ddp, batches, cfg,
                                                on_batch=dumper.record_batch if dumper is not None else None)
+        if step == 1 and ev is not None:
+            ev.before_step()
         ok, gnorm, _ = opt.step()
+        if step == 1 and ev is not None:
+            ev.after_step()
         loss = mc.reduce_lm_loss(reduced)
         losses.append(loss)
         norms.append(gnorm)
@@ -92,6 +111,8 @@ def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distop
     if dumper is not None:
         dumper.close()
         out_.update(errors=dumper.errors, error_log=dumper.error_log)
+    if ev is not None and ev.error:
+        out_.update(errors=out_["errors"] + 1, error_log=[*out_["error_log"], f"evidence: {ev.error}"])
     return out_
 
 
@@ -190,7 +211,7 @@ def main() -> None:
     result: dict = {"rank": info.rank}
     for scenario in args.scenarios.split(","):
         if scenario == "ref":
-            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True)
         elif scenario == "fp16":
             cfg16 = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="float16")
             result[scenario] = train_layout(out / scenario, cfg16, micro=[0, 1], loss_scale=1024.0,
@@ -219,13 +240,14 @@ def main() -> None:
             info = mc.set_parallel(pp=2)
             result[scenario] = checkpoint(out / scenario, dense, info, dist=False)
         elif scenario == "ref_moe":
-            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1])
+            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1], evidence=True)
         elif scenario == "lm_loop_moe_dp2":
             info = mc.set_parallel()
             result[scenario] = lm_loop(out / scenario, moe_aux, iters=2, dp_ranks=(info.dp_rank,))
         elif scenario == "distopt":
             info = mc.set_parallel()
-            result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True)
+            result[scenario] = train_layout(out / scenario, dense, micro=[info.dp_rank], distopt=True,
+                                            evidence=True)
             result[scenario]["undumped"] = train_layout(out / "none", dense, micro=[info.dp_rank], distopt=True,
                                                         dump=False)
         elif scenario == "ref4":
@@ -238,10 +260,19 @@ def main() -> None:
             result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
         elif scenario == "pp2":
             info = mc.set_parallel(pp=2)
-            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1])
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True)
+        elif scenario == "sp":
+            info = mc.set_parallel(tp=2)
+            cfg_sp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"sequence_parallel": True})
+            result[scenario] = train_layout(out / scenario, cfg_sp, micro=[0, 1], evidence=True, dump_config=NORM_STATS)
+        elif scenario == "cp2":
+            info = mc.set_parallel(cp=2)
+            cfg_cp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"context_parallel_size": 2,
+                                                                   "calculate_per_token_loss": True})
+            result[scenario] = train_layout(out / scenario, cfg_cp, micro=[0, 1], evidence=True, dump_config=NORM_STATS)
         elif scenario == "ep2":
             info = mc.set_parallel(ep=2)
-            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank])
+            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank], evidence=True)
             result[scenario]["undumped"] = train_layout(out / "none", moe, micro=[info.dp_rank], dump=False)
         else:
             raise SystemExit(f"unknown scenario {scenario}")

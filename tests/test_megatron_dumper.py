@@ -86,7 +86,8 @@ def test_single_run_store_contents(single: tuple[Path, dict]) -> None:
     out, _ = single
     r = RunReader(out / "identical" / "megatron_opt")
     assert r.meta["framework"] == "megatron-core" and r.meta["name_scheme"] == "megatron-core-local"
-    assert r.meta["parallel"] == {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "world_size": 1}
+    assert r.meta["parallel"] == {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "cp": 1, "sequence_parallel": False,
+                                  "world_size": 1}
     assert r.meta["determinism"]["enabled"] is True and r.meta["seed"]["torch"] == 1234
     assert r.array_steps() == [1, 2, 3] and not r.incomplete
     sc = r.scalars()
@@ -263,7 +264,8 @@ def test_dp2_bit_identical_and_per_rank_batches(dp2: tuple[Path, dict]) -> None:
     assert results[0]["identical.megatron_opt"]["dumped"]["digest"] == \
         results[1]["identical.megatron_opt"]["dumped"]["digest"]  # DP replicas stay in sync
     r = RunReader(out / "identical" / "megatron_opt")
-    assert r.meta["parallel"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 1, "world_size": 2}
+    assert r.meta["parallel"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 1, "cp": 1, "sequence_parallel": False,
+                                  "world_size": 2}
     t0, t1 = (r.step_arrays(1, k).data["batch/tokens"] for k in (0, 1))
     assert not np.array_equal(t0, t1)  # each DP rank saw (and dumped) its own batch
     n0, n1 = (r.step_arrays(1, k).table("local_norm") for k in (0, 1))

@@ -91,7 +91,8 @@ def _scalar_duplicates(reader: Any) -> list[Finding]:
 def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(step, rank, {tokens, labels, loss_mask, ...}) from a run store or the seed layout; each batch names
     its file under ``_file``. Structural faults (a step or rank recorded twice) come first, as
-    ``(step, rank, {"_finding": Finding})``."""
+    ``(step, rank, {"_finding": Finding})``. In a run store ``rank`` is the DP rank and the batch is the one
+    it trained on, joined from its TP / pipeline / context-parallel ranks (``runstore.batches``)."""
     import runstore
     from runstore.layout import _RANK_H5_RE, _SEED_RANK_RE, _STEP_RE
 
@@ -107,14 +108,17 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
             yield -1, -1, {"_finding": f}
         faults = []
         found = False
+        # one batch per DP rank: its TP copies, pipeline stages' parts and CP chunks joined (runstore.batches)
+        groups = runstore.data_groups(reader, reader.ranks)
         for step in reader.array_steps():
-            for rank in reader.array_ranks(step):
-                sa = reader.step_arrays(step, rank)
-                batch = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
+            for dp, batch, files, notes, _ in runstore.dp_batches(reader, step, groups=groups):
+                for note in notes:
+                    yield step, dp, {"_finding": Finding(STAGE, "warn", f"step {step} rank {dp}",
+                                                         "rank_copies_differ", None, None, note)}
                 if batch:
                     found = True
-                    yield step, rank, {**check_batch(reader.step_file(step, rank), batch),
-                                       "_file": str(reader.step_file(step, rank))}
+                    where = ", ".join(str(f) for f in files)
+                    yield step, dp, {**check_batch(where, batch), "_file": where}
         if found or not seed:
             if not found:
                 raise BadInput(f"{p}: run store has no batch/* arrays")
@@ -370,11 +374,86 @@ def batch_digest(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     return out
 
 
+def _dp_ranks(path: str | Path) -> int | None:
+    """How many DP ranks a run store's batches come from (None: not a run store)."""
+    import runstore
+
+    p = Path(path)
+    if not ((p / runstore.META).is_file() or (p / runstore.STEP_DIR).is_dir()):
+        return None
+    reader = runstore.RunReader(p)
+    return len(runstore.data_groups(reader, reader.ranks)) or None
+
+
+def _first_difference(b: dict[str, Any], c: dict[str, Any]) -> tuple[str, str] | None:
+    for key in BATCH_KEYS:
+        if key not in b or key not in c:
+            continue
+        x, y = np.asarray(b[key]), np.asarray(c[key])
+        if x.shape == y.shape and np.array_equal(x.astype(np.float64), y.astype(np.float64)):
+            continue
+        return key, (f"shape {x.shape} vs {y.shape}" if x.shape != y.shape else
+                     f"{int(np.count_nonzero(x.astype(np.float64) != y.astype(np.float64)))} of {x.size} "
+                     "values differ")
+    return None
+
+
+def _compare_global(baseline: Path, candidate: Path, dps: tuple[int, int], limit: int | None) -> StageResult:
+    """Two run stores of different DP sizes: each step's global batch (every DP rank's micro-batches in
+    Megatron's sampler order, runstore.batches.global_batch) compared."""
+    import runstore
+
+    res = StageResult(STAGE)
+    readers = [runstore.RunReader(baseline), runstore.RunReader(candidate)]
+    groups = [runstore.data_groups(r, r.ranks) for r in readers]
+    steps = sorted(set(readers[0].array_steps()) & set(readers[1].array_steps()))
+    compared, first_diff = 0, None
+    for step in steps:
+        try:
+            gb = [runstore.global_batch([(b, m) for _, b, _, _, m in runstore.dp_batches(r, step, groups=g)])
+                  for r, g in zip(readers, groups, strict=True)]
+        except ValueError as exc:
+            res.add(Finding(STAGE, "warn", "batch", "global_batch_unordered", step, None,
+                            f"step {step}: the DP ranks' batches cannot be put in the sampler's order ({exc}); "
+                            "batches of runs with different DP sizes not compared"))
+            break
+        if "tokens" not in gb[0] or "tokens" not in gb[1]:
+            continue
+        compared += 1
+        diff = _first_difference(gb[0], gb[1])
+        if diff is not None:
+            first_diff = (step, *diff)
+            break
+        if limit is not None and compared >= limit:
+            break
+    res.details = {"steps_compared": compared, "global_batches": True, "dp_ranks": list(dps)}
+    if first_diff is not None:
+        step, key, what = first_diff
+        res.details["first_different_step"] = step
+        res.add(Finding(STAGE, "fail", key, "batch_differs", step, None,
+                        f"step {step}: the candidate's global {key} (its {dps[1]} DP ranks' micro-batches in "
+                        f"sampler order) differs from the baseline's ({dps[0]} DP ranks): {what}; the runs did "
+                        "not train on the same data from this step"))
+    elif compared:
+        res.add(Finding(STAGE, "pass", "batch", "same_batches", compared, None,
+                        f"tokens, labels and loss_mask of the global batch equal at all {compared} steps both runs "
+                        f"recorded ({dps[0]} vs {dps[1]} DP ranks)"))
+    elif not res.findings:
+        res.add(Finding(STAGE, "warn", "batch", "no_common_batches", 0, None,
+                        "the two runs recorded no batch of the same step: same data not shown"))
+    return res
+
+
 def compare_batches(baseline: str | Path, candidate: str | Path, *, limit: int | None = None) -> StageResult:
     """Did both runs train on the same data? Step by step, rank by rank, tokens / labels / loss_mask equal.
 
     Megatron batches are already shifted, so the candidate replaying them must record the same arrays; the
-    first step whose arrays differ is named (a second shift, a different sampler, a mutated mask)."""
+    first step whose arrays differ is named (a second shift, a different sampler, a mutated mask). A rank of
+    a run store is its DP rank (TP / pipeline / CP parts joined); two run stores of different DP sizes
+    compare each step's global batch instead."""
+    dps = (_dp_ranks(baseline), _dp_ranks(candidate))
+    if dps[0] is not None and dps[1] is not None and dps[0] != dps[1]:
+        return _compare_global(Path(baseline), Path(candidate), (dps[0], dps[1]), limit)
     res = StageResult(STAGE)
     cand_iter = iter_batches(candidate)
     cur = next(cand_iter, None)
@@ -393,17 +472,9 @@ def compare_batches(baseline: str | Path, candidate: str | Path, *, limit: int |
             continue
         c = cur[2]
         compared += 1
-        for key in BATCH_KEYS:
-            if key not in b or key not in c:
-                continue
-            x, y = np.asarray(b[key]), np.asarray(c[key])
-            if x.shape == y.shape and np.array_equal(x.astype(np.float64), y.astype(np.float64)):
-                continue
-            what = (f"shape {x.shape} vs {y.shape}" if x.shape != y.shape else
-                    f"{int(np.count_nonzero(x.astype(np.float64) != y.astype(np.float64)))} of {x.size} "
-                    "values differ")
-            first_diff = (step, rank, key, what)
-            break
+        diff = _first_difference(b, c)
+        if diff is not None:
+            first_diff = (step, rank, *diff)
         if first_diff is not None or (limit is not None and compared >= limit):
             break
     res.details = {"steps_compared": compared}

@@ -13,6 +13,7 @@ from align.stages import Stage
 from align.stages.evidence import Evidence
 from core.findings import Finding, StageResult, skipped
 from reports.html import table
+from runstore import dp_batches
 from runstore.run import Run
 
 BEFORE, AFTER = 3, 2     # steps shown before and after the divergence step
@@ -22,9 +23,8 @@ def step_batch(run: Run, step: int) -> dict[str, np.ndarray] | None:
     """The batch a run store recorded at ``step`` (its first rank's), or None."""
     if run.store is None or step not in run.store.array_steps():
         return None
-    ranks = run.store.array_ranks(step)
-    sa = run.store.step_arrays(step, ranks[0])
-    batch = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
+    # DP rank 0's batch, joined from its TP / pipeline / context-parallel ranks
+    batch = next((b for _, b, _, _, _ in dp_batches(run.store, step)), {})
     return batch if "tokens" in batch else None
 
 

@@ -1,7 +1,8 @@
 """The optimizer check: the baseline's step-1 gradients through the candidate's optimizer, updates compared.
 
 Evidence, as files (docs/run-store.md): the baseline store's ``evidence/optimizer_step1.npz`` (``grad/``,
-``init/``, ``weight/`` in baseline names: step-1 gradients, weights before and after its step) and the
+``init/``, ``weight/`` in baseline names: step-1 gradients, weights before and after its step; a distributed
+baseline's per-rank shards ``evidence/optimizer_step1/rank_R.npz``, merged into whole tensors) and the
 candidate's optimizer-check file (``before/``, ``after/`` in candidate names: its weights before and after one
 step on those gradients). Each side's update is taken from its own start: the candidate's update is re-based
 onto the baseline's start, so a conversion fault does not pose as an optimizer one.
@@ -19,7 +20,7 @@ from comparators.optimizer_check import compare_updates, read_step1_file, to_can
 from core.errors import BadInput
 from core.findings import StageResult, skipped
 from models import load_mapping
-from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE
+from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, evidence_path
 
 
 def read_candidate_update(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -41,8 +42,11 @@ def read_candidate_update(path: Path) -> tuple[dict[str, np.ndarray], dict[str, 
 
 def run(ev: Evidence) -> StageResult:
     base = ev.evidence_file(ev.baseline, OPTIMIZER_EVIDENCE)
+    if base is None and ev.baseline.store is not None:   # a distributed baseline: per-rank shards, merged
+        base = evidence_path(ev.baseline.path)
     if base is None:
-        return skipped("optimizer", "the baseline store has no evidence/optimizer_step1.npz")
+        return skipped("optimizer", "the baseline store has no evidence/optimizer_step1.npz "
+                                    "(or evidence/optimizer_step1/rank_*.npz)")
     cand_path = Path(ev.inputs.optimizer_check) if ev.inputs.optimizer_check else None
     if cand_path is None:
         own = ev.evidence_file(ev.candidate, OPTIMIZER_EVIDENCE)
