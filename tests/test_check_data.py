@@ -275,3 +275,28 @@ def test_report_data_checks_read_the_vocabulary_from_the_megatron_arguments(tmp_
     assert data_ids(ev)["vocab_size"] == 128
     res = data_stage(ev)
     assert res.verdict == "pass", [f.message for f in res.findings]
+
+
+def test_cli_on_a_store_reads_its_own_vocabulary(tmp_path: Path) -> None:
+    """`align check-data STORE` without --vocab-size: the store's Megatron arguments (NullTokenizer
+    --vocab-size 127, padded to 128) bound the ids, so the end-of-document id 127 passes; --vocab-size 127
+    given by hand still bounds them at 127."""
+    root = tmp_path / "run"
+    with RunWriter(root, rank=0, meta={"framework": "megatron-core",
+                                       "config": {"kind": "megatron_args", "values": NULL_ARGS}}) as w:
+        for step, _, b in mock_data_batches(127):
+            for k, v in b.items():
+                w.put_array(step, f"batch/{k}", v)
+
+    def cli(*extra: str) -> tuple[int, dict]:
+        p = argparse.ArgumentParser()
+        check_data.add_arguments(p)
+        out = tmp_path / "data.json"
+        rc = check_data.run(p.parse_args([str(root), *extra, "--json", str(out)]))
+        return rc, json.loads(out.read_text())
+
+    rc, payload = cli()
+    assert rc == 0 and payload["verdict"] == "pass", payload["findings"]
+    assert payload["vocabulary"]["vocab_size"] == 128 and payload["vocabulary"]["special_ids"] == [127]
+    rc, payload = cli("--vocab-size", "127")
+    assert rc == 1 and payload["vocabulary"]["vocab_source"] == "--vocab-size"

@@ -14,21 +14,20 @@ from core.findings import StageResult, skipped
 _IDS = ("vocab_size", "eos_id", "pad_id", "tokenizer_vocab_size")
 
 
-def data_ids(ev: Evidence) -> dict[str, Any]:
-    """vocab_size (the model's padded vocabulary), tokenizer_vocab_size, special_ids, eos_id, pad_id: the
-    command line, else a run's meta ``data`` block (a dumper's, or a Megatron log's '> padded vocab' line),
-    else what a run's Megatron arguments say (align.checks.data.megatron_vocabulary)."""
+def recorded_ids(runs: list[tuple[dict[str, Any], tuple[str, dict[str, Any]] | None]]) -> dict[str, Any]:
+    """vocab_size (the model's padded vocabulary), tokenizer_vocab_size, special_ids, eos_id, pad_id from runs'
+    (meta, config) pairs: a meta ``data`` block (a dumper's, or a Megatron log's '> padded vocab' line), else
+    what a run's Megatron arguments say (align.checks.data.megatron_vocabulary)."""
     out: dict[str, Any] = {}
-    for run in (ev.baseline, ev.candidate):
-        data = run.meta.get("data")
+    for meta, _ in runs:
+        data = meta.get("data")
         if isinstance(data, dict):
             for k in _IDS:
                 if isinstance(data.get(k), int) and not isinstance(data.get(k), bool):
                     out.setdefault(k, data[k])
             if "vocab_size" in data and isinstance(data.get("vocab_source"), str):
                 out.setdefault("vocab_source", data["vocab_source"])
-    for role in ("baseline", "candidate"):
-        cfg = ev.config(role)
+    for _, cfg in runs:
         if not cfg or cfg[0] != "megatron_args":
             continue
         derived = megatron_vocabulary(cfg[1])
@@ -36,14 +35,27 @@ def data_ids(ev: Evidence) -> dict[str, Any]:
             derived = {k: v for k, v in derived.items() if k == "special_ids"}
         for k, v in derived.items():
             out.setdefault(k, v)
-    for k in ("vocab_size", "eos_id", "pad_id"):
-        v = getattr(ev.options, k)
+    return out
+
+
+def with_options(ids: dict[str, Any], vocab_size: int | None, eos_id: int | None, pad_id: int | None
+                 ) -> dict[str, Any]:
+    """The command line's ids over the recorded ones (--vocab-size is the model's vocabulary as given)."""
+    out = dict(ids)
+    for k, v in (("vocab_size", vocab_size), ("eos_id", eos_id), ("pad_id", pad_id)):
         if v is not None:
             out[k] = v
             if k == "vocab_size":
                 out["vocab_source"] = "--vocab-size"
                 out.pop("tokenizer_vocab_size", None)
     return out
+
+
+def data_ids(ev: Evidence) -> dict[str, Any]:
+    """The ids the data checks judge by: the command line, else what the two runs recorded."""
+    ids = recorded_ids([(ev.baseline.meta, ev.config("baseline")), (ev.candidate.meta, ev.config("candidate"))])
+    o = ev.options
+    return with_options(ids, o.vocab_size, o.eos_id, o.pad_id)
 
 
 def run(ev: Evidence) -> StageResult:

@@ -72,6 +72,21 @@ def _size(path: str) -> str:
     return "dir"
 
 
+
+def meta_config(meta: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(kind, values) of the config a run recorded: the dumper's snapshot in meta.json (``{"kind", "values"}``,
+    or the bare dict with the framework saying which kind), else a Megatron log's own arguments block."""
+    cfg = meta.get("config")
+    if isinstance(cfg, dict) and isinstance(cfg.get("values"), dict) and "kind" in cfg:
+        return str(cfg["kind"]), cfg["values"]
+    if isinstance(cfg, dict) and cfg:
+        fw = str(meta.get("framework", ""))
+        return ("mindformers_yaml" if fw.startswith("mind") else "megatron_args"), cfg
+    args = meta.get("arguments")
+    if isinstance(args, dict) and args:
+        return "megatron_args", args
+    return None
+
 class Evidence:
     """The loaded runs and the helpers stages use to find their evidence."""
 
@@ -160,17 +175,7 @@ class Evidence:
             if text_kind == "mindformers_yaml":
                 return text_kind, read_mindformers(path)
             return text_kind, read_megatron(path)[0]
-        run = self.baseline if role == "baseline" else self.candidate
-        cfg = run.meta.get("config")
-        if isinstance(cfg, dict) and isinstance(cfg.get("values"), dict) and "kind" in cfg:
-            return str(cfg["kind"]), cfg["values"]
-        if isinstance(cfg, dict) and cfg:
-            fw = str(run.meta.get("framework", ""))
-            return ("mindformers_yaml" if fw.startswith("mind") else "megatron_args"), cfg
-        args = run.meta.get("arguments")
-        if isinstance(args, dict) and args:
-            return "megatron_args", args
-        return None
+        return meta_config((self.baseline if role == "baseline" else self.candidate).meta)
 
     @cached_property
     def update_dtype(self) -> tuple[str, str]:
