@@ -22,10 +22,10 @@ import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from bench_logs import timed  # this folder is on sys.path when run as a script
 
 from comparators.trajectories import Trajectory, TrajectoryOptions, judge, pair_trajectories, read_trajectory
 from models import load_mapping
@@ -46,16 +46,6 @@ def names(n: int) -> list[str]:
         out += [f"decoder.layers.{layer}.{p}" for p in PER_LAYER]
         layer += 1
     return out[:n]
-
-
-def timed(fn: Callable[[], object], repeats: int) -> dict[str, list[float]]:
-    wall, cpu = [], []
-    for _ in range(repeats):
-        c, t = time.process_time(), time.perf_counter()
-        fn()
-        wall.append(time.perf_counter() - t)
-        cpu.append(time.process_time() - c)
-    return {"wall_s": wall, "cpu_s": cpu}
 
 
 def line(what: str, r: dict[str, list[float]]) -> None:
