@@ -152,10 +152,15 @@ def moe_losses(model: list, iteration: int) -> dict[str, float]:
 def train(forward_step_func: Any, model: list, optimizer: Any, opt_param_scheduler: Any,
           train_data_iterator: Any, valid_data_iterator: Any, config: Any) -> list[dict[str, Any]]:
     """Megatron-LM's loop, reduced to what the integration touches; returns what it would log."""
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     forward_backward_func = get_forward_backward_func()
+    # train()'s setup of the model config, as Megatron-LM has it: without finalize_model_grads the schedule
+    # never reduces the gradients over DP (each DP rank would step on its own micro-batches' gradients)
+    get_model_config(model[0]).finalize_model_grads_func = finalize_model_grads
     log = []
     iteration = 0
     while iteration < ARGS.train_iters:
