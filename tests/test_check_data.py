@@ -62,12 +62,13 @@ def _write_store(root: Path, batches) -> Path:
     return root
 
 
-def _cli(path: Path, *extra: str) -> tuple[int, dict]:
+def _cli(path: Path, *extra: str, ids: bool = True) -> tuple[int, dict]:
+    """`align check-data PATH` with this file's --vocab-size / --eos-id (``ids``) and ``extra``."""
     p = argparse.ArgumentParser()
     check_data.add_arguments(p)
     out = path.parent / "data.json"
-    rc = check_data.run(p.parse_args([str(path), "--vocab-size", str(VOCAB), "--eos-id", str(EOS), *extra,
-                              "--json", str(out)]))
+    given = ["--vocab-size", str(VOCAB), "--eos-id", str(EOS)] if ids else []
+    rc = check_data.run(p.parse_args([str(path), *given, *extra, "--json", str(out)]))
     return rc, json.loads(out.read_text())
 
 
@@ -258,19 +259,24 @@ def test_ids_in_padding_rows_warn_beyond_the_padded_vocabulary_fail() -> None:
     assert cd.check_batches([(1, 0, plant(b, 7, 110))], **new).verdict == "warn"
 
 
-def test_report_data_checks_read_the_vocabulary_from_the_megatron_arguments(tmp_path: Path) -> None:
-    """The data_checks stage of `align report` on a store whose snapshot holds the arguments of the run."""
-    from align.stages.data_checks import data_ids
-    from align.stages.data_checks import run as data_stage
-    from align.stages.evidence import Evidence, Inputs
-
-    root = tmp_path / "run"
+def _null_tokenizer_store(root: Path) -> Path:
+    """A run store of the clean mock-data run: NullTokenizer arguments in its snapshot, its batches, a loss."""
     with RunWriter(root, rank=0, meta={"framework": "megatron-core",
                                        "config": {"kind": "megatron_args", "values": NULL_ARGS}}) as w:
         for step, _, b in mock_data_batches(127):
             for k, v in b.items():
                 w.put_array(step, f"batch/{k}", v)
             w.log_scalars(step, {"loss": 4.8})
+    return root
+
+
+def test_report_data_checks_read_the_vocabulary_from_the_megatron_arguments(tmp_path: Path) -> None:
+    """The data_checks stage of `align report` on a store whose snapshot holds the arguments of the run."""
+    from align.stages.data_checks import data_ids
+    from align.stages.data_checks import run as data_stage
+    from align.stages.evidence import Evidence, Inputs
+
+    root = _null_tokenizer_store(tmp_path / "run")
     ev = Evidence.load(Inputs(str(root), str(root)))
     assert data_ids(ev)["vocab_size"] == 128
     res = data_stage(ev)
@@ -281,22 +287,9 @@ def test_cli_on_a_store_reads_its_own_vocabulary(tmp_path: Path) -> None:
     """`align check-data STORE` without --vocab-size: the store's Megatron arguments (NullTokenizer
     --vocab-size 127, padded to 128) bound the ids, so the end-of-document id 127 passes; --vocab-size 127
     given by hand still bounds them at 127."""
-    root = tmp_path / "run"
-    with RunWriter(root, rank=0, meta={"framework": "megatron-core",
-                                       "config": {"kind": "megatron_args", "values": NULL_ARGS}}) as w:
-        for step, _, b in mock_data_batches(127):
-            for k, v in b.items():
-                w.put_array(step, f"batch/{k}", v)
-
-    def cli(*extra: str) -> tuple[int, dict]:
-        p = argparse.ArgumentParser()
-        check_data.add_arguments(p)
-        out = tmp_path / "data.json"
-        rc = check_data.run(p.parse_args([str(root), *extra, "--json", str(out)]))
-        return rc, json.loads(out.read_text())
-
-    rc, payload = cli()
+    root = _null_tokenizer_store(tmp_path / "run")
+    rc, payload = _cli(root, ids=False)
     assert rc == 0 and payload["verdict"] == "pass", payload["findings"]
     assert payload["vocabulary"]["vocab_size"] == 128 and payload["vocabulary"]["special_ids"] == [127]
-    rc, payload = cli("--vocab-size", "127")
+    rc, payload = _cli(root, "--vocab-size", "127", ids=False)
     assert rc == 1 and payload["vocabulary"]["vocab_source"] == "--vocab-size"

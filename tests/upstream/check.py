@@ -17,7 +17,6 @@ Prints every stage's verdict of both reports; exit status 0 when both pass or wa
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -59,15 +58,16 @@ def pair(megatron: dict[str, Path], mindformers_src: Path, out: Path) -> int:
         print(f"upstream-check: align convert-weights exited {rc}", file=sys.stderr)
         return 2
     mf_store = mfr.run(mindformers_src, megatron["store"], mf_out)
-    report = out / "report_pair"
-    rc = _align("report", str(megatron["store"]), str(mf_store), "--baseline-config", str(megatron["log"]),
-                "--candidate-config", str(mf_out / "train.yaml"), "--out", str(report))
-    if not (report / "summary.json").exists():
-        print(f"upstream-check: align report exited {rc} without a summary", file=sys.stderr)
-        return 2
-    _print(f"Megatron-LM store vs MindFormers run_mindformer.py store ({report})",
-           json.loads((report / "summary.json").read_text()))
-    return rc
+    summary = mlm.report(megatron["store"], mf_store, out / "report_pair",
+                         extra=("--baseline-config", str(megatron["log"]),
+                                "--candidate-config", str(mf_out / "train.yaml")))
+    _print(f"Megatron-LM store vs MindFormers run_mindformer.py store ({out / 'report_pair'})", summary)
+    return _status(summary)
+
+
+def _status(summary: dict) -> int:
+    """The check's exit status from a report's: 1 fail, 2 anything else that is not 0."""
+    return 1 if summary["exit"] == 1 else (2 if summary["exit"] else 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = mlm.run(ns.megatron_lm, out / "megatron")
         own = mlm.report(runs["store"], runs["log"], out / "report_megatron")
+        print(f"Megatron-LM {ns.megatron_lm} (megatron-core {mlm.checkout_version(Path(ns.megatron_lm))})")
+        _print("Megatron-LM store vs its own log", own)
+        rc = _status(own)
+        if ns.mindformers:
+            rc = max(rc, pair(runs, Path(ns.mindformers), out))
     except (mlm.UpstreamError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         print(f"upstream-check: {exc}", file=sys.stderr)
         return 2
-    print(f"Megatron-LM {ns.megatron_lm} (megatron-core {mlm.checkout_version(Path(ns.megatron_lm))})")
-    _print("Megatron-LM store vs its own log", own)
-    rc = 1 if own["exit"] == 1 else (2 if own["exit"] else 0)
-    if ns.mindformers:
-        rc = max(rc, pair(runs, Path(ns.mindformers), out))
     return rc
 
 

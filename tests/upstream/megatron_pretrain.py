@@ -228,11 +228,12 @@ def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None, pyt
     return paths
 
 
-def report(store: Path, log: Path, out: Path, python: str = sys.executable) -> dict:
-    """``align report STORE LOG --out OUT``; its summary.json (with the exit status as ``exit``)."""
+def report(store: Path, log: Path, out: Path, python: str = sys.executable, extra: tuple[str, ...] = ()) -> dict:
+    """``align report STORE LOG [EXTRA] --out OUT`` (LOG: the log, or any run); its summary.json (with the exit
+    status as ``exit``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([python, "-m", "align", "report", str(store), str(log), "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([python, "-m", "align", "report", str(store), str(log), *extra, "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
     summary_path = out / "summary.json"
     if not summary_path.exists():
         raise UpstreamError(f"align report exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
