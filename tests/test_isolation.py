@@ -154,6 +154,9 @@ def test_a_planted_fault_in_layer_1_is_named_while_layer_0_drifts(baseline, tmp_
     assert stage["verdict"] == "fail" and named == ["decoder.layers.1.mlp"] == stage["named"]
     assert stage["first_departing"] == "decoder.layers.0.mlp"      # where the candidate's forward departs first
     rows = {r["module"]: r for r in stage["per_module"]}
+    for r in stage["per_module"]:
+        print(f"{r['module']:44s} own {r['own_rel_l2']:.2e} {r['own_verdict']:4s}  inherited "
+              f"{r['inherited_rel_l2']:.2e} {r['inherited_verdict']}")
     assert rows["decoder.layers.1.mlp"]["own_rel_l2"] > 0.05
     assert rows["decoder.layers.0"]["own_verdict"] == "pass"
     assert rows["decoder.layers.0.mlp"]["own_rel_l2"] < rows["decoder.layers.1.mlp"]["own_rel_l2"] / 5
@@ -165,3 +168,4 @@ def test_a_planted_fault_in_layer_1_is_named_while_layer_0_drifts(baseline, tmp_
     assert rows["decoder.layers.2"]["judged_dtype"] == "float16"   # the YAML's flash attention: q/k/v in float16
     html = (rep / "report.html").read_text()
     assert "Single-module isolation" in html and "decoder.layers.1.mlp" in html
+    assert (rep / "figures" / "isolation.png").is_file()

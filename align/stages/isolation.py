@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from align.stages import Stage
+from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.isolation import compare_isolation, read_isolation
 from core.errors import BadInput
 from core.findings import StageResult, skipped
+from reports.figures import isolation_profile
 from reports.html import table
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE
 
@@ -61,6 +62,15 @@ def section(res: StageResult) -> str:
     return body + (f"<p>{note}</p>" if note else "")
 
 
+def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
+    rows = res.details.get("per_module")
+    if not rows:
+        return []
+    named = list(res.details.get("named") or [])
+    return [Figure("Single-module isolation: own vs inherited error (red: named)", "isolation.png",
+                   lambda p: isolation_profile(rows, named, res.verdict, p))]
+
+
 STAGE = Stage(
     name="isolation", order=61, title="Single-module isolation (own vs inherited error)",
     needs="the baseline's full input and output tensors of the chosen modules at one step, and the candidate's "
@@ -68,4 +78,4 @@ STAGE = Stage(
     capture="baseline: DumpConfig(tensors='full', tensor_steps=[N], modules=['decoder.layers.?', "
             "'decoder.layers.?.self_attention', 'decoder.layers.?.mlp']); candidate: `align isolate BASELINE "
             "--candidate-yaml Y --candidate-ckpt CKPT --out RUN`, then --isolation RUN (docs/workflow.md)",
-    run=run, section=section)
+    run=run, section=section, figures=figures)
