@@ -78,7 +78,7 @@ def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dt
         row: dict[str, Any] = {"module": name, "candidate": m.get("candidate"), "kind": m.get("kind"),
                                "own_rel_l2": own.rel_l2, "own_cosine": own.cosine, "own_max_abs_err": own.max_abs_err,
                                "own_verdict": _verdict(own.rel_l2, own.cosine, tol), "judged_dtype": judged,
-                               "pass_tol": tol[0], "warn_tol": tol[1]}
+                               "pass_tol": tol[0], "warn_tol": tol[1], "input_rel_l2": m.get("input_rel_l2")}
         cand = arrays.get(f"candidate/{name}")
         if cand is not None:
             inh = compare_arrays(y_b, cand)

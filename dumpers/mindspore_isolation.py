@@ -40,6 +40,9 @@ from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, RunReader, atomic_file, c
 INPUT, OUTPUT = "forward.input.0", "forward.output.0"
 # module kinds (the mapping's module rules) isolated when no patterns are given
 DEFAULT_KINDS = ("layer", "attention", "mlp", "norm", "output")
+# Modules whose input is not the candidate's under TransformerEngine's spec: its linear_qkv / linear_fc1 hold
+# the norm (layer_norm_weight), so Megatron's self_attention and mlp take the un-normalised hidden states
+TE_FUSED_NORM_INPUT = (".self_attention", ".mlp")
 
 
 def baseline_modules(store: str | Path, step: int | None = None, rank: int = 0
@@ -98,6 +101,12 @@ def to_layout(x: np.ndarray, src: str | None, dst: str | None) -> np.ndarray:
     if src and dst and src != dst and {src, dst} == {"sbh", "bsh"} and x.ndim >= 2:
         return np.ascontiguousarray(np.swapaxes(x, 0, 1))
     return x
+
+
+def _rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b|| (float64): how far the candidate's own input of a module is from the baseline's."""
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _cell_index(net: Any) -> dict[str, Any]:
@@ -200,6 +209,7 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
     m = mapping if isinstance(mapping, NameMapping) else load_mapping(mapping)
     lay_b, lay_c = m.activation_layout.get("baseline"), m.activation_layout.get("candidate")
     step, path, found = baseline_modules(baseline, step, rank)
+    te = str(RunReader(baseline).meta.get("name_scheme", "")).endswith("-te")
     cells = _cell_index(net)
     chosen: dict[str, tuple[dict[str, Any], str, Any]] = {}
     skipped: list[dict[str, str]] = []
@@ -211,6 +221,10 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
         if cand is None or (modules is None and m.module_kind(mod, "baseline") not in DEFAULT_KINDS):
             if modules is not None:
                 skipped.append({"module": mod, "reason": "no module rule of the mapping covers it"})
+            continue
+        if te and mod.endswith(TE_FUSED_NORM_INPUT):
+            skipped.append({"module": mod, "reason": "TransformerEngine spec: the norm is fused into its first "
+                                                     "linear, so its input is not the candidate's"})
             continue
         cell = find_cell(cells, cand)
         if cell is None:
@@ -248,6 +262,7 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
             except (ValueError, TypeError, RuntimeError) as exc:
                 skipped.append({"module": mod, "reason": f"{type(exc).__name__}: {' '.join(str(exc).split())}"})
                 continue
+            x_own = to_layout(was.astype(ms.float32).asnumpy(), lay_c, lay_b) if was.dtype != ms.bool_ else None
             iso = to_layout(y_iso.astype(ms.float32).asnumpy(), lay_c, lay_b)
             own = to_layout(y_own.astype(ms.float32).asnumpy(), lay_c, lay_b)
             if iso.shape != y_b.shape:
@@ -255,7 +270,8 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
                 continue
             arrays[f"baseline/{mod}"], arrays[f"isolated/{mod}"], arrays[f"candidate/{mod}"] = y_b, iso, own
             pairs.append({"baseline": mod, "candidate": cand, "kind": m.module_kind(mod, "baseline"),
-                          "dtype_baseline": e["dtype"], "dtype_candidate": str(y_iso.dtype).lower()})
+                          "dtype_baseline": e["dtype"], "dtype_candidate": str(y_iso.dtype).lower(),
+                          "input_rel_l2": _rel_l2(x_own, np.asarray(h5[e["input"]])) if x_own is not None else None})
     if not pairs:
         raise ValueError(f"{baseline}: no module could be isolated: "
                          + "; ".join(f"{s['module']}: {s['reason']}" for s in skipped[:3]))

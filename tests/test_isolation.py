@@ -74,6 +74,26 @@ def test_a_bad_isolation_file_is_bad_input_in_one_line(tmp_path: Path) -> None:
         read_isolation(bad)
 
 
+def test_align_isolate_refuses_a_baseline_without_module_tensors_before_building(tmp_path: Path, capsys) -> None:
+    """No full module tensors in the baseline: exit 2, one line, before any framework model is built."""
+    from align.cli import main
+    from runstore import RunWriter
+
+    with RunWriter(tmp_path / "b", rank=0, meta={"framework": "megatron-core"}) as w:
+        w.put_array(1, "batch/tokens", np.zeros((1, 4), np.int64))
+        w.log_scalars(1, {"loss": 1.0})
+        w.finish_step()
+    (tmp_path / "c.yaml").write_text("model: {model_config: {}}\n")
+    argv = ["isolate", str(tmp_path / "b"), "--candidate-yaml", str(tmp_path / "c.yaml"), "--candidate-ckpt",
+            str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no step holds full input and output tensors" in err and "\n" not in err
+    (tmp_path / "c.yaml").write_text("[1, 2]\n")
+    assert main(argv) == 2 and "not a MindFormers YAML" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Real frameworks: Megatron-core baseline, MindFormers mcore candidate through `align isolate`
 # ---------------------------------------------------------------------------------------------------------
@@ -166,6 +186,8 @@ def test_a_planted_fault_in_layer_1_is_named_while_layer_0_drifts(baseline, tmp_
     assert len(after) >= 8 and all(r["inherited_rel_l2"] > max(r["own_rel_l2"], 1e-4) for r in after), after
     assert all(r["own_verdict"] == "pass" for r in after if r["module"].startswith("decoder.layers.2"))
     assert rows["decoder.layers.2"]["judged_dtype"] == "float16"   # the YAML's flash attention: q/k/v in float16
+    # the inputs the two got in their own forwards: equal at layer 0's first module, apart after the drift
+    assert rows["decoder.layers.0"]["input_rel_l2"] < 1e-6 < rows["decoder.layers.2"]["input_rel_l2"]
     html = (rep / "report.html").read_text()
     assert "Single-module isolation" in html and "decoder.layers.1.mlp" in html
     assert (rep / "figures" / "isolation.png").is_file()

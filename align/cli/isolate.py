@@ -78,8 +78,13 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.baseline).is_dir():
         raise BadInput(f"{args.baseline}: not a run store folder")
     m = load_mapping(args.mapping or preset_for_config(cfg) or "megatron_core__mindformers_mcore_dense")
+    from dumpers.mindspore_isolation import baseline_modules, isolate_modules
+
+    try:                                     # the baseline's evidence first: bad input before any model is built
+        baseline_modules(args.baseline, args.step, args.rank)
+    except ValueError as exc:
+        raise BadInput(" ".join(str(exc).split())) from None
     from demo import mindformers_mcore_cpu as mcc
-    from dumpers.mindspore_isolation import isolate_modules
 
     net = mcc.build_pynative_model(cfg)      # PYNATIVE: the cells are called one by one
     try:

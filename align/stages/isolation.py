@@ -19,7 +19,7 @@ from reports.html import table
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE
 
 _COLUMNS = ("module", "candidate", "own_rel_l2", "own_verdict", "inherited_rel_l2", "inherited_verdict",
-            "own_cosine", "judged_dtype")
+            "input_rel_l2", "own_cosine", "judged_dtype")
 
 
 def _evidence(ev: Evidence) -> Path | None:
