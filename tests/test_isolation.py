@@ -74,6 +74,20 @@ def test_a_bad_isolation_file_is_bad_input_in_one_line(tmp_path: Path) -> None:
         read_isolation(bad)
 
 
+def test_layouts_and_cell_names() -> None:
+    """[s, b, h] <-> [b, s, h] from the mapping's activation_layout; a candidate cell found under a wrapper's
+    prefix (``model.`` of Training*ForCausalLM), never by an ambiguous suffix."""
+    from dumpers.mindspore_isolation import find_cell, to_layout
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 3, 2)
+    assert to_layout(x, "sbh", "bsh").shape == (3, 4, 2) and to_layout(x, "sbh", "bsh")[1, 2, 0] == x[2, 1, 0]
+    np.testing.assert_array_equal(to_layout(to_layout(x, "sbh", "bsh"), "bsh", "sbh"), x)
+    assert to_layout(x, "sbh", "sbh") is x and to_layout(x, None, "bsh") is x
+    cells = {"model.decoder.layers.0": "L0", "model.decoder.layers.0.mlp": "M0", "a.mlp": "x", "b.mlp": "y"}
+    assert find_cell(cells, "decoder.layers.0") == "L0" and find_cell(cells, "decoder.layers.0.mlp") == "M0"
+    assert find_cell(cells, "mlp") is None and find_cell(cells, "decoder.layers.1") is None
+
+
 def test_align_isolate_refuses_a_baseline_without_module_tensors_before_building(tmp_path: Path, capsys) -> None:
     """No full module tensors in the baseline: exit 2, one line, before any framework model is built."""
     from align.cli import main
