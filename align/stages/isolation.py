@@ -48,6 +48,11 @@ def run(ev: Evidence) -> StageResult:
     res = compare_isolation(meta, arrays, dtype=ev.dtype[0], tolerances=ev.options.layer_tolerance or None)
     res.details["file"] = str(path)
     res.details["dtype_source"] = ev.dtype[1]
+    ran_on = meta.get("baseline")
+    if ran_on and Path(str(ran_on)).resolve() != Path(str(ev.baseline.path)).resolve():
+        # the file carries the baseline outputs it compared with, so it stands alone; a moved store is fine
+        res.details["baseline_note"] = (f"isolation ran on the baseline store {ran_on}, not on {ev.baseline.path} "
+                                        "(the same run copied elsewhere, or another one)")
     return res
 
 
