@@ -58,6 +58,7 @@ class Inputs:
     rerun: str | None = None        # the candidate's re-run of its first steps (PYNATIVE, for layer capture)
     baseline_env: str | None = None     # environment captures (align capture-env); default: the runs' meta
     candidate_env: str | None = None
+    isolation: str | None = None        # single-module isolation evidence (align isolate): npz or its run
     options: Options = field(default_factory=Options)
 
 
@@ -113,7 +114,7 @@ class Evidence:
         if inputs.rerun:
             items.append(("rerun", inputs.rerun))
         for extra in (inputs.baseline_config, inputs.candidate_config, inputs.optimizer_check,
-                      inputs.conversion):
+                      inputs.conversion, inputs.isolation):
             if extra is not None and not Path(extra).exists():
                 raise BadInput(f"{extra}: no such file or directory")
         from comparators.environment import check_capture, read_capture
