@@ -9,8 +9,8 @@ meta as ``parallel: {dp, tp, pp, ep, ...}``.
 What MindFormers 2.1.0 does (read from the wheel):
 
 * Ranks: stage = rank // (world / pipeline_stage) (models/utils.py ``get_current_rank_stage``); inside a stage
-  the device matrix is (dp, cp, tp), tp fastest (parallel_core/training_graph/device_matrix.py); MoE splits
-  dp into (dp / ep, ep).
+  the device matrix is (dp, cp, tp), tp fastest (parallel_core/training_graph/device_matrix.py); the MoE
+  layout's is (dp * tp * cp / ep, ep): a rank's expert slice is its index in the stage modulo ep.
 * Names are global on every rank: the whole model is built everywhere and ``LayerSetting`` gives layer i the
   stage ``searchsorted(cumsum(num_layers // pp + offset), i + 1)`` (transformer/utils.py); the embedding is on
   stage 0, the output layer, final norm and MTP on the last (base_models/gpt/gpt_model.py).
@@ -81,7 +81,7 @@ class ParallelStrategy:
         dp_rank, rest = divmod(r, self.cp * self.tp)
         cp_rank, tp_rank = divmod(rest, self.tp)
         return {"rank": int(rank), "pp_rank": stage, "dp_rank": dp_rank, "cp_rank": cp_rank, "tp_rank": tp_rank,
-                "ep_rank": dp_rank % self.ep, "rank_in_stage": r, "tp_size": self.tp, "pp_size": self.pp,
+                "ep_rank": r % self.ep, "rank_in_stage": r, "tp_size": self.tp, "pp_size": self.pp,
                 "dp_size": self.dp, "ep_size": self.ep}
 
 
@@ -130,19 +130,23 @@ def strategy_from_config(pc: Any, par: Any = None, mc: Any = None) -> ParallelSt
 
 
 def layer_stages(num_layers: int, pp: int, offset: Any = 0) -> list[int]:
-    """Stage of each transformer layer, as MindFormers' LayerSetting assigns it (no pipeline interleave):
-    stage s holds ``num_layers // pp + offset[s]`` layers, in order."""
+    """Stage of each transformer layer, as MindFormers' LayerSetting assigns it: chunk (v, s) holds
+    ``num_layers // (pp * V) + offset[v][s]`` layers, chunks in order (v major), layer -> its chunk's stage s.
+    A 1-D offset is one chunk per stage; a 2-D one (``pp_interleave_num`` rows) the interleaved pipeline."""
     if pp <= 1:
         return [0] * num_layers
-    offs = list(offset) if isinstance(offset, (list, tuple)) else [int(offset)] * pp
-    if len(offs) != pp:
-        raise BadInput(f"MindFormers offset {offset!r}: {len(offs)} entries for pipeline_stage {pp}")
-    counts = [num_layers // pp + int(o) for o in offs]
+    rows = offset if isinstance(offset, (list, tuple)) else [int(offset)] * pp
+    rows = [list(r) for r in rows] if rows and isinstance(rows[0], (list, tuple)) else [list(rows)]
+    if any(len(r) != pp for r in rows):
+        raise BadInput(f"MindFormers offset {offset!r}: rows of {[len(r) for r in rows]} entries for "
+                       f"pipeline_stage {pp}")
+    avg = num_layers // (pp * len(rows))
+    counts = [avg + int(o) for r in rows for o in r]
     if sum(counts) != num_layers or min(counts) < 0:
         raise BadInput(f"MindFormers offset {offset!r}: stages hold {counts} layers, not {num_layers}")
     out: list[int] = []
-    for s, n in enumerate(counts):
-        out.extend([s] * n)
+    for chunk, n in enumerate(counts):
+        out.extend([chunk % pp] * n)
     return out
 
 
@@ -190,10 +194,14 @@ def slice_index(dev_matrix: list[int], tensor_map: list[Any], rank_in_stage: int
     return index, count, first
 
 
-def default_slice(name: str, strategy: ParallelStrategy, rank: int) -> tuple[int, int, int]:
-    """(slice index, slices, dim) of ``name`` on global ``rank`` under MindFormers' default mcore strategies."""
+def default_slice(name: str, strategy: ParallelStrategy, rank: int,
+                  shape: tuple[int, ...] | None = None) -> tuple[int, int, int]:
+    """(slice index, slices, dim) of ``name`` on global ``rank`` under MindFormers' default mcore strategies
+    (the word embedding is split only when TP divides the vocabulary: ``enable_embedding_tp``)."""
     dim, axis = mcore_split(name)
     c = strategy.coords(rank)
+    if "word_embeddings" in name and shape and len(shape) > 1 and shape[0] % strategy.tp:
+        return 0, 1, -1
     if axis == "tp" and strategy.tp > 1:
         return c["tp_rank"], strategy.tp, dim
     if axis == "ep" and strategy.ep > 1:
@@ -239,12 +247,12 @@ def rank_part(name: str, shape: tuple[int, ...] | list[int], strategy: ParallelS
     if layout is not None:
         index, count, dim = slice_index(list(layout[0]), list(layout[1]), c["rank_in_stage"])
     else:
-        index, count, dim = default_slice(name, strategy, rank)
+        index, count, dim = default_slice(name, strategy, rank, tuple(shape))
     out = {"tp_partition_dim": dim if count > 1 else -1, "tp_rank": index if count > 1 else 0,
            "tp_size": count, "dp_shard": 0, "dp_rank": c["dp_rank"], "dp_size": strategy.dp}
     per_stage = strategy.world // strategy.pp
     # the ranks of this stage holding the same slice, in rank order (its replicas)
-    same = [r for r in range(per_stage) if _slice_of(name, strategy, r, layout) == index]
+    same = [r for r in range(per_stage) if _slice_of(name, strategy, r, layout, tuple(shape)) == index]
     out["first_replica"] = int(same[0] == c["rank_in_stage"])
     if strategy.optimizer_parallel and strategy.parallel_mode in (1, 2):
         slice_dim0 = (shape[0] // count if dim == 0 else shape[0]) if len(shape) else 1
@@ -253,10 +261,11 @@ def rank_part(name: str, shape: tuple[int, ...] | list[int], strategy: ParallelS
     return out
 
 
-def _slice_of(name: str, strategy: ParallelStrategy, rank_in_stage: int, layout: Any) -> int:
+def _slice_of(name: str, strategy: ParallelStrategy, rank_in_stage: int, layout: Any,
+              shape: tuple[int, ...]) -> int:
     if layout is not None:
         return slice_index(list(layout[0]), list(layout[1]), rank_in_stage)[0]
-    return default_slice(name, strategy, rank_in_stage)[0]
+    return default_slice(name, strategy, rank_in_stage, shape)[0]
 
 
 def split_for_rank(name: str, full: Any, strategy: ParallelStrategy, rank: int, layout: Any = None) -> Any:

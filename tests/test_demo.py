@@ -322,8 +322,20 @@ def test_mindformers_dp_tp_pp_stores_recombine_to_the_single_process_norms(clean
     assert info["other_stage_rows"] > 0          # each stage's zero rows of the other stage's parameters dropped
     assert pp["decoder.layers.1.mlp.linear_fc1.weight"].pp_ranks == {1}
     assert pp["embedding.word_embeddings.weight"].pp_ranks == {0} and pp["output_layer.weight"].pp_ranks == {1}
-    meta = __import__("json").loads((tmp_path / "pp2" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "pp2" / "meta.json").read_text())
     assert meta["parallel"]["pp"] == 2 and meta["parallel"]["layer_stages"] == [0, 1]
+    # the slice a layout entry gives a rank is MindSpore's own (every tensor map of a (dp, cp, tp) = (2, 2, 2))
+    from itertools import product
+
+    from mindspore.parallel._tensor import _get_tensor_slice_index, _get_tensor_strategy
+
+    from models.mindformers_parallel import slice_index
+    dev = [2, 2, 2]
+    for tmap in product(range(-1, 3), repeat=2):
+        if len({k for k in tmap if k >= 0}) == len([k for k in tmap if k >= 0]):
+            for r in range(8):
+                want = _get_tensor_slice_index(dev, _get_tensor_strategy(dev, list(tmap)), list(tmap), r)
+                assert slice_index(dev, list(tmap), r)[0] == int(want), (tmap, r)
 
 
 def test_mindformers_dp2_pre_all_reduce_norms_are_reported_as_such(clean: tuple[Path, dict], tmp_path: Path) -> None:
