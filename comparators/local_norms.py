@@ -28,7 +28,7 @@ import numpy as np
 
 from core.errors import BadInput
 from core.findings import Finding, StageResult
-from models.mindformers_parallel import ALL_REDUCED, PRE_ALL_REDUCE, param_stage
+from models.mindformers_parallel import ALL_REDUCED, PIPELINE_UNVERIFIED, PRE_ALL_REDUCE, param_stage
 from runstore import check_table, table_columns
 
 STAGE = "step1_local_norm"
@@ -373,8 +373,16 @@ def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, s
     pass_tol, warn_tol = rtol or RTOL.get(dtype, RTOL["float32"])
     b_norms, b_info = read_local_norms(baseline, step)
     c_norms, c_info = read_local_norms(candidate, step)
-    return compare_norm_entries(b_norms, c_norms, m, pass_tol=pass_tol, warn_tol=warn_tol, top=top,
-                                info={"baseline": b_info, "candidate": c_info, "step": step, "dtype": dtype})
+    res = compare_norm_entries(b_norms, c_norms, m, pass_tol=pass_tol, warn_tol=warn_tol, top=top,
+                               info={"baseline": b_info, "candidate": c_info, "step": step, "dtype": dtype})
+    for side, info in (("baseline", b_info), ("candidate", c_info)):
+        if PIPELINE_UNVERIFIED in info.get("grad_state", {}):
+            res.add(Finding(STAGE, "warn", None, "pipeline_local_norms_unverified", None, None,
+                            f"the {side}'s local norms come from MindFormers' pipeline training cell "
+                            "(MFPipelineWithLossScaleCell), which computes them on GradOperation's outputs while "
+                            "the micro-batch gradient sum lives in accu_grads: compared as all-reduced, not "
+                            "verified (docs/layouts.md)"))
+    return res
 
 
 def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, ShardNorm], m: Any, *,
