@@ -77,7 +77,9 @@ def record_mindformers_norms(dumper: MindSporeDumper, named: dict[str, float], s
                  for n, sz in zip(names, sizes, strict=True)]
         columns = {k: [p[k] for p in parts] for k in parts[0] if k != "first_replica"} if parts else None
         attrs = {"grad_state": grad_state(strategy, where)}
-        dumper.update_meta({"parallel": strategy.meta()})
+        if getattr(dumper, "_mf_parallel", None) != strategy:   # meta.json once, not every step
+            dumper.update_meta({"parallel": strategy.meta()})
+            dumper._mf_parallel = strategy
     dumper.record_local_norms(names, np.array(list(named.values())), list(sizes), global_norm=global_norm,
                               where=where, columns=columns, attrs=attrs)
 

@@ -279,10 +279,10 @@ def _mf_layouts(out: Path) -> dict:
     from tests.helpers.mindformers_layouts import single_process
 
     runs = out / "runs"
-    norms, numel, loss = single_process(runs / "candidate")
+    norms, numel, loss, lr = single_process(runs / "candidate")
     grads = {k: np.asarray(v) for k, v in read_step1_file(runs / "baseline")["grad"].items()}
     cfg = RunReader(runs / "candidate").meta["config"]["values"]
-    return {"runs": runs, "norms": norms, "numel": numel, "loss": loss, "grads": grads, "cfg": cfg,
+    return {"runs": runs, "norms": norms, "numel": numel, "loss": loss, "lr": lr, "grads": grads, "cfg": cfg,
             "mapping": preset_for_config(cfg)}
 
 
@@ -354,8 +354,9 @@ def test_mindformers_dp2_pre_all_reduce_norms_are_reported_as_such(clean: tuple[
     cfg = {**d["cfg"], "parallel_config": {"data_parallel": 2, "model_parallel": 1, "pipeline_stage": 1},
            "parallel": {"parallel_mode": 1}}
     logs = write_worker_logs(tmp_path / "output" / "msrun_log", ParallelStrategy(dp=2), d["norms"], d["grads"],
-                             d["loss"], cfg)
+                             d["loss"], cfg, d["lr"])
     run = load_run(tmp_path / "output")
+    assert (run.meta["parallel"]["dp"], run.meta["parallel"]["world_size"]) == (2, 2)   # the printed config's
     res = compare_local_norms(d["runs"] / "baseline", run, d["mapping"])
     assert res.details["compared"] == 19 and res.verdict == "warn", res.findings   # never a pass, never dropped
     pre = [f for f in res.findings if f.metric == "pre_all_reduce"]
@@ -365,7 +366,8 @@ def test_mindformers_dp2_pre_all_reduce_norms_are_reported_as_such(clean: tuple[
     assert res.details["candidate"]["grad_state"] == {"pre_all_reduce": 2}
     # a candidate whose gradient is larger than the two ranks' norms can explain fails (not the same gradient)
     big = {k: v * 0.9 for k, v in d["norms"].items()}
-    write_worker_logs(tmp_path / "small" / "msrun_log", ParallelStrategy(dp=2), big, d["grads"], d["loss"], cfg)
+    write_worker_logs(tmp_path / "small" / "msrun_log", ParallelStrategy(dp=2), big, d["grads"], d["loss"], cfg,
+                      d["lr"])
     res = compare_local_norms(d["runs"] / "baseline", load_run(tmp_path / "small"), d["mapping"])
     assert res.verdict == "fail" and {f.metric for f in res.findings if f.verdict == "fail"} == {
         "local_norm_above_pre_reduce_bound"}
@@ -377,6 +379,16 @@ def test_mindformers_dp2_pre_all_reduce_norms_are_reported_as_such(clean: tuple[
     assert {r["compared_as"] for r in res.details["parameters"]} == {"per_dp_rank"}
     assert max(r["rel_diff"] for r in res.details["parameters"]) < 1e-6
     assert logs.is_dir()
+    # DP=2 x TP=2 worker logs: each rank's slice, placed by the printed parallel_config; nothing dropped
+    tp_cfg = {**cfg, "parallel_config": {**cfg["parallel_config"], "model_parallel": 2}}
+    write_worker_logs(tmp_path / "tp" / "msrun_log", ParallelStrategy(dp=2, tp=2), d["norms"], d["grads"],
+                      d["loss"], tp_cfg, d["lr"])
+    res = compare_local_norms(d["runs"] / "baseline", load_run(tmp_path / "tp"), d["mapping"])
+    assert res.details["compared"] == 19 and res.details["candidate"]["layout_from"] == "config", res.findings
+    assert {f.metric for f in res.findings if f.verdict != "pass"} == {"pre_all_reduce"}
+    bound = {r["name"]: r["bound"] for r in res.details["parameters"]}
+    assert abs(bound["decoder.layers.0.mlp.linear_fc1.weight"] / d["norms"]["decoder.layers.0.mlp.linear_fc1.weight"]
+               - 1) < 1e-6    # slices root-sum-square, DP halves summed: the whole norm again
 
 
 def test_mindformers_optimizer_parallel_evidence_merges(clean: tuple[Path, dict], tmp_path: Path) -> None:

@@ -25,15 +25,16 @@ from models.mindformers_parallel import ParallelStrategy, layer_stages, param_st
 PREFIX = "2026-11-24 05:05:19,461 - mindformers/log[mindformers/core/callback/callback.py:{line}] - INFO - "
 
 
-def single_process(cand: Path) -> tuple[dict[str, float], dict[str, int], float]:
-    """The single-process MindFormers store's step-1 named norms, element counts and loss."""
+def single_process(cand: Path) -> tuple[dict[str, float], dict[str, int], float, float]:
+    """The single-process MindFormers store's step-1 named norms, element counts, loss and lr."""
     from runstore import RunReader
 
     r = RunReader(cand)
     t = r.step_arrays(1).table("local_norm")
     norms = dict(zip(t.name.astype(str), t.norm.astype(float), strict=True))
     numel = dict(zip(t.name.astype(str), t.numel.astype(int), strict=True))
-    return norms, numel, float(r.scalars(0).loss.iloc[0])
+    s = r.scalars(0)
+    return norms, numel, float(s.loss.iloc[0]), float(s.lr.iloc[0])
 
 
 def rank_norms(strategy: ParallelStrategy, rank: int, norms: dict[str, float], grads: dict[str, np.ndarray],
@@ -77,7 +78,7 @@ def write_rank_stores(root: Path, strategy: ParallelStrategy, norms: dict[str, f
 
 
 def write_worker_logs(folder: Path, strategy: ParallelStrategy, norms: dict[str, float],
-                      grads: dict[str, np.ndarray], loss: float, config: dict[str, Any]) -> Path:
+                      grads: dict[str, np.ndarray], loss: float, config: dict[str, Any], lr: float = 1e-4) -> Path:
     """msrun's ``worker_N.log`` per rank: the config MindFormers pprints at start, TrainingStateMonitor
     ``local_norm/<name>`` lines (each rank's own slice before the DP all-reduce) and the MFLossMonitor line."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def write_worker_logs(folder: Path, strategy: ParallelStrategy, norms: dict[str,
                 lines.append(PREFIX.format(line=1496) + f"Epoch:[  1/  1], step:[    1/    1] local_norm/{name}: "
                              f"{np.float32(v)}")
         lines.append(PREFIX.format(line=747) + f"{{ Epoch:[  1/  1], step:[    1/    1], loss:[{loss:.6f}/"
-                     f"{loss:.6f}], per_step_time: 886ms, lr: 1e-04, overflow cond: False, loss_scale: 1.0, "
+                     f"{loss:.6f}], per_step_time: 886ms, lr: {lr:g}, overflow cond: False, loss_scale: 1.0, "
                      "global_norm: [0.99459755], train_throughput_per_npu: 2.257T")
         (folder / f"worker_{rank}.log").write_text("\n".join(lines) + "\n")
     return folder
