@@ -256,7 +256,9 @@ def rank_part(name: str, shape: tuple[int, ...] | list[int], strategy: ParallelS
     out["first_replica"] = int(same[0] == c["rank_in_stage"])
     if strategy.optimizer_parallel and strategy.parallel_mode in (1, 2):
         slice_dim0 = (shape[0] // count if dim == 0 else shape[0]) if len(shape) else 1
-        if len(same) > 1 and slice_dim0 % len(same) == 0:
+        # a layout entry names the parameter's optimizer-shard group (index 5; empty: not sharded)
+        sharded = bool(layout[5]) if layout is not None and len(layout) > 5 else slice_dim0 % len(same) == 0
+        if len(same) > 1 and sharded:
             out.update(dp_shard=1, dp_rank=same.index(c["rank_in_stage"]), dp_size=len(same))
     return out
 
