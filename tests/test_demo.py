@@ -413,3 +413,48 @@ def test_mindformers_optimizer_parallel_evidence_merges(clean: tuple[Path, dict]
             assert set(merged[kind]) == set(whole[kind])
             for n, a in whole[kind].items():
                 np.testing.assert_array_equal(merged[kind][n], a)
+
+
+def test_mindformers_callback_records_the_ranks_slices_under_a_parallel_context(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback's own path on rank 3 of a semi-auto DP=2 x TP=2 job with the optimizer parallel (MindSpore's
+    auto-parallel context stubbed: it cannot be set up on CPU): the wrapper's 7 outputs become a table whose
+    rows say which slice (from the compiled cell's parameter_layout_dict) and which optimizer part they are."""
+    from types import SimpleNamespace
+
+    import mindspore as ms
+    import numpy as np
+
+    from dumpers.mindformers import MindFormersDumperCallback
+    from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper
+    from runstore import RunReader
+
+    context = {"device_num": 4, "parallel_mode": "semi_auto_parallel", "enable_parallel_optimizer": True,
+               "gradients_mean": False}
+    monkeypatch.setattr(ms, "get_auto_parallel_context", lambda key: context[key])
+    qkv, norm = "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.input_layernorm.weight"
+    params = [ms.Parameter(ms.Tensor(np.zeros((2, 4), np.float32)), name=qkv),     # rank 3's slice part
+              ms.Parameter(ms.Tensor(np.zeros((4,), np.float32)), name=norm)]
+    net = SimpleNamespace(parallel_config={"data_parallel": 2, "model_parallel": 2}, network=None,
+                          parameter_layout_dict={qkv: [[2, 1, 2], [0, -1], [4, 4], 0, True, "opt_group"],
+                                                 norm: [[2, 1, 2], [-1], [4], 0, True, ""]})
+    outputs = (ms.Tensor(2.5), ms.Tensor(False), ms.Tensor(1.0), ms.Tensor(1e-3), ms.Tensor(5.0),
+               ms.Tensor(np.array([9.0, 16.0], np.float32)), (8, 4))
+    dumper = MindSporeDumper(None, tmp_path / "run", DumpConfig(steps=[1]), rank=3, world_size=4,
+                             framework="mindformers")
+    cb = MindFormersDumperCallback(dumper)
+    dumper.begin_step(1)
+    cb.handle_outputs(outputs, SimpleNamespace(optimizer=SimpleNamespace(parameters=params), train_network=net))
+    dumper.end_step()
+    dumper.close()
+    r = RunReader(tmp_path / "run")
+    t = r.step_arrays(1, 3).table("local_norm").set_index("name")
+    assert t.loc[qkv, ["tp_partition_dim", "tp_rank", "tp_size", "dp_shard", "dp_rank", "dp_size"]].tolist() == [
+        0, 1, 2, 1, 1, 2]
+    assert t.loc[norm, ["tp_partition_dim", "tp_size", "dp_shard"]].tolist() == [-1, 1, 0]
+    assert t.norm.tolist() == [3.0, 4.0] and t.numel.tolist() == [8, 4]
+    assert (r.meta["parallel"]["dp"], r.meta["parallel"]["tp"], r.meta["parallel"]["optimizer_parallel"]) == (
+        2, 2, True)
+    import h5py
+    with h5py.File(r.step_file(1, 3)) as h5:
+        assert h5["local_norm"].attrs["grad_state"] == "all_reduced"
