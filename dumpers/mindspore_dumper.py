@@ -410,8 +410,11 @@ class MindSporeDumper(StepBookkeeping):
 
     def record_local_norms(self, names: Sequence[str], norms: Any, numel: Sequence[int] | None = None, *,
                            squared: bool = False, global_norm: float | None = None,
-                           where: str = "train_cell") -> None:
-        """Named norms computed elsewhere (a training cell's output); ``squared`` = squared sums given."""
+                           where: str = "train_cell", columns: Mapping[str, Sequence[int]] | None = None,
+                           attrs: Mapping[str, Any] | None = None) -> None:
+        """Named norms computed elsewhere (a training cell's output); ``squared`` = squared sums given.
+        ``columns``: per-row layout (``tp_partition_dim``, ``tp_rank``, ``tp_size``, ``dp_shard``, ``dp_rank``,
+        ``dp_size``) when the rank holds parts of parameters; ``attrs``: table attributes (``grad_state``)."""
         if not self.enabled or self._step is None or self._norms_done:
             return
         try:
@@ -422,13 +425,14 @@ class MindSporeDumper(StepBookkeeping):
                 vals = np.sqrt(vals)
             if numel is None:
                 numel = [-1] * len(names)
-            self._store_norms(list(names), vals, list(numel), global_norm, where)
+            self._store_norms(list(names), vals, list(numel), global_norm, where, columns=columns, attrs=attrs)
         except Exception as exc:  # noqa: BLE001
             self._fail("record_local_norms", exc)
 
     def _store_norms(self, names: list[str], norms: np.ndarray, numel: Sequence[int],
                      global_norm: float | None, where: str,
-                     tensors: Sequence[np.ndarray] | None = None) -> None:
+                     tensors: Sequence[np.ndarray] | None = None, columns: Mapping[str, Sequence[int]] | None = None,
+                     attrs: Mapping[str, Any] | None = None) -> None:
         self._norms_done = True
         bad = [i for i, v in enumerate(norms) if not np.isfinite(v)]
         self._scalars["nonfinite_grads"] = len(bad)
@@ -446,13 +450,18 @@ class MindSporeDumper(StepBookkeeping):
                             detail, tensors[i] if tensors is not None else None, "grad")
         if self.config.local_norms and self._array_step:
             n = len(names)
+            layout = {"tp_partition_dim": np.full(n, -1, np.int64),
+                      "tp_rank": np.full(n, self.coords["tp_rank"], np.int64),
+                      "tp_size": np.full(n, self.coords["tp_size"], np.int64)}
+            for key, col in (columns or {}).items():
+                if len(col) != n:
+                    raise ValueError(f"local_norm column {key}: {len(col)} values for {n} names")
+                layout[key] = np.asarray(col, dtype=np.int64)
             self.writer.put_table(self._step, "local_norm", {
                 "name": _str_col(names), "norm": np.asarray(norms, dtype=np.float64),
-                "numel": np.asarray(numel, dtype=np.int64), "tp_partition_dim": np.full(n, -1, np.int64),
-                "tp_rank": np.full(n, self.coords["tp_rank"], np.int64),
-                "tp_size": np.full(n, self.coords["tp_size"], np.int64)},
+                "numel": np.asarray(numel, dtype=np.int64), **layout},
                 attrs={"global_norm": float(global_norm) if global_norm is not None else np.nan,
-                       "where": where})
+                       "where": where, **dict(attrs or {})})
 
     def _add_trace(self, kind: str, name: str, module: str, detail: str, tensor: np.ndarray | None,
                    tensor_kind: str) -> None:
