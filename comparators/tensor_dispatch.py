@@ -51,7 +51,7 @@ def _stored_as(tasks: list[dict[str, Any]]) -> list[Any]:
         if not t.get("full"):
             continue
         for ref in (t["a"].get("ref"), t["b"].get("ref")):
-            if isinstance(ref, (tuple, list)):
+            if _h5(ref):
                 names.setdefault(ref[1], set()).add(ref[2])
     offsets: dict[tuple[str, str], int | None] = {}
     for path, wanted in names.items():
@@ -65,12 +65,16 @@ def _stored_as(tasks: list[dict[str, Any]]) -> list[Any]:
     keys: list[Any] = []
     for t in tasks:
         ra, rb = t["a"].get("ref"), t["b"].get("ref")
-        if not t.get("full") or not isinstance(ra, (tuple, list)) or not isinstance(rb, (tuple, list)):
+        if not t.get("full") or not _h5(ra) or not _h5(rb):   # (a gathered row's parts: read each time)
             keys.append(None)
             continue
         oa, ob = offsets.get((ra[1], ra[2])), offsets.get((rb[1], rb[2]))
         keys.append(None if oa is None or ob is None else (ra[1], oa, rb[1], ob, bool(t.get("transpose"))))
     return keys
+
+
+def _h5(ref: Any) -> bool:
+    return isinstance(ref, (tuple, list)) and len(ref) == 3 and ref[0] == "h5"
 
 
 def _dispatch(tasks: list[dict[str, Any]], jobs: int, scheduler: Any, executor: str) -> list[dict[str, Any]]:
