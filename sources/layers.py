@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from os import PathLike
 from pathlib import Path
 from typing import Any, Protocol
@@ -127,16 +128,37 @@ def join_parts(parts: list[list[np.ndarray]], tp: tuple[bool, int] | None, cp: i
 def load_ref(ref: Any) -> np.ndarray:
     """A row's full tensor as an array: ``("h5", file, dataset)``, a ``.npy`` path, or a gathered row's
     ``("gather", gated, tp dim, cp dim, parts[cp][tp])``."""
-    import h5py
-
     if isinstance(ref, (tuple, list)) and ref and ref[0] == "gather":
         _, gated, tp_dim, cp_dim, parts = ref
         tp = None if tp_dim is None else (bool(gated), int(tp_dim))
         return join_parts([[load_ref(p) for p in row] for row in parts], tp, cp_dim)
     if isinstance(ref, (tuple, list)) and ref and ref[0] == "h5":
-        with h5py.File(ref[1], "r") as h5:
-            return np.asarray(h5[ref[2]][...])
+        return np.asarray(_open_h5(ref[1])[ref[2]][...])
     return np.load(str(ref), allow_pickle=False)
+
+
+_OPEN: dict[tuple[str, int, int], Any] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def _open_h5(path: str) -> Any:
+    """A step file opened for reading, kept open for the rows after it (a gathered compare reads every
+    rank's file once per row: opening each time cost ~5 ms a row); keyed by inode and mtime, so a file
+    replaced since is opened afresh. At most 64 kept (one dropped closes when no reader holds it)."""
+    import os
+
+    import h5py
+
+    st = os.stat(path)
+    key = (str(path), st.st_ino, st.st_mtime_ns)
+    with _OPEN_LOCK:
+        h5 = _OPEN.get(key)
+        if h5 is None or not h5.id.valid:
+            if len(_OPEN) >= 64:
+                for old in list(_OPEN)[:32]:
+                    del _OPEN[old]
+            h5 = _OPEN[key] = h5py.File(path, "r")
+    return h5
 
 
 def _int(info: dict[str, Any], key: str, default: int = 0) -> int:
@@ -228,7 +250,7 @@ class GatheredLayers:
                         pos = -1 if before != bool(back) else _BIG
                     pp = _int(info[r], "pp_rank")
                     first_at[key] = (back, seen[k], -pos if back else pos, -pp if back else pp, i)
-        sizes = {ax: max(_int(info[r], ax, 1) for r in read) for ax in ("tp", "cp")}
+        sizes = {ax: max(_int(info[r], ax, 1) for r in read) for ax in ("tp", "cp", "ep")}
         out: list[dict[str, Any]] = []
         has_all = all(read[r][1] for r in read)
         unsplit, incomplete, unordered = 0, [], []
@@ -256,6 +278,9 @@ class GatheredLayers:
                 if len(holders) > 1 and "split" not in holders[0][1]:
                     unsplit += 1
                 out.append(_merged(flat[0] if len(flat) == 1 else None, parts, tp, cp, len(out)))
+                if sizes["ep"] > 1 and ".experts." in f".{key[0]}.":
+                    # an expert sees the tokens of its whole EP group's micro-batches (all-gather / all-to-all)
+                    out[-1]["token_group"] = sizes["ep"]
                 continue
             incomplete.append(f"{key[0]} {key[1]}")
         ranks = sorted(read)

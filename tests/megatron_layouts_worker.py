@@ -57,7 +57,10 @@ STEPS = 2
 # every layer's activations (and their gradients) at step 1, full tensors: TP shards, SP / CP sequence parts
 # and pipeline stages gather into the one-process rows (sources.layers.gather_layers)
 LAYERS = {"tensors": "full", "tensor_steps": [1],
-          "modules": ["embedding", "decoder.layers.*", "decoder.final_layernorm", "output_layer"]}
+          "modules": ["embedding", "decoder.layers.?", *(f"decoder.layers.*.{m}" for m in (
+              "input_layernorm", "self_attention.linear_qkv", "self_attention.k_layernorm",
+              "self_attention.core_attention", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")),
+                      "output_layer"]}
 # CP: forward only (with calculate_per_token_loss the activation gradients are the CP=1 run's x tokens)
 LAYERS_FWD = {**LAYERS, "backward": False}
 # the planted fault of the layer-tensor test: one weight of layer 1 off by 5% in a TP=1 run
