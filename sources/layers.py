@@ -204,8 +204,9 @@ class GatheredLayers:
     def _members(self, step: int) -> tuple[list[int], list[int], dict[int, dict[str, Any]]]:
         ranks = self.src.array_ranks(step)
         info = {r: self.src.rank_info(r) for r in ranks}
-        dp0 = min(_int(info[r], "dp_rank") for r in ranks)
-        primary = [r for r in ranks if _int(info[r], "dp_rank") == dp0]
+        # a rank file without coordinates is a DP rank of its own (as runstore.batches.data_groups reads it)
+        dp = {r: _int(info[r], "dp_rank", -1) if "dp_rank" in info[r] else r for r in ranks}
+        primary = [r for r in ranks if dp[r] == min(dp.values())]
 
         def where(r: int) -> tuple[int, ...]:
             return tuple(_int(info[r], k) for k in ("pp_rank", "tp_rank", "cp_rank", "ep_rank"))
@@ -284,7 +285,7 @@ class GatheredLayers:
                 continue
             incomplete.append(f"{key[0]} {key[1]}")
         ranks = sorted(read)
-        notes.append(f"rows gathered from ranks {ranks} (DP rank {min(_int(info[r], 'dp_rank') for r in primary)}"
+        notes.append(f"rows gathered from ranks {ranks} (DP rank {_int(info[primary[0]], 'dp_rank')}"
                      + (f"; experts from ranks {extra}" if extra else "") + ")")
         if unsplit:
             notes.append(f"{unsplit} rows held by several TP / CP ranks record no split: TP / CP rank 0's "
