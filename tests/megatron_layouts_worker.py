@@ -5,10 +5,12 @@ launch runs its layouts one after the other, re-initialising Megatron's parallel
 (``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
 batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
 
-one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loop_raise,ckpt_ref``)
+one process (``--scenarios ref,ref_fault,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loop_raise,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
             ref, ref_moe, distopt, pp2, ep2, sp and cp2 write the optimizer evidence of step 1
-            (dumpers.optimizer_evidence).
+            (dumpers.optimizer_evidence); ref, ref_fault, tp2, sp, pp2 (and cp2 forward only) the layer
+            tensors of step 1 (LAYERS), ref_moe and ep2 the experts' statistics.
+  ref_fault ref with one weight of layer 1 scaled by 1.05 (FAULT): the layer-tensor test's planted fault.
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
   bf16      the same in bf16 (fp32 grad accumulation, Megatron's default).
   ref4      like ref with 4 layers (the reference of vpp).
@@ -20,7 +22,8 @@ one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loo
   lm_loop_raise  that loop with forward_step raising at iteration 2: the exception Megatron sees, with and
             without the integration.
   ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
-two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
+two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,tp2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
+  tp2       TP=2 without sequence parallelism (the layer-tensor test's TP baseline).
   lm_loop_moe_dp2  lm_loop_moe at DP=2, one micro-batch per rank: the router losses reduced across ranks.
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
   sp        TP=2 with sequence parallelism (demo.megatron_cpu's norm stand-in: torch's norms refuse SP).

@@ -5,7 +5,9 @@ local norms of each must equal the plain one-process run's: distributed optimize
 reduce-scattered), pipeline (PP=2, Megatron's 1F1B schedule), MoE with expert parallelism (EP=2, chained
 dense + expert optimizer), sequence parallelism (TP=2 + SP), context parallelism (CP=2, Megatron's zig-zag
 split of the sequence) and fp16 with a loss scale; the optimizer evidence of the distributed-optimizer, SP
-and CP runs (per-rank shards) merges into the one-process run's. Two launches of tests/megatron_layouts_worker.py
+and CP runs (per-rank shards) merges into the one-process run's; the layer tensors of TP=2, TP=2 + SP, CP=2
+and PP=2, gathered from their ranks, equal the one-process run's, and a TP=2 store against a TP=1 store with
+a planted fault names the faulty module. Two launches of tests/megatron_layouts_worker.py
 (one process, two processes) write the stores. The same one-process launch runs the Megatron-LM
 integration (dumpers.megatron_lm) on a loop shaped like Megatron-LM's train() with evaluation in between,
 and the checkpoint readers get what megatron-core's dist_checkpointing (torch_dist) and the legacy
