@@ -231,9 +231,6 @@ class GatheredLayers:
         for r in primary + extra:
             rows, _ = read[r]
             seen: dict[tuple[str, str], int] = {}
-            layered = [i for i, row in enumerate(rows) if _LAYER_NO.search(row["module"])]
-            bounds = {d: [i for i in layered if str(rows[i]["kind"]).startswith("backward") == (d == 1)]
-                      for d in (0, 1)}
             for i, row in enumerate(rows):
                 if r in extra and row["module"] in own:
                     continue    # a dense module of another DP rank: other data
@@ -244,11 +241,8 @@ class GatheredLayers:
                 if key not in first_at:
                     back = int(str(row["kind"]).startswith("backward"))
                     m = _LAYER_NO.search(row["module"])
-                    if m:
-                        pos = int(m.group(1))
-                    else:   # embedding before the layers, final norm / output after (backward: reversed)
-                        before = not bounds[back] or i < bounds[back][0]
-                        pos = -1 if before != bool(back) else _BIG
+                    # embeddings before the layers, the rest (final norm, output layer, MTP) after them
+                    pos = int(m.group(1)) if m else -1 if "embedding" in row["module"] else _BIG
                     pp = _int(info[r], "pp_rank")
                     first_at[key] = (back, seen[k], -pos if back else pos, -pp if back else pp, i)
         sizes = {ax: max(_int(info[r], ax, 1) for r in read) for ax in ("tp", "cp", "ep")}

@@ -370,6 +370,15 @@ def test_layer_tensors_tp2_gathered_name_the_planted_fault(stores, tmp_path) -> 
     assert before and all(x["verdict"] == "pass" for x in before)
 
 
+def _first_calls(rows: list[dict], kind: str) -> list[tuple[str, str]]:
+    """(module, kind) of the rows of ``kind`` in order of first appearance."""
+    out: list[tuple[str, str]] = []
+    for r in rows:
+        if r["kind"].startswith(kind) and (r["module"], r["kind"]) not in out:
+            out.append((r["module"], r["kind"]))
+    return out
+
+
 def test_layer_tensors_sp_cp_pp_gathered_equal_one_process(stores) -> None:
     """TP=2 + SP (hidden states split on the sequence, linears on the hidden dim), CP=2 (every activation a
     rank's two zig-zag chunks, token ids on dim 1) and PP=2 (each stage its layers under global names):
@@ -387,6 +396,10 @@ def test_layer_tensors_sp_cp_pp_gathered_equal_one_process(stores) -> None:
             res, _, b = _layer_compare(out, name, "ref", stats_only=stats_only)
             assert res.verdict == "pass" and res.details["compared"] == compared, (name, res.findings)
             assert not res.details["unmatched_baseline"], name
+    # execution order across the stages: forward up the layers, backward down (the first departure is named)
+    _, one, pp_src = _layer_compare(out, "ref", "pp2")
+    for kind in ("forward.output", "backward.grad_output"):
+        assert _first_calls(pp_src.layer_rows(1)[0], kind) == _first_calls(one.layer_rows(1)[0], kind)
     pp = RunReader(out / "pp2")
     stage1 = set(pp.step_arrays(1, 1).table("tensor_stats")["module"])
     assert "decoder.layers.1.mlp.linear_fc1" in stage1 and not any(".layers.0" in m for m in stage1)
