@@ -14,6 +14,7 @@ import h5py
 from comparators.tensor_metrics import Metrics
 from comparators.tensor_pair import compare_pair
 from core.errors import BadInput
+from sources.layers import release_files
 
 DASK_CONNECT_TIMEOUT = "20s"   # how long to wait for a --scheduler address before saying it is unreachable
 
@@ -29,7 +30,10 @@ def run_tasks(tasks: list[dict[str, Any]], jobs: int = 1, scheduler: str | None 
     keys = _stored_as(tasks)
     first: dict[Any, int] = {}       # where the tensors are stored -> the task that reads them
     reads = [i for i, k in enumerate(keys) if k is None or first.setdefault(k, i) == i]
-    done = dict(zip(reads, _dispatch([tasks[i] for i in reads], jobs, scheduler, executor), strict=True))
+    try:
+        done = dict(zip(reads, _dispatch([tasks[i] for i in reads], jobs, scheduler, executor), strict=True))
+    finally:
+        release_files()     # the step files a gathered compare kept open
     out = []
     for i, (t, k) in enumerate(zip(tasks, keys, strict=True)):
         if i in done:

@@ -141,6 +141,12 @@ _OPEN: dict[tuple[str, int, int], Any] = {}
 _OPEN_LOCK = threading.Lock()
 
 
+def release_files() -> None:
+    """Drop the step files ``load_ref`` kept open (after a compare: nothing stays open in a long process)."""
+    with _OPEN_LOCK:
+        _OPEN.clear()
+
+
 def _open_h5(path: str) -> Any:
     """A step file opened for reading, kept open for the rows after it (a gathered compare reads every
     rank's file once per row: opening each time cost ~5 ms a row); keyed by inode and mtime, so a file
