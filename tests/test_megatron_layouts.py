@@ -151,9 +151,12 @@ def test_sequence_parallel_tp2_compares_with_tp1(stores, tmp_path) -> None:
         assert info["global_norm"] == pytest.approx(results["ref"][0]["grad_norms"][step - 1], rel=1e-6)
     assert results["sp"][0]["losses"] == pytest.approx(results["ref"][0]["losses"], rel=1e-6)
     stages = _report(tmp_path, out, "sp")
-    for stage in ("data_checks", "step1_loss", "step1_local_norm", "step2_loss"):
+    for stage in ("data_checks", "step1_loss", "step1_local_norm", "step2_loss", "layer_tensors"):
         assert stages[stage]["verdict"] == "pass", (stage, stages[stage])
     assert stages["step1_local_norm"]["compared"] == 15
+    # the layer stage gathered the SP store's two TP ranks, and the report says so
+    assert stages["layer_tensors"]["gathered"] == {"candidate": ["rows gathered from ranks [0, 1] (DP rank 0)"]}
+    assert "rows gathered from ranks [0, 1]" in (tmp_path / "sp" / "report.html").read_text()
 
 
 def test_context_parallel_cp2_compares_with_cp1(stores, tmp_path) -> None:

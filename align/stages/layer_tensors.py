@@ -86,7 +86,9 @@ def section(res: StageResult) -> str:
     if not rows:
         return ""
     keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
-    return table([{k: r.get(k) for k in keys} for r in rows])
+    gathered = [{"side": side, "gathered": "; ".join(notes)} for side, notes in
+                (res.details.get("gathered") or {}).items()]    # a parallel run's ranks put back together
+    return (table(gathered) if gathered else "") + table([{k: r.get(k) for k in keys} for r in rows])
 
 
 def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
