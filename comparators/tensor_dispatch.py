@@ -14,6 +14,7 @@ import h5py
 from comparators.tensor_metrics import Metrics
 from comparators.tensor_pair import compare_pair
 from core.errors import BadInput
+from sources.layers import release_files
 
 DASK_CONNECT_TIMEOUT = "20s"   # how long to wait for a --scheduler address before saying it is unreachable
 
@@ -29,7 +30,10 @@ def run_tasks(tasks: list[dict[str, Any]], jobs: int = 1, scheduler: str | None 
     keys = _stored_as(tasks)
     first: dict[Any, int] = {}       # where the tensors are stored -> the task that reads them
     reads = [i for i, k in enumerate(keys) if k is None or first.setdefault(k, i) == i]
-    done = dict(zip(reads, _dispatch([tasks[i] for i in reads], jobs, scheduler, executor), strict=True))
+    try:
+        done = dict(zip(reads, _dispatch([tasks[i] for i in reads], jobs, scheduler, executor), strict=True))
+    finally:
+        release_files()     # the step files a gathered compare kept open
     out = []
     for i, (t, k) in enumerate(zip(tasks, keys, strict=True)):
         if i in done:
@@ -51,7 +55,7 @@ def _stored_as(tasks: list[dict[str, Any]]) -> list[Any]:
         if not t.get("full"):
             continue
         for ref in (t["a"].get("ref"), t["b"].get("ref")):
-            if isinstance(ref, (tuple, list)):
+            if _h5(ref):
                 names.setdefault(ref[1], set()).add(ref[2])
     offsets: dict[tuple[str, str], int | None] = {}
     for path, wanted in names.items():
@@ -65,12 +69,16 @@ def _stored_as(tasks: list[dict[str, Any]]) -> list[Any]:
     keys: list[Any] = []
     for t in tasks:
         ra, rb = t["a"].get("ref"), t["b"].get("ref")
-        if not t.get("full") or not isinstance(ra, (tuple, list)) or not isinstance(rb, (tuple, list)):
+        if not t.get("full") or not _h5(ra) or not _h5(rb):   # (a gathered row's parts: read each time)
             keys.append(None)
             continue
         oa, ob = offsets.get((ra[1], ra[2])), offsets.get((rb[1], rb[2]))
         keys.append(None if oa is None or ob is None else (ra[1], oa, rb[1], ob, bool(t.get("transpose"))))
     return keys
+
+
+def _h5(ref: Any) -> bool:
+    return isinstance(ref, (tuple, list)) and len(ref) == 3 and ref[0] == "h5"
 
 
 def _dispatch(tasks: list[dict[str, Any]], jobs: int, scheduler: Any, executor: str) -> list[dict[str, Any]]:

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 
-from comparators.tensor_metrics import Metrics, Readers, compare_datasets, compare_files
+from comparators.tensor_metrics import Metrics, Readers, compare_arrays, compare_datasets, compare_files
 from core.dtypes import normalize
+from sources.layers import load_ref
 
 # dtype -> (rel L2 error passes up to, warns up to, cosine passes from)
 TOLERANCE = {"float32": (1e-4, 1e-2, 0.99999), "float64": (1e-8, 1e-4, 0.9999999),
@@ -91,7 +93,14 @@ def compare_pair(task: dict[str, Any]) -> dict[str, Any]:
     if mt is None and full and ref_a is not None and ref_b is not None:
         sa, sb = _shape(ra.get("shape")), _shape(rb.get("shape"))
         tr = transpose and len(sa) >= 2 and sa != sb and (sa[1], sa[0]) + sa[2:] == sb
-        if isinstance(ref_a, (tuple, list)) and isinstance(ref_b, (tuple, list)):   # both HDF5 (run stores)
+        if _gathered(ref_a) or _gathered(ref_b):   # a row put together from TP / CP ranks' parts
+            try:
+                a, b = load_ref(ref_a), load_ref(ref_b)
+            except ValueError:      # parts that do not join (shapes): compared by their combined statistics
+                a = b = None
+            if a is not None and b is not None and a.size == b.size:
+                mt = compare_arrays(np.swapaxes(a, 0, 1) if tr else a, b)
+        elif isinstance(ref_a, (tuple, list)) and isinstance(ref_b, (tuple, list)):   # both HDF5 (run stores)
             with h5py.File(ref_a[1], "r") as ha, h5py.File(ref_b[1], "r") as hb:
                 if ref_a[2] in ha and ref_b[2] in hb:
                     da, db = ha[ref_a[2]], hb[ref_b[2]]
@@ -112,6 +121,10 @@ def compare_pair(task: dict[str, Any]) -> dict[str, Any]:
     if full and ref_a is not None and ref_b is not None:
         out["tensor_unread"] = _why_unread(ref_a, ref_b, task.get("readers"))
     return out
+
+
+def _gathered(ref: Any) -> bool:
+    return isinstance(ref, (tuple, list)) and bool(ref) and ref[0] == "gather"
 
 
 def _why_unread(ref_a: Any, ref_b: Any, readers: Readers | None) -> str:

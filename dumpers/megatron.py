@@ -27,6 +27,7 @@ Layouts users train with, each read from the optimizer and model rather than gue
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import threading
@@ -142,6 +143,88 @@ def global_namer(model: torch.nn.Module) -> Callable[[str], str]:
     return name_of
 
 
+def _module_role(name: str, mod: torch.nn.Module | None) -> str:
+    """How a module's activations are laid out under TP: ``column`` / ``row`` parallel linear, the core
+    ``attention`` (heads split), the ``embedding`` (token ids in), an ``expert`` (permuted tokens: no
+    sequence order), else ``other`` (hidden states: whole, or sequence-split under SP)."""
+    if mod is None:
+        return "other"
+    mode = getattr(mod, "parallel_mode", None)      # TransformerEngine's linears
+    names = {c.__name__ for c in type(mod).__mro__}
+    if getattr(mod, "is_expert", False) or ".experts." in f".{name}.":
+        return "expert"
+    if ".core_attention." in name:      # softmax / dropout inside the local attention: [b, np, sq, sk]
+        return "attention_inner"
+    if name.endswith(("q_layernorm", "k_layernorm")):   # QK norms: [s, b, heads, head dim]
+        return "heads"
+    if "ColumnParallelLinear" in names or mode == "column":
+        if getattr(mod, "gather_output", False):
+            return "column_gathered"
+        gated = name.endswith("linear_fc1") and getattr(getattr(mod, "config", None), "gated_linear_unit", False)
+        return "column_gated" if gated else "column"
+    if "RowParallelLinear" in names or mode == "row":
+        return "row" + ("" if getattr(mod, "input_is_parallel", True) else "_whole_in")
+    if any(n.endswith("DotProductAttention") for n in names):
+        return "attention"
+    if hasattr(mod, "word_embeddings"):
+        return "embedding"
+    return "other"
+
+
+@functools.lru_cache(maxsize=4096)
+def activation_split(role: str, kind: str, ndim: int, floating: bool, last: int, *, tp: int, cp: int,
+                     sp: bool, hidden: int) -> str:
+    """The ``split`` of one activation (or its gradient, laid out as the activation): ``tp:D`` = TP rank r
+    holds the r-th of ``tp`` equal parts along dim D (in TP rank order); ``tp:g-1`` = a gated fc1's output,
+    TP rank r holding [gate_r | up_r] along the last dim (the whole is [gate | up]); ``cp:D`` = CP rank r
+    holds chunks r and 2cp-1-r of 2cp along dim D (Megatron's load-balanced split, get_batch_on_this_cp_rank);
+    ``cp:x`` = a CP rank's part in no sequence order (attention internals).
+
+    Megatron's layout, activations sequence first ([s, b, h]): a column-parallel linear's output is split on
+    its last dim, a row-parallel linear's input too and its output is whole after the all-reduce (under SP
+    reduce-scattered on the sequence); the core attention's q/k/v are split on heads (dim 2) and its output
+    on the last dim; under SP every other hidden state ([s/tp, b, h]) is split on the sequence; under CP
+    every activation is a CP rank's two chunks of the sequence (token ids [b, s]: dim 1)."""
+    where, index = kind.split(".")[1:3] if kind.count(".") >= 2 else ("output", "0")
+    out = where in ("output", "grad_output")
+    first = index == "0"
+    tp_dim: int | str | None = None
+    cp_dim: int | str | None = None
+    seq = floating and ndim >= 2
+    if role.startswith("column"):
+        if out:
+            tp_dim = {"column": -1, "column_gated": "g-1"}.get(role)
+            cp_dim = 0 if seq and first else None
+        else:
+            tp_dim, cp_dim = (0 if sp and seq else None), (0 if seq else None)
+    elif role.startswith("row"):
+        if out:
+            tp_dim, cp_dim = (0 if sp and first and seq else None), (0 if seq and first else None)
+        else:
+            tp_dim, cp_dim = (-1 if seq and role == "row" else None), (0 if seq else None)
+    elif role == "attention":
+        if out:
+            tp_dim, cp_dim = (-1 if seq else None), (0 if seq else None)
+        elif ndim == 4:     # q / k / v [s, b, heads, d]; the boolean mask [b, 1, s, s]
+            tp_dim, cp_dim = (2, 0) if floating else (None, 2)
+    elif role == "heads":
+        tp_dim, cp_dim = (2, 0) if floating and ndim == 4 else (None, None)
+    elif role == "attention_inner":
+        # [b, heads, s_q, s_k]: under CP the keys are in the attention's own order (all-gathered, ring
+        # passes), not the sequence's: "x", left out of a gathered compare
+        tp_dim, cp_dim = (1 if floating and ndim == 4 else None), "x"
+    elif role == "embedding" and not out:
+        cp_dim = 1 if not floating and ndim == 2 else None
+    elif role != "expert":
+        hidden_state = floating and ndim == 3 and last == hidden
+        tp_dim = 0 if sp and hidden_state else None
+        # rotary embeddings [s, 1, 1, d]; the boolean attention mask [b, 1, s, s] holds the CP rank's queries
+        cp_dim = 0 if hidden_state or (floating and ndim == 4) else 2 if ndim == 4 else None
+    parts = ([f"tp:{tp_dim}"] if tp > 1 and tp_dim is not None else []) + \
+        ([f"cp:{cp_dim}"] if cp > 1 and cp_dim is not None else [])
+    return ",".join(parts)
+
+
 def _unwrap_optimizer(opt: Any) -> Any:
     """The Megatron optimizer inside a thin wrapper (``.inner``), else ``opt`` itself."""
     try:
@@ -229,6 +312,8 @@ class MegatronDumper(TorchDumper):
         if any(n.endswith("layer_norm_weight") for m in models for n, _ in m.named_parameters()):
             self.name_scheme = "megatron-core-te"
         self._megatron_opt = _is_megatron_optimizer(optimizer)
+        self._activation_parallel: tuple[int, int, bool, int, dict[str, str]] | None = None
+        self._modules_by_name: dict[str, torch.nn.Module] | None = None
         # dtypes given by the user win; else they are refreshed once main_grad exists
         self._dtypes_final = "dtypes" in (meta or {}) or "dtypes" in (config.meta if config else {})
         # A Megatron optimizer has no torch step hook: keep it away from the generic pre-hook path.
@@ -293,6 +378,29 @@ class MegatronDumper(TorchDumper):
 
     def _chunk_namer(self, index: int, model: torch.nn.Module) -> Callable[[str], str]:
         return global_namer(model)
+
+    def _split_of(self, module: str, kind: str, t: torch.Tensor) -> str:
+        """How this rank's activation is a part of the whole under TP / SP / CP (``split`` column of
+        ``tensor_stats``, read by ``sources.layers.gather_layers``); "" for a whole tensor or a replica."""
+        par = self._activation_parallel
+        if par is None:
+            cfg = next((getattr(m, "config", None) for m in self.models if hasattr(m, "config")), None)
+            tp, cp = int(self.rank_info.get("tp", 1)), int(self.rank_info.get("cp", 1))
+            par = self._activation_parallel = (tp, cp, tp > 1 and bool(getattr(cfg, "sequence_parallel", False)),
+                                               int(getattr(cfg, "hidden_size", 0) or 0), {})
+        tp, cp, sp, hidden, cache = par
+        if tp == 1 and cp == 1:
+            return ""
+        role = cache.get(module)
+        if role is None:
+            role = cache[module] = _module_role(module, self._module_named(module))
+        return activation_split(role, kind, t.ndim, t.is_floating_point(), t.shape[-1] if t.ndim else 0,
+                                tp=tp, cp=cp, sp=sp, hidden=hidden)
+
+    def _module_named(self, name: str) -> torch.nn.Module | None:
+        if self._modules_by_name is None:
+            self._modules_by_name = dict(self._selected_modules())
+        return self._modules_by_name.get(name)
 
     def _skip_param(self, param: torch.nn.Parameter) -> bool:
         # The last stage's copy of a tied embedding: Megatron's grad norm leaves it out (param_is_not_shared).

@@ -218,7 +218,7 @@ class TorchDumper(StepBookkeeping):
             self._param_index = {id(p): i for i, (_, p, _) in enumerate(self.params)}
             self._grad_order: list[int] = []
             self._pending_batch: dict[str, list[np.ndarray]] = {}
-            self._rows: list[tuple[str, str, str, str, int]] = []
+            self._rows: list[tuple[str, str, str, str, int, str]] = []
             self._row_stats: list[list[float] | torch.Tensor] = []
             # id(tensor) -> [weakref, version, stats, order of its full dump or None]
             self._stats_cache: dict[int, list[Any]] = {}
@@ -470,7 +470,7 @@ class TorchDumper(StepBookkeeping):
     def _record(self, module: str, kind: str, t: torch.Tensor) -> None:
         order = len(self._rows)
         shape = _shape_name(t.shape)
-        self._rows.append((module, kind, _dtype_name(t.dtype), shape, t.numel()))
+        self._rows.append((module, kind, _dtype_name(t.dtype), shape, t.numel(), self._split_of(module, kind, t)))
         if self._tensor_step and self.config.tensors != "off":
             entry = self._stats_entry(t)
             self._row_stats.append(entry[2])
@@ -488,6 +488,12 @@ class TorchDumper(StepBookkeeping):
                                                                                                torch.float32)
             z = torch.zeros((), dtype=torch.float32, device=x.device)
             self._row_stats.append(torch.stack([z, z, z, z, bad, z]))
+
+    def _split_of(self, module: str, kind: str, t: torch.Tensor) -> str:
+        """How this rank's ``t`` is a part of the whole tensor (``tensor_stats`` column ``split``, e.g.
+        ``tp:-1,cp:0``; "" = whole or a replica): a framework layer that splits activations says
+        (dumpers/megatron.py); plain torch holds whole tensors."""
+        return ""
 
     def _stats_entry(self, t: torch.Tensor) -> list[Any]:
         """[weakref, version, statistics, full-dump order] of ``t``, reused when the same unchanged tensor
@@ -803,6 +809,8 @@ class TorchDumper(StepBookkeeping):
             "module": [r[0] for r in rows], "kind": [r[1] for r in rows], "dtype": [r[2] for r in rows],
             "shape": [r[3] for r in rows],
             "numel": np.array([r[4] for r in rows], dtype=np.int64)}
+        if any(r[5] for r in rows):
+            cols["split"] = [r[5] for r in rows]
         for k, name in enumerate(_STAT_COLS):
             cols[name] = stats[:, k].astype(np.int64) if name in ("nan", "inf") else stats[:, k]
         self._writer.put_table(step, "tensor_stats", cols)

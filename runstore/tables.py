@@ -74,7 +74,7 @@ TABLE_SCHEMAS: dict[str, dict[str, Any]] = {
         "name": _TEXT, "norm": _NUM, "numel": _INT, "tp_partition_dim": _INT, "tp_rank": _INT, "tp_size": _INT}},
     "tensor_stats": {"required": ("order", "module", "kind"), "columns": {
         "order": _INT, "module": _TEXT, "kind": _TEXT, "dtype": _TEXT, "shape": _TEXT, "numel": _INT,
-        "max": _NUM, "min": _NUM, "mean": _NUM, "norm": _NUM, "nan": _INT, "inf": _INT}},
+        "max": _NUM, "min": _NUM, "mean": _NUM, "norm": _NUM, "nan": _INT, "inf": _INT, "split": _TEXT}},
 }
 # per-parameter weight and optimizer-update norms, where a store records them: local_norm's columns
 TABLE_SCHEMAS["param_norm"] = TABLE_SCHEMAS["update_norm"] = TABLE_SCHEMAS["local_norm"]

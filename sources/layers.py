@@ -10,9 +10,14 @@ procedure's comparability check and the comparators take it from the table.
 
 from __future__ import annotations
 
+import math
+import re
+import threading
 from os import PathLike
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from core.errors import BadInput
 from sources import detect, sources
@@ -60,3 +65,266 @@ def layers_only(run: Any) -> bool:
     """Whether ``run``'s kind holds layer tensors and nothing else (an msprobe dump: no loss, no norms)."""
     kind = getattr(run, "kind", None)
     return any(s.kind == kind and s.layers_only for s in sources())
+
+
+# -- gathering a parallel run's parts into whole rows ----------------------------------------------------
+
+_LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_BIG = 1 << 30
+
+
+UNORDERED = -(1 << 20)     # parse_split's CP dim for ``cp:x``: a CP part in no sequence order
+
+
+def parse_split(text: Any) -> tuple[tuple[bool, int] | None, int | None]:
+    """``split`` column text -> ((gated, TP dim) or None, CP dim or None); "" = a whole tensor or a replica
+    (dumpers.megatron.activation_split writes it); ``cp:x`` -> UNORDERED (cannot be joined)."""
+    tp: tuple[bool, int] | None = None
+    cp: int | None = None
+    for part in str(text or "").split(","):
+        axis, _, dim = part.strip().partition(":")
+        if axis == "tp" and dim:
+            tp = (dim.startswith("g"), int(dim.lstrip("g")))
+        elif axis == "cp" and dim:
+            cp = UNORDERED if dim == "x" else int(dim)
+    return tp, cp
+
+
+def _shape_of(text: Any) -> list[int]:
+    return [int(x) for x in str(text or "").split("x") if x.strip().isdigit()]
+
+
+def combine_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The statistics of a tensor from its parts' (disjoint pieces of it): max of the maxima, min of the
+    minima, the mean weighted by element counts, the L2 norm as the root of the summed squares, nan / inf
+    counts added."""
+    n = [int(p.get("numel", 0) or 0) for p in parts]
+    total = sum(n)
+    mean = sum(float(p.get("mean", 0.0)) * k for p, k in zip(parts, n, strict=True)) / total if total else 0.0
+    return {"numel": total, "max": max(float(p.get("max", 0.0)) for p in parts),
+            "min": min(float(p.get("min", 0.0)) for p in parts), "mean": mean,
+            "norm": math.sqrt(sum(float(p.get("norm", 0.0)) ** 2 for p in parts)),
+            "nan": sum(int(p.get("nan", 0) or 0) for p in parts), "inf": sum(int(p.get("inf", 0) or 0) for p in parts)}
+
+
+def join_parts(parts: list[list[np.ndarray]], tp: tuple[bool, int] | None, cp: int | None) -> np.ndarray:
+    """The whole tensor from its parts, ``parts[cp rank][tp rank]``: TP parts concatenated along their dim
+    (a gated fc1's [gate_r | up_r] halves regrouped into [gate | up]), then the CP ranks' chunks put back
+    in sequence order (runstore.cp_join)."""
+    from runstore import cp_join
+
+    whole = []
+    for row in parts:
+        if tp is None or len(row) == 1:
+            whole.append(row[0])
+        elif tp[0]:
+            halves = [np.split(p, 2, axis=tp[1]) for p in row]
+            whole.append(np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=tp[1]))
+        else:
+            whole.append(np.concatenate(row, axis=tp[1]))
+    return cp_join(whole, cp) if cp is not None and len(whole) > 1 else whole[0]
+
+
+def load_ref(ref: Any) -> np.ndarray:
+    """A row's full tensor as an array: ``("h5", file, dataset)``, a ``.npy`` path, or a gathered row's
+    ``("gather", gated, tp dim, cp dim, parts[cp][tp])``."""
+    if isinstance(ref, (tuple, list)) and ref and ref[0] == "gather":
+        _, gated, tp_dim, cp_dim, parts = ref
+        tp = None if tp_dim is None else (bool(gated), int(tp_dim))
+        return join_parts([[load_ref(p) for p in row] for row in parts], tp, cp_dim)
+    if isinstance(ref, (tuple, list)) and ref and ref[0] == "h5":
+        return np.asarray(_open_h5(ref[1])[ref[2]][...])
+    return np.load(str(ref), allow_pickle=False)
+
+
+_OPEN: dict[tuple[str, int, int], Any] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def release_files() -> None:
+    """Drop the step files ``load_ref`` kept open (after a compare: nothing stays open in a long process)."""
+    with _OPEN_LOCK:
+        _OPEN.clear()
+
+
+def _open_h5(path: str) -> Any:
+    """A step file opened for reading, kept open for the rows after it (a gathered compare reads every
+    rank's file once per row: opening each time cost ~5 ms a row); keyed by inode and mtime, so a file
+    replaced since is opened afresh. At most 64 kept (one dropped closes when no reader holds it)."""
+    import os
+
+    import h5py
+
+    st = os.stat(path)
+    key = (str(path), st.st_ino, st.st_mtime_ns)
+    with _OPEN_LOCK:
+        h5 = _OPEN.get(key)
+        if h5 is None or not h5.id.valid:
+            if len(_OPEN) >= 64:
+                for old in list(_OPEN)[:32]:
+                    del _OPEN[old]
+            h5 = _OPEN[key] = h5py.File(path, "r")
+    return h5
+
+
+def _int(info: dict[str, Any], key: str, default: int = 0) -> int:
+    v = info.get(key)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+class GatheredLayers:
+    """One whole model's rows from a parallel run's rank files, as one layer source with one rank.
+
+    Which ranks: those of the lowest DP rank (every TP / CP / PP position of one replica), plus, under
+    expert parallelism, one rank of each other EP rank for the experts that replica does not hold (names are
+    global: dumpers.megatron). Each (module, kind, occurrence) row is put back together from the ranks
+    holding its parts, as the ``split`` column says (TP parts concatenated, CP chunks joined in sequence
+    order); a row with no split is a whole tensor or a replica: TP / CP rank 0's. Statistics combine
+    (``combine_stats``); full tensors are joined when compared (``load_ref``). ``notes[step]`` says what was
+    gathered, or left out.
+    """
+
+    def __init__(self, src: Any) -> None:
+        self.src = src
+        self.root = src.root
+        self.needs_readers = src.needs_readers
+        self.notes: dict[int, list[str]] = {}
+        self._cache: dict[int, tuple[list[dict[str, Any]], bool]] = {}
+
+    def array_steps(self) -> list[int]:
+        return self.src.array_steps()
+
+    def array_ranks(self, step: int) -> list[int]:
+        ranks = self.src.array_ranks(step)
+        return ranks[:1]
+
+    def rank_info(self, rank: int) -> dict[str, Any]:
+        return self.src.rank_info(rank)
+
+    def layer_rows(self, step: int, rank: int = 0) -> tuple[list[dict[str, Any]], bool]:
+        if step not in self._cache:
+            self._cache[step] = self._gather(step)
+        rows, has = self._cache[step]
+        return [dict(r) for r in rows], has
+
+    def _members(self, step: int) -> tuple[list[int], list[int], dict[int, dict[str, Any]]]:
+        ranks = self.src.array_ranks(step)
+        info = {r: self.src.rank_info(r) for r in ranks}
+        # a rank file without coordinates is a DP rank of its own (as runstore.batches.data_groups reads it)
+        dp = {r: _int(info[r], "dp_rank", -1) if "dp_rank" in info[r] else r for r in ranks}
+        primary = [r for r in ranks if dp[r] == min(dp.values())]
+
+        def where(r: int) -> tuple[int, ...]:
+            return tuple(_int(info[r], k) for k in ("pp_rank", "tp_rank", "cp_rank", "ep_rank"))
+
+        covered = {where(r) for r in primary}
+        extra = []
+        for r in ranks:
+            if r not in primary and _int(info[r], "ep", 1) > 1 and where(r) not in covered:
+                extra.append(r)
+                covered.add(where(r))
+        return primary, extra, info
+
+    def _gather(self, step: int) -> tuple[list[dict[str, Any]], bool]:
+        primary, extra, info = self._members(step)
+        notes = self.notes.setdefault(step, [])
+        read = {r: self.src.layer_rows(step, r) for r in primary + extra}
+        if len(read) == 1:
+            return read[primary[0]]
+        own = {row["module"] for r in primary for row in read[r][0]}
+        entries: dict[tuple[str, str, int], list[tuple[int, dict[str, Any]]]] = {}
+        first_at: dict[tuple[str, str, int], tuple[Any, ...]] = {}
+        for r in primary + extra:
+            rows, _ = read[r]
+            seen: dict[tuple[str, str], int] = {}
+            for i, row in enumerate(rows):
+                if r in extra and row["module"] in own:
+                    continue    # a dense module of another DP rank: other data
+                k = (row["module"], row["kind"])
+                seen[k] = seen.get(k, 0) + 1
+                key = (row["module"], row["kind"], seen[k])
+                entries.setdefault(key, []).append((r, row))
+                if key not in first_at:
+                    back = int(str(row["kind"]).startswith("backward"))
+                    m = _LAYER_NO.search(row["module"])
+                    # embeddings before the layers, the rest (final norm, output layer, MTP) after them
+                    pos = int(m.group(1)) if m else -1 if "embedding" in row["module"] else _BIG
+                    pp = _int(info[r], "pp_rank")
+                    first_at[key] = (back, seen[k], -pos if back else pos, -pp if back else pp, i)
+        sizes = {ax: max(_int(info[r], ax, 1) for r in read) for ax in ("tp", "cp", "ep")}
+        out: list[dict[str, Any]] = []
+        has_all = all(read[r][1] for r in read)
+        unsplit, incomplete, unordered = 0, [], []
+        for key in sorted(entries, key=first_at.__getitem__):
+            holders = entries[key]
+            tp, cp = parse_split(holders[0][1].get("split"))
+            grid: dict[int, dict[int, dict[str, Any]]] = {}
+            for r, row in holders:
+                grid.setdefault(_int(info[r], "cp_rank"), {}).setdefault(_int(info[r], "tp_rank"), row)
+            if cp == UNORDERED:
+                unordered.append(f"{key[0]} {key[1]}")
+                continue
+            cps = sorted(grid) if cp is not None else sorted(grid)[:1]
+            if cp is not None and cps != list(range(sizes["cp"])):
+                incomplete.append(f"{key[0]} {key[1]}")
+                continue
+            parts: list[list[dict[str, Any]]] = []
+            for c in cps:
+                tps = sorted(grid[c]) if tp is not None else sorted(grid[c])[:1]
+                if tp is not None and tps != list(range(sizes["tp"])):
+                    break
+                parts.append([grid[c][t] for t in tps])
+            else:
+                flat = [p for rowp in parts for p in rowp]
+                if len(holders) > 1 and "split" not in holders[0][1]:
+                    unsplit += 1
+                out.append(_merged(flat[0] if len(flat) == 1 else None, parts, tp, cp, len(out)))
+                if sizes["ep"] > 1 and ".experts." in f".{key[0]}.":
+                    # an expert sees the tokens of its whole EP group's micro-batches (all-gather / all-to-all)
+                    out[-1]["token_group"] = sizes["ep"]
+                continue
+            incomplete.append(f"{key[0]} {key[1]}")
+        ranks = sorted(read)
+        notes.append(f"rows gathered from ranks {ranks} (DP rank {_int(info[primary[0]], 'dp_rank')}"
+                     + (f"; experts from ranks {extra}" if extra else "") + ")")
+        if unsplit:
+            notes.append(f"{unsplit} rows held by several TP / CP ranks record no split: TP / CP rank 0's "
+                         "taken as the whole (a replica)")
+        if unordered:
+            notes.append(f"{len(unordered)} rows left out: CP parts in no sequence order (attention internals; "
+                         f"first: {unordered[0]})")
+        if incomplete:
+            notes.append(f"{len(incomplete)} rows left out: parts of them missing (first: {incomplete[0]})")
+        return out, has_all
+
+
+def _merged(single: dict[str, Any] | None, parts: list[list[dict[str, Any]]], tp: tuple[bool, int] | None,
+            cp: int | None, order: int) -> dict[str, Any]:
+    """One whole row from its parts (``parts[cp][tp]``): statistics combined, shape summed along the split
+    dims, the reference a ``("gather", ...)`` of the parts' references (None when one has no tensor)."""
+    if single is not None:
+        return {**single, "order": order, "split": ""}
+    flat = [p for row in parts for p in row]
+    first = flat[0]
+    shape = _shape_of(first.get("shape"))
+    if shape:
+        if tp is not None and len(parts[0]) > 1:
+            d = tp[1] % len(shape)
+            shape[d] = sum(_shape_of(p.get("shape"))[d] for p in parts[0])
+        if cp is not None and len(parts) > 1:
+            d = cp % len(shape)
+            shape[d] = sum(_shape_of(row[0].get("shape"))[d] * (len(row) if tp is not None and
+                                                                 tp[1] % len(shape) == d else 1) for row in parts)
+    refs = [[p.get("ref") for p in row] for row in parts]
+    ref = None if any(x is None for row in refs for x in row) else \
+        ("gather", bool(tp and tp[0]), None if tp is None else tp[1], cp, refs)
+    return {**first, **combine_stats(flat), "order": order, "shape": "x".join(map(str, shape)),
+            "ref": ref, "split": "", "gathered_from": len(flat)}
+
+
+def gather_layers(src: Any) -> Any:
+    """``src`` as one whole model's rows (``GatheredLayers``) when it knows its ranks' coordinates (a run
+    store), else ``src`` itself (an msprobe dump: rank by rank)."""
+    if src is None or not callable(getattr(src, "rank_info", None)) or isinstance(src, GatheredLayers):
+        return src
+    return GatheredLayers(src)

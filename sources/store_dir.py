@@ -54,6 +54,11 @@ class StoreLayers:
     def array_ranks(self, step: int) -> list[int]:
         return self.reader.array_ranks(step)
 
+    def rank_info(self, rank: int) -> dict[str, Any]:
+        """The rank's coordinates (tp_rank, cp_rank, pp_rank, dp_rank, ep_rank and sizes): how its rows
+        gather with the others' (sources.layers.gather_layers)."""
+        return self.reader.rank_info(rank)
+
     def layer_rows(self, step: int, rank: int = 0) -> tuple[list[dict[str, Any]], bool]:
         path = Path(self.reader.step_file(step, rank))
         rows, has_tensors = _read_stats(path)

@@ -5,10 +5,12 @@ launch runs its layouts one after the other, re-initialising Megatron's parallel
 (``set_parallel``). Every layout trains the same model (weights drawn by global name) on the same global
 batch (micro-batches ``synthetic_batch(step, dp_rank=d)`` for d = 0, 1), so the stores must agree:
 
-one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loop_raise,ckpt_ref``)
+one process (``--scenarios ref,ref_fault,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loop_raise,ckpt_ref``)
   ref       fp32, DP=1, both micro-batches through Megatron's schedule, Megatron DDP + FP32 optimizer.
             ref, ref_moe, distopt, pp2, ep2, sp and cp2 write the optimizer evidence of step 1
-            (dumpers.optimizer_evidence).
+            (dumpers.optimizer_evidence); ref, ref_fault, tp2, sp, pp2 (and cp2 forward only) the layer
+            tensors of step 1 (LAYERS), ref_moe and ep2 the experts' statistics.
+  ref_fault ref with one weight of layer 1 scaled by 1.05 (FAULT): the layer-tensor test's planted fault.
   fp16      the same in fp16 (Float16Module, fp16 main_grad without fp32 accumulation, loss scale 1024).
   bf16      the same in bf16 (fp32 grad accumulation, Megatron's default).
   ref4      like ref with 4 layers (the reference of vpp).
@@ -20,7 +22,8 @@ one process (``--scenarios ref,fp16,bf16,ref4,ref_moe,lm_loop,lm_loop_moe,lm_loo
   lm_loop_raise  that loop with forward_step raising at iteration 2: the exception Megatron sees, with and
             without the integration.
   ckpt_ref  the untrained TP=1 model's state_dict (torch.save) and its step-1 loss.
-two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
+two processes (``--scenarios distopt,pp2,vpp,ep2,sp,cp2,tp2,lm_loop_moe_dp2,ckpt_tp2,ckpt_pp2``)
+  tp2       TP=2 without sequence parallelism (the layer-tensor test's TP baseline).
   lm_loop_moe_dp2  lm_loop_moe at DP=2, one micro-batch per rank: the router losses reduced across ranks.
   distopt   DP=2, ``use_distributed_optimizer=True``: each rank one micro-batch, gradients reduce-scattered.
   sp        TP=2 with sequence parallelism (demo.megatron_cpu's norm stand-in: torch's norms refuse SP).
@@ -54,9 +57,19 @@ from dumpers.optimizer_evidence import OptimizerEvidence  # noqa: E402
 from dumpers.torch_dumper import DumpConfig  # noqa: E402
 
 STEPS = 2
-# the first norm's activations at step 1: split on the sequence under SP and CP
-NORM_STATS = {"tensors": "stats", "tensor_steps": [1], "modules": ["decoder.layers.0.input_layernorm"],
-              "backward": False}
+# every layer's activations (and their gradients) at step 1, full tensors: TP shards, SP / CP sequence parts
+# and pipeline stages gather into the one-process rows (sources.layers.gather_layers)
+LAYERS = {"tensors": "full", "tensor_steps": [1],
+          "modules": ["embedding", "decoder.layers.?", *(f"decoder.layers.*.{m}" for m in (
+              "input_layernorm", "self_attention.linear_qkv", "self_attention.k_layernorm",
+              "self_attention.core_attention", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")),
+                      "output_layer"]}
+# CP: forward only (with calculate_per_token_loss the activation gradients are the CP=1 run's x tokens)
+LAYERS_FWD = {**LAYERS, "backward": False}
+# the planted fault of the layer-tensor test: one weight of layer 1 off by 5% in a TP=1 run
+FAULT = ("decoder.layers.1.mlp.linear_fc1.weight", 1.05)
+EXPERT_STATS = {"tensors": "stats", "tensor_steps": [1], "modules": ["decoder.layers.*.mlp.experts.*"],
+                "backward": False}
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
        "moe_aux_loss_coeff": 0.0, "moe_ffn_hidden_size": 64, "moe_shared_expert_intermediate_size": 64,
        "moe_shared_expert_gate": True, "moe_router_load_balancing_type": "none"}
@@ -64,12 +77,16 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_token_dispatcher_type": 
 
 def train_layout(out: Path, cfg: mc.TinyLlamaConfig, *, micro: list[int], distopt: bool = False,
                  loss_scale: float | None = None, grad_fp32: bool = True, dump: bool = True,
-                 dump_config: dict | None = None, evidence: bool = False) -> dict:
+                 dump_config: dict | None = None, evidence: bool = False,
+                 perturb: tuple[str, float] | None = None) -> dict:
     """Train STEPS steps of the current layout with the dumper (or without: ``dump=False``, for the
     bit-identical check); micro = DP ranks whose batches this rank runs."""
     from megatron.core.distributed import finalize_model_grads
 
     chunks = mc.build_model_chunks(cfg, seed=1234)
+    if perturb is not None:     # a planted fault: one parameter scaled
+        with torch.no_grad():
+            dict(chunks[0].named_parameters())[perturb[0]].mul_(perturb[1])
     # small buckets under the distributed optimizer: each bucket is split across DP ranks, so parameters
     # straddle the shard boundary (one bucket happens to split between two whole parameters here)
     ddp = [mc.wrap_ddp(c, use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_fp32,
@@ -211,7 +228,12 @@ def main() -> None:
     result: dict = {"rank": info.rank}
     for scenario in args.scenarios.split(","):
         if scenario == "ref":
-            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True)
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True, dump_config=LAYERS)
+        elif scenario == "ref_fault":
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], dump_config=LAYERS, perturb=FAULT)
+        elif scenario == "tp2":
+            info = mc.set_parallel(tp=2)
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], dump_config=LAYERS)
         elif scenario == "fp16":
             cfg16 = mc.TinyLlamaConfig(micro_batch_size=2, params_dtype="float16")
             result[scenario] = train_layout(out / scenario, cfg16, micro=[0, 1], loss_scale=1024.0,
@@ -240,7 +262,8 @@ def main() -> None:
             info = mc.set_parallel(pp=2)
             result[scenario] = checkpoint(out / scenario, dense, info, dist=False)
         elif scenario == "ref_moe":
-            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1], evidence=True)
+            result[scenario] = train_layout(out / scenario, moe, micro=[0, 1], evidence=True,
+                                            dump_config=EXPERT_STATS)
         elif scenario == "lm_loop_moe_dp2":
             info = mc.set_parallel()
             result[scenario] = lm_loop(out / scenario, moe_aux, iters=2, dp_ranks=(info.dp_rank,))
@@ -260,19 +283,21 @@ def main() -> None:
             result[scenario] = train_layout(out / scenario, deep, micro=[0, 1])
         elif scenario == "pp2":
             info = mc.set_parallel(pp=2)
-            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True)
+            result[scenario] = train_layout(out / scenario, dense, micro=[0, 1], evidence=True, dump_config=LAYERS)
         elif scenario == "sp":
             info = mc.set_parallel(tp=2)
             cfg_sp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"sequence_parallel": True})
-            result[scenario] = train_layout(out / scenario, cfg_sp, micro=[0, 1], evidence=True, dump_config=NORM_STATS)
+            result[scenario] = train_layout(out / scenario, cfg_sp, micro=[0, 1], evidence=True, dump_config=LAYERS)
         elif scenario == "cp2":
             info = mc.set_parallel(cp=2)
             cfg_cp = mc.TinyLlamaConfig(micro_batch_size=2, extra={"context_parallel_size": 2,
                                                                    "calculate_per_token_loss": True})
-            result[scenario] = train_layout(out / scenario, cfg_cp, micro=[0, 1], evidence=True, dump_config=NORM_STATS)
+            result[scenario] = train_layout(out / scenario, cfg_cp, micro=[0, 1], evidence=True,
+                                            dump_config=LAYERS_FWD)
         elif scenario == "ep2":
             info = mc.set_parallel(ep=2)
-            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank], evidence=True)
+            result[scenario] = train_layout(out / scenario, moe, micro=[info.dp_rank], evidence=True,
+                                            dump_config=EXPERT_STATS)
             result[scenario]["undumped"] = train_layout(out / "none", moe, micro=[info.dp_rank], dump=False)
         else:
             raise SystemExit(f"unknown scenario {scenario}")

@@ -5,7 +5,9 @@ local norms of each must equal the plain one-process run's: distributed optimize
 reduce-scattered), pipeline (PP=2, Megatron's 1F1B schedule), MoE with expert parallelism (EP=2, chained
 dense + expert optimizer), sequence parallelism (TP=2 + SP), context parallelism (CP=2, Megatron's zig-zag
 split of the sequence) and fp16 with a loss scale; the optimizer evidence of the distributed-optimizer, SP
-and CP runs (per-rank shards) merges into the one-process run's. Two launches of tests/megatron_layouts_worker.py
+and CP runs (per-rank shards) merges into the one-process run's; the layer tensors of TP=2, TP=2 + SP, CP=2
+and PP=2, gathered from their ranks, equal the one-process run's, and a TP=2 store against a TP=1 store with
+a planted fault names the faulty module. Two launches of tests/megatron_layouts_worker.py
 (one process, two processes) write the stores. The same one-process launch runs the Megatron-LM
 integration (dumpers.megatron_lm) on a loop shaped like Megatron-LM's train() with evaluation in between,
 and the checkpoint readers get what megatron-core's dist_checkpointing (torch_dist) and the legacy
@@ -58,8 +60,9 @@ def _run(out: Path, scenarios: str, nproc: int) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, dict]]]:
     out = tmp_path_factory.mktemp("layouts")
-    ones = ("ref", "fp16", "bf16", "ref4", "ref_moe", "lm_loop", "lm_loop_moe", "lm_loop_raise", "ckpt_ref")
-    twos = ("distopt", "pp2", "vpp", "ep2", "sp", "cp2", "lm_loop_moe_dp2", "ckpt_tp2", "ckpt_pp2")
+    ones = ("ref", "ref_fault", "fp16", "bf16", "ref4", "ref_moe", "lm_loop", "lm_loop_moe", "lm_loop_raise",
+            "ckpt_ref")
+    twos = ("distopt", "pp2", "vpp", "ep2", "sp", "cp2", "tp2", "lm_loop_moe_dp2", "ckpt_tp2", "ckpt_pp2")
     one = _run(out, ",".join(ones), 1)
     two = _run(out, ",".join(twos), 2)
     results = {k: {0: one[0][k]} for k in ones}
@@ -125,7 +128,8 @@ def _report(tmp_path: Path, out: Path, name: str) -> dict:
 
 def _norm_stats_shapes(r: RunReader) -> list[str]:
     stats = r.step_arrays(1, 0).table("tensor_stats")
-    return sorted(set(stats[stats["kind"] == "forward.output.0"]["shape"]))
+    norm = stats[(stats["kind"] == "forward.output.0") & (stats["module"] == "decoder.layers.0.input_layernorm")]
+    return sorted(set(norm["shape"]))
 
 
 def test_sequence_parallel_tp2_compares_with_tp1(stores, tmp_path) -> None:
@@ -147,9 +151,12 @@ def test_sequence_parallel_tp2_compares_with_tp1(stores, tmp_path) -> None:
         assert info["global_norm"] == pytest.approx(results["ref"][0]["grad_norms"][step - 1], rel=1e-6)
     assert results["sp"][0]["losses"] == pytest.approx(results["ref"][0]["losses"], rel=1e-6)
     stages = _report(tmp_path, out, "sp")
-    for stage in ("data_checks", "step1_loss", "step1_local_norm", "step2_loss"):
+    for stage in ("data_checks", "step1_loss", "step1_local_norm", "step2_loss", "layer_tensors"):
         assert stages[stage]["verdict"] == "pass", (stage, stages[stage])
     assert stages["step1_local_norm"]["compared"] == 15
+    # the layer stage gathered the SP store's two TP ranks, and the report says so
+    assert stages["layer_tensors"]["gathered"] == {"candidate": ["rows gathered from ranks [0, 1] (DP rank 0)"]}
+    assert "rows gathered from ranks [0, 1]" in (tmp_path / "sp" / "report.html").read_text()
 
 
 def test_context_parallel_cp2_compares_with_cp1(stores, tmp_path) -> None:
@@ -319,6 +326,89 @@ def test_pipeline_batches_replay(stores) -> None:
             np.testing.assert_array_equal(a[k], b[k])
 
 
+def _layer_compare(out: Path, baseline: str, candidate: str, **kw: object):
+    from comparators.layer_tensors import compare_layer_tensors
+    from sources.layers import gather_layers, layer_source
+
+    a, b = gather_layers(layer_source(out / baseline)), gather_layers(layer_source(out / candidate))
+    return compare_layer_tensors(a, b, None, step=1, **kw), a, b
+
+
+def _split_of(r: RunReader, rank: int, module: str, kind: str = "forward.output.0") -> tuple[str, str]:
+    t = r.step_arrays(1, rank).table("tensor_stats")
+    row = t[(t["module"] == module) & (t["kind"] == kind)].iloc[0]
+    return row["shape"], row["split"]
+
+
+def test_layer_tensors_tp2_gathered_name_the_planted_fault(stores, tmp_path) -> None:
+    """TP=2 (no SP): each rank's column-parallel outputs hold half the last dim (a gated fc1 its [gate_r |
+    up_r]), row-parallel outputs are whole; gathered, all 172 rows of step 1 (forward and backward, two
+    micro-batches) equal the one-process run's. A TP=2 baseline against a TP=1 candidate whose layer-1 fc1
+    weight is 5% off: the layer stage names that module's output as the first departing forward tensor."""
+    out, _ = stores
+    r = RunReader(out / "tp2")
+    assert _split_of(r, 1, "decoder.layers.1.mlp.linear_fc1") == ("16x2x128", "tp:g-1")
+    assert _split_of(r, 0, "decoder.layers.0.self_attention.linear_qkv") == ("16x2x64", "tp:-1")
+    assert _split_of(r, 0, "decoder.layers.0.self_attention.linear_proj", "forward.input.0") == ("16x2x32", "tp:-1")
+    assert _split_of(r, 0, "decoder.layers.0.mlp.linear_fc2")[1] == ""       # whole after the all-reduce
+    res, a, _ = _layer_compare(out, "ref", "tp2")
+    assert res.verdict == "pass" and res.details["compared"] == len(a.layer_rows(1)[0]) == 172, res.findings
+    assert not a.notes.get(1) and not res.details["unmatched_baseline"]
+    stats, _, _ = _layer_compare(out, "ref", "tp2", stats_only=True)   # statistics combined over the shards
+    assert stats.verdict == "pass" and stats.details["mode"] == "stats" and stats.details["compared"] == 172
+    # rank 0 alone (what the stage compared before): half-width tensors, nothing of the kind passes
+    from comparators.layer_tensors import compare_layer_tensors
+    from sources.layers import layer_source
+
+    alone = compare_layer_tensors(layer_source(out / "ref"), layer_source(out / "tp2"), None, step=1, stats_only=True)
+    assert alone.verdict == "fail"
+    ev = Evidence.load(Inputs(str(out / "tp2"), str(out / "ref_fault")))
+    st = run_stages(ev, only=["layer_tensors"])["layer_tensors"]
+    first = st.details["first_departing_forward"]
+    assert st.verdict == "fail" and (first["module"], first["kind"]) == ("decoder.layers.1.mlp.linear_fc1",
+                                                                         "forward.output.0"), first
+    assert first["mode"] == "tensor" and 0.03 < first["value"] < 0.06   # the weight's 5%
+    assert st.details["gathered"] == {"baseline": ["rows gathered from ranks [0, 1] (DP rank 0)"]}
+    before = [x for x in st.details["rows"] if x["direction"] == "forward" and x["order"] < first["order"]]
+    assert before and all(x["verdict"] == "pass" for x in before)
+
+
+def _first_calls(rows: list[dict], kind: str) -> list[tuple[str, str]]:
+    """(module, kind) of the rows of ``kind`` in order of first appearance."""
+    out: list[tuple[str, str]] = []
+    for r in rows:
+        if r["kind"].startswith(kind) and (r["module"], r["kind"]) not in out:
+            out.append((r["module"], r["kind"]))
+    return out
+
+
+def test_layer_tensors_sp_cp_pp_gathered_equal_one_process(stores) -> None:
+    """TP=2 + SP (hidden states split on the sequence, linears on the hidden dim), CP=2 (every activation a
+    rank's two zig-zag chunks, token ids on dim 1) and PP=2 (each stage its layers under global names):
+    gathered, every row equals the one-process run's, full tensors and combined statistics alike. CP: forward
+    only (its per-token loss scales activation gradients)."""
+    out, _ = stores
+    sp, cp = RunReader(out / "sp"), RunReader(out / "cp2")
+    assert _split_of(sp, 0, "decoder.layers.0.input_layernorm") == ("8x2x64", "tp:0")
+    assert _split_of(sp, 0, "decoder.layers.0.self_attention.core_attention", "forward.input.0") == \
+        ("16x2x2x16", "tp:2")
+    assert _split_of(cp, 1, "embedding", "forward.input.0") == ("2x8", "cp:1")
+    assert _split_of(cp, 1, "decoder.layers.1.mlp.linear_fc1") == ("8x2x256", "cp:0")
+    for name, compared in (("sp", 172), ("pp2", 172), ("cp2", 94)):
+        for stats_only in (False, True):
+            res, _, b = _layer_compare(out, name, "ref", stats_only=stats_only)
+            assert res.verdict == "pass" and res.details["compared"] == compared, (name, res.findings)
+            assert not res.details["unmatched_baseline"], name
+    # execution order across the stages: forward up the layers, backward down (the first departure is named)
+    _, one, pp_src = _layer_compare(out, "ref", "pp2")
+    for kind in ("forward.output", "backward.grad_output"):
+        assert _first_calls(pp_src.layer_rows(1)[0], kind) == _first_calls(one.layer_rows(1)[0], kind)
+    pp = RunReader(out / "pp2")
+    stage1 = set(pp.step_arrays(1, 1).table("tensor_stats")["module"])
+    assert "decoder.layers.1.mlp.linear_fc1" in stage1 and not any(".layers.0" in m for m in stage1)
+    assert "output_layer" in stage1
+
+
 def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
     out, results = stores
     for step in (1, 2):
@@ -337,6 +427,15 @@ def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
                                   "world_size": 2}
     assert results["ep2"][0]["optimizer"] == "ChainedOptimizer"
     assert results["ep2"][0]["losses"] == pytest.approx(results["ref_moe"][0]["losses"], rel=1e-6)
+    # layer tensors: experts under global names, each once in the gathered view (EP rank 1's from rank 1); an
+    # expert at EP=2 sees both DP ranks' tokens, so against EP=1 its rows are left unpaired, never judged
+    stats = [set(r.step_arrays(1, k).table("tensor_stats")["module"]) for k in (0, 1)]
+    assert [{m.split("local_experts.")[1][0] for m in s} for s in stats] == [{"0", "1"}, {"2", "3"}]
+    res, _, b = _layer_compare(out, "ref_moe", "ep2")
+    rows, _ = b.layer_rows(1)
+    assert len(rows) == 56 and {x["module"] for x in rows} == stats[0] | stats[1]
+    assert b.notes[1] == ["rows gathered from ranks [0, 1] (DP rank 0; experts from ranks [1])"]
+    assert res.verdict == "warn" and res.details["compared"] == 0 and len(res.details["unmatched_baseline"]) == 112
 
 
 def test_megatron_lm_loop_integration_records_training_iterations_only(stores) -> None:

@@ -11,14 +11,15 @@ from comparators.layer_tensors import ONE_SIDED_KINDS, compare_layer_tensors
 from core.findings import Finding, StageResult, skipped
 from reports.figures import layer_profile
 from reports.html import table
-from sources.layers import LayerSource, layer_source
+from sources.layers import GatheredLayers, LayerSource, gather_layers, layer_source
 
 SEARCH = 20
 
 
 def _first_tensor_step(a: LayerSource, b: LayerSource) -> tuple[int, Any] | None:
     """The first step (of the first SEARCH both runs have files for) where both hold layer rows, with both
-    sides' rows of that step (at each side's first rank): read once, handed to the comparator."""
+    sides' rows of that step (a gathered source's one whole model, else each side's first rank): read once,
+    handed to the comparator."""
     for s in sorted(set(a.array_steps()) & set(b.array_steps()))[:SEARCH]:
         rows = []
         for src in (a, b):
@@ -32,12 +33,13 @@ def _first_tensor_step(a: LayerSource, b: LayerSource) -> tuple[int, Any] | None
 
 def run(ev: Evidence) -> StageResult:
     b, c = ev.baseline, ev.candidate
-    srcs = [layer_source(r, required=False) for r in (b, c)]
+    # a parallel run's rank files are put back together into one whole model's rows first
+    srcs = [gather_layers(layer_source(r, required=False)) for r in (b, c)]
     found = _first_tensor_step(*srcs) if None not in srcs else None
     from_rerun = False
     if found is None and srcs[0] is not None and ev.rerun is not None:
         # the candidate holds no layer tensors: its re-run's stand in (the rerun_check stage says how far)
-        rerun_src = layer_source(ev.rerun, required=False)
+        rerun_src = gather_layers(layer_source(ev.rerun, required=False))
         found = _first_tensor_step(srcs[0], rerun_src) if rerun_src is not None else None
         if found is not None:
             c, srcs[1], from_rerun = ev.rerun, rerun_src, True
@@ -52,6 +54,10 @@ def run(ev: Evidence) -> StageResult:
                                 candidate_rank=srcs[1].array_ranks(step)[0], rank=srcs[0].array_ranks(step)[0],
                                 tolerances=opt.layer_tolerance or None, jobs=opt.jobs, scheduler=opt.scheduler,
                                 readers=_readers(*srcs), rows=rows, one_sided_kinds=ONE_SIDED_KINDS)
+    gathered = {side: src.notes.get(step) for side, src in zip(("baseline", "candidate"), srcs, strict=True)
+                if isinstance(src, GatheredLayers) and src.notes.get(step)}
+    if gathered:
+        res.details["gathered"] = gathered
     if from_rerun:
         check = ev.rerun_check
         res.details["candidate_layers_from"] = f"re-run {c.path}"
@@ -80,7 +86,9 @@ def section(res: StageResult) -> str:
     if not rows:
         return ""
     keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
-    return table([{k: r.get(k) for k in keys} for r in rows])
+    gathered = [{"side": side, "gathered": "; ".join(notes)} for side, notes in
+                (res.details.get("gathered") or {}).items()]    # a parallel run's ranks put back together
+    return (table(gathered) if gathered else "") + table([{k: r.get(k) for k in keys} for r in rows])
 
 
 def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
