@@ -70,7 +70,8 @@ def generate(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     """Write the baseline and candidate stores; returns what was written (rows, bytes, ranks with tensors)."""
     full_ranks = sorted({s * a.ranks // a.pp for s in range(a.pp)} if a.full_ranks == a.pp
                         else set(range(min(a.full_ranks, a.ranks))))
-    holders = [r for r in range(a.ranks) if PERTURB_LAYER in rank_layers(r, a.ranks, a.layers, a.pp)]
+    bad_layer = min(PERTURB_LAYER, a.layers - 1)
+    holders = [r for r in range(a.ranks) if bad_layer in rank_layers(r, a.ranks, a.layers, a.pp)]
     perturb_rank = next((r for r in holders if r in full_ranks), holders[0])   # a full-tensor rank if one holds it
     rng = np.random.default_rng(0)
     base_tensor = rng.standard_normal(a.tokens * a.hidden, dtype=np.float32).reshape(a.tokens, 1, a.hidden)
@@ -95,7 +96,7 @@ def generate(root: Path, a: argparse.Namespace) -> dict[str, Any]:
                 is_layer = np.array([m.count(".") == 2 for m, _ in rows])
                 for i, (m, kind) in enumerate(rows):
                     layer = int(m.split(".")[2])
-                    hit = rank == perturb_rank and layer == PERTURB_LAYER and kind.startswith("forward")
+                    hit = rank == perturb_rank and layer == bad_layer and kind.startswith("forward")
                     if rank in full_ranks and is_layer[i]:
                         arr = base_tensor * np.float32(1 + 0.01 * layer + (0.5 if kind[0] == "b" else 0))
                         if side == "cand":
@@ -116,8 +117,9 @@ def generate(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     disk = sum(f.stat().st_size for s in ("base", "cand") for f in (root / s).rglob("*.h5"))
     return {"ranks": a.ranks, "layers": a.layers, "pp": a.pp, "local_experts": a.local_experts,
             "rows_per_rank": rows_per_rank, "rows_both_sides": 2 * rows_per_rank * a.ranks,
+            "row_pairs": rows_per_rank * a.ranks,
             "full_ranks": full_ranks, "tensor_bytes_both_sides": tensor_bytes, "disk_bytes_both_sides": disk,
-            "tensor_shape": [a.tokens, 1, a.hidden], "perturbed": {"rank": perturb_rank, "layer": PERTURB_LAYER}}
+            "tensor_shape": [a.tokens, 1, a.hidden], "perturbed": {"rank": perturb_rank, "layer": bad_layer}}
 
 
 def _maxrss_mb() -> float:
@@ -189,8 +191,8 @@ def main() -> None:
               flush=True)
         base, cand = layer_source(root / "base"), layer_source(root / "cand")
         groups = {"full": info["full_ranks"], "stats": [r for r in range(a.ranks) if r not in info["full_ranks"]]}
-        stats_rows = 2 * info["rows_per_rank"] * len(groups["stats"])
-        full_rows = 2 * info["rows_per_rank"] * len(groups["full"])
+        stats_rows = info["rows_per_rank"] * len(groups["stats"])   # row pairs compared
+        full_rows = info["rows_per_rank"] * len(groups["full"])
         gb = info["tensor_bytes_both_sides"] / 1e9
         ref: dict[str, dict] = {}
         local: dict[str, float] = {}
@@ -204,7 +206,7 @@ def main() -> None:
                 first = (hit.details.get("first_departing_forward") or {}) if hit else {}
                 info["named"] = first.get("module")
         print(f"local, no Dask (jobs=1): full-tensor ranks {local['full_s']:.2f} s ({gb / local['full_s']:.2f} GB/s), "
-              f"statistics-only ranks {local['stats_s']:.2f} s ({stats_rows / local['stats_s']:,.0f} rows/s); "
+              f"statistics-only ranks {local['stats_s']:.2f} s ({stats_rows / local['stats_s']:,.0f} row pairs/s); "
               f"first departing: {info.get('named')}", flush=True)
         runs = []
         for workers in [int(x) for x in a.workers.split(",")]:
@@ -214,7 +216,7 @@ def main() -> None:
             runs.append(r)
             print(f"dask {workers} worker(s): full-tensor ranks {r['full_s']:.2f} s -> "
                   f"{r['full_gb_per_s_per_worker']:.2f} GB/s per worker; statistics-only ranks {r['stats_s']:.2f} s "
-                  f"-> {r['stats_rows_per_s_per_worker']:,.0f} rows/s per worker; peak RSS per worker "
+                  f"-> {r['stats_rows_per_s_per_worker']:,.0f} row pairs/s per worker; peak RSS per worker "
                   f"{', '.join(f'{x:.0f}' for x in r['peak_rss_mb'])} MB (before the compares "
                   f"{', '.join(f'{x:.0f}' for x in r['rss_before_mb'])} MB); same as local: "
                   f"{r['full_same_as_local'] and r['stats_same_as_local']}; cluster start {r['cluster_start_s']:.1f} s",

@@ -173,7 +173,7 @@ def rows_scale(data: dict[str, Any] | None, why: str) -> list[Row]:
         same = r.get("full_same_as_local") and r.get("stats_same_as_local")
         out.append((f"scale, {r['workers']} Dask worker(s): {head}", "measured",
                     f"full {r['full_gb_per_s_per_worker']:.2f} GB/s/worker, stats "
-                    f"{r['stats_rows_per_s_per_worker']:,.0f} rows/s/worker; peak RSS/worker "
+                    f"{r['stats_rows_per_s_per_worker']:,.0f} row pairs/s/worker; peak RSS/worker "
                     f"{max(r['peak_rss_mb']):.0f} MB", "same as local" if same else "DIFFERS from local"))
     sc = data.get("scaling") or {}
     if sc:
