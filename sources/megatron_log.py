@@ -26,6 +26,7 @@ from sources.configs import parse_arguments_block, parse_world_line
 from sources.logtext import (
     clean_text,
     digit_run,
+    find_line,
     first_bytes,
     fixed_width_rows,
     holds,
@@ -857,20 +858,6 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
                       present, issues.notes())
 
 
-def _line_start(raw: bytes, text: bytes, anchor: bytes, pos: int, from_end: bool) -> int:
-    """Where the whole line whose ':'-to-'|' translation is ``text`` starts in ``raw`` at or after ``pos``:
-    found by ``anchor`` (a piece of it), the first such line (``from_end``: the last); -1 when none is."""
-    k = len(text)
-    j = raw.rfind(anchor, pos) if from_end else raw.find(anchor, pos)
-    while j >= 0:
-        start = raw.rfind(b"\n", 0, j) + 1
-        end = _line_end(raw, j)
-        if start >= pos and end - start == k and raw[start:end].translate(_TO_PIPE) == text:
-            return start
-        j = raw.rfind(anchor, pos, j) if from_end else raw.find(anchor, j + 1)
-    return -1
-
-
 def _garbled_rows(table: Any, value_names: list[str], raw: bytes
                   ) -> tuple[list[np.ndarray], list[tuple[int, bytes]]] | None:
     """Value columns read as text: each as float64 (NaN where its record is not read in bulk), and the
@@ -920,7 +907,7 @@ def _garbled_rows(table: Any, value_names: list[str], raw: bytes
         anchor = max(failing, key=len) if last else failing[0]
         if not anchor:
             return None
-        start = _line_start(raw, line.encode("utf-8"), anchor.encode("utf-8"), pos, last)
+        start = find_line(raw, line.encode("utf-8"), anchor.encode("utf-8"), _TO_PIPE, pos, last)
         if start < 0:
             return None
         pos = start + len(line.encode("utf-8")) + 1
