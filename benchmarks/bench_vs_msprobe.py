@@ -181,6 +181,14 @@ def worker_overhead(args: argparse.Namespace) -> dict:
         losses.append(loss)
     extra = tool.close()
     nbytes, nfiles = _dump_size(out)
+    if args.config in OURS:    # statistics rows written (docs/scale.md: the cost per row)
+        import h5py
+
+        rows = 0
+        for f in out.rglob("*.h5"):
+            with h5py.File(f, "r") as h5:
+                rows += len(h5["tensor_stats"]) if "tensor_stats" in h5 else 0
+        extra["stats_rows_per_step"] = rows / (args.steps + WARMUP)
     import resource
 
     return {"config": args.config, "step_s": times, "cpu_s": cpu, "losses": losses, "dump_bytes": nbytes,
@@ -296,6 +304,7 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
     ratio: dict[str, list[float]] = {c: [] for c in configs if c != "base"}
     paired: dict[str, list[float]] = {c: [] for c in ratio}    # per repeat: this step / that repeat's base
     size: dict[str, tuple[int, int]] = {}
+    rows_per_step: dict[str, float] = {}
     rss: dict[str, list[float]] = {c: [] for c in configs}
     info: dict = {}
     losses: dict[str, list[float]] = {}
@@ -315,6 +324,8 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             every[c]["wall"].extend(r["step_s"])
             every[c]["cpu"].extend(r["cpu_s"])
             size[c] = (r["dump_bytes"] / (args.steps + WARMUP), r["dump_files"])
+            if "stats_rows_per_step" in r:
+                rows_per_step[c] = r["stats_rows_per_step"]
             info = {"params": r["params"], "modules": r["modules"]}
             losses[c] = r["losses"]
             rss[c].append(r["peak_rss_mb"])
@@ -393,8 +404,9 @@ def part_overhead(args: argparse.Namespace, tmp: Path, have_ms: bool) -> dict:
             "steps": every,
             "ratio_to_base_median": {c: v[1] for c, v in ratio.items()},
             "ratio_to_base_min": {c: v[0] for c, v in ratio.items()}, "toolkit_over_msprobe": vs,
-            "dump_bytes_per_step": {c: size[c][0] for c in configs}, "model": {**info, "hidden": args.hidden,
-            "layers": args.layers, "seq": args.seq, "batch": args.batch, "threads": args.threads}}
+            "dump_bytes_per_step": {c: size[c][0] for c in configs}, "stats_rows_per_step": rows_per_step,
+            "model": {**info, "hidden": args.hidden, "layers": args.layers, "seq": args.seq, "batch": args.batch,
+                      "threads": args.threads}}
 
 
 def _msprobe_rows(out: Path) -> dict:
