@@ -167,7 +167,7 @@ def rows_scale(data: dict[str, Any] | None, why: str) -> list[Row]:
         return [(label, "measured", "not measured", why or "no Dask runs in the JSON")]
     st = data["store"]
     out = []
-    head = (f"{st['ranks']} ranks x {st['layers']} layers, {data['stats_rows'] + data['full_rows']:,} rows, "
+    head = (f"{st['ranks']} ranks x {st['layers']} layers, {data['stats_rows']:,} statistics row pairs, "
             f"{st['tensor_bytes_both_sides'] / 1e9:.2f} GB full tensors")
     for r in data["dask"]:
         same = r.get("full_same_as_local") and r.get("stats_same_as_local")
