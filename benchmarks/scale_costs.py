@@ -4,7 +4,8 @@ turned into what a DeepSeek-V3-size run on 64 and on 1024 NPUs costs to dump and
 Why a script: the table is arithmetic on measured numbers and stated assumptions; rerunning it after a new
 ``make bench`` keeps the document honest. Usage:
 
-    .venv/bin/python benchmarks/scale_costs.py --scale bench_out/scale.json --msprobe bench_out/msprobe.json
+    .venv/bin/python benchmarks/scale_costs.py --scale bench_out/scale.json --msprobe bench_out/msprobe.json \
+        [--tensors bench_out/tensors.json]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 #: DeepSeek-V3 (its published config): 61 layers (3 dense, 58 MoE), hidden 7168, MLA (q_lora 1536, kv_lora
@@ -19,6 +21,7 @@ from pathlib import Path
 LAYERS, HIDDEN, EXPERTS, TOP_K, MOE_FFN = 61, 7168, 256, 8, 2048
 TOKENS = 4096                      # one micro-batch: sequence 4096, micro-batch size 1
 BYTES = 2                          # bf16
+F32 = 4 / BYTES                    # the compare's GB/s is of float32 bytes; a bf16 byte holds twice the elements
 #: Forward output width per token of each module of a MoE layer (Megatron-core MLA + MoE, SequentialMLP):
 #: norms, q down/up, kv down/up, core attention, out projection, attention block, router, routed experts
 #: (top-8 tokens through fc1 (gated, 2 x 2048) and fc2), shared expert fc1/fc2, the MLP block, the layer.
@@ -45,14 +48,18 @@ def per_rank(pp: int, ep: int) -> dict[str, float]:
             "layer_out_bytes": layers * 2 * TOKENS * HIDDEN * BYTES, "every_bytes": layers * every}
 
 
-def costs(scale: dict, ms: dict) -> dict[str, float]:
-    """Measured unit costs: compare (one Dask worker) and dump (one rank, CPU)."""
+def costs(scale: dict, ms: dict, tensors: dict | None = None) -> dict[str, float]:
+    """Measured unit costs: compare (one Dask worker; per GB: the 32 MiB tensors of bench_tensor_compare.py read
+    by one thread when given, the scale store's 4 MiB ones otherwise) and dump (one rank, CPU)."""
     one = next(r for r in scale["dask"] if r["workers"] == 1)
+    gb_s = one["full_gb_per_s_per_worker"]
+    if tensors and "jobs1_thread" in tensors.get("variants", {}):
+        gb_s = statistics.median(tensors["variants"]["jobs1_thread"]["gb_per_s"])
     ov = ms["overhead"]
     base = ov["median_ms"]["base"] / 1e3
     full_gb = ov["dump_bytes_per_step"]["ours_full"] / 1e9
     stat_rows = ov["stats_rows_per_step"]["ours_stats"]
-    return {"compare_gb_s": one["full_gb_per_s_per_worker"], "compare_pairs_s": one["stats_rows_per_s_per_worker"],
+    return {"compare_gb_s": gb_s, "compare_pairs_s": one["stats_rows_per_s_per_worker"],
             "dump_s_per_gb": (ov["median_ms"]["ours_full"] / 1e3 - base) / full_gb,
             "dump_s_per_row": (ov["median_ms"]["ours_stats"] / 1e3 - base) / stat_rows,
             "row_bytes": ov["dump_bytes_per_step"]["ours_stats"] / stat_rows,
@@ -74,11 +81,12 @@ def table(c: dict[str, float], workers: int = 64) -> list[str]:
             ("statistics, every module", npus, r["rows"] * c["row_bytes"], r["rows"] * c["dump_s_per_row"],
              npus * r["rows"] / c["compare_pairs_s"]),
             ("full layer outputs + grads, one rank a stage", pp, r["layer_out_bytes"],
-             r["layer_out_bytes"] / 1e9 * c["dump_s_per_gb"], 2 * pp * r["layer_out_bytes"] / 1e9 / c["compare_gb_s"]),
+             r["layer_out_bytes"] / 1e9 * c["dump_s_per_gb"],
+             2 * pp * r["layer_out_bytes"] * F32 / 1e9 / c["compare_gb_s"]),
             ("full every module, one rank a stage", pp, r["every_bytes"], r["every_bytes"] / 1e9 * c["dump_s_per_gb"],
-             2 * pp * r["every_bytes"] / 1e9 / c["compare_gb_s"]),
+             2 * pp * r["every_bytes"] * F32 / 1e9 / c["compare_gb_s"]),
             ("full every module, every rank", npus, r["every_bytes"], r["every_bytes"] / 1e9 * c["dump_s_per_gb"],
-             2 * npus * r["every_bytes"] / 1e9 / c["compare_gb_s"]),
+             2 * npus * r["every_bytes"] * F32 / 1e9 / c["compare_gb_s"]),
         ]
         for what, ranks, per, dump_s, compare_s in cases:
             out.append(f"| {npus} ({pp} x {ep} x {dp}) | {what} | {ranks} | {b(ranks * per)} | {t(dump_s)} a rank | "
@@ -90,9 +98,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", required=True, help="bench_scale.py --json output")
     ap.add_argument("--msprobe", required=True, help="bench_vs_msprobe.py --json output (its overhead part)")
+    ap.add_argument("--tensors", help="bench_tensor_compare.py --json output (the compare's GB/s on large tensors)")
     ap.add_argument("--workers", type=int, default=64)
     a = ap.parse_args()
-    c = costs(json.loads(Path(a.scale).read_text()), json.loads(Path(a.msprobe).read_text()))
+    c = costs(json.loads(Path(a.scale).read_text()), json.loads(Path(a.msprobe).read_text()),
+              json.loads(Path(a.tensors).read_text()) if a.tensors else None)
     print("unit costs: " + ", ".join(f"{k} {v:.4g}" for k, v in c.items()))
     for npus, (pp, ep, _) in RUNS.items():
         r = per_rank(pp, ep)
