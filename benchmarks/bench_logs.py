@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -161,6 +162,7 @@ def main() -> None:
                 "goal_s": GOALS["report_golden"], "steps": a.steps}
             line(res, f"report {a.steps:,}-step golden-values pair")
     if a.json:
+        out["loadavg"] = list(os.getloadavg())     # at the end of the run (the machine may be shared)
         Path(a.json).write_text(json.dumps(out, indent=1))
 
 

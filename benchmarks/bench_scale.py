@@ -247,7 +247,8 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps({"store": info, "local": local, "stats_rows": stats_rows,
                                                 "full_rows": full_rows, "dask": runs, "scaling": scaling,
-                                                "cores": os.cpu_count()}, indent=1))
+                                                "cores": os.cpu_count(), "loadavg": list(os.getloadavg())},
+                                               indent=1))
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)

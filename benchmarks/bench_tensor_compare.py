@@ -173,6 +173,7 @@ def main() -> None:
                       f"(best {max(v['gb_per_s']):.2f} GB/s)")
             summary["variants"][name] = v
         if args.json:
+            summary["loadavg"] = list(os.getloadavg())
             Path(args.json).write_text(json.dumps(summary, indent=1))
     finally:
         if not args.keep:

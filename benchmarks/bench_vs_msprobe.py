@@ -691,6 +691,7 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n  total {time.perf_counter() - t_start:.0f} s")
     if args.json:
+        results["loadavg"] = list(os.getloadavg())
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
 

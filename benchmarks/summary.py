@@ -64,9 +64,9 @@ def rows_tensors(data: dict[str, Any] | None, why: str) -> list[Row]:
             continue
         what = f"{label} ({name.replace('_', ' ')}{', the default' if name == default else ''})"
         read = variants.get("plain_read", {})
-        out.append((what, goal, f"{v['ratio_min']:.2f}x min, {v['ratio_median']:.2f}x median (paired; compare "
-                    f"{max(v['gb_per_s']):.2f} GB/s best, read {max(read.get('gb_per_s', [0])):.2f} GB/s; "
-                    f"{v['bytes'] / 1e9:.1f} GB, page cache warm for both)",
+        out.append((what, goal, f"{v['ratio_min']:.2f}x min, {v['ratio_median']:.2f}x median (compare "
+                    f"{max(v['gb_per_s']):.2f} GB/s, read {max(read.get('gb_per_s', [0])):.2f} GB/s best; "
+                    f"{v['bytes'] / 1e9:.1f} GB, cache warm)",
                     _verdict(v["ratio_median"] <= COMPARE_VS_READ_X) if name == default else "(reference)"))
     return out or [(label, goal, "not measured", why or "no compare variants in the JSON")]
 
@@ -206,8 +206,11 @@ def main() -> None:
     for key, value in (("make_demo_s", a.demo_s), ("make_test_s", a.test_s)):
         if value is not None:
             fresh[key] = value
-    rows = (rows_tensors(*_load(a.tensors)) + rows_msprobe(ms, ms_why) + rows_logs(*_load(a.logs))
-            + rows_fresh(fresh, "" if fresh else fresh_why) + rows_scale(*_load(a.scale)))
+    if not fresh:
+        fresh_why = (f"{fresh_why}; " if fresh_why else "") + "measured by hand: --fresh JSON or --demo-s / --test-s"
+    parts = {"tensors": _load(a.tensors), "msprobe": (ms, ms_why), "logs": _load(a.logs), "scale": _load(a.scale)}
+    rows = (rows_tensors(*parts["tensors"]) + rows_msprobe(ms, ms_why) + rows_logs(*parts["logs"])
+            + rows_fresh(fresh, "" if fresh else fresh_why) + rows_scale(*parts["scale"]))
     head = ("measure", "goal", "measured (one run)", "verdict")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
     print(f"\n== issue 28: every goal side by side (load average at the summary: {_loadavg()}) ==")
@@ -216,6 +219,10 @@ def main() -> None:
     print("  ratios: of pairs measured side by side in the same run, judged on their median (min beside it); "
           "seconds: judged on the\n  best wall time over the repeats (the least loaded one on a shared machine), "
           "median beside it")
+    loads = [f"{k} {' '.join(f'{x:.1f}' for x in d['loadavg'])}" for k, (d, _) in parts.items()
+             if d and isinstance(d.get("loadavg"), list)]
+    if loads:
+        print("  load average (1, 5, 15 min) at the end of each part: " + "; ".join(loads))
     missing = sum(r[2] == "not measured" for r in rows)
     failed = sum(r[3] == "NOT met" for r in rows)
     print(f"  {len(rows)} rows: {failed} NOT met, {missing} not measured")
