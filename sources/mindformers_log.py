@@ -427,12 +427,12 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool, l
         return out, config, []
     for x in infinite:       # read line by line, as the careful reader tells 'inf' and '1e400' apart
         ok &= ~x
-    got = _garbled_lines(raw, table, ok, gstep, out, line.decode("utf-8", "replace"))
+    got = _garbled_lines(raw, table, ok, gstep, out, line.decode("utf-8", "replace"), [names[c] for c in floats])
     return None if got is None else (got[0], config, got[1])
 
 
 def _garbled_lines(raw: bytes, table: Any, ok: np.ndarray, gstep: np.ndarray,
-                   bulk: dict[str, tuple[np.ndarray, np.ndarray]], first: str
+                   bulk: dict[str, tuple[np.ndarray, np.ndarray]], first: str, value_names: list[str]
                    ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], list[str]] | None:
     """The columns of a file read in bulk but for the rows ``ok`` leaves out: those lines read one by one,
     as the careful reader reads them (its fields, its notes, the order in which keys first appear). None
@@ -446,13 +446,14 @@ def _garbled_lines(raw: bytes, table: Any, ok: np.ndarray, gstep: np.ndarray,
         return None
     rows = table.take(pa.array(bad)).to_pydict()
     texts = ["|".join(r) for r in zip(*rows.values(), strict=True)]
+    values = [rows[c] for c in value_names]       # a line is found again by its garbled value (rare text)
     last_field = _last_field([first])         # every row has the first one's field names (checked by the caller)
     skips, unknown = _Skips(), Counter()
     got: list[tuple[int, int, dict[str, float]]] = []
     pos = 0
-    for i, text in zip(bad.tolist(), texts, strict=True):
-        pieces = [x for x in text.split("|") if x.strip(_BLANK)]
-        failing = [x for x in pieces if not _NUMBER.fullmatch(x.strip(_BLANK))] or pieces
+    for r, (i, text) in enumerate(zip(bad.tolist(), texts, strict=True)):
+        pieces = [v[r] for v in values if v[r].strip(_BLANK)]
+        failing = [x for x in pieces if not _NUMBER.fullmatch(x.strip(_BLANK))] or pieces or [text]
         start = find_line(raw, text.encode("utf-8"), failing[0].encode("utf-8"), _TO_PIPE, pos)
         if start < 0:
             return None
