@@ -63,23 +63,26 @@ def costs(scale: dict, ms: dict, tensors: dict | None = None) -> dict[str, float
             "dump_s_per_gb": (ov["median_ms"]["ours_full"] / 1e3 - base) / full_gb,
             "dump_s_per_row": (ov["median_ms"]["ours_stats"] / 1e3 - base) / stat_rows,
             "row_bytes": ov["dump_bytes_per_step"]["ours_stats"] / stat_rows,
+            "local_pairs_s": scale["stats_rows"] / scale["local"]["stats_s"],
             "peak_rss_mb": max(one["peak_rss_mb"])}
 
 
-def table(c: dict[str, float], workers: int = 64) -> list[str]:
+def table(c: dict[str, float], workers: int = 64, storage_gb_s: float = 10.0) -> list[str]:
     def t(s: float) -> str:
-        return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+        return (f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200
+                else f"{s / 3600:.1f} h")
 
     def b(x: float) -> str:
-        return f"{x / 1e9:.1f} GB" if x < 1e12 else f"{x / 1e12:.1f} TB"
+        return f"{x / 1e6:.0f} MB" if x < 1e9 else f"{x / 1e9:.1f} GB" if x < 1e12 else f"{x / 1e12:.1f} TB"
 
     out = [f"| NPUs (PP x EP x DP) | what is captured (one step, one micro-batch) | ranks | written | dump, added "
-           f"per step | compare on {workers} workers |", "|---|---|---:|---:|---:|---:|"]
+           f"per step | compare (statistics: one process; full: {workers} workers, storage {storage_gb_s:g} GB/s) |",
+           "|---|---|---:|---:|---:|---:|"]
     for npus, (pp, ep, dp) in RUNS.items():
         r = per_rank(pp, ep)
         cases = [
             ("statistics, every module", npus, r["rows"] * c["row_bytes"], r["rows"] * c["dump_s_per_row"],
-             npus * r["rows"] / c["compare_pairs_s"]),
+             npus * r["rows"] / c["local_pairs_s"] * workers),     # serial: planning + transport bound
             ("full layer outputs + grads, one rank a stage", pp, r["layer_out_bytes"],
              r["layer_out_bytes"] / 1e9 * c["dump_s_per_gb"],
              2 * pp * r["layer_out_bytes"] * F32 / 1e9 / c["compare_gb_s"]),
@@ -89,8 +92,9 @@ def table(c: dict[str, float], workers: int = 64) -> list[str]:
              2 * npus * r["every_bytes"] * F32 / 1e9 / c["compare_gb_s"]),
         ]
         for what, ranks, per, dump_s, compare_s in cases:
+            read = 2 * ranks * per / 1e9 / storage_gb_s       # both sides from shared storage
             out.append(f"| {npus} ({pp} x {ep} x {dp}) | {what} | {ranks} | {b(ranks * per)} | {t(dump_s)} a rank | "
-                       f"{t(compare_s / workers)} |")
+                       f"{t(max(compare_s / workers, read))} |")
     return out
 
 
@@ -100,6 +104,7 @@ def main() -> None:
     ap.add_argument("--msprobe", required=True, help="bench_vs_msprobe.py --json output (its overhead part)")
     ap.add_argument("--tensors", help="bench_tensor_compare.py --json output (the compare's GB/s on large tensors)")
     ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--storage-gb-s", type=float, default=10.0, help="read bandwidth of the shared storage")
     a = ap.parse_args()
     c = costs(json.loads(Path(a.scale).read_text()), json.loads(Path(a.msprobe).read_text()),
               json.loads(Path(a.tensors).read_text()) if a.tensors else None)
@@ -109,7 +114,7 @@ def main() -> None:
         print(f"{npus} NPUs, one rank, one micro-batch: {r['layers']} layers, {r['local_experts']} local experts, "
               f"{r['rows']} statistics rows, layer outputs + grads {r['layer_out_bytes'] / 1e9:.2f} GB, every module "
               f"{r['every_bytes'] / 1e9:.1f} GB")
-    print("\n".join(table(c, a.workers)))
+    print("\n".join(table(c, a.workers, a.storage_gb_s)))
 
 
 if __name__ == "__main__":
