@@ -96,7 +96,7 @@ def rows_msprobe(data: dict[str, Any] | None, why: str) -> list[Row]:
         r = overhead.get(key)
         if isinstance(r, dict) and "paired_median" in r:
             n, reps = len((steps.get(key) or {}).get("wall", [])), len(r["paired"])
-            out.append((label, f"<= {limit:g}x", f"{min(r['paired']):.2f}x min, {r['paired_median']:.2f}x median "
+            out.append((label, f"<= {limit:g}x", f"{min(r['paired']):.3f}x min, {r['paired_median']:.3f}x median "
                         f"(paired; CPU {r.get('cpu_median', float('nan')):.2f}x; {n // max(reps, 1)} steps x {reps})",
                         _verdict(r["paired_median"] <= limit)))
         else:
