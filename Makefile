@@ -56,9 +56,14 @@ upstream-check: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(PY) tests/upstream/check.py --megatron-lm $(MEGATRON_LM) \
 		$(if $(MINDFORMERS_SRC),--mindformers $(MINDFORMERS_SRC)) --out $(UPSTREAM_OUT)
 
+# Issue 28's goals, each measured side by side in one run (~15-20 min on 2 quiet cores). The fresh-clone
+# `make demo` / `make test` times are measured by hand and given as $(BENCH_OUT)/fresh_clone.json
+# ({"make_demo_s": S, "make_test_s": S}); without it their rows say "not measured".
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)
 	$(PY) benchmarks/bench_logs.py --json $(BENCH_OUT)/logs.json
+	$(PY) benchmarks/bench_tensor_compare.py --json $(BENCH_OUT)/tensors.json
+	$(PY) benchmarks/bench_scale.py --json $(BENCH_OUT)/scale.json
 	# msprobe side by side: its own environment (benchmarks/.venv-msprobe, never a product dependency).
 	# Without msprobe the comparison still runs our side in .venv and says why msprobe is missing.
 	@if PYTHON=$(PYTHON) bash benchmarks/msprobe_env.sh; then \
@@ -67,8 +72,9 @@ bench: $(STAMP)
 		echo "bench: msprobe could not be installed (reason above); timing this toolkit only"; \
 		$(PY) benchmarks/bench_vs_msprobe.py --json $(BENCH_OUT)/msprobe.json; \
 	fi
-	# issue 15: every goal side by side, from the two JSON files above
-	$(PY) benchmarks/summary.py --logs $(BENCH_OUT)/logs.json --msprobe $(BENCH_OUT)/msprobe.json
+	# issue 28: every goal side by side, from the JSON files above
+	$(PY) benchmarks/summary.py --logs $(BENCH_OUT)/logs.json --msprobe $(BENCH_OUT)/msprobe.json \
+		--tensors $(BENCH_OUT)/tensors.json --scale $(BENCH_OUT)/scale.json --fresh $(BENCH_OUT)/fresh_clone.json
 
 clean:
 	rm -rf $(VENV) $(OUT)

@@ -108,8 +108,27 @@ def _run_dask(tasks: list[dict[str, Any]], scheduler: Any) -> list[dict[str, Any
     except OSError as exc:
         raise BadInput(f"{scheduler}: cannot reach the Dask scheduler ({exc})") from None
     try:
-        futures = client.map(compare_pair, tasks, pure=False)
-        return client.gather(futures)
+        chunks = _chunks(tasks, len(client.scheduler_info().get("workers", {})) or 1)
+        futures = client.map(_compare_chunk, chunks, pure=False)
+        return [r for part in client.gather(futures) for r in part]
     finally:
         if own:
             client.close()
+
+
+#: Rows per Dask task at most: one task per row costs the scheduler ~1-5 ms a row, 20-100x a statistics row's
+#: own compare (benchmarks/bench_scale.py), so rows travel in runs of consecutive rows.
+DASK_CHUNK = 256
+
+
+def _chunks(tasks: list[dict[str, Any]], workers: int) -> list[list[dict[str, Any]]]:
+    """Consecutive runs of work items: at most DASK_CHUNK, and at least 8 runs a worker while there are
+    rows for them (a run holding full tensors then leaves the others room to balance)."""
+    if not tasks:
+        return []
+    size = max(1, min(DASK_CHUNK, -(-len(tasks) // (8 * workers))))
+    return [tasks[i: i + size] for i in range(0, len(tasks), size)]
+
+
+def _compare_chunk(chunk: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [compare_pair(t) for t in chunk]

@@ -287,6 +287,22 @@ def originals(raw: bytes, lines: list[str], table: bytes) -> list[bytes] | None:
     return out
 
 
+def find_line(raw: bytes, text: bytes, anchor: bytes, table: bytes, pos: int = 0, from_end: bool = False) -> int:
+    """Where the whole line whose ``table``-translation is ``text`` starts in ``raw``, at or after ``pos``:
+    found by ``anchor`` (a piece of it, rare text such as a garbled value, or the longest piece), the first
+    such line (``from_end``: the last). -1 when there is none."""
+    k = len(text)
+    j = raw.rfind(anchor, pos) if from_end else raw.find(anchor, pos)
+    while j >= 0:
+        start = raw.rfind(b"\n", 0, j) + 1
+        end = raw.find(b"\n", j)
+        end = len(raw) if end < 0 else end
+        if start >= pos and end - start == k and raw[start:end].translate(table) == text:
+            return start
+        j = raw.rfind(anchor, pos, j) if from_end else raw.find(anchor, j + 1)
+    return -1
+
+
 def holds(column: Any, words: tuple[bytes, ...]) -> bool:
     """Whether any string of a pyarrow string column may hold one of ``words``, searched in the data
     buffers (a word across two strings counts: a caller can only be sent to its careful path by it)."""

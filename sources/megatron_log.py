@@ -26,6 +26,7 @@ from sources.configs import parse_arguments_block, parse_world_line
 from sources.logtext import (
     clean_text,
     digit_run,
+    find_line,
     first_bytes,
     fixed_width_rows,
     holds,
@@ -484,7 +485,11 @@ def parse_megatron_log(path: str | Path) -> Run:
     canon = _read_canonical(raw)
     if canon is not None:   # every record in the first one's layout: read in bulk (same result, faster)
         iters = canon.iters
-        series = {k: make_series(iters, v, k, copy=False) for k, v in canon.cols.items()}
+        if canon.present is None:
+            series = {k: make_series(iters, v, k, copy=False) for k, v in canon.cols.items()}
+        else:                # a few garbled values: their records were read field by field
+            series = {k: make_series(iters[canon.present[k]], v[canon.present[k]], k) for k, v in canon.cols.items()}
+        notes.extend(canon.notes)
         n_records, train_iters, counted = canon.n_records, canon.total, canon.others
         n_loss = 0 if canon.pipes_ok else canon.n_loss
     else:
@@ -728,9 +733,12 @@ class _Canonical:
     validation, traceback and 'lm loss:' counts the careful path takes over the whole text)."""
 
     def __init__(self, iters: np.ndarray, cols: dict[str, np.ndarray], total: int | None, others: bytes,
-                 pipes_ok: bool, n_loss: int, n_records: int) -> None:
+                 pipes_ok: bool, n_loss: int, n_records: int, present: dict[str, np.ndarray] | None = None,
+                 notes: list[str] | None = None) -> None:
         self.iters, self.cols, self.total, self.others = iters, cols, total, others
         self.pipes_ok, self.n_loss, self.n_records = pipes_ok, n_loss, n_records
+        # garbled values: which rows hold each key (None: every row), and the notes on what was not read
+        self.present, self.notes = present, notes or []
 
 
 def _read_canonical(raw: bytes) -> _Canonical | None:
@@ -738,9 +746,13 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     ':' becomes '|' (length kept), pyarrow splits every line at '|' and reads the value columns as float64,
     lines of another column count go to a handler and are checked for anything record-like.
 
-    ``None`` whenever the careful path could read anything differently (a garbled value, a wrapped or cut
-    record, a name out of place, separator counts that do not add up, no pyarrow): that path then reads the
-    file as before, so results are the same either way (tests compare both on mixed logs)."""
+    A few garbled values (a value that is not a number in at most a tenth of the records) are read as the
+    careful path reads them: every column as text, the records whose values are all numbers in bulk, the
+    others field by field (``_garbled_rows``).
+
+    ``None`` whenever the careful path could read anything differently (a wrapped or cut record, a name out
+    of place, separator counts that do not add up, no pyarrow): that path then reads the file as before, so
+    results are the same either way (tests compare both on mixed logs)."""
     if importlib.util.find_spec("pyarrow") is None:
         return None
     m = _RECORD.search(raw)
@@ -759,8 +771,11 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
         return None
     tr = to_pipes(raw, b":")
     got = read_split(tr, head + 2 + 2 * len(names), set(value_cols), 1000 + len(raw) // 10_000, utf8=True)
+    garbled = got is None
+    if garbled and raw.endswith(b"\n"):   # a value that is not a number? every column as text, looked at below
+        got = read_split(tr, head + 2 + 2 * len(names), set(), 1000 + len(raw) // 10_000, utf8=True)
     if got is None:
-        return None   # a value that is not a number, a line that is not UTF-8, or mostly other text
+        return None   # a line that is not UTF-8, or mostly other text
     table, rejected = got
     n = table.num_rows
     col = table.column
@@ -791,18 +806,119 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     # as it did before this path existed)
     raw_pipes = n * (prefix.count(b"|") + len(names) + 1) + sum(o.count(b"|") for o in others)
     cols: dict[str, np.ndarray] = {}
+    values = None
+    if garbled:
+        got = _garbled_rows(table, [colnames[c] for c in value_cols], raw)
+        if got is None:
+            return None
+        values, bad_rows = got
     n_inf = 0
-    for c, name in zip(value_cols, names, strict=True):
+    for j, (c, name) in enumerate(zip(value_cols, names, strict=True)):
         unit = _UNIT.search(name)
         sec = _seconds_key(name, unit.group(1)) if unit else None
+        if values is not None:
+            v = values[j]
+            cols[sec or _key(name)] = v * 1000.0 if sec else v
+            continue
         v = col(colnames[c]).to_numpy()
         n_inf += int(np.isinf(v).sum())
         cols[sec or _key(name)] = v * 1000.0 if sec else v if v.flags.writeable else v.copy()
     if n_inf and n_inf != sum(raw.count(w) - sum(o.count(w) for o in others) for w in _INF_TEXT):
         return None   # an inf read from a finite literal beyond the float range (1e400): the careful path notes it
     n_loss = n * sum(1 for name in names if name.endswith("lm loss")) + sum(o.count(b"lm loss:") for o in others)
-    return _Canonical(iters, cols, total if total < 1 << 53 else None, b"\n".join(others),
-                      raw_pipes == n * (len(cols) + 1), n_loss, n)
+    pipes_ok = raw_pipes == n * (len(cols) + 1)
+    if values is None:
+        return _Canonical(iters, cols, total if total < 1 << 53 else None, b"\n".join(others), pipes_ok, n_loss, n)
+    # the records with a garbled value, field by field (as the careful path reads every record it cannot
+    # read in bulk): what they hold is kept, what they do not is noted
+    issues = _Issues()
+    present = {k: np.ones(n, dtype=bool) for k in cols}
+    keep = np.ones(n, dtype=bool)
+    iters = iters.copy()
+    for i, rec in bad_rows:
+        for k in present:
+            present[k][i] = False
+        try:
+            it, got_values = _parse_record(rec, issues, False)
+        except ValueError as exc:
+            issues.add("head", "", -1, str(exc))
+            keep[i] = False
+            continue
+        iters[i] = it
+        for k, v in got_values.items():
+            if k not in cols:
+                cols[k] = np.full(n, np.nan)
+                present[k] = np.zeros(n, dtype=bool)
+            cols[k][i] = v
+            present[k][i] = True
+    if not keep.all():
+        iters = iters[keep]
+        cols, present = {k: v[keep] for k, v in cols.items()}, {k: p[keep] for k, p in present.items()}
+    return _Canonical(iters, cols, total if total < 1 << 53 else None, b"\n".join(others), pipes_ok, n_loss, n,
+                      present, issues.notes())
+
+
+def _garbled_rows(table: Any, value_names: list[str], raw: bytes
+                  ) -> tuple[list[np.ndarray], list[tuple[int, bytes]]] | None:
+    """Value columns read as text: each as float64 (NaN where its record is not read in bulk), and the
+    records (row, the record's text from 'iteration' on, as ``_RECORD`` finds it) to read field by field.
+
+    As the careful path's bulk read (``_bulk_masked``): a value is a number when its text, blanks trimmed,
+    matches ``_NUMBER_RE2``; a record with any other value, or an infinite one, is read field by field.
+    The last record is always read field by field, as the careful path reads it (it may be cut). None when
+    that is more than a tenth of the records, there are too few records for the careful path's bulk read, or
+    a garbled record holds text the careful path counts over the whole file (validation lines, tracebacks)
+    or cannot be found again in ``raw``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    if n <= _BISECT_MIN:
+        return None
+    texts = [pc.utf8_trim(table.column(c), " \t") for c in value_names]
+    ok = np.ones(n, dtype=bool)
+    values = []
+    for t in texts:
+        try:            # a column of numbers only reads as the float columns of the clean path do
+            v = pc.cast(t, pa.float64()).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):   # the garbled column(s): which values are numbers
+            is_num = pc.match_substring_regex(t, _NUMBER_RE2)
+            v = pc.cast(pc.if_else(is_num, t, "nan"), pa.float64()).to_numpy(zero_copy_only=False)
+            ok &= is_num.to_numpy(zero_copy_only=False)
+        values.append(v if v.flags.writeable else v.copy())
+    if ok.all() or (~ok).sum() > n // 10:
+        return None
+    for v in values:
+        ok &= ~np.isinf(v)       # inf (a literal, or one beyond the float range): field by field
+    ok[-1] = False
+    bad = np.flatnonzero(~ok)
+    if len(bad) > n // 10:
+        return None
+    rows = table.take(pa.array(bad)).to_pydict()
+    lines = ["|".join(r) for r in zip(*rows.values(), strict=True)]
+    bad_texts = [t.take(pa.array(bad)).to_pylist() for t in texts]
+    out = []
+    pos = 0
+    for r, (i, line) in enumerate(zip(bad.tolist(), lines, strict=True)):
+        # found by its garbled value (rare text; the last record: by its longest value, from the end)
+        last = i == n - 1
+        pieces = [x[r] for x in bad_texts if x[r]]
+        failing = [x for x in pieces if not re.fullmatch(_NUMBER_RE2, x)] or pieces
+        anchor = max(failing, key=len) if last else failing[0]
+        if not anchor:
+            return None
+        start = find_line(raw, line.encode("utf-8"), anchor.encode("utf-8"), _TO_PIPE, pos, last)
+        if start < 0:
+            return None
+        pos = start + len(line.encode("utf-8")) + 1
+        line = raw[start: pos - 1]
+        m = _RECORD.search(line)
+        if m is None or b"validation loss" in line or b"Traceback" in line:
+            return None
+        for v in values:
+            v[i] = np.nan
+        out.append((i, m.group(1)))
+    return values, out
 
 
 _INF_TEXT = (b"inf |", b"Inf |", b"INF |")   # how Python prints an inf value before its '|' ('-inf' too)

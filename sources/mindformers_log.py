@@ -40,7 +40,7 @@ from core.errors import BadInput
 from models.mindformers_parallel import strategy_from_yaml
 from runstore.run import Run, make_series
 from sources import Source
-from sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split
+from sources.logtext import any_ends_with, clean_text, find_line, int_column, read_log_bytes, read_split
 
 # "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
 # "Epoch:[..], step:[..] tag: value" (no comma after the step bracket). Numbers are ASCII digits padded with
@@ -249,7 +249,8 @@ def _fast(raw: bytes, path: str | Path, notes: list[str]) -> tuple[dict[str, pd.
     series and the run's meta, or None for the careful line-by-line path."""
     bulk = _bulk(raw)
     if bulk is not None:
-        cols, config = bulk
+        cols, config, read_notes = bulk
+        notes.extend(read_notes)
     else:
         cols, config = _regex_rows(raw), _has_config_block(raw)
         if cols is None:
@@ -322,12 +323,16 @@ _OVERFLOW = 13
 _OTHER_LINE = re.compile(r"Epoch|step\|\||norm_size\||local_norm\|")
 
 
-def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] | None:
+def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool, list[str]] | None:
     """Every step line in the first one's layout (MFLossMonitor's format): read in one pass with pyarrow
-    (',', ':', '[', ']' and '/' all separate columns), no Python object per line. Returns the columns and
-    whether a config dict is printed. None sends the file to the regex reader: pyarrow missing, another
-    layout, a value that is not a number, a step line the columns do not explain, local norms. Reads
-    exactly what that reader reads (tests compare both)."""
+    (',', ':', '[', ']' and '/' all separate columns), no Python object per line. Returns the columns,
+    whether a config dict is printed and the notes on what was not read. None sends the file to the regex
+    reader: pyarrow missing, another layout, a step line the columns do not explain, local norms. Reads
+    exactly what that reader reads (tests compare both).
+
+    A few values that are not numbers (at most a tenth of the lines) keep the file here: the value columns
+    are read as text, and the lines holding such a value are read one by one as the careful reader reads
+    them (``_garbled_lines``), what they hold kept and what they do not noted."""
     m = _FAST.search(raw)
     if m is None or b"(" in raw and b"nan(" in raw:   # pyarrow reads 'nan(1)' as NaN, Python's float not
         return None
@@ -347,6 +352,9 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
         roles[c] = g
     floats = {c for c, g in roles.items() if g not in _INT_GROUPS and g not in _SUFFIX and g != _OVERFLOW}
     got = read_split(raw, len(pieces), floats, 1000 + len(raw) // 10_000, translate=_TO_PIPE)
+    garbled = got is None and bool(floats) and raw.endswith(b"\n")
+    if garbled:          # a value that is not a number? the value columns as text, looked at below
+        got = read_split(raw, len(pieces), set(), 1000 + len(raw) // 10_000, translate=_TO_PIPE)
     if got is None:
         return None
     table, other = got
@@ -371,6 +379,7 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
     if not pc.all(pc.ends_with(col(names[head]), tail)).as_py():
         return None
     values: dict[int, np.ndarray] = {}
+    ok = np.ones(table.num_rows, dtype=bool)      # rows read in bulk (garbled: the others line by line)
     for c, g in roles.items():
         x = col(names[c])
         if g in _INT_GROUPS:
@@ -388,6 +397,17 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
                 v = pc.cast(pc.utf8_rtrim(pc.utf8_trim(x, " \t"), unit), pa.float64()).to_numpy()
             except pa.ArrowInvalid:
                 return None   # '1.2.3ms'
+        elif garbled:
+            t = pc.utf8_trim(x, " \t")
+            try:     # a column of numbers only reads as the float columns of a clean file do
+                v = pc.cast(t, pa.float64()).to_numpy(zero_copy_only=False)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):   # the garbled column: which values are numbers
+                is_num = pc.match_substring_regex(t, f"^(?:{_NUM})$")
+                try:
+                    v = pc.cast(pc.if_else(is_num, t, "nan"), pa.float64()).to_numpy(zero_copy_only=False)
+                except (pa.ArrowInvalid, pa.ArrowTypeError):
+                    return None
+                ok &= is_num.to_numpy(zero_copy_only=False)
         else:
             v = x.to_numpy()
         if v is None:
@@ -396,13 +416,83 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool] |
     gstep = _global_steps(values[1], values[3], values[2])
     if gstep is None:
         return None
-    if any(np.isinf(values[g]).any() for g in roles.values() if g not in _INT_GROUPS):
+    infinite = [np.isinf(values[g]) for g in roles.values() if g not in _INT_GROUPS]
+    if not garbled and any(x.any() for x in infinite):
         return None   # 'inf' or a number out of range ('1e400', read as inf): the regex reader tells them apart
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for idx, key in _FAST_KEYS.items():
         if idx + 1 in values:
             out[key] = (gstep, values[idx + 1])
-    return out, any(t.startswith("{'") for t in other)
+    config = any(t.startswith("{'") for t in other)
+    if not garbled:
+        return out, config, []
+    for x in infinite:       # read line by line, as the careful reader tells 'inf' and '1e400' apart
+        ok &= ~x
+    got = _garbled_lines(raw, table, ok, gstep, out, line.decode("utf-8", "replace"), [names[c] for c in floats])
+    return None if got is None else (got[0], config, got[1])
+
+
+def _garbled_lines(raw: bytes, table: Any, ok: np.ndarray, gstep: np.ndarray,
+                   bulk: dict[str, tuple[np.ndarray, np.ndarray]], first: str, value_names: list[str]
+                   ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], list[str]] | None:
+    """The columns of a file read in bulk but for the rows ``ok`` leaves out: those lines read one by one,
+    as the careful reader reads them (its fields, its notes, the order in which keys first appear). None
+    (the careful reader reads the whole file) when they are more than a tenth of the lines, or a line is
+    anything but one whole step line (cut, wrapped, two records, local norms) or cannot be found again."""
+    import pyarrow as pa
+
+    n = len(ok)
+    bad = np.flatnonzero(~ok)
+    if not len(bad) or len(bad) > n // 10:
+        return None
+    rows = table.take(pa.array(bad)).to_pydict()
+    texts = ["|".join(r) for r in zip(*rows.values(), strict=True)]
+    values = [rows[c] for c in value_names]       # a line is found again by its garbled value (rare text)
+    last_field = _last_field([first])         # every row has the first one's field names (checked by the caller)
+    skips, unknown = _Skips(), Counter()
+    got: list[tuple[int, int, dict[str, float]]] = []
+    pos = 0
+    for r, (i, text) in enumerate(zip(bad.tolist(), texts, strict=True)):
+        pieces = [v[r] for v in values if v[r].strip(_BLANK)]
+        failing = [x for x in pieces if not _NUMBER.fullmatch(x.strip(_BLANK))] or pieces or [text]
+        start = find_line(raw, text.encode("utf-8"), failing[0].encode("utf-8"), _TO_PIPE, pos)
+        if start < 0:
+            return None
+        pos = start + len(text.encode("utf-8")) + 1
+        line = raw[start: pos - 1].decode("utf-8")
+        at = line.find("Epoch:[")
+        if not _is_complete(line) or line.count("Epoch:[") != 1 or "norm_size" in line or "local_norm" in line:
+            return None
+        m = _STEP.search(line, max(0, at - 2))
+        step = step_number(m.group(2), m.group(5), m.group(4)) if m else None
+        if m is None or step is None or not m.group(6):
+            return None
+        standard = _read_standard(line, m.start())
+        vals = standard or _read_fields(m.group(7), step, skips, unknown)
+        if not vals or standard is None and _cut_short(line, last_field):
+            return None
+        got.append((i, step, vals))
+    # keys in the order the careful reader first meets them: lines before the first bulk row, then the bulk
+    # columns, then keys only garbled lines hold
+    first_ok = int(np.argmax(ok))
+    order = [k for i, _, vals in got if i < first_ok for k in vals]
+    order += list(bulk) + [k for i, _, vals in got if i > first_ok for k in vals]
+    cols: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for key in dict.fromkeys(order):
+        v = bulk[key][1].copy() if key in bulk else np.full(n, np.nan)
+        have = ok.copy() if key in bulk else np.zeros(n, dtype=bool)
+        steps = gstep.copy()
+        for i, step, vals in got:
+            steps[i] = step
+            have[i] = key in vals
+            if key in vals:
+                v[i] = vals[key]
+        cols[key] = (steps[have], v[have])
+    notes = skips.notes()
+    if unknown:
+        notes.append("fields this reader does not know, kept under their own names: "
+                     + ", ".join(f"{k!r} ({c} step(s))" for k, c in list(unknown.items())[:5]))
+    return cols, notes
 
 
 class _Skips:

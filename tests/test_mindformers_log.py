@@ -538,3 +538,29 @@ def test_printed_nan_and_inf_are_read_on_both_paths(tmp_path, monkeypatch):
     run = _parse_both(monkeypatch, tmp_path, "\n".join(lines) + "\n")
     assert run.series("loss_scale")[2] == np.inf and np.isnan(run.series("grad_norm")[3])
     assert not any("loss_scale" in n or "global_norm" in n for n in run.notes)
+
+
+def test_a_few_garbled_values_keep_the_bulk_path_and_read_as_the_careful_reader(tmp_path, monkeypatch):
+    """Issue 28: garbled values, an 'inf' and a value beyond the float range in a few lines of a long log (the
+    first and the last among them): the bulk reader keeps the file (those lines read one by one) and agrees
+    with the careful reader on every value and note."""
+    import re
+
+    import sources.mindformers_log as mfl
+    from demo.example_logs import mindformers_log
+    from sources.logtext import clean_text
+
+    p = tmp_path / "long.log"
+    mindformers_log(p, 300, seed=3)
+    lines = p.read_text().split("\n")
+    steps = [i for i, x in enumerate(lines) if "step:[" in x]
+    edits = {steps[0]: (r"loss:\[", "loss:[4.1x"), steps[50]: (r"lr: [^,]*", "lr: 1e400"),
+             steps[90]: (r"lr: [^,]*", "lr: inf"), steps[120]: (r"loss_scale: ", "loss_scale: 1.0.0"),
+             steps[-1]: (r"global_norm: \[", "global_norm: [x")}
+    for i, (old, new) in edits.items():
+        lines[i] = re.sub(old, new, lines[i], count=1)
+    text = "\n".join(lines)
+    run = _parse_both(monkeypatch, tmp_path, text)
+    assert mfl._bulk(clean_text(text.encode()))[2] == run.notes
+    assert 1 not in run.series("loss").index and len(run.series("loss")) == 299
+    assert np.isinf(run.series("lr")[91]) and 51 not in run.series("lr").index
