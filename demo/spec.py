@@ -124,6 +124,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "the baseline data loader mutates its cached loss_mask in place each step"),
     Fault("nan_param", "candidate", "nan_trace", "feed_forward.w2",
           "one parameter's gradient becomes NaN at step 3 on the candidate", mcore_component="mlp.linear_fc2"),
+    Fault("no_clip", "candidate", "optimizer", "clipping",
+          "candidate's training cell does not clip although its YAML says use_clip_grad: True, max_grad_norm "
+          "1.0 (the wrapper is built without the YAML's clipping keys)"),
 ]}
 
 NAN_STEP = 3
