@@ -257,7 +257,7 @@ def megatron_clip_probe(optimizer: Any, params: list[tuple[str, Any]], grads: di
 
     import torch
 
-    from dumpers.megatron import _unwrap_optimizer
+    from dumpers.megatron import _unwrap_optimizer, grad_norm_hook_muted
 
     opt = _unwrap_optimizer(optimizer)
     subs = [_unwrap_optimizer(s) for s in (getattr(opt, "chained_optimizers", None) or [opt])]
@@ -286,7 +286,7 @@ def megatron_clip_probe(optimizer: Any, params: list[tuple[str, Any]], grads: di
         for p in owned:
             probe = torch.from_numpy((g64[name_of[id(p)]] * scale).astype(np.float32)).reshape(p.shape)
             p.grad = probe.to(dtype=p.dtype, device=p.device)
-        with torch.no_grad(), ctx:
+        with torch.no_grad(), ctx, grad_norm_hook_muted():   # the probe's norm is not the step's grad norm
             total = opt.get_grad_norm()
             for sub, ps in groups:
                 if ps and float(sub.config.clip_grad) > 0.0:
