@@ -323,9 +323,10 @@ def trains_in_graph(spec: Spec) -> bool:
     (``MindSporeDumper(graph_capture=True)``: statistics only, no full tensors). The lr = 0 run (no tensor steps,
     short), the optimizer check and the faults that patch the candidate's Python at run time (nan_param poisons
     a gradient in the training cell, embedding_fp16 replaces the embedding's ``construct``; GRAPH would compile
-    neither) stay in PYNATIVE with layer hooks and full tensors; so does the legacy Llama."""
+    neither) stay in PYNATIVE with layer hooks and full tensors; so does the legacy Llama. So does no_clip: a
+    cell without clipping returns None as its global norm, which a CPU GRAPH step cannot output."""
     return (spec.model_kind != "llama" and spec.role == "candidate" and bool(spec.tensor_steps)
-            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16"))
+            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16", "no_clip"))
 
 
 def mindformers_config(spec: Spec) -> dict[str, Any]:
