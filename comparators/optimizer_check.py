@@ -167,3 +167,195 @@ def to_candidate_names(arrays: MappingABC[str, np.ndarray], mapping: Any = None,
         raise BadInput(f"cannot convert baseline arrays: {bad[0].message}" + (
             f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Clipping: both sides' clipping on one probe gradient whose global norm exceeds the configured max
+# ---------------------------------------------------------------------------------------------------------
+
+# Clipping is one multiply by max / (norm + 1e-6) (Megatron's clip_grad_by_total_norm_fp32 and MindFormers'
+# ClipGradNorm alike), the norm a float32 sum of squares on each side: ~1e-6 relative apart. A clipping fault is
+# an order-one difference (the probe is 10 x the max: a side that does not clip is 10 x off).
+CLIP_RTOL = (1e-4, 1e-2)
+CLIP_EPS = 1e-6
+SIDE_LABEL = {"baseline": "the baseline's optimizer", "candidate": "the candidate's training cell"}
+SIDE_COMPONENT = {"baseline": "clipping (baseline optimizer)", "candidate": "clipping (candidate training cell)"}
+NOT_RUN = {"baseline": "its clipping code did not run (Megatron clips only when the optimizer's "
+                       "config.clip_grad > 0)",
+           "candidate": "its clipping code did not run (MindFormers' MFTrainOneStepCell clips only when the "
+                        "cell's use_clip_grad is on: a wrapper built without the YAML's use_clip_grad / "
+                        "max_grad_norm does not clip)"}
+
+
+def expected_clip_coefficient(norm: float, max_norm: float | None) -> float | None:
+    """The coefficient global-norm clipping at ``max_norm`` applies to a gradient of global ``norm``
+    (1 = unchanged; None = max unknown)."""
+    if max_norm is None or not np.isfinite(max_norm):
+        return None
+    if max_norm <= 0:
+        return 1.0
+    return float(min(1.0, max_norm / (norm + CLIP_EPS)))
+
+
+def _side_stats(probe: MappingABC[str, np.ndarray], clipped: MappingABC[str, np.ndarray], names: list[str]
+                ) -> dict[str, Any]:
+    """Global coefficient (least squares: C ~ c G), clipped norm, and per parameter (c_p, residual off a pure
+    scaling)."""
+    gg = cg = cc = 0.0
+    per: dict[str, tuple[float | None, float]] = {}
+    for n in names:
+        g, c = _f64(probe[n]).ravel(), _f64(clipped[n]).ravel()
+        g2, c2, gc = float(g @ g), float(c @ c), float(g @ c)
+        gg, cg, cc = gg + g2, cg + gc, cc + c2
+        coef = gc / g2 if g2 > 0 else None
+        resid = float(np.linalg.norm(c - coef * g)) / np.sqrt(c2) if coef is not None and c2 > 0 else 0.0
+        per[n] = (coef, resid)
+    return {"coefficient": cg / gg if gg > 0 else None, "clipped_norm": float(np.sqrt(cc)), "per": per}
+
+
+def _grade(rel: float, rtol: tuple[float, float]) -> str:
+    return "pass" if rel <= rtol[0] else "warn" if rel <= rtol[1] else "fail"
+
+
+def _config_finding(side: str, st: dict[str, Any], norm: float, config: float, source: str,
+                    info: MappingABC[str, float] | None, rtol: tuple[float, float]) -> Finding:
+    """Does this side's clipping do what its config says? ``config`` 0 = no clipping."""
+    c, y = st["coefficient"], st["clipped_norm"]
+    e = expected_clip_coefficient(norm, config)
+    rel = abs(c - e) / e
+    label = SIDE_LABEL[side]
+    did = (f"did not clip (coefficient {c:.4g}, clipped norm {y:.4g})" if abs(c - 1.0) <= rtol[0]
+           else f"clipped to {y:.4g} (coefficient {c:.4g})")
+    if config > 0:
+        msg = (f"config says clip at {config:g} ({source}); fed the probe gradient of global norm {norm:.4g} "
+               f"({norm / config:.3g} x the max), {label} {did}")
+        if rel > rtol[0]:
+            msg += f", where clipping at {config:g} gives coefficient {e:.4g}"
+            if info is not None and info.get("applied") == 0.0:
+                msg += f"; {NOT_RUN[side]}"
+            elif info is not None and np.isfinite(info.get("max_norm", np.nan)) and info["max_norm"] != config:
+                msg += f"; its clipping code was given max norm {info['max_norm']:g}"
+        verdict = _grade(rel, rtol)
+        if verdict == "pass" and norm <= config:
+            verdict = "warn"
+            msg += f"; the probe does not exceed this side's max ({config:g}): its clipping was not exercised"
+    else:
+        msg = f"config says no clipping ({source}); fed the probe gradient of global norm {norm:.4g}, {label} {did}"
+        verdict = _grade(rel, rtol)
+    return Finding(STAGE, verdict, SIDE_COMPONENT[side], "clip_coefficient", c, e, msg)
+
+
+def compare_clipping(probe: MappingABC[str, np.ndarray], clipped_baseline: MappingABC[str, np.ndarray] | None,
+                     clipped_candidate: MappingABC[str, np.ndarray] | None, *,
+                     config_baseline: float | None = None, config_candidate: float | None = None,
+                     config_sources: MappingABC[str, str] | None = None,
+                     info_baseline: MappingABC[str, float] | None = None,
+                     info_candidate: MappingABC[str, float] | None = None,
+                     rtol: tuple[float, float] = CLIP_RTOL, top: int = 8) -> StageResult:
+    """StageResult("optimizer") of the clipping check, every array in baseline names.
+
+    ``probe``: the gradient both sides were fed (the baseline's step-1 gradients x the probe's scale);
+    ``clipped_*``: what each side's clipping made of it (``runstore.clip_probe``), None where a side wrote no
+    probe; ``config_*``: the max norm each side's config says (0 = no clipping, None = unknown), named by
+    ``config_sources``; ``info_*``: the probe files' scalars (whether the clipping code ran, its max norm).
+
+    Findings: per side, config against behaviour (component ``clipping (candidate training cell)`` /
+    ``clipping (baseline optimizer)``: "config says clip at X, ... clipped to Y / did not clip"); across sides,
+    the clipped gradients (component ``clipping``: global relative difference and both coefficients); per
+    parameter, one clipped by another coefficient than the rest of its side (per-tensor clipping, or a
+    parameter left out of the global clip). Without a measured baseline, its clipped gradient is derived from
+    its config (Megatron's rule), and the details say so."""
+    sources = dict(config_sources or {})
+    res = StageResult(STAGE)
+    names = sorted(probe)
+    norm = float(np.sqrt(sum(float(np.sum(np.square(_f64(probe[n])))) for n in names)))
+    details: dict[str, Any] = {"probe_norm": norm, "rtol": list(rtol)}
+    if not names or norm <= 0:
+        details["reason"] = "the probe gradient is empty or zero"
+        res.details = details
+        return res
+    derived = False
+    if clipped_baseline is None and clipped_candidate is not None and config_baseline is not None:
+        e = expected_clip_coefficient(norm, config_baseline)
+        clipped_baseline = {n: _f64(probe[n]) * e for n in names}
+        derived = True
+    sides = {"baseline": clipped_baseline, "candidate": clipped_candidate}
+    configs = {"baseline": config_baseline, "candidate": config_candidate}
+    infos = {"baseline": info_baseline, "candidate": info_candidate}
+    stats: dict[str, dict[str, Any]] = {}
+    for side, clipped in sides.items():
+        if clipped is None:
+            details[side] = {"measured": False, "config": configs[side]}
+            continue
+        absent = [n for n in names if n not in clipped]
+        if absent:
+            res.add(Finding(STAGE, "warn", f"clipping ({side})", "missing_clipped", len(absent), 0,
+                            f"{SIDE_LABEL[side]} returned no clipped gradient for {len(absent)} parameter(s): "
+                            f"{', '.join(absent[:5])}"))
+        have = [n for n in names if n in clipped]
+        if not have:
+            continue
+        st = _side_stats(probe, clipped, have)
+        if st["coefficient"] is None:
+            continue
+        stats[side] = st
+        measured = not (side == "baseline" and derived)
+        details[side] = {"measured": measured, "config": configs[side], "config_source": sources.get(side),
+                         "coefficient": st["coefficient"], "clipped_norm": st["clipped_norm"],
+                         **({k: v for k, v in (infos[side] or {}).items()} if measured else
+                            {"derived_from": "the baseline's config (Megatron's rule): no measured probe"})}
+        if measured and configs[side] is not None:
+            res.add(_config_finding(side, st, norm, float(configs[side]), sources.get(side, "its config"),
+                                    infos[side], rtol))
+    if len(stats) == 2:
+        _cross_side(res, probe, sides, stats, names, norm, rtol, top, details, derived)
+    res.details = details
+    return res
+
+
+def _cross_side(res: StageResult, probe: MappingABC[str, np.ndarray], sides: dict[str, Any],
+                stats: dict[str, dict[str, Any]], names: list[str], norm: float, rtol: tuple[float, float],
+                top: int, details: dict[str, Any], derived: bool) -> None:
+    """The clipped gradients of both sides, globally and per parameter."""
+    cb, cc = sides["baseline"], sides["candidate"]
+    common = [n for n in names if n in cb and n in cc]
+    rows, dd, bb = [], 0.0, 0.0
+    for n in common:
+        b, c = _f64(cb[n]).ravel(), _f64(cc[n]).ravel()
+        d2, b2 = float((c - b) @ (c - b)), float(b @ b)
+        dd, bb = dd + d2, bb + b2
+        rows.append({"name": n, "rel_diff": np.sqrt(d2 / b2) if b2 > 0 else (0.0 if d2 == 0 else float("inf")),
+                     "coefficient_baseline": stats["baseline"]["per"][n][0],
+                     "coefficient_candidate": stats["candidate"]["per"][n][0]})
+    rel = float(np.sqrt(dd / bb)) if bb > 0 else (0.0 if dd == 0 else float("inf"))
+    kb, kc = stats["baseline"]["coefficient"], stats["candidate"]["coefficient"]
+    where = " (the baseline's from its config: no measured probe)" if derived else ""
+    verdict = _grade(rel, rtol)
+    msg = (f"the same probe gradient (global norm {norm:.4g}) clipped by each side{where}: coefficient "
+           f"{kb:.4g} (norm {stats['baseline']['clipped_norm']:.4g}) on the baseline, {kc:.4g} (norm "
+           f"{stats['candidate']['clipped_norm']:.4g}) on the candidate; the clipped gradients differ by "
+           f"{rel:.3g} relative")
+    if verdict != "pass":
+        msg += " (check the clipping each side's training step applies: max norm, whether it runs at all)"
+    res.add(Finding(STAGE, verdict, "clipping", "clipped_grad_rel_diff", rel, rtol[0], msg))
+    # a parameter clipped unlike the rest of its side: clipping per tensor, or left out of the global clip
+    odd: list[Finding] = []
+    for side, st in stats.items():
+        if side == "baseline" and derived:
+            continue
+        k = st["coefficient"]
+        for n in common:
+            coef, resid = st["per"][n]
+            if coef is None:
+                continue
+            dev = max(abs(coef - k) / k, resid)
+            if dev > rtol[0]:
+                odd.append(Finding(STAGE, _grade(dev, rtol), n, "clip_coefficient_param", coef, k,
+                                   f"{n}: {SIDE_LABEL[side]} scales its probe gradient by {coef:.4g} where the "
+                                   f"rest is scaled by {k:.4g} (a global-norm clip scales all alike): clipped "
+                                   "on its own (per tensor) or left out of the global clip"))
+    for f in odd:
+        res.add(f)
+    rows.sort(key=lambda r: -r["rel_diff"])
+    details.update({"rel_diff": rel, "coefficient_ratio": kc / kb if kb else None, "compared": len(common),
+                    "odd_parameters": [f.component for f in odd], "worst": rows[:top]})

@@ -197,7 +197,9 @@ def run(spec: Spec) -> dict[str, Any]:
         p = dict(params)[NAN_PARAM_BASELINE]
         nan_hook = p
     # every rank: under torch.distributed each writes the part it owns (evidence/optimizer_step1/rank_R.npz)
-    evidence = OptimizerEvidence(ddp, spec.out, opt) if spec.optimizer_evidence else None
+    # one process: also the clipping probe, Megatron's clipping on CPU under the device redirect its step uses
+    evidence = (OptimizerEvidence(ddp, spec.out, opt, device_context=cpu_device_redirect)
+                if spec.optimizer_evidence else None)
     losses = []
     for step in range(1, spec.steps + 1):
         arrays = dp_share(source(step), info.dp_rank, info.dp)
@@ -225,7 +227,8 @@ def run(spec: Spec) -> dict[str, Any]:
     return {"role": spec.role, "rank": info.rank, "tp": spec.tp, "steps": spec.steps,
             "seconds": time.perf_counter() - t0,
             "first_loss": losses[0], "last_loss": losses[-1], "threads": torch.get_num_threads(),
-            "dumper_errors": dumper.errors}
+            "dumper_errors": dumper.errors,
+            "evidence_errors": [e for e in (evidence.error, evidence.clip_error) if e] if evidence else []}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,9 +225,13 @@ WRAPPERS = {"CPUTrainOneStepCell": FaultyTrainOneStepCell, "McoreCPUTrainOneStep
 
 
 def build_cell(net: nn.Cell, spec: Spec) -> FaultyTrainOneStepCell | FaultyMcoreTrainOneStepCell:
-    """The YAML's ``runner_wrapper`` (its type and every value) around the network and the YAML's optimizer."""
+    """The YAML's ``runner_wrapper`` (its type and every value) around the network and the YAML's optimizer
+    (the no_clip fault drops the clipping keys: the cell then does not clip, as MFTrainOneStepCell defaults)."""
     wrap = dict(mindformers_config(spec)["runner_wrapper"])
     cls = WRAPPERS[wrap.pop("type")]
+    if injects(spec, "candidate") == "no_clip":   # the YAML still says clip at 1.0; MFTrainOneStepCell's default: off
+        wrap.pop("use_clip_grad", None)
+        wrap.pop("max_grad_norm", None)
     opt = build_optimizer(net, spec)
     inner = mcc.McoreReplayLoss(net) if is_mcore(spec) else net
     cell = cls(inner, opt, **wrap)

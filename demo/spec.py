@@ -124,6 +124,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "the baseline data loader mutates its cached loss_mask in place each step"),
     Fault("nan_param", "candidate", "nan_trace", "feed_forward.w2",
           "one parameter's gradient becomes NaN at step 3 on the candidate", mcore_component="mlp.linear_fc2"),
+    Fault("no_clip", "candidate", "optimizer", "clipping",
+          "candidate's training cell does not clip although its YAML says use_clip_grad: True, max_grad_norm "
+          "1.0 (the wrapper is built without the YAML's clipping keys)"),
 ]}
 
 NAN_STEP = 3
@@ -320,9 +323,10 @@ def trains_in_graph(spec: Spec) -> bool:
     (``MindSporeDumper(graph_capture=True)``: statistics only, no full tensors). The lr = 0 run (no tensor steps,
     short), the optimizer check and the faults that patch the candidate's Python at run time (nan_param poisons
     a gradient in the training cell, embedding_fp16 replaces the embedding's ``construct``; GRAPH would compile
-    neither) stay in PYNATIVE with layer hooks and full tensors; so does the legacy Llama."""
+    neither) stay in PYNATIVE with layer hooks and full tensors; so does the legacy Llama. So does no_clip: a
+    cell without clipping returns None as its global norm, which a CPU GRAPH step cannot output."""
     return (spec.model_kind != "llama" and spec.role == "candidate" and bool(spec.tensor_steps)
-            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16"))
+            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16", "no_clip"))
 
 
 def mindformers_config(spec: Spec) -> dict[str, Any]:

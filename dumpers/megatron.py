@@ -27,12 +27,13 @@ Layouts users train with, each read from the optimizer and model rather than gue
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,13 +49,30 @@ _listeners: weakref.WeakSet[MegatronDumper] = weakref.WeakSet()
 _original: Any = None
 
 
+_muted = threading.local()
+
+
 def _hooked_get_grad_norm_fp32(grads_for_norm: Any, *args: Any, **kwargs: Any) -> Any:
     """Megatron's function, unchanged in result; listeners see the norm and the gradients it used."""
     total = _original(grads_for_norm, *args, **kwargs)
+    if getattr(_muted, "on", False):
+        return total
     norm_type = kwargs.get("norm_type", args[0] if args else 2)
     for dumper in list(_listeners):
         dumper._on_grad_norm(total if float(norm_type) == 2.0 else None)
     return total
+
+
+@contextlib.contextmanager
+def grad_norm_hook_muted() -> Iterator[None]:
+    """Megatron grad-norm calls inside this block reach no dumper: the norm of gradients the step does not
+    use (the clipping probe of dumpers.optimizer_evidence) must not pose as the step's grad norm."""
+    prev = getattr(_muted, "on", False)
+    _muted.on = True
+    try:
+        yield
+    finally:
+        _muted.on = prev
 
 
 def install_grad_norm_hook(dumper: MegatronDumper) -> None:

@@ -27,11 +27,22 @@ whose ``finalize_model_grads`` reduces the gradients, before ``optimizer.step()`
     ev.before_step()
     optimizer.step()
     ev.after_step()        # writes RUN/evidence/optimizer_step1.npz (or its per-rank shards)
+
+One process with a Megatron optimizer that steps on the model's own parameters (FP32Optimizer, or a chained
+one of them): ``after_step`` also runs the clipping probe (``runstore.clip_probe``): the step-1 gradients
+scaled to a global norm of 10 x the optimizer's ``config.clip_grad`` go through Megatron's own clipping as its
+``step`` runs it (``get_grad_norm``, then ``clip_grad_by_total_norm_fp32`` when ``clip_grad > 0``), on copies
+swapped into ``param.grad`` and swapped back, and the clipped gradients are written to
+``RUN/evidence/clip_probe.npz``. ``device_context`` (a context-manager factory) wraps that call where
+Megatron's CUDA literals need redirecting (the CPU demo). A probe that cannot run says why in ``clip_error``
+and writes nothing; the step-1 evidence is kept either way.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +135,15 @@ def _layout(param: Any, gated: bool, name: str) -> tuple[int, int, int, int, int
 class OptimizerEvidence:
     """Never raises into the training loop: a failure is kept in ``error`` and nothing is written."""
 
-    def __init__(self, model: Any, run_dir: str | Path, optimizer: Any = None) -> None:
+    def __init__(self, model: Any, run_dir: str | Path, optimizer: Any = None, *,
+                 device_context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.error: str | None = None
         self.path: Path | None = None
+        self.clip_error: str | None = None
+        self.clip_path: Path | None = None
+        self.optimizer = optimizer
+        self.device_context = device_context
         self._init: dict[str, np.ndarray] = {}
         self._grad: dict[str, np.ndarray] = {}
         self._shard: dict[str, np.ndarray] = {}
@@ -197,6 +213,7 @@ class OptimizerEvidence:
                 path = self.run_dir / EVIDENCE_DIR / OPTIMIZER_EVIDENCE
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_step1_file(path, self._grad, self._init, after)
+                self.clip_path = self._clip_probe()
             else:
                 after = {}
                 for name, p in self.params:
@@ -211,3 +228,74 @@ class OptimizerEvidence:
         except Exception as exc:  # noqa: BLE001
             self.error = f"after_step: {exc}"
             return None
+
+    def _clip_probe(self) -> Path | None:
+        """Megatron's clipping on the scaled step-1 gradients (module docstring); never raises."""
+        try:
+            from runstore import EVIDENCE_DIR
+            from runstore.clip_probe import CLIP_PROBE, probe_scale, write_clip_probe
+
+            clipped, info = megatron_clip_probe(self.optimizer, self.params, self._grad,
+                                                device_context=self.device_context, probe_scale=probe_scale)
+            return write_clip_probe(self.run_dir / EVIDENCE_DIR / CLIP_PROBE, clipped, **info)
+        except Exception as exc:  # noqa: BLE001 - evidence must never stop training
+            self.clip_error = f"clip probe: {exc}"
+            return None
+
+
+def megatron_clip_probe(optimizer: Any, params: list[tuple[str, Any]], grads: dict[str, np.ndarray], *,
+                        device_context: Callable[[], AbstractContextManager[Any]] | None,
+                        probe_scale: Callable[[float, float | None], float]) -> tuple[dict[str, np.ndarray],
+                                                                                     dict[str, Any]]:
+    """(clipped probe gradients by name, the probe's scalars) from a Megatron optimizer's own clipping.
+
+    As ``MegatronOptimizer.step`` / ``ChainedOptimizer.step`` clip: the global norm over every sub-optimizer
+    (``get_grad_norm``), then each sub-optimizer whose ``config.clip_grad > 0`` clips its parameters by it.
+    The probe gradients are copies put in ``param.grad`` and the originals are put back, whatever happens.
+    Raises ValueError where the probe cannot run (not a Megatron optimizer, main-parameter copies)."""
+    import contextlib
+
+    import torch
+
+    from dumpers.megatron import _unwrap_optimizer, grad_norm_hook_muted
+
+    opt = _unwrap_optimizer(optimizer)
+    subs = [_unwrap_optimizer(s) for s in (getattr(opt, "chained_optimizers", None) or [opt])]
+    if not subs or any(not hasattr(s, "get_parameters") or getattr(s, "config", None) is None for s in subs):
+        raise ValueError("not a Megatron optimizer (no get_parameters / config.clip_grad)")
+    if any(getattr(s.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False) for s in subs):
+        raise ValueError("a precision-aware optimizer clips decoupled_grad, not param.grad")
+    name_of = {id(p): n for n, p in params}
+    groups = [(s, list(s.get_parameters())) for s in subs]
+    owned = [p for _, ps in groups for p in ps]
+    if not owned:
+        raise ValueError("the optimizer holds no parameters")
+    unknown = [p for p in owned if id(p) not in name_of or name_of[id(p)] not in grads]
+    if unknown:
+        raise ValueError(f"{len(unknown)} optimizer parameter(s) are not the model's (main-parameter copies of a "
+                         "mixed-precision or distributed optimizer)")
+    maxes = {float(s.config.clip_grad) for s in subs}
+    max_norm = maxes.pop() if len(maxes) == 1 else max(maxes)
+    g64 = {name_of[id(p)]: np.asarray(grads[name_of[id(p)]], dtype=np.float64) for p in owned}
+    grad_norm = float(np.sqrt(sum(float(np.sum(g * g)) for g in g64.values())))
+    scale = probe_scale(grad_norm, max_norm)
+    saved = [(p, p.grad) for p in owned]
+    ctx = device_context() if device_context is not None else contextlib.nullcontext()
+    applied = False
+    try:
+        for p in owned:
+            probe = torch.from_numpy((g64[name_of[id(p)]] * scale).astype(np.float32)).reshape(p.shape)
+            p.grad = probe.to(dtype=p.dtype, device=p.device)
+        with torch.no_grad(), ctx, grad_norm_hook_muted():   # the probe's norm is not the step's grad norm
+            total = opt.get_grad_norm()
+            for sub, ps in groups:
+                if ps and float(sub.config.clip_grad) > 0.0:
+                    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+                    clip_grad_by_total_norm_fp32(ps, max_norm=float(sub.config.clip_grad), total_norm=total)
+                    applied = True
+        clipped = {name_of[id(p)]: _np(p.grad) for p in owned}
+    finally:
+        for p, g in saved:
+            p.grad = g
+    return clipped, {"scale": scale, "max_norm": max_norm, "applied": applied, "returned_norm": float(total)}

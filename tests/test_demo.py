@@ -117,6 +117,11 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
     assert ln["compared"] == 19 and {w["name"] for w in ln["worst"]} >= {
         "decoder.layers.0.self_attention.q_layernorm.weight", "decoder.layers.1.mlp.linear_fc1.weight"}
     assert summary["stages"]["step1_loss"]["rel_delta"] < 1e-5
+    # clipping: Megatron's and MindFormers' own clipping of one probe gradient (10 x the max norm) agree
+    clip = summary["stages"]["optimizer"]["clipping"]
+    assert clip["checked"] and clip["baseline"]["measured"] and clip["probe_norm"] == pytest.approx(10.0)
+    assert clip["baseline"]["config"] == clip["candidate"]["config"] == 1.0 and clip["compared"] == 19
+    assert clip["candidate"]["coefficient"] == pytest.approx(0.1, rel=1e-5) and clip["rel_diff"] < 1e-5
     # forward and backward rows; MindFormers' float16 attention makes later rows judged at float16
     lt = summary["stages"]["layer_tensors"]
     assert lt["compared"] >= 20
@@ -142,6 +147,13 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
     assert "--mapping" not in cmd and "rtol" not in cmd   # the preset and the precision come from the runs
     assert json.loads((runs / "repeat_tp2" / "meta.json").read_text())["parallel"]["tp"] == 2
     assert (runs / "baseline" / "step_1" / "rank_0" / "tokens.npy").is_file()   # seed layout for replay
+    # the clipping probe's own grad norm (10) is not the step's: step 1 logs its evidence gradients' norm
+    from runstore import read_step1_file
+
+    grads = read_step1_file(runs / "baseline")["grad"]
+    first = json.loads((runs / "baseline" / "scalars" / "rank_00000.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["grad_norm"] == pytest.approx(
+        sum(float((g.astype("float64") ** 2).sum()) for g in grads.values()) ** 0.5, rel=1e-5)
 
 
 def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp_path: Path) -> None:
