@@ -238,7 +238,13 @@ class NormPairing:
 
 def pair_norms(b_names: Iterable[str], c_names: Iterable[str], mapping: Any) -> NormPairing:
     """Pair baseline and candidate parameter names through the mapping (oriented to the names first): the one
-    name resolution every named-norm comparison uses (step-1 local norms, norm trajectories, spikes)."""
+    name resolution every named-norm comparison uses (step-1 local norms, norm trajectories, spikes).
+
+    Routed experts pair one by one, named by the baseline's global index, where the candidate recorded its
+    stacked expert tensors in pieces (``weight1[e]``, rules.EXPERT_PIECE); where it holds only the stacked
+    norm (MindFormers' own local_norm output or log) the layer's experts compare as one group, sqrt of the sum
+    of squares over the baseline's experts, named as the group (``...local_experts.*.linear_fc1.weight
+    (experts 0-3)``)."""
     b_names, c_names = list(b_names), list(c_names)
     m = mapping.oriented(b_names, c_names)
     groups, unmapped, _ignored = m.pair(b_names, c_names)
@@ -248,9 +254,12 @@ def pair_norms(b_names: Iterable[str], c_names: Iterable[str], mapping: Any) -> 
             have = set(gp.baseline_present) | set(gp.candidate_present)
             miss = [n for n in gp.match.baseline + gp.match.candidate
                     if n not in {m.strip(h, s) for h in have for s in ("baseline", "candidate")}]
-            incomplete.append((gp.name, miss))
+            incomplete.append((gp.label, miss))
             continue
-        pairs.append(NormPair(m.strip(gp.baseline_present[0], "baseline"), list(gp.baseline_present),
+        # one expert (a baseline expert against the candidate's piece NAME[e]): the baseline's name with its
+        # global index; a stacked tensor compared whole: the group's name (experts 0-3), not expert 0's
+        name = gp.label if gp.label != gp.name else m.strip(gp.baseline_present[0], "baseline")
+        pairs.append(NormPair(name, list(gp.baseline_present),
                               list(gp.candidate_present), gp.match.layer, _kind_of(gp.match.rule.kind)))
     return NormPairing(m, pairs, incomplete, unmapped)
 
