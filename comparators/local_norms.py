@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,12 +161,40 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
     return out, info
 
 
+_LOCAL_EXPERT = re.compile(r"^(?P<pre>.*\.experts\.local_experts\.)(?P<e>\d+)(?P<post>\..*)$")
+_GROUPED_EXPERT = re.compile(r"^(?P<pre>.*\.experts\.linear_fc\d+\.(?:weight|bias))(?P<e>\d+)(?P<post>)$")
+
+
+def global_expert_names(names: list[str], ep_rank: int) -> list[str]:
+    """Megatron expert names of EP rank ``ep_rank`` by their global index (ep_rank x local experts + e).
+
+    Names that are global already (the MegatronDumper renames them) stay: on an EP rank r > 0 global indices
+    start at r x local experts > 0, so an experts module whose lowest index there is 0 was named locally
+    (a store from another writer), and its indices are shifted by r x its count of local experts."""
+    if ep_rank <= 0:
+        return names
+    found: dict[str, set[int]] = {}
+    parsed = []
+    for n in names:
+        m = _LOCAL_EXPERT.match(n) or _GROUPED_EXPERT.match(n)
+        parsed.append(m)
+        if m:
+            found.setdefault(m.group("pre"), set()).add(int(m.group("e")))
+    shift = {pre: ep_rank * len(es) for pre, es in found.items() if min(es) == 0}
+    if not shift:
+        return names
+    return [f"{m.group('pre')}{int(m.group('e')) + shift[m.group('pre')]}{m.group('post')}"
+            if m and m.group("pre") in shift else n for n, m in zip(names, parsed, strict=True)]
+
+
 def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo: dict[str, Any],
                    row0: int = 0) -> None:
     """Add one rank's ``local_norm`` table to ``out`` (name -> ShardNorm); row ``i`` is remembered as
-    ``row0 + i``. Missing layout columns default to a whole, unsharded gradient on the rank's TP rank."""
+    ``row0 + i``. Missing layout columns default to a whole, unsharded gradient on the rank's TP rank.
+    Experts named locally on an EP rank get their global index (``global_expert_names``)."""
     pp_rank = int(rinfo.get("pp_rank", 0) or 0)
     n = len(cols["name"])
+    names = global_expert_names([str(x) for x in cols["name"]], int(rinfo.get("ep_rank", 0) or 0))
     tp_rank = cols.get("tp_rank", np.full(n, int(rinfo.get("tp_rank", 0) or 0)))
     tp_size = cols.get("tp_size", np.ones(n, dtype=np.int64))
     pdim = cols.get("tp_partition_dim", np.full(n, -1))
@@ -174,7 +203,7 @@ def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo
     dp_rank = cols.get("dp_rank", np.zeros(n, dtype=np.int64))
     dp_size = cols.get("dp_size", np.ones(n, dtype=np.int64))
     for i in range(n):
-        name = str(cols["name"][i])
+        name = names[i]
         e = out.get(name)
         if e is None:
             e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
@@ -379,8 +408,9 @@ def combine_tables(tables: Iterable[tuple[dict[str, Any], dict[str, np.ndarray]]
     out: dict[str, ShardNorm] = {}
     for rinfo, cols in tables:
         n = len(cols["name"])
+        names = global_expert_names([str(x) for x in cols["name"]], int(rinfo.get("ep_rank", 0) or 0))
         for i in range(n):
-            name = str(cols["name"][i])
+            name = names[i]
             tr = int(cols["tp_rank"][i]) if "tp_rank" in cols else int(rinfo.get("tp_rank", 0))
             e = out.setdefault(name, ShardNorm(int(cols.get("tp_partition_dim", [-1] * n)[i]),
                                                int(cols.get("tp_size", [1] * n)[i]), {}, {}, set()))

@@ -236,3 +236,13 @@ def test_local_norms_name_the_perturbed_expert_by_global_index() -> None:
     assert [f.component for f in res.findings if f.verdict == "fail"] == [
         "decoder.layers.0.mlp.experts.local_experts.*.linear_fc1.weight (experts 0-3)"]
     assert res.details["compared"] == 2 and all(r["numel_baseline"] == 256 for r in res.details["parameters"])
+
+
+def test_experts_named_locally_on_an_ep_rank_get_their_global_index() -> None:
+    from comparators.local_norms import global_expert_names
+
+    local = _experts(0, experts=range(2)) + _experts(0, "grouped", range(2)) + ["decoder.layers.0.mlp.router.weight"]
+    assert global_expert_names(local, 1) == (_experts(0, experts=range(2, 4)) + _experts(0, "grouped", range(2, 4))
+                                             + ["decoder.layers.0.mlp.router.weight"])
+    glob = _experts(0, experts=range(2, 4))          # MegatronDumper's names: global already, kept
+    assert global_expert_names(glob, 1) == glob and global_expert_names(local, 0) == local

@@ -365,6 +365,18 @@ def test_ep2_experts_compare_by_global_index_against_stacked_pieces(stores) -> N
     assert [(f.verdict, f.component) for f in bad] == [
         ("fail", "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")], bad
     assert hit in bad[0].message and res.details["compared"] == len(cand)
+    # a store whose EP rank 1 named its experts locally (0, 1: another writer than MegatronDumper) reads the same
+    from comparators.local_norms import add_rank_table
+
+    r = RunReader(out / "ep2")
+    local = {}
+    for k in (0, 1):
+        t = r.step_arrays(1, k).table("local_norm")
+        cols = {c: t[c].to_numpy() for c in t.columns}
+        cols["name"] = np.array([re.sub(r"local_experts\.(\d+)", lambda x: f"local_experts.{int(x.group(1)) % 2}", n)
+                                 for n in cols["name"]], dtype=object)
+        add_rank_table(local, cols, r.rank_info(k))
+    assert sorted(local) == sorted(ep2) and all(local[n].full_norm() == ep2[n].full_norm() for n in ep2)
 
 
 def test_megatron_lm_loop_integration_records_training_iterations_only(stores) -> None:
