@@ -29,6 +29,7 @@ import numpy as np
 
 from core.errors import BadInput
 from core.findings import Finding, StageResult
+from models.mindformers_parallel import ALL_REDUCED, PIPELINE_UNVERIFIED, PRE_ALL_REDUCE, param_stage
 from runstore import check_table, table_columns
 
 STAGE = "step1_local_norm"
@@ -51,12 +52,25 @@ class ShardNorm:
     dp_size: int = 1                # > 1: gradient reduce-scattered over DP ranks (distributed optimizer)
     dp_parts: dict[int, dict[int, tuple[float, int]]] | None = None  # tp_rank -> dp_rank -> (norm, numel)
     rows: dict[tuple[int, int], int] = field(default_factory=dict)  # (tp_rank, dp_rank or -1) -> row kept
+    # gradients read before the DP all-reduce (MindFormers' TrainingStateMonitor, data-parallel mode): each
+    # DP rank's own gradient, tp_rank -> dp_rank -> norm; the all-reduced norm is not known, only bounded
+    pre_reduce: dict[int, dict[int, float]] | None = None
+    reduce_mean: bool = False       # the all-reduce averages (gradients_mean) rather than sums
 
     def add(self, tp_rank: int, norm: float, numel: int, dp_shard: int = 0, dp_rank: int = 0,
-            dp_size: int = 1, row: int = -1) -> None:
+            dp_size: int = 1, row: int = -1, pre_reduce: bool = False) -> None:
         """One rank's row: a whole (TP shard of the) gradient, or a DP rank's part of it. ``row`` (its index
         in the rows read) is remembered when the row is kept, so the same combination can be replayed on
-        other steps' norms without this loop (``contributing_rows``)."""
+        other steps' norms without this loop (``contributing_rows``). ``pre_reduce``: the row is one DP rank's
+        own gradient before the all-reduce (kept per DP rank, never taken for a replica)."""
+        if pre_reduce:
+            if self.pre_reduce is None:
+                self.pre_reduce = {}
+            self.pre_reduce.setdefault(tp_rank, {}).setdefault(dp_rank, norm)
+            self.numel.setdefault(tp_rank, int(numel))
+            self.rows.setdefault((tp_rank, dp_rank), row)
+            self.shards[tp_rank] = self._bound(self.pre_reduce[tp_rank])
+            return
         if dp_shard and dp_size > 1:
             self.dp_size = max(self.dp_size, int(dp_size))
             if self.dp_parts is None:
@@ -79,6 +93,23 @@ class ShardNorm:
         self.shards[tp_rank] = norm
         self.numel[tp_rank] = int(numel)
         self.rows[(tp_rank, -1)] = row
+
+    def _bound(self, per_dp: dict[int, float]) -> float:
+        """The all-reduced norm's upper bound from the DP ranks' own norms (triangle inequality): their sum
+        (mean under gradients_mean); reached when the ranks' gradients point the same way."""
+        total = sum(per_dp.values())
+        return total / len(per_dp) if self.reduce_mean else total
+
+    def dp_rank_norm(self, dp_rank: int) -> float | None:
+        """A pre-all-reduce entry's norm on one DP rank (its TP slices combined), None if that rank has none."""
+        if not self.pre_reduce:
+            return None
+        vals = {tp: parts[dp_rank] for tp, parts in self.pre_reduce.items() if dp_rank in parts}
+        if not vals:
+            return None
+        if self.partition_dim < 0:
+            return vals[min(vals)]
+        return math.sqrt(sum(v * v for v in vals.values()))
 
     def contributing_rows(self) -> list[int]:
         """The rows whose squares sum to ``full_norm() ** 2``: every kept row of a TP-partitioned parameter,
@@ -146,6 +177,7 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
         raise BadInput(f"{reader.root}: no complete array file for step {step}")
     out: dict[str, ShardNorm] = {}
     info: dict[str, Any] = {"ranks": ranks, "global_norm": None, "tables": 0}
+    par = dict((getattr(reader, "meta", None) or {}).get("parallel") or {})
     for rank in ranks:
         got = _read_group(_rank_file(reader, step, rank), "local_norm")
         if got is None:
@@ -154,7 +186,15 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
         info["tables"] += 1
         if info["global_norm"] is None and "global_norm" in attrs:
             info["global_norm"] = float(attrs["global_norm"])
-        add_rank_table(out, cols, reader.rank_info(rank))
+        state = str(attrs.get("grad_state", ALL_REDUCED))
+        if state != ALL_REDUCED:
+            info.setdefault("grad_state", {})[state] = info.get("grad_state", {}).get(state, 0) + 1
+        rinfo = reader.rank_info(rank)
+        cols, dropped = _own_stage_rows(cols, par, rank)
+        info["other_stage_rows"] = info.get("other_stage_rows", 0) + dropped
+        add_rank_table(out, cols, {**rinfo, **({"pp_rank": _stage(par, rank)} if "layer_stages" in par else {})},
+                       pre_reduce=state == PRE_ALL_REDUCE and int(par.get("dp", 1) or 1) > 1,
+                       reduce_mean=bool(par.get("gradients_mean")))
     if info["tables"] == 0:
         raise BadInput(f"{reader.root}: step {step} has no local_norm table on any rank")
     info["tp"] = max((e.tp_size for e in out.values()), default=1)
@@ -187,10 +227,34 @@ def global_expert_names(names: list[str], ep_rank: int) -> list[str]:
             if m and m.group("pre") in shift else n for n, m in zip(names, parsed, strict=True)]
 
 
+def _stage(par: dict[str, Any], rank: int) -> int:
+    """A MindFormers rank's pipeline stage: stage-major ranks (``world / pp`` per stage)."""
+    pp = int(par.get("pp", 1) or 1)
+    per_stage = max(1, int(par.get("world_size", pp) or pp) // pp)
+    return int(rank) // per_stage
+
+
+def _own_stage_rows(cols: dict[str, np.ndarray], par: dict[str, Any], rank: int
+                    ) -> tuple[dict[str, np.ndarray], int]:
+    """A MindFormers pipeline rank's rows of the parameters its stage owns (``parallel.layer_stages`` in the
+    store's meta): every rank builds the whole model with global names, so rows of other stages' parameters
+    are not that rank's gradients. Other stores: all rows."""
+    stages = par.get("layer_stages")
+    if not stages:
+        return cols, 0
+    pp = int(par.get("pp", 1))
+    mine = _stage(par, rank)
+    keep = np.array([param_stage(str(n), list(stages), pp) == mine for n in cols["name"]], dtype=bool)
+    if keep.all():
+        return cols, 0
+    return {k: np.asarray(v)[keep] for k, v in cols.items()}, int((~keep).sum())
+
+
 def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo: dict[str, Any],
-                   row0: int = 0) -> None:
+                   row0: int = 0, *, pre_reduce: bool = False, reduce_mean: bool = False) -> None:
     """Add one rank's ``local_norm`` table to ``out`` (name -> ShardNorm); row ``i`` is remembered as
     ``row0 + i``. Missing layout columns default to a whole, unsharded gradient on the rank's TP rank.
+    ``pre_reduce``: the rows are this DP rank's gradients before the all-reduce (``grad_state``).
     Experts named locally on an EP rank get their global index (``global_expert_names``)."""
     pp_rank = int(rinfo.get("pp_rank", 0) or 0)
     n = len(cols["name"])
@@ -200,7 +264,7 @@ def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo
     pdim = cols.get("tp_partition_dim", np.full(n, -1))
     numel = cols.get("numel", np.zeros(n, dtype=np.int64))
     dp_shard = cols.get("dp_shard", np.zeros(n, dtype=np.int64))
-    dp_rank = cols.get("dp_rank", np.zeros(n, dtype=np.int64))
+    dp_rank = cols.get("dp_rank", np.full(n, int(rinfo.get("dp_rank", 0) or 0)))
     dp_size = cols.get("dp_size", np.ones(n, dtype=np.int64))
     for i in range(n):
         name = names[i]
@@ -208,8 +272,9 @@ def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo
         if e is None:
             e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
         e.pp_ranks.add(pp_rank)
+        e.reduce_mean = reduce_mean
         e.add(int(tp_rank[i]), float(cols["norm"][i]), int(numel[i]), int(dp_shard[i]), int(dp_rank[i]),
-              int(dp_size[i]), row0 + i)
+              int(dp_size[i]), row0 + i, pre_reduce=pre_reduce)
 
 
 def _norms_from_table(run: Any, step: int) -> tuple[dict[str, ShardNorm], dict[str, Any]]:
@@ -221,13 +286,55 @@ def _norms_from_table(run: Any, step: int) -> tuple[dict[str, ShardNorm], dict[s
     table = run.local_norm_table(step)
     if table is None or not len(table):
         raise BadInput(f"{run.path}: step {step} has no local norms")
-    if "rank" in table.columns:
-        table = table.sort_values("rank", kind="stable").drop_duplicates("name", keep="first")
+    if "rank" in table.columns and table["rank"].nunique() > 1:
+        return _norms_from_worker_logs(run, table)
     out: dict[str, ShardNorm] = {}
     for name, norm, numel in zip(table["name"], table["norm"], table.get("numel", [-1] * len(table)),
                                  strict=False):
         out[str(name)] = ShardNorm(-1, 1, {0: float(norm)}, {0: max(int(numel), 0)}, {0})  # 0 = size unknown
     return out, {"ranks": [0], "global_norm": None, "tables": 1, "tp": 1, "source": "log"}
+
+
+def _norms_from_worker_logs(run: Any, table: Any) -> tuple[dict[str, ShardNorm], dict[str, Any]]:
+    """msrun worker logs' TrainingStateMonitor norms, one set per rank: each is that rank's slice of a
+    parameter's gradient before the DP all-reduce (the mirror bprop dumps it before reducing). The ranks are
+    placed by the strategy of the config the logs printed (``parallel_config``), else read as DP ranks of
+    whole parameters; TP / EP slices combine as sqrt(sum of squares), DP ranks stay apart (``pre_reduce``)."""
+    from models.mindformers_parallel import ParallelStrategy, layer_stages, rank_part, strategy_from_yaml
+
+    cfg = (run.meta or {}).get("config") or {}
+    ranks = sorted(int(r) for r in table["rank"].unique())
+    world = int(((run.meta or {}).get("parallel") or {}).get("world_size") or max(ranks) + 1)
+    how = "config"
+    try:
+        strategy = strategy_from_yaml(cfg) if isinstance(cfg, dict) and cfg.get("parallel_config") else None
+    except BadInput:
+        strategy = None
+    if strategy is None or strategy.world != world:
+        strategy, how = ParallelStrategy(dp=world), "assumed (no parallel_config in the logs): every rank a DP rank"
+    par = strategy.meta()
+    if strategy.pp > 1 and strategy.num_layers:
+        par["layer_stages"] = layer_stages(strategy.num_layers, strategy.pp, strategy.offset)
+    out: dict[str, ShardNorm] = {}
+    dropped = 0
+    for rank in ranks:
+        sub = table[table["rank"] == rank]
+        names = [str(n) for n in sub["name"]]
+        parts = [rank_part(n, (1,), strategy, rank) for n in names]
+        cols: dict[str, np.ndarray] = {"name": np.asarray(names, dtype=str),
+                                       "norm": sub["norm"].to_numpy(dtype=np.float64),
+                                       "numel": np.full(len(names), 0, np.int64)}
+        for k in ("tp_partition_dim", "tp_rank", "tp_size", "dp_rank"):
+            cols[k] = np.asarray([p[k] for p in parts], dtype=np.int64)
+        cols, n_drop = _own_stage_rows(cols, par, rank)
+        dropped += n_drop
+        add_rank_table(out, cols, {"pp_rank": _stage(par, rank)}, pre_reduce=strategy.dp > 1,
+                       reduce_mean=strategy.gradients_mean)
+    info = {"ranks": ranks, "global_norm": None, "tables": len(ranks), "tp": strategy.tp, "source": "log",
+            "parallel": par, "layout_from": how, "other_stage_rows": dropped}
+    if strategy.dp > 1:
+        info["grad_state"] = {PRE_ALL_REDUCE: len(ranks)}
+    return out, info
 
 
 def _kind_of(rule_kind: str) -> str:
@@ -304,8 +411,16 @@ def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, s
     pass_tol, warn_tol = rtol or RTOL.get(dtype, RTOL["float32"])
     b_norms, b_info = read_local_norms(baseline, step)
     c_norms, c_info = read_local_norms(candidate, step)
-    return compare_norm_entries(b_norms, c_norms, m, pass_tol=pass_tol, warn_tol=warn_tol, top=top,
-                                info={"baseline": b_info, "candidate": c_info, "step": step, "dtype": dtype})
+    res = compare_norm_entries(b_norms, c_norms, m, pass_tol=pass_tol, warn_tol=warn_tol, top=top,
+                               info={"baseline": b_info, "candidate": c_info, "step": step, "dtype": dtype})
+    for side, info in (("baseline", b_info), ("candidate", c_info)):
+        if PIPELINE_UNVERIFIED in info.get("grad_state", {}):
+            res.add(Finding(STAGE, "warn", None, "pipeline_local_norms_unverified", None, None,
+                            f"the {side}'s local norms come from MindFormers' pipeline training cell "
+                            "(MFPipelineWithLossScaleCell), which computes them on GradOperation's outputs while "
+                            "the micro-batch gradient sum lives in accu_grads: compared as all-reduced, not "
+                            "verified (docs/layouts.md)"))
+    return res
 
 
 def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, ShardNorm], m: Any, *,
@@ -349,16 +464,38 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
         c = math.sqrt(sum(c_norms[n].full_norm() ** 2 for n in p.candidate))
         bn = sum(b_norms[n].full_numel() for n in p.baseline)
         cn = sum(c_norms[n].full_numel() for n in p.candidate)
-        rows.append({"name": p.name, "candidate": ",".join(p.candidate), "layer": p.layer, "kind": p.kind,
-                     "baseline_norm": b, "candidate_norm": c, "abs_diff": abs(b - c), "rel_diff": _rel(b, c),
-                     "numel_baseline": bn, "numel_candidate": cn})
+        row = {"name": p.name, "candidate": ",".join(p.candidate), "layer": p.layer, "kind": p.kind,
+               "baseline_norm": b, "candidate_norm": c, "abs_diff": abs(b - c), "rel_diff": _rel(b, c),
+               "numel_baseline": bn, "numel_candidate": cn}
+        row.update(_pre_reduce_pair([b_norms[n] for n in p.baseline], [c_norms[n] for n in p.candidate], b, c))
+        rows.append(row)
     for side in ("baseline", "candidate"):
         for n in pairing.unmapped[side]:
             res.add(Finding(STAGE, "warn", n, "unmapped", None, None,
                             f"{side} parameter {n} has no rule in mapping {pairing.mapping.name}; "
                             "its norm was not compared"))
     failing = 0
+    bounded = [r for r in rows if r.get("compared_as") == "pre_all_reduce_bound"]
+    for r in bounded:
+        if r["bound_exceeded"] > warn_tol:   # beyond the fail tolerance: more than cross-framework noise
+            failing += 1
+            res.add(Finding(STAGE, "fail", r["name"], "local_norm_above_pre_reduce_bound", r["bound_exceeded"],
+                            warn_tol, f"{r['name']}: all-reduced gradient norm {r['reduced_norm']:.6g} is above "
+                            f"{r['bound']:.6g}, the sum of the other run's per-DP-rank norms before the "
+                            "all-reduce: it cannot be the same gradient"))
+    if bounded:
+        side = bounded[0]["pre_reduce_side"]
+        res.add(Finding(STAGE, "warn", None, "pre_all_reduce", len(bounded), None,
+                        f"the {side}'s local norms are each DP rank's own gradient before the DP all-reduce "
+                        "(MindFormers' TrainingStateMonitor local_norm, or data-parallel mode): the all-reduced "
+                        "norm is not known from them. Compared: the other run's norm against their sum over DP "
+                        "ranks (its upper bound, reached when the ranks' gradients point the same way) for "
+                        f"{len(bounded)} parameter group(s); a norm above it by more than {warn_tol:g} fails. "
+                        "To compare exactly, dump the all-reduced norms (the dumper under semi-auto parallel) "
+                        "or compare with a run of the same DP size captured the same way"))
     for r in rows:
+        if r.get("compared_as") == "pre_all_reduce_bound":
+            continue
         if r["numel_baseline"] > 0 and r["numel_candidate"] > 0 and r["numel_baseline"] != r["numel_candidate"]:
             res.add(Finding(STAGE, "fail", r["name"], "numel", r["numel_candidate"], r["numel_baseline"],
                             f"{r['name']}: {r['numel_baseline']} elements in the baseline, "
@@ -371,10 +508,11 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
                             f"{r['name']}: gradient norm {r['baseline_norm']:.6g} (baseline) vs "
                             f"{r['candidate_norm']:.6g} ({r['candidate']}), relative difference {rel:.3g}"))
     rows.sort(key=lambda r: (-r["rel_diff"] if math.isfinite(r["rel_diff"]) else -math.inf))
-    if rows and failing == 0:
-        res.add(Finding(STAGE, "pass", rows[0]["name"], "local_norm_rel_diff", rows[0]["rel_diff"], pass_tol,
-                        f"all {len(rows)} parameter groups within {pass_tol:g} relative; worst "
-                        f"{rows[0]['name']} at {rows[0]['rel_diff']:.3g}"))
+    exact = [r for r in rows if r.get("compared_as") != "pre_all_reduce_bound"]
+    if exact and failing == 0:
+        res.add(Finding(STAGE, "pass", exact[0]["name"], "local_norm_rel_diff", exact[0]["rel_diff"], pass_tol,
+                        f"all {len(exact)} parameter groups within {pass_tol:g} relative; worst "
+                        f"{exact[0]['name']} at {exact[0]['rel_diff']:.3g}"))
     res.details = {"compared": len(rows), "failing": failing, "rtol": pass_tol, **info,
                    "worst": rows[:top], "per_layer": _aggregate(rows, "layer"),
                    "per_kind": _aggregate(rows, "kind"),
@@ -384,6 +522,29 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
         res.verdict = "skipped"
         res.details["reason"] = "no parameter pairs to compare"
     return res
+
+
+def _pre_reduce_pair(b: list[ShardNorm], c: list[ShardNorm], b_norm: float, c_norm: float) -> dict[str, Any]:
+    """How a pair with pre-all-reduce norms on a side is compared. Both sides pre-reduce over the same DP
+    ranks: like with like, rank by rank (the worst rank's values). One side: the other side's all-reduced
+    norm against the pre-reduce side's upper bound (``full_norm``: the DP ranks' norms summed)."""
+    b_pre, c_pre = any(e.pre_reduce for e in b), any(e.pre_reduce for e in c)
+    if not (b_pre or c_pre):
+        return {}
+    if b_pre and c_pre:
+        dps = sorted(set.intersection(*[set(p) for e in b + c for p in (e.pre_reduce or {}).values()]))
+        worst: dict[str, Any] = {"compared_as": "per_dp_rank", "dp_ranks": len(dps)}
+        for r in dps:
+            bv = math.sqrt(sum((e.dp_rank_norm(r) or 0.0) ** 2 for e in b))
+            cv = math.sqrt(sum((e.dp_rank_norm(r) or 0.0) ** 2 for e in c))
+            if "rel_diff" not in worst or _rel(bv, cv) > worst["rel_diff"]:
+                worst.update(baseline_norm=bv, candidate_norm=cv, abs_diff=abs(bv - cv), rel_diff=_rel(bv, cv),
+                             dp_rank=r)
+        return worst
+    bound, reduced = (b_norm, c_norm) if b_pre else (c_norm, b_norm)
+    return {"compared_as": "pre_all_reduce_bound", "pre_reduce_side": "baseline" if b_pre else "candidate",
+            "bound": bound, "reduced_norm": reduced,
+            "bound_exceeded": max(0.0, (reduced - bound) / max(abs(bound), 1e-30))}
 
 
 def _aggregate(rows: Iterable[dict[str, Any]], key: str) -> list[dict[str, Any]]:

@@ -568,6 +568,25 @@ def build_yaml_model(config: Mapping[str, Any]) -> nn.Cell:
     return net
 
 
+def build_pynative_model(config: Mapping[str, Any]) -> nn.Cell:
+    """The model a MindFormers YAML (as a dict) describes, built in PYNATIVE whatever the YAML's mode (its cells
+    are then called one by one: single-module isolation, ``align isolate``), with the CPU stand-ins installed
+    when it runs on CPU. Random weights: load the ones wanted afterwards (:func:`load_parameter_arrays`)."""
+    import copy
+
+    cfg = copy.deepcopy(dict(config))
+    context = dict(cfg.get("context") or {})
+    context["mode"] = 1
+    cfg["context"] = context
+    set_yaml_context(cfg)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    net = build_yaml_model(cfg)
+    if str(context.get("device_target", ms.get_context("device_target"))).upper() == "CPU":
+        install_moe_module_standins()
+        install_cpu_standins(net, "pynative")
+    return net
+
+
 def reset_mindformers_context() -> None:
     """Give ``use_legacy`` its default (True) back, so legacy Llama cells built later in this process take
     MFTrainOneStepCell's legacy step (it reads the flag when a cell is built)."""

@@ -527,7 +527,8 @@ def mixed_install(module: ModuleType) -> str | None:
             "PYTHONPATH so that its own megatron/core is used")
 
 
-_VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module", "--align-capture-data")
+_VALUED = ("--align-out", "--align-steps", "--align-tensors", "--align-module", "--align-capture-data",
+           "--align-tensor-steps", "--align-modules")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -541,6 +542,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--align-out", required=True, help="run-store directory")
     ap.add_argument("--align-steps", default=None, help="steps with array files, e.g. 1-3,100 (default all)")
     ap.add_argument("--align-tensors", default="off", choices=("off", "stats", "full"))
+    ap.add_argument("--align-tensor-steps", default=None,
+                    help="steps whose layer tensors are captured (default: the --align-steps)")
+    ap.add_argument("--align-modules", action="append", default=None, metavar="PATTERN",
+                    help="modules whose tensors are captured, fnmatch over the global names (repeat; default "
+                         "all), e.g. 'decoder.layers.*' for single-module isolation")
     ap.add_argument("--align-seed-layout", action="store_true")
     ap.add_argument("--align-capture-env", action="store_true",
                     help="record the cluster capture (environment, versions, settings, generators, weights) in "
@@ -563,6 +569,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"dumpers.megatron_lm: warning: {mixed}", file=sys.stderr)
     capture = ns.align_capture_env or bool(ns.align_capture_data)
     install(DumpConfig(out=ns.align_out, steps=ns.align_steps, tensors=ns.align_tensors,
+                       tensor_steps=ns.align_tensor_steps, modules=tuple(ns.align_modules or ("*",)),
                        seed_layout=ns.align_seed_layout, capture_env=capture,
                        capture_env_data=ns.align_capture_data), module=module)
     sys.argv = list(argv[i:])

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import mindspore as ms
 import numpy as np
 
 from dumpers.mindspore_dumper import DumpConfig, DumperCallback, LayerCaptureError, MindSporeDumper, to_numpy
+from models.mindformers_parallel import ParallelStrategy, grad_state, rank_part, strategy_from_config
+
+WHERE = "mindformers.MFTrainOneStepCell.local_norm"
 
 
 def optimizer_param_names(optimizer: Any) -> list[str]:
@@ -52,6 +56,101 @@ def name_local_norms(local_norm: Any, names: Sequence[str], norm_size: Sequence[
 def global_norm_from_local(local_norm: Any) -> float:
     """sqrt of the sum of MindFormers' squared local norms: the global gradient norm before clipping."""
     return float(np.sqrt(np.sum(np.asarray(to_numpy(local_norm), dtype=np.float64))))
+
+
+def record_mindformers_norms(dumper: MindSporeDumper, named: dict[str, float], sizes: Sequence[int], *,
+                             strategy: ParallelStrategy | None = None, shapes: dict[str, Any] | None = None,
+                             layouts: dict[str, Any] | None = None, global_norm: float | None = None,
+                             where: str = WHERE) -> None:
+    """Record one rank's named local norms with what the rank holds of each parameter.
+
+    Under a parallel ``strategy`` each row says which slice of the parameter it is (``tp_*``: the TP / EP
+    slice, from ``layouts`` = MindSpore's ``parameter_layout_dict`` or MindFormers' default mcore strategies),
+    its optimizer-parallel part (``dp_shard``), and the table says where the norms sit relative to the DP
+    all-reduce (``grad_state``, :func:`models.mindformers_parallel.grad_state`); the run's meta gets
+    ``parallel``. The comparator recombines the ranks from exactly this."""
+    names = list(named)
+    columns = attrs = None
+    if strategy is not None and strategy.world > 1:
+        rank = dumper.coords["rank"]
+        parts = [rank_part(n, tuple((shapes or {}).get(n, (int(sz),))), strategy, rank, (layouts or {}).get(n))
+                 for n, sz in zip(names, sizes, strict=True)]
+        columns = {k: [p[k] for p in parts] for k in parts[0] if k != "first_replica"} if parts else None
+        attrs = {"grad_state": grad_state(strategy, where)}
+        if getattr(dumper, "_mf_parallel", None) != strategy:   # meta.json once, not every step
+            dumper.update_meta({"parallel": strategy.meta()})
+            dumper._mf_parallel = strategy
+    dumper.record_local_norms(names, np.array(list(named.values())), list(sizes), global_norm=global_norm,
+                              where=where, columns=columns, attrs=attrs)
+
+
+def write_optimizer_shard(run_dir: str | Path, rank: int, strategy: ParallelStrategy,
+                          full_shapes: dict[str, Sequence[int]], grads: dict[str, Any], before: dict[str, Any],
+                          after: dict[str, Any], layouts: dict[str, Any] | None = None) -> Path:
+    """Rank ``rank``'s step-1 optimizer evidence under MindFormers' TP / EP slicing and optimizer parallel:
+    host copies of what it holds (its slice, and of that its optimizer-parallel part of dim 0), written as
+    ``evidence/optimizer_step1/rank_R.npz`` with their offsets in the slice, the format Megatron's
+    distributed optimizer shards use, so ``runstore.read_step1_file`` merges them into whole tensors. A
+    parameter whole on every rank of a stage (norms) is written by the ranks that hold its parts, once."""
+    from runstore.step1_file import shard_file, write_step1_shard
+
+    g, b, a, shard, shape = {}, {}, {}, {}, {}
+    for name, full in full_shapes.items():
+        full = tuple(int(x) for x in full)
+        part = rank_part(name, full, strategy, rank, (layouts or {}).get(name))
+        local = list(full)
+        if part["tp_size"] > 1:
+            local[part["tp_partition_dim"]] //= part["tp_size"]
+        numel = int(np.prod(local)) if local else 1
+        if part["dp_shard"]:
+            n = numel // part["dp_size"]
+            start, end = part["dp_rank"] * n, (part["dp_rank"] + 1) * n
+        elif not part["first_replica"]:
+            continue   # a replica of a slice another rank writes
+        else:
+            start, end = 0, numel
+        for out, src in ((g, grads), (b, before), (a, after)):
+            arr = np.asarray(src[name]).reshape(-1)
+            if arr.size != end - start:
+                raise ValueError(f"{name}: rank {rank} holds {end - start} elements, got {arr.size}")
+            out[name] = arr
+        shard[name] = np.array([start, end, part["tp_partition_dim"], part["tp_rank"], part["tp_size"], 0])
+        shape[name] = np.array(local)
+    path = shard_file(run_dir, rank)
+    write_step1_shard(path, g, b, a, shard, shape, rank=rank, world=strategy.world)
+    return path
+
+
+def run_strategy(train_network: Any) -> ParallelStrategy | None:
+    """The running job's strategy: the training cell's ``parallel_config`` and MindSpore's auto-parallel
+    context (mode, optimizer parallel, gradients_mean, pipeline stages); None when not parallel."""
+    try:
+        from mindspore import get_auto_parallel_context as ctx
+
+        if int(ctx("device_num") or 1) <= 1 and mindspore_world() <= 1:
+            return None
+        pc = getattr(train_network, "parallel_config", None) or {}
+        par = {"parallel_mode": ctx("parallel_mode"), "enable_parallel_optimizer": ctx("enable_parallel_optimizer"),
+               "gradients_mean": ctx("gradients_mean")}
+        cfg = None
+        for get in ("get_gpt_transformer_config",):
+            inner = getattr(train_network, "network", None)
+            while inner is not None and cfg is None:
+                cfg = getattr(inner, get)() if hasattr(inner, get) else None
+                inner = getattr(inner, "network", None)
+        mc = {"num_layers": getattr(cfg, "num_layers", None), "offset": getattr(cfg, "offset", 0)} if cfg else {}
+        return strategy_from_config(pc, par, mc)
+    except Exception:  # noqa: BLE001 - never break the run: record the norms without a layout
+        return None
+
+
+def mindspore_world() -> int:
+    try:
+        from mindspore.communication import management
+
+        return int(management.get_group_size()) if getattr(management.GlobalComm, "INITED", False) else 1
+    except Exception:  # noqa: BLE001
+        return 1
 
 
 def split_outputs(outputs: Any) -> dict[str, Any]:
@@ -187,14 +286,23 @@ class MindFormersDumperCallback(DumperCallback):
             optimizer = getattr(cb_params, "optimizer", None) or cb_params.train_network.optimizer
             names = optimizer_param_names(optimizer)
             sizes = optimizer_param_sizes(optimizer)
+            net = getattr(cb_params, "train_network", None)
+            strategy = run_strategy(net)
+            if strategy is not None and vals.get("norm_size"):
+                # a rank's gradients are its slices: the element counts it returns are the slices', so they
+                # are the rows' numel (the full shapes' counts would not match them)
+                sizes = [int(v) for v in vals["norm_size"]]
             named = name_local_norms(vals["local_norm"], names, vals.get("norm_size"), sizes)
-            d.record_local_norms(list(named), np.array(list(named.values())), sizes, global_norm=gnorm,
-                                 where="mindformers.MFTrainOneStepCell.local_norm")
+            layouts = getattr(net, "parameter_layout_dict", None) if strategy is not None else None
+            shapes = {p.name: tuple(p.shape) for p in optimizer.parameters}
+            record_mindformers_norms(d, named, sizes, strategy=strategy, shapes=shapes, layouts=layouts or None,
+                                     global_norm=gnorm, where=WHERE)
         return None
 
 
 def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, optimizer: Any,
-                          batch: dict[str, Any] | None = None) -> dict[str, float]:
+                          batch: dict[str, Any] | None = None,
+                          strategy: ParallelStrategy | None = None) -> dict[str, float]:
     """Plain-loop counterpart of the callback: record one MFTrainOneStepCell step; returns named norms."""
     dumper.begin_step(step)
     if batch is not None:
@@ -205,8 +313,7 @@ def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, opti
     if "local_norm" in vals:
         names, sizes = optimizer_param_names(optimizer), optimizer_param_sizes(optimizer)
         named = name_local_norms(vals["local_norm"], names, vals.get("norm_size"), sizes)
-        dumper.record_local_norms(list(named), np.array(list(named.values())), sizes, global_norm=gnorm,
-                                  where="mindformers.MFTrainOneStepCell.local_norm")
+        record_mindformers_norms(dumper, named, sizes, strategy=strategy, global_norm=gnorm)
     dumper.end_step(loss=vals["loss"], overflow=bool(np.asarray(vals["overflow"]).reshape(-1)[0]),
                     loss_scale=vals["loss_scale"], **({"grad_norm": gnorm} if gnorm is not None else {}),
                     **({"lr": vals["lr"]} if "lr" in vals else {}))

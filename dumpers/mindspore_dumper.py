@@ -443,8 +443,11 @@ class MindSporeDumper(StepBookkeeping):
 
     def record_local_norms(self, names: Sequence[str], norms: Any, numel: Sequence[int] | None = None, *,
                            squared: bool = False, global_norm: float | None = None,
-                           where: str = "train_cell") -> None:
-        """Named norms computed elsewhere (a training cell's output); ``squared`` = squared sums given."""
+                           where: str = "train_cell", columns: Mapping[str, Sequence[int]] | None = None,
+                           attrs: Mapping[str, Any] | None = None) -> None:
+        """Named norms computed elsewhere (a training cell's output); ``squared`` = squared sums given.
+        ``columns``: per-row layout (``tp_partition_dim``, ``tp_rank``, ``tp_size``, ``dp_shard``, ``dp_rank``,
+        ``dp_size``) when the rank holds parts of parameters; ``attrs``: table attributes (``grad_state``)."""
         if not self.enabled or self._step is None or self._norms_done:
             return
         try:
@@ -456,14 +459,15 @@ class MindSporeDumper(StepBookkeeping):
             if numel is None:
                 numel = [-1] * len(names)
             squares = self._experts.read() if self._experts is not None else None
-            self._store_norms(list(names), vals, list(numel), global_norm, where, squares=squares)
+            self._store_norms(list(names), vals, list(numel), global_norm, where, columns=columns, attrs=attrs,
+                              squares=squares)
         except Exception as exc:  # noqa: BLE001
             self._fail("record_local_norms", exc)
 
     def _store_norms(self, names: list[str], norms: np.ndarray, numel: Sequence[int],
                      global_norm: float | None, where: str,
-                     tensors: Sequence[np.ndarray] | None = None,
-                     squares: Mapping[str, np.ndarray] | None = None) -> None:
+                     tensors: Sequence[np.ndarray] | None = None, columns: Mapping[str, Sequence[int]] | None = None,
+                     attrs: Mapping[str, Any] | None = None, squares: Mapping[str, np.ndarray] | None = None) -> None:
         self._norms_done = True
         bad = [i for i, v in enumerate(norms) if not np.isfinite(v)]
         self._scalars["nonfinite_grads"] = len(bad)
@@ -480,17 +484,28 @@ class MindSporeDumper(StepBookkeeping):
             self._add_trace("grad", names[i], self._owners.get(names[i], names[i].rsplit(".", 1)[0]),
                             detail, tensors[i] if tensors is not None else None, "grad")
         if self.config.local_norms and self._array_step:
+            if squares and columns:   # a row that is a slice (TP / EP / optimizer parallel) stays whole
+                sliced = {names[i] for i in range(len(names))
+                          if int((columns.get("tp_size") or [1] * len(names))[i]) > 1
+                          or int((columns.get("dp_shard") or [0] * len(names))[i]) != 0}
+                squares = {k: v for k, v in squares.items() if k not in sliced}
             if squares:   # stacked experts: one row per expert, NAME[e] (dumpers/mindspore_expert_norms.py)
-                names, split, numel = split_rows(names, norms, numel, squares)
+                names, split, numel, origin = split_rows(names, norms, numel, squares)
                 norms = np.asarray(split, dtype=np.float64)
+                columns = {k: [col[i] for i in origin] for k, col in (columns or {}).items()}
             n = len(names)
+            layout = {"tp_partition_dim": np.full(n, -1, np.int64),
+                      "tp_rank": np.full(n, self.coords["tp_rank"], np.int64),
+                      "tp_size": np.full(n, self.coords["tp_size"], np.int64)}
+            for key, col in (columns or {}).items():
+                if len(col) != n:
+                    raise ValueError(f"local_norm column {key}: {len(col)} values for {n} names")
+                layout[key] = np.asarray(col, dtype=np.int64)
             self.writer.put_table(self._step, "local_norm", {
                 "name": _str_col(names), "norm": np.asarray(norms, dtype=np.float64),
-                "numel": np.asarray(numel, dtype=np.int64), "tp_partition_dim": np.full(n, -1, np.int64),
-                "tp_rank": np.full(n, self.coords["tp_rank"], np.int64),
-                "tp_size": np.full(n, self.coords["tp_size"], np.int64)},
+                "numel": np.asarray(numel, dtype=np.int64), **layout},
                 attrs={"global_norm": float(global_norm) if global_norm is not None else np.nan,
-                       "where": where})
+                       "where": where, **dict(attrs or {})})
 
     def _add_trace(self, kind: str, name: str, module: str, detail: str, tensor: np.ndarray | None,
                    tensor_kind: str) -> None:

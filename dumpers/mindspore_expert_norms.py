@@ -118,12 +118,14 @@ def _optimizer_names(train_cell: nn.Cell) -> list[str]:
 
 
 def split_rows(names: Sequence[str], norms: Sequence[float], numel: Sequence[int],
-               squares: Mapping[str, np.ndarray], rtol: float = 1e-4) -> tuple[list[str], list[float], list[int]]:
+               squares: Mapping[str, np.ndarray], rtol: float = 1e-4
+               ) -> tuple[list[str], list[float], list[int], list[int]]:
     """Named norms with each stacked Parameter's row replaced by its experts' rows ``NAME[e]``, where the
     experts' squares are finite and add up to NAME's (within ``rtol``: float32 sums in another order); a
-    Parameter whose pieces do not (not written this step, non-finite gradients) keeps its one row."""
-    out_n, out_v, out_c = [], [], []
-    for name, v, c in zip(names, norms, numel, strict=True):
+    Parameter whose pieces do not (not written this step, non-finite gradients) keeps its one row. The last
+    list gives each row's source row (its layout columns are the source's)."""
+    out_n, out_v, out_c, origin = [], [], [], []
+    for i, (name, v, c) in enumerate(zip(names, norms, numel, strict=True)):
         sq = squares.get(name)
         whole = float(v) ** 2
         if sq is not None and len(sq) and np.all(np.isfinite(sq)) and np.isfinite(whole) and abs(
@@ -133,11 +135,13 @@ def split_rows(names: Sequence[str], norms: Sequence[float], numel: Sequence[int
                 out_n.append(expert_piece(name, k))
                 out_v.append(float(np.sqrt(max(float(s), 0.0))))
                 out_c.append(int(c) // e if int(c) > 0 else int(c))
+                origin.append(i)
             continue
         out_n.append(name)
         out_v.append(float(v))
         out_c.append(int(c))
-    return out_n, out_v, out_c
+        origin.append(i)
+    return out_n, out_v, out_c, origin
 
 
 def host_squares(names: Sequence[str], arrays: Sequence[np.ndarray], stacked: Mapping[str, int]

@@ -383,3 +383,39 @@ def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -
         ax.set_visible(False)
     axes[(nrows - 1) * ncols].set_xlabel("step", fontsize=8)
     return _save(fig, path)
+
+
+def isolation_profile(rows: list[dict], named: list[str], verdict: str, path: Path) -> bytes | None:
+    """Per module, in execution order: its own error (the candidate's module on the baseline's input, bars)
+    and the error in the candidate's own forward (inherited, line); the named module's bar is red."""
+    if not rows:
+        return None
+    names = [str(r["module"]).replace("decoder.layers.", "L").replace("self_attention", "attn") for r in rows]
+    ticks = named_bars(len(rows))
+    labels_in = _text_inches(max((len(names[i]) for i in ticks), default=0)) * 0.94 + 0.15
+    height = 2.9 + labels_in
+    fig, ax = _figure((11, height))
+    fig.subplots_adjust(left=0.07, right=0.99, top=1 - 0.6 / height, bottom=(0.3 + labels_in) / height)
+    fig.suptitle(f"Single-module isolation: own vs inherited relative error per module (log scale)  "
+                 f"[{verdict.upper()}]", fontsize=10, color=COLOURS.get(verdict, "k"))
+
+    def val(v: Any) -> float:
+        v = float(v) if v is not None else float("nan")
+        return max(v, 1e-12) if np.isfinite(v) else 1e3
+
+    x = np.arange(len(rows))
+    ax.bar(x, [val(r["own_rel_l2"]) for r in rows], label="own (baseline's input)",
+           color=[COLOURS["fail"] if r["module"] in named else "#4c72b0" for r in rows])
+    inh = [val(r.get("inherited_rel_l2")) for r in rows]
+    if any(r.get("inherited_rel_l2") is not None for r in rows):
+        ax.plot(x, inh, "o-", color="#dd8452", ms=3, lw=1, label="inherited (candidate's own forward)")
+    ax.hlines([float(r["pass_tol"]) for r in rows], x - 0.45, x + 0.45, colors="grey", linestyles="--", lw=0.8,
+              label="tolerance")
+    ax.set_yscale("log")
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([names[i] for i in ticks], rotation=70, fontsize=7, rotation_mode="anchor", ha="right",
+                       va="center")
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -14,6 +14,7 @@ from runstore.batches import cp_join, cp_split, data_groups, dp_batches, global_
 from runstore.layout import (
     CONVERSION_EVIDENCE,
     EVIDENCE_DIR,
+    ISOLATION_EVIDENCE,
     META,
     OPTIMIZER_EVIDENCE,
     RANK_DIR,
@@ -31,7 +32,8 @@ from runstore.tables import TABLE_SCHEMAS, check_table, table_columns
 from runstore.writer import RunWriter
 
 __all__ = [
-    "CONVERSION_EVIDENCE", "EVIDENCE_DIR", "META", "META_SCHEMA", "OPTIMIZER_EVIDENCE", "RANK_DIR", "SCALAR_DIR",
+    "CONVERSION_EVIDENCE", "EVIDENCE_DIR", "ISOLATION_EVIDENCE", "META", "META_SCHEMA", "OPTIMIZER_EVIDENCE",
+    "RANK_DIR", "SCALAR_DIR",
     "SCHEMA", "SEED_BATCH_KEYS", "STEP_DIR", "TABLE_SCHEMAS", "BackgroundWriter", "Incomplete", "Run",
     "RunReader", "RunWriter", "StepArrays", "WriterErrors", "atomic_file", "atomic_write_bytes",
     "atomic_write_json", "check_table", "cp_join", "cp_split", "data_groups", "dp_batches", "evidence_path",

@@ -9,6 +9,7 @@ Layout of a run directory::
     RUN/step_1/rank_0/tokens.npy           optional seed layout that MindFormers replays
     RUN/evidence/optimizer_step1.npz       files a stage reads as a whole (not per step)
     RUN/evidence/optimizer_step1/rank_00000.npz   ... or its per-rank shards (a distributed run)
+    RUN/evidence/isolation.npz             the candidate's modules run on the baseline's captured inputs
 
 Why these choices: a JSON line appended and flushed per step costs microseconds and survives a kill
 (at most the last line is torn, and the reader says so); one HDF5 file per step and rank means ranks
@@ -29,6 +30,7 @@ EVIDENCE_DIR = "evidence"
 OPTIMIZER_EVIDENCE = "optimizer_step1.npz"
 OPTIMIZER_EVIDENCE_SHARDS = "optimizer_step1"     # evidence/optimizer_step1/rank_R.npz: one per rank
 CONVERSION_EVIDENCE = "conversion.json"
+ISOLATION_EVIDENCE = "isolation.npz"     # single-module isolation: the candidate's modules on the baseline's inputs
 STEP_DIR = "steps"
 SCALAR_DIR = "scalars"
 RANK_DIR = "ranks"

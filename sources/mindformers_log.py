@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 
 from core.errors import BadInput
+from models.mindformers_parallel import strategy_from_yaml
 from runstore.run import Run, make_series
 from sources import Source
 from sources.logtext import any_ends_with, clean_text, int_column, read_log_bytes, read_split
@@ -766,6 +767,17 @@ def parse_mindformers_dir(path: str | Path) -> Run:
     meta["source"] = {"kind": "mindformers_log", "path": str(root), "workers": len(logs)}
     if not missing:
         meta["parallel"] = {"world_size": len(logs)}   # (with a rank missing, the world size is not known)
+    cfg = meta.get("config")
+    if isinstance(cfg, dict) and isinstance(cfg.get("parallel_config"), dict):
+        try:   # the layout the printed config launched
+            strategy = strategy_from_yaml(cfg)
+        except BadInput as exc:
+            notes.append(f"parallel_config in the printed config not read: {exc}")
+        else:
+            meta["parallel"] = {**strategy.meta(), **meta.get("parallel", {})}
+            if not missing and strategy.world != len(logs):
+                notes.append(f"the printed parallel_config makes {strategy.world} ranks, but {len(logs)} worker "
+                             "logs are here")
     local: dict[int, pd.DataFrame] = {}
     for step in sorted({s for r in runs.values() for s in r.local_norms}):
         frames = [runs[r].local_norms[step].assign(rank=r) for r in sorted(runs) if step in runs[r].local_norms]

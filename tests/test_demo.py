@@ -265,3 +265,196 @@ def test_report_renders_in_headless_browser(clean: tuple[Path, dict], tmp_path: 
             copy.write_text(tamper(html, what), encoding="utf-8")
             problems = report_problems(browser.look(copy.as_uri()), data, figures)
             assert any(expect in p for p in problems), (what, problems)
+
+
+# -- MindFormers parallel layouts (issue 26): per-rank evidence made from the clean pair's MindFormers run ------
+# MindSpore's semi-auto parallel cannot run on CPU, so tests/helpers/mindformers_layouts.py writes what each rank
+# of a MindFormers DP / TP / PP run would hold (real dumper code, real log line formats), split from this run.
+
+def _mf_layouts(out: Path) -> dict:
+    import numpy as np
+
+    from models import preset_for_config
+    from runstore import RunReader, read_step1_file
+    from tests.helpers.mindformers_layouts import single_process
+
+    runs = out / "runs"
+    norms, numel, loss, lr = single_process(runs / "candidate")
+    grads = {k: np.asarray(v) for k, v in read_step1_file(runs / "baseline")["grad"].items()}
+    cfg = RunReader(runs / "candidate").meta["config"]["values"]
+    return {"runs": runs, "norms": norms, "numel": numel, "loss": loss, "lr": lr, "grads": grads, "cfg": cfg,
+            "mapping": preset_for_config(cfg)}
+
+
+def test_mindformers_dp_tp_pp_stores_recombine_to_the_single_process_norms(clean: tuple[Path, dict],
+                                                                           tmp_path: Path) -> None:
+    """DP=2 (all-reduced, semi-auto), TP=2 and PP=2 rank stores of the MindFormers run: every parameter comes
+    back whole under its global name, equal to the one-process norms, and compares with the Megatron baseline
+    with nothing dropped."""
+    from comparators.local_norms import compare_local_norms, read_local_norms
+    from models.mindformers_parallel import ParallelStrategy
+    from tests.helpers.mindformers_layouts import write_rank_stores
+
+    d = _mf_layouts(clean[0])
+    one = compare_local_norms(d["runs"] / "baseline", d["runs"] / "candidate", d["mapping"])   # one process
+    layouts = {"dp2": ParallelStrategy(dp=2, num_layers=2), "tp2": ParallelStrategy(tp=2, num_layers=2),
+               "pp2": ParallelStrategy(pp=2, num_layers=2, micro_batch_num=2),
+               "dp2_tp2_optpar": ParallelStrategy(dp=2, tp=2, optimizer_parallel=True, num_layers=2)}
+    for label, strategy in layouts.items():
+        store = write_rank_stores(tmp_path / label, strategy, d["norms"], d["grads"], d["loss"])
+        got, info = read_local_norms(store)
+        assert info["ranks"] == list(range(strategy.world)), label
+        assert set(got) == set(d["norms"]), label
+        for name, want in d["norms"].items():
+            e = got[name]
+            assert abs(e.full_norm() - want) <= 1e-12 * want, (label, name, e.full_norm(), want)
+            assert e.full_numel() == d["numel"][name], (label, name)
+            assert not e.missing_shards and not e.missing_dp_parts and e.replica_disagree == 0
+        res = compare_local_norms(d["runs"] / "baseline", store, d["mapping"])
+        assert res.details["compared"] == 19, (label, res.findings)    # every parameter, none dropped
+        unverified = [f for f in res.findings if f.metric == "pipeline_local_norms_unverified"]
+        assert len(unverified) == (label == "pp2"), label      # MFPipelineWithLossScaleCell's norms: said so
+        assert [(f.verdict, f.component, f.metric) for f in res.findings if f not in unverified] == [
+            (f.verdict, f.component, f.metric) for f in one.findings], label  # the one-process run's compare
+    tp = read_local_norms(tmp_path / "tp2")[0]
+    assert tp["decoder.layers.0.mlp.linear_fc2.weight"].partition_dim == 1        # row-parallel: dim 1
+    assert tp["decoder.layers.0.self_attention.linear_qkv.weight"].partition_dim == 0
+    assert tp["decoder.layers.0.input_layernorm.weight"].partition_dim == -1      # whole on each TP rank
+    pp, info = read_local_norms(tmp_path / "pp2")
+    assert info["other_stage_rows"] > 0          # each stage's zero rows of the other stage's parameters dropped
+    assert pp["decoder.layers.1.mlp.linear_fc1.weight"].pp_ranks == {1}
+    assert pp["embedding.word_embeddings.weight"].pp_ranks == {0} and pp["output_layer.weight"].pp_ranks == {1}
+    meta = json.loads((tmp_path / "pp2" / "meta.json").read_text())
+    assert meta["parallel"]["pp"] == 2 and meta["parallel"]["layer_stages"] == [0, 1]
+    # the slice a layout entry gives a rank is MindSpore's own (every tensor map of a (dp, cp, tp) = (2, 2, 2))
+    from itertools import product
+
+    from mindspore.parallel._tensor import _get_tensor_slice_index, _get_tensor_strategy
+
+    from models.mindformers_parallel import slice_index
+    dev = [2, 2, 2]
+    for tmap in product(range(-1, 3), repeat=2):
+        if len({k for k in tmap if k >= 0}) == len([k for k in tmap if k >= 0]):
+            for r in range(8):
+                want = _get_tensor_slice_index(dev, _get_tensor_strategy(dev, list(tmap)), list(tmap), r)
+                assert slice_index(dev, list(tmap), r)[0] == int(want), (tmap, r)
+
+
+def test_mindformers_dp2_pre_all_reduce_norms_are_reported_as_such(clean: tuple[Path, dict], tmp_path: Path) -> None:
+    """DP=2 msrun worker logs (TrainingStateMonitor: each rank's gradient before the all-reduce) and a DP=2
+    data-parallel-mode store: never one rank silently; against the Megatron baseline every parameter is
+    compared with the per-rank norms' bound and the stage warns saying what they are; like with like (two
+    pre-reduce DP=2 runs) compares rank by rank and passes."""
+    from comparators.local_norms import compare_local_norms
+    from models.mindformers_parallel import ParallelStrategy
+    from sources import load_run
+    from tests.helpers.mindformers_layouts import write_rank_stores, write_worker_logs
+
+    d = _mf_layouts(clean[0])
+    cfg = {**d["cfg"], "parallel_config": {"data_parallel": 2, "model_parallel": 1, "pipeline_stage": 1},
+           "parallel": {"parallel_mode": 1}}
+    logs = write_worker_logs(tmp_path / "output" / "msrun_log", ParallelStrategy(dp=2), d["norms"], d["grads"],
+                             d["loss"], cfg, d["lr"])
+    run = load_run(tmp_path / "output")
+    assert (run.meta["parallel"]["dp"], run.meta["parallel"]["world_size"]) == (2, 2)   # the printed config's
+    res = compare_local_norms(d["runs"] / "baseline", run, d["mapping"])
+    assert res.details["compared"] == 19 and res.verdict == "warn", res.findings   # never a pass, never dropped
+    pre = [f for f in res.findings if f.metric == "pre_all_reduce"]
+    assert len(pre) == 1 and "before the DP all-reduce" in pre[0].message and pre[0].value == 19
+    assert not [f for f in res.findings if f.verdict == "fail"]
+    assert all(r["compared_as"] == "pre_all_reduce_bound" for r in res.details["parameters"])
+    assert res.details["candidate"]["grad_state"] == {"pre_all_reduce": 2}
+    # a candidate whose gradient is larger than the two ranks' norms can explain fails (not the same gradient)
+    big = {k: v * 0.9 for k, v in d["norms"].items()}
+    write_worker_logs(tmp_path / "small" / "msrun_log", ParallelStrategy(dp=2), big, d["grads"], d["loss"], cfg,
+                      d["lr"])
+    res = compare_local_norms(d["runs"] / "baseline", load_run(tmp_path / "small"), d["mapping"])
+    assert res.verdict == "fail" and {f.metric for f in res.findings if f.verdict == "fail"} == {
+        "local_norm_above_pre_reduce_bound"}
+    # data-parallel mode (parallel_mode 0): the dumper's store says pre_all_reduce; against the logs, rank by rank
+    store = write_rank_stores(tmp_path / "dp_mode", ParallelStrategy(dp=2, parallel_mode=0), d["norms"], d["grads"],
+                              d["loss"])
+    res = compare_local_norms(store, run, d["mapping"])
+    assert res.details["compared"] == 19 and res.verdict == "pass", res.findings   # float32 log values: ~1e-7
+    assert {r["compared_as"] for r in res.details["parameters"]} == {"per_dp_rank"}
+    assert max(r["rel_diff"] for r in res.details["parameters"]) < 1e-6
+    assert logs.is_dir()
+    # DP=2 x TP=2 worker logs: each rank's slice, placed by the printed parallel_config; nothing dropped
+    tp_cfg = {**cfg, "parallel_config": {**cfg["parallel_config"], "model_parallel": 2}}
+    write_worker_logs(tmp_path / "tp" / "msrun_log", ParallelStrategy(dp=2, tp=2), d["norms"], d["grads"],
+                      d["loss"], tp_cfg, d["lr"])
+    res = compare_local_norms(d["runs"] / "baseline", load_run(tmp_path / "tp"), d["mapping"])
+    assert res.details["compared"] == 19 and res.details["candidate"]["layout_from"] == "config", res.findings
+    assert {f.metric for f in res.findings if f.verdict != "pass"} == {"pre_all_reduce"}
+    bound = {r["name"]: r["bound"] for r in res.details["parameters"]}
+    assert abs(bound["decoder.layers.0.mlp.linear_fc1.weight"] / d["norms"]["decoder.layers.0.mlp.linear_fc1.weight"]
+               - 1) < 1e-6    # slices root-sum-square, DP halves summed: the whole norm again
+
+
+def test_mindformers_optimizer_parallel_evidence_merges(clean: tuple[Path, dict], tmp_path: Path) -> None:
+    """MindFormers' optimizer parallel (TP=2 x DP=2, enable_parallel_optimizer): each rank's slice part of the
+    step-1 evidence (here the pair's whole evidence split as MindFormers splits it) merges back bit for bit."""
+    import numpy as np
+
+    from dumpers.mindformers import write_optimizer_shard
+    from models.mindformers_parallel import ParallelStrategy, split_for_rank
+    from runstore import read_step1_file
+
+    whole = read_step1_file(clean[0] / "runs" / "baseline")
+    for opt in (True, False):
+        s = ParallelStrategy(dp=2, tp=2, optimizer_parallel=opt)
+        dest = tmp_path / f"opt{int(opt)}"
+        for rank in range(s.world):
+            held = {k: {n: split_for_rank(n, a, s, rank) for n, a in whole[k].items()} for k in whole}
+            write_optimizer_shard(dest, rank, s, {n: a.shape for n, a in whole["grad"].items()},
+                                  held["grad"], held["init"], held["weight"])
+        merged = read_step1_file(dest)
+        for kind in ("grad", "init", "weight"):
+            assert set(merged[kind]) == set(whole[kind])
+            for n, a in whole[kind].items():
+                np.testing.assert_array_equal(merged[kind][n], a)
+
+
+def test_mindformers_callback_records_the_ranks_slices_under_a_parallel_context(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback's own path on rank 3 of a semi-auto DP=2 x TP=2 job with the optimizer parallel (MindSpore's
+    auto-parallel context stubbed: it cannot be set up on CPU): the wrapper's 7 outputs become a table whose
+    rows say which slice (from the compiled cell's parameter_layout_dict) and which optimizer part they are."""
+    from types import SimpleNamespace
+
+    import mindspore as ms
+    import numpy as np
+
+    from dumpers.mindformers import MindFormersDumperCallback
+    from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper
+    from runstore import RunReader
+
+    context = {"device_num": 4, "parallel_mode": "semi_auto_parallel", "enable_parallel_optimizer": True,
+               "gradients_mean": False}
+    monkeypatch.setattr(ms, "get_auto_parallel_context", lambda key: context[key])
+    qkv, norm = "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.input_layernorm.weight"
+    params = [ms.Parameter(ms.Tensor(np.zeros((2, 4), np.float32)), name=qkv),     # rank 3's slice part
+              ms.Parameter(ms.Tensor(np.zeros((4,), np.float32)), name=norm)]
+    net = SimpleNamespace(parallel_config={"data_parallel": 2, "model_parallel": 2}, network=None,
+                          parameter_layout_dict={qkv: [[2, 1, 2], [0, -1], [4, 4], 0, True, "opt_group"],
+                                                 norm: [[2, 1, 2], [-1], [4], 0, True, ""]})
+    outputs = (ms.Tensor(2.5), ms.Tensor(False), ms.Tensor(1.0), ms.Tensor(1e-3), ms.Tensor(5.0),
+               ms.Tensor(np.array([9.0, 16.0], np.float32)), (8, 4))
+    dumper = MindSporeDumper(None, tmp_path / "run", DumpConfig(steps=[1]), rank=3, world_size=4,
+                             framework="mindformers")
+    cb = MindFormersDumperCallback(dumper)
+    dumper.begin_step(1)
+    cb.handle_outputs(outputs, SimpleNamespace(optimizer=SimpleNamespace(parameters=params), train_network=net))
+    dumper.end_step()
+    dumper.close()
+    r = RunReader(tmp_path / "run")
+    t = r.step_arrays(1, 3).table("local_norm").set_index("name")
+    assert t.loc[qkv, ["tp_partition_dim", "tp_rank", "tp_size", "dp_shard", "dp_rank", "dp_size"]].tolist() == [
+        0, 1, 2, 1, 1, 2]
+    assert t.loc[norm, ["tp_partition_dim", "tp_size", "dp_shard"]].tolist() == [-1, 1, 0]
+    assert t.norm.tolist() == [3.0, 4.0] and t.numel.tolist() == [8, 4]
+    assert (r.meta["parallel"]["dp"], r.meta["parallel"]["tp"], r.meta["parallel"]["optimizer_parallel"]) == (
+        2, 2, True)
+    import h5py
+    with h5py.File(r.step_file(1, 3)) as h5:
+        assert h5["local_norm"].attrs["grad_state"] == "all_reduced"

@@ -6,6 +6,8 @@ incomplete or inconsistent shards. The real runs that produce these layouts are 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -159,3 +161,51 @@ def test_missing_or_corrupt_rank_file_is_bad_input(tmp_path) -> None:
         read_step1_file(folder)
     with pytest.raises(BadInput, match="no evidence/optimizer_step1.npz"):
         read_step1_file(tmp_path)
+
+
+# -- MindFormers (issue 26): the strategy of a real MindFormers YAML, the ranks' slices and stages -------------
+
+def test_mindformers_strategy_from_the_shipped_pretrain_yamls() -> None:
+    """MindFormers' own pretrain YAMLs (tests/data/configs): sizes, optimizer parallel and each layer's stage
+    (LayerSetting's rule; checked by hand against MindFormers 2.1.0's own LayerSetting, interleaved too)."""
+    import yaml
+
+    from models.mindformers_parallel import layer_stages, strategy_from_yaml
+
+    def read(name: str) -> dict:
+        return yaml.safe_load((Path(__file__).parent / "data" / "configs" / name).read_text())
+
+    ds = strategy_from_yaml(read("pretrain_deepseek3_671b.yaml"))
+    assert (ds.dp, ds.tp, ds.pp, ds.ep, ds.micro_batch_num, ds.use_seq_parallel) == (4, 8, 8, 32, 32, True)
+    assert ds.optimizer_parallel and ds.parallel_mode == 1 and not ds.gradients_mean and ds.world == 256
+    stages = ds.meta()["layer_stages"]     # 61 layers, 2 interleaved chunks per stage, offset [[1]*8, [1]*7+[-2]]
+    assert len(stages) == 61 and stages[:8] == [0] * 4 + [1] * 4 and stages[32:36] == [0] * 4
+    assert [stages.count(s) for s in range(8)] == [8] * 7 + [5]
+    qw = strategy_from_yaml(read("pretrain_qwen3_32b_4k.yaml"))
+    assert (qw.dp, qw.tp, qw.pp, qw.ep, qw.optimizer_parallel) == (1, 4, 4, 1, False)
+    assert [qw.meta()["layer_stages"].count(s) for s in range(4)] == [15, 15, 17, 17]   # offset [-1, -1, 1, 1]
+    with pytest.raises(BadInput, match="offset"):
+        layer_stages(8, 4, [1, 1, 1, 1])
+
+
+def test_mindformers_rank_parts_follow_mindspores_slicing() -> None:
+    """Which slice of each parameter a rank holds: MindFormers' default mcore split dims, MindSpore's tensor
+    map convention (axis k = device-matrix axis len-1-k), optimizer-parallel parts of dim 0, EP by stage index."""
+    from models.mindformers_parallel import ParallelStrategy, rank_part, slice_index, split_for_rank
+
+    s = ParallelStrategy(dp=2, tp=2, ep=2, pp=2, optimizer_parallel=True)
+    assert s.coords(5) == {**s.coords(5), "pp_rank": 1, "dp_rank": 0, "tp_rank": 1, "ep_rank": 1}
+    qkv = rank_part("decoder.layers.0.self_attention.linear_qkv.weight", (8, 4), s, 3)
+    assert (qkv["tp_partition_dim"], qkv["tp_rank"], qkv["dp_shard"], qkv["dp_rank"], qkv["dp_size"]) == (0, 1, 1, 1, 2)
+    proj = rank_part("decoder.layers.0.self_attention.linear_proj.weight", (4, 8), s, 2)
+    assert (proj["tp_partition_dim"], proj["tp_rank"]) == (1, 0)
+    norm = rank_part("decoder.layers.0.input_layernorm.weight", (8,), s, 3)   # whole: parts over all 4 ranks
+    assert (norm["tp_partition_dim"], norm["tp_size"], norm["dp_rank"], norm["dp_size"]) == (-1, 1, 3, 4)
+    odd = rank_part("embedding.word_embeddings.weight", (7, 4), s, 1)        # vocab not divisible: whole
+    assert odd["tp_size"] == 1
+    # a layout entry (dev matrix (dp, cp, tp), tensor map) wins over the defaults
+    assert slice_index([2, 1, 2], [-1, 0], 3) == (1, 2, 1) and slice_index([2, 1, 2], [1, -1], 3) == (0, 1, 0)
+    assert slice_index([2, 1, 2], [2, 0], 3) == (3, 4, 0)
+    x = np.arange(32.0).reshape(8, 4)
+    parts = [split_for_rank("decoder.layers.0.mlp.experts.weight1", x, s, r) for r in range(4)]
+    np.testing.assert_array_equal(np.concatenate([parts[0], parts[2], parts[1], parts[3]]), x)   # ep, then dp part

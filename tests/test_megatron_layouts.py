@@ -479,7 +479,10 @@ def test_megatron_lm_loop_moe_dp2_equals_one_process(stores, tmp_path) -> None:
     rc = cli_main(["report", str(out / "lm_loop_moe"), str(out / "lm_loop_moe_dp2"), "--out", str(tmp_path / "r")])
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     norms = summary["stages"]["step1_local_norm"]
-    assert rc == 0 and norms["verdict"] != "fail" and norms["compared"] > 0, norms
+    # two Megatron runs: the MoE preset (router, experts) mirrored, every parameter compared, none unmapped
+    assert norms["mapping"] == "megatron_core__mindformers_mcore_moe" and "both runs are Megatron" in norms[
+        "mapping_source"]
+    assert rc == 0 and norms["verdict"] == "pass" and norms["compared"] == len(ref), norms
     assert norms["candidate"]["global_norm"] == pytest.approx(norms["baseline"]["global_norm"], rel=1e-6)
     assert summary["stages"]["data_checks"]["verdict"] == "pass"
 
@@ -654,13 +657,21 @@ def test_megatron_lm_wrapper_launch_leaves_the_script_alone(stores, tmp_path) ->
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     script = ROOT / "tests" / "megatron_lm_script.py"
     cmd = [sys.executable, "-m", "dumpers.megatron_lm", "--align-out", str(tmp_path / "run"), "--align-module",
-           "megatron_lm_shape", "--align-capture-env", str(script), "--log", str(tmp_path / "log.json")]
+           "megatron_lm_shape", "--align-capture-env", "--align-tensors", "full", "--align-tensor-steps", "2",
+           "--align-modules", "decoder.layers.?", "--align-modules", "decoder.layers.*.mlp", str(script),
+           "--log", str(tmp_path / "log.json")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = json.loads((tmp_path / "log.json").read_text())
     r = RunReader(tmp_path / "run")
     assert r.array_steps() == [1, 2, 3]
     assert list(r.scalars()["loss"]) == [e["lm loss"] for e in log]
+    # --align-tensor-steps / --align-modules: full tensors of the chosen modules at step 2 only (isolation's input)
+    rows = r.step_arrays(2).table("tensor_stats")
+    assert {"decoder.layers.0", "decoder.layers.1.mlp"} <= set(rows["module"]) and all(
+        m.count(".") == 2 or m.endswith(".mlp") for m in rows["module"])
+    assert ("decoder.layers.0", "forward.input.0") in set(zip(rows["module"], rows["kind"], strict=True))
+    assert r.step_arrays(1).table("tensor_stats") is None
     # --align-capture-env: the cluster capture, taken at the first train_step, names the weights as the norms do
     cap = r.meta["environment"]
     assert cap["captured"]["by"] == "MegatronDumper" and cap["framework"] == "torch"

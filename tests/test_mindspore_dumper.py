@@ -251,6 +251,7 @@ def test_stacked_expert_norms_recorded_per_expert(tmp_path: Path) -> None:
     for k, v in want.items():
         assert norms[k] == pytest.approx(v, rel=1e-12)
     sq = {"w": np.array([1.0, 4.0])}
-    assert split_rows(["w", "b"], [5 ** 0.5, 1.0], [8, 2], sq) == (["w[0]", "w[1]", "b"], [1.0, 2.0, 1.0], [4, 4, 2])
+    assert split_rows(["w", "b"], [5 ** 0.5, 1.0], [8, 2], sq) == (["w[0]", "w[1]", "b"], [1.0, 2.0, 1.0], [4, 4, 2],
+                                                                  [0, 0, 1])
     assert split_rows(["w"], [3.0], [8], sq)[0] == ["w"]              # 1 + 4 != 9: stale, kept whole
     assert split_rows(["w"], [5 ** 0.5], [8], {"w": np.array([np.nan, 4.0])})[0] == ["w"]

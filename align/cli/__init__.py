@@ -27,6 +27,7 @@ VERBS = {
     "check-data": "check_data",
     "convert-weights": "convert_weights",
     "compare-weights": "compare_weights",
+    "isolate": "isolate",
     "capture-env": "capture_env",
     "mapping": "mapping",
 }

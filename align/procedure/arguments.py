@@ -25,6 +25,8 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--candidate-config", metavar="FILE", help="the MindFormers YAML (default: the run's meta)")
     e.add_argument("--optimizer-check", metavar="FILE_OR_RUN",
                    help="the candidate's optimizer step on the baseline's step-1 gradients (npz or run store)")
+    e.add_argument("--isolation", metavar="FILE_OR_RUN",
+                   help="single-module isolation: the candidate's modules on the baseline's inputs (align isolate)")
     e.add_argument("--conversion", metavar="FILE", help="the weight conversion report (convert-weights --json)")
     e.add_argument("--rerun", metavar="RUN",
                    help="the candidate's re-run of its first steps (e.g. PYNATIVE, for layer capture): compared "
@@ -114,7 +116,7 @@ def report_inputs(args: argparse.Namespace) -> Inputs:
                   optimizer_check=args.optimizer_check, conversion=args.conversion, mapping=args.mapping,
                   rerun=getattr(args, "rerun", None), baseline_env=getattr(args, "baseline_env", None),
                   candidate_env=getattr(args, "candidate_env", None),
-                  options=options)
+                  isolation=getattr(args, "isolation", None), options=options)
 
 
 def parse_report_args(argv: list[str]) -> argparse.Namespace:

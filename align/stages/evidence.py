@@ -58,6 +58,7 @@ class Inputs:
     rerun: str | None = None        # the candidate's re-run of its first steps (PYNATIVE, for layer capture)
     baseline_env: str | None = None     # environment captures (align capture-env); default: the runs' meta
     candidate_env: str | None = None
+    isolation: str | None = None        # single-module isolation evidence (align isolate): npz or its run
     options: Options = field(default_factory=Options)
 
 
@@ -113,7 +114,7 @@ class Evidence:
         if inputs.rerun:
             items.append(("rerun", inputs.rerun))
         for extra in (inputs.baseline_config, inputs.candidate_config, inputs.optimizer_check,
-                      inputs.conversion):
+                      inputs.conversion, inputs.isolation):
             if extra is not None and not Path(extra).exists():
                 raise BadInput(f"{extra}: no such file or directory")
         from comparators.environment import check_capture, read_capture
@@ -228,7 +229,7 @@ class Evidence:
 
     @cached_property
     def _mapping(self) -> tuple[str, str]:
-        from models import DEFAULT_PRESET, preset_for_config, preset_for_scheme
+        from models import DEFAULT_PRESET, preset_for_config, preset_for_names, preset_for_scheme
 
         if self.inputs.mapping:
             return self.inputs.mapping, "--mapping"
@@ -240,6 +241,13 @@ class Evidence:
         preset = preset_for_scheme(scheme)
         if preset:
             return preset, f"the candidate's name scheme ({scheme})"
+        if _megatron(self.baseline) and _megatron(self.candidate):
+            # two Megatron runs (another TP/DP layout, a repeat): the preset whose Megatron side covers both
+            # runs' parameter names (MoE routers and experts, MLA), compared Megatron to Megatron (mirrored)
+            preset = preset_for_names((_norm_names(self.baseline), "baseline"),
+                                      (_norm_names(self.candidate), "baseline"))
+            if preset:
+                return preset, "both runs are Megatron: the preset covering their parameter names"
         return DEFAULT_PRESET, "default"
 
     @property
@@ -272,3 +280,15 @@ class Evidence:
         experts = vals.get("num_experts")
         return TransformParams(num_heads=heads, num_query_groups=groups if isinstance(groups, int) else heads,
                                num_experts=experts if isinstance(experts, int) and experts > 0 else None)
+
+
+def _megatron(run: Run) -> bool:
+    """A run in Megatron's own names (a Megatron store or log)."""
+    return str(run.meta.get("name_scheme") or "").startswith("megatron")
+
+
+def _norm_names(run: Run) -> list[str]:
+    """The parameter names of a run's first step with named local norms (none: an empty list)."""
+    steps = run.local_norm_steps(limit=1)
+    table = run.local_norm_table(steps[0]) if steps else None
+    return [str(n) for n in table["name"].unique()] if table is not None and "name" in table else []

@@ -1,0 +1,119 @@
+"""Single-module isolation, judged: each module's own error next to the error it inherited.
+
+The evidence (``evidence/isolation.npz``, written by dumpers.mindspore_isolation) holds per module, in
+baseline names and layout: the baseline's output (``baseline/``), the candidate's module run on the
+baseline's input (``isolated/``: its *own* error against the baseline) and the candidate's module in its own
+forward (``candidate/``: own plus *inherited* error). Why both: after a small early drift every later module
+departs in the candidate's own forward, so the first departing module (the layer-tensor stage's answer) may
+only be passing the drift on; the module whose own error departs is where the candidate computes differently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from comparators.tensor_metrics import compare_arrays
+from comparators.tensor_pair import tolerance
+from core.dtypes import coarsest
+from core.errors import BadInput
+from core.findings import Finding, StageResult
+
+STAGE = "isolation"
+
+
+def read_isolation(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(meta, arrays) of an isolation evidence file; bad input in one line."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise BadInput(f"{path}: not a readable npz ({' '.join(str(exc).split())[:80]})") from None
+    try:
+        meta = json.loads(str(arrays.pop("meta")))
+        modules = meta["modules"]
+        if not isinstance(modules, list) or not all(isinstance(m, dict) and "baseline" in m for m in modules):
+            raise TypeError("modules is not a list of {baseline, candidate, ...}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadInput(f"{path}: no isolation meta ({exc}): write it with "
+                       "dumpers.mindspore_isolation.isolate_modules") from None
+    for m in modules:
+        for group in ("baseline", "isolated"):
+            if f"{group}/{m['baseline']}" not in arrays:
+                raise BadInput(f"{path}: {group}/{m['baseline']} is missing")
+    return meta, arrays
+
+
+def _verdict(rel: float, cos: float, tol: tuple[float, float, float]) -> str:
+    if not math.isfinite(rel) or rel > tol[1] or cos < 0.99:
+        return "fail"
+    return "warn" if rel > tol[0] or cos < tol[2] else "pass"
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child.startswith(parent + ".")
+
+
+def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dtype: str = "float32",
+                      tolerances: dict[str, tuple[float, float, float]] | None = None) -> StageResult:
+    """Own and inherited error (relative L2, cosine) per module, judged by the coarsest of ``dtype``, the
+    precision the file records (``meta["dtype"]``: the candidate's attention, say) and the module's dtypes.
+    Named: each module whose own error fails (the innermost, when a module and one inside it both fail), else
+    the first whose own error warns; none when every own error passes."""
+    res = StageResult(STAGE)
+    rows = []
+    for m in meta["modules"]:
+        name = m["baseline"]
+        y_b = arrays[f"baseline/{name}"]
+        judged = coarsest([dtype, str(meta.get("dtype") or dtype), str(m.get("dtype_baseline", dtype)),
+                           str(m.get("dtype_candidate", dtype))])
+        tol = tolerance(judged, tolerances)
+        own = compare_arrays(y_b, arrays[f"isolated/{name}"])
+        row: dict[str, Any] = {"module": name, "candidate": m.get("candidate"), "kind": m.get("kind"),
+                               "own_rel_l2": own.rel_l2, "own_cosine": own.cosine, "own_max_abs_err": own.max_abs_err,
+                               "own_verdict": _verdict(own.rel_l2, own.cosine, tol), "judged_dtype": judged,
+                               "pass_tol": tol[0], "warn_tol": tol[1], "input_rel_l2": m.get("input_rel_l2")}
+        cand = arrays.get(f"candidate/{name}")
+        if cand is not None:
+            inh = compare_arrays(y_b, cand)
+            row.update(inherited_rel_l2=inh.rel_l2, inherited_cosine=inh.cosine,
+                       inherited_verdict=_verdict(inh.rel_l2, inh.cosine, tol))
+        rows.append(row)
+    failing = [r for r in rows if r["own_verdict"] == "fail"]
+    named = [r for r in failing if not any(_inside(o["module"], r["module"]) for o in failing)]
+    if not named:
+        named = [r for r in rows if r["own_verdict"] == "warn"][:1]
+    for r in named:
+        inh = (f", {r['inherited_rel_l2']:.2e} in the candidate's own forward"
+               if "inherited_rel_l2" in r else "")
+        res.add(Finding(STAGE, r["own_verdict"], r["module"], "own_rel_l2", r["own_rel_l2"], r["pass_tol"],
+                        f"{r['module']} computes differently on the baseline's own input: own error (rel L2) "
+                        f"{r['own_rel_l2']:.2e}{inh}, beyond {r['judged_dtype']}'s "
+                        f"{r['pass_tol']:.0e}: the departure starts here"))
+    first_inh = next((r for r in rows if r.get("inherited_verdict", "pass") != "pass"), None)
+    if not named:
+        msg = ("every isolated module computes as the baseline's on the same input (own error within "
+               "tolerance)")
+        if first_inh is not None:
+            msg += (f"; {first_inh['module']} departs in the candidate's own forward (inherited rel L2 "
+                    f"{first_inh['inherited_rel_l2']:.2e}): the difference comes from outside the isolated "
+                    "modules (upstream of them: embedding, data, weights they do not hold) or accumulates")
+        res.add(Finding(STAGE, "pass", None, "own_rel_l2", max(r["own_rel_l2"] for r in rows),
+                        rows[0]["pass_tol"], msg))
+    elif first_inh is not None and first_inh["module"] != named[0]["module"] and not _inside(
+            named[0]["module"], first_inh["module"]):
+        res.details["first_departing"] = first_inh["module"]
+        res.details["note"] = (f"the candidate's own forward departs first at {first_inh['module']} (inherited "
+                               f"rel L2 {first_inh['inherited_rel_l2']:.2e}), whose own error is "
+                               f"{first_inh['own_rel_l2']:.2e} ({first_inh['own_verdict']}): a drift it passes on, "
+                               f"not the culprit")
+    res.details.update({"step": meta.get("step"), "rank": meta.get("rank"), "baseline": meta.get("baseline"),
+                        "named": [r["module"] for r in named], "per_module": rows,
+                        "skipped_modules": meta.get("skipped", [])})
+    return res
