@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,6 +201,32 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
     return out, info
 
 
+_LOCAL_EXPERT = re.compile(r"^(?P<pre>.*\.experts\.local_experts\.)(?P<e>\d+)(?P<post>\..*)$")
+_GROUPED_EXPERT = re.compile(r"^(?P<pre>.*\.experts\.linear_fc\d+\.(?:weight|bias))(?P<e>\d+)(?P<post>)$")
+
+
+def global_expert_names(names: list[str], ep_rank: int) -> list[str]:
+    """Megatron expert names of EP rank ``ep_rank`` by their global index (ep_rank x local experts + e).
+
+    Names that are global already (the MegatronDumper renames them) stay: on an EP rank r > 0 global indices
+    start at r x local experts > 0, so an experts module whose lowest index there is 0 was named locally
+    (a store from another writer), and its indices are shifted by r x its count of local experts."""
+    if ep_rank <= 0:
+        return names
+    found: dict[str, set[int]] = {}
+    parsed = []
+    for n in names:
+        m = _LOCAL_EXPERT.match(n) or _GROUPED_EXPERT.match(n)
+        parsed.append(m)
+        if m:
+            found.setdefault(m.group("pre"), set()).add(int(m.group("e")))
+    shift = {pre: ep_rank * len(es) for pre, es in found.items() if min(es) == 0}
+    if not shift:
+        return names
+    return [f"{m.group('pre')}{int(m.group('e')) + shift[m.group('pre')]}{m.group('post')}"
+            if m and m.group("pre") in shift else n for n, m in zip(names, parsed, strict=True)]
+
+
 def _stage(par: dict[str, Any], rank: int) -> int:
     """A MindFormers rank's pipeline stage: stage-major ranks (``world / pp`` per stage)."""
     pp = int(par.get("pp", 1) or 1)
@@ -227,9 +254,11 @@ def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo
                    row0: int = 0, *, pre_reduce: bool = False, reduce_mean: bool = False) -> None:
     """Add one rank's ``local_norm`` table to ``out`` (name -> ShardNorm); row ``i`` is remembered as
     ``row0 + i``. Missing layout columns default to a whole, unsharded gradient on the rank's TP rank.
-    ``pre_reduce``: the rows are this DP rank's gradients before the all-reduce (``grad_state``)."""
+    ``pre_reduce``: the rows are this DP rank's gradients before the all-reduce (``grad_state``).
+    Experts named locally on an EP rank get their global index (``global_expert_names``)."""
     pp_rank = int(rinfo.get("pp_rank", 0) or 0)
     n = len(cols["name"])
+    names = global_expert_names([str(x) for x in cols["name"]], int(rinfo.get("ep_rank", 0) or 0))
     tp_rank = cols.get("tp_rank", np.full(n, int(rinfo.get("tp_rank", 0) or 0)))
     tp_size = cols.get("tp_size", np.ones(n, dtype=np.int64))
     pdim = cols.get("tp_partition_dim", np.full(n, -1))
@@ -238,7 +267,7 @@ def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo
     dp_rank = cols.get("dp_rank", np.full(n, int(rinfo.get("dp_rank", 0) or 0)))
     dp_size = cols.get("dp_size", np.ones(n, dtype=np.int64))
     for i in range(n):
-        name = str(cols["name"][i])
+        name = names[i]
         e = out.get(name)
         if e is None:
             e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
@@ -345,7 +374,13 @@ class NormPairing:
 
 def pair_norms(b_names: Iterable[str], c_names: Iterable[str], mapping: Any) -> NormPairing:
     """Pair baseline and candidate parameter names through the mapping (oriented to the names first): the one
-    name resolution every named-norm comparison uses (step-1 local norms, norm trajectories, spikes)."""
+    name resolution every named-norm comparison uses (step-1 local norms, norm trajectories, spikes).
+
+    Routed experts pair one by one, named by the baseline's global index, where the candidate recorded its
+    stacked expert tensors in pieces (``weight1[e]``, rules.EXPERT_PIECE); where it holds only the stacked
+    norm (MindFormers' own local_norm output or log) the layer's experts compare as one group, sqrt of the sum
+    of squares over the baseline's experts, named as the group (``...local_experts.*.linear_fc1.weight
+    (experts 0-3)``)."""
     b_names, c_names = list(b_names), list(c_names)
     m = mapping.oriented(b_names, c_names)
     groups, unmapped, _ignored = m.pair(b_names, c_names)
@@ -355,9 +390,12 @@ def pair_norms(b_names: Iterable[str], c_names: Iterable[str], mapping: Any) -> 
             have = set(gp.baseline_present) | set(gp.candidate_present)
             miss = [n for n in gp.match.baseline + gp.match.candidate
                     if n not in {m.strip(h, s) for h in have for s in ("baseline", "candidate")}]
-            incomplete.append((gp.name, miss))
+            incomplete.append((gp.label, miss))
             continue
-        pairs.append(NormPair(m.strip(gp.baseline_present[0], "baseline"), list(gp.baseline_present),
+        # one expert (a baseline expert against the candidate's piece NAME[e]): the baseline's name with its
+        # global index; a stacked tensor compared whole: the group's name (experts 0-3), not expert 0's
+        name = gp.label if gp.label != gp.name else m.strip(gp.baseline_present[0], "baseline")
+        pairs.append(NormPair(name, list(gp.baseline_present),
                               list(gp.candidate_present), gp.match.layer, _kind_of(gp.match.rule.kind)))
     return NormPairing(m, pairs, incomplete, unmapped)
 
@@ -531,8 +569,9 @@ def combine_tables(tables: Iterable[tuple[dict[str, Any], dict[str, np.ndarray]]
     out: dict[str, ShardNorm] = {}
     for rinfo, cols in tables:
         n = len(cols["name"])
+        names = global_expert_names([str(x) for x in cols["name"]], int(rinfo.get("ep_rank", 0) or 0))
         for i in range(n):
-            name = str(cols["name"][i])
+            name = names[i]
             tr = int(cols["tp_rank"][i]) if "tp_rank" in cols else int(rinfo.get("tp_rank", 0))
             e = out.setdefault(name, ShardNorm(int(cols.get("tp_partition_dim", [-1] * n)[i]),
                                                int(cols.get("tp_size", [1] * n)[i]), {}, {}, set()))

@@ -267,6 +267,7 @@ def run(spec: Spec) -> dict[str, Any]:
         dumper = MindSporeDumper(net, spec.out, dcfg, framework="mindformers", name_scheme="mindformers")
     dumper.update_meta({"candidate_mode": "graph (layer statistics captured in the graph at the tensor steps)"
                         if graph else "pynative (layer hooks)"})
+    dumper.watch_train_cell(cell)    # stacked experts: local norms per expert (before the first compile)
     inputs = mcc.mcore_inputs if is_mcore(spec) else mc.llama_inputs
     opt = cell.optimizer
     names, sizes = optimizer_param_names(opt), optimizer_param_sizes(opt)

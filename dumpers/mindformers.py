@@ -178,7 +178,8 @@ class MindFormersDumperCallback(DumperCallback):
     ``steps``, ``tensor_steps``, ``tensors``, ``cells``, ``backward``, ``nan_trace``, ``meta``,
     ``graph_capture``, ``capture_env``, ``capture_env_data``): the dumper is then created at
     the start of training on the network the Trainer built, with this process's rank (MindSpore's
-    ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms) and, with
+    ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms: stacked routed
+    experts one row per expert, ``mlp.experts.weight1[e]``, see dumpers/mindspore_expert_norms.py) and, with
     ``tensors: stats``, captures layer statistics inside the compiled step (``graph_capture``, on by default
     in GRAPH: the watched cells are wrapped in ``on_train_begin``, which MindSpore's ``Model.train`` calls before
     its first training step compiles the graph). Full tensors (``tensors: full``) need PYNATIVE.
@@ -206,7 +207,15 @@ class MindFormersDumperCallback(DumperCallback):
         self._capture_checked = False
 
     def on_train_begin(self, run_context: Any) -> None:
-        """YAML-built: create the dumper on the network the Trainer trains (the cell inside the wrapper)."""
+        """YAML-built: create the dumper on the network the Trainer trains (the cell inside the wrapper). Both
+        ways: per-expert norms of stacked experts from the training cell's LocalNorm, unless the training graph
+        is compiled already (then one norm per stacked Parameter, as MindFormers gives it)."""
+        self._create_dumper(run_context)
+        cell = getattr(run_context.original_args(), "train_network", None)
+        if self.dumper is not None and cell is not None and not _training_graph_compiled():
+            self.dumper.watch_train_cell(cell)
+
+    def _create_dumper(self, run_context: Any) -> None:
         if self._pending is None:
             return
         out_dir, config = self._pending

@@ -14,6 +14,10 @@ Two ways to feed gradients:
 * a training cell: :class:`NormTrainOneStepCell` returns per-parameter squared sums computed in the graph
   (works in GRAPH and PYNATIVE, with ``Model.train`` / MindFormers' Trainer), named by the cell's weights;
   MFTrainOneStepCell's ``local_norm=True`` outputs are named the same way (see dumpers/mindformers.py).
+
+Stacked expert Parameters (MindFormers' ``mlp.experts.weight1/2``, every routed expert of a layer) are
+recorded one row per expert, ``NAME[e]``: from the host gradients in ``record_grads``, and from a
+MindFormers training cell after :meth:`MindSporeDumper.watch_train_cell` (dumpers/mindspore_expert_norms.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from dumpers.contract import DumpConfig, NonFiniteError, StepBookkeeping, dumps_rank, merge_micro_batches, open_writer
+from dumpers.mindspore_expert_norms import MECHANISM as EXPERT_MECHANISM
+from dumpers.mindspore_expert_norms import host_squares, split_rows, stacked_experts
+from dumpers.mindspore_expert_norms import install as install_expert_norms
 from dumpers.mindspore_graph_capture import MECHANISM as GRAPH_MECHANISM
 from dumpers.mindspore_graph_capture import GraphLayerCapture
 from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
@@ -183,6 +190,8 @@ class MindSporeDumper(StepBookkeeping):
         self._batch: dict[str, list[np.ndarray]] = {}
         self._scalars: dict[str, Any] = {}
         self._norms_done = False
+        self._experts: Any = None          # ExpertNorms installed in a training cell (watch_train_cell)
+        self._stacked: dict[str, int] | None = None   # stacked expert Parameters of ``net`` (record_grads)
         self._owners = param_owners(net) if net is not None else {}
         ws = world_size if world_size is not None else int(os.environ.get("RANK_SIZE")
                                                             or os.environ.get("WORLD_SIZE") or 1)
@@ -286,6 +295,22 @@ class MindSporeDumper(StepBookkeeping):
         if not self._handles:
             warnings.warn(f"MindSporeDumper: no cell matched {patterns}", RuntimeWarning, stacklevel=2)
 
+    def watch_train_cell(self, cell: nn.Cell) -> None:
+        """Record stacked expert Parameters' local norms per expert (``NAME[e]`` rows) from a MindFormers
+        training cell with ``local_norm=True``; call before its first compile (dumpers/mindspore_expert_norms.py).
+        A cell without LocalNorm or a model without stacked experts is left as it is."""
+        if not self.enabled:
+            return
+        try:
+            self._experts = install_expert_norms(cell)
+            if self._experts is not None:
+                self.update_meta({"expert_norms": {"parameters": len(self._experts.names),
+                                                   "mechanism": EXPERT_MECHANISM}})
+        except Exception as exc:  # noqa: BLE001 - the run goes on with one norm per stacked Parameter
+            self._experts = None
+            warnings.warn(f"MindSporeDumper: per-expert norms not installed ({exc!r}); stacked experts keep one "
+                          "norm each", RuntimeWarning, stacklevel=2)
+
     def unwatch(self) -> None:
         """Remove the hooks; a GRAPH capture keeps its wrappers (the graph is compiled with them) and stops
         being read."""
@@ -360,6 +385,11 @@ class MindSporeDumper(StepBookkeeping):
         self._open_step(step)
         self._rows, self._trace_rows, self._trace_tensors = [], [], []
         self._batch, self._scalars, self._norms_done = {}, {}, False
+        if self._experts is not None:
+            try:
+                self._experts.reset()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("expert norms reset", exc)
         if self._graph is not None and self._capturing():
             try:
                 self._graph.reset_backward()
@@ -403,8 +433,11 @@ class MindSporeDumper(StepBookkeeping):
             names = [p.name for p in params]
             arrays = [to_numpy(g) for g in grads]
             norms = [float(np.sqrt(np.sum(np.square(a, dtype=np.float64)))) for a in arrays]
+            if self._stacked is None:
+                self._stacked = stacked_experts(self.net) if self.net is not None else {}
+            squares = host_squares(names, arrays, self._stacked) if self._stacked else None
             self._store_norms(names, np.array(norms), [a.size for a in arrays], global_norm, where,
-                              tensors=arrays)
+                              tensors=arrays, squares=squares)
         except Exception as exc:  # noqa: BLE001
             self._fail("record_grads", exc)
 
@@ -425,14 +458,16 @@ class MindSporeDumper(StepBookkeeping):
                 vals = np.sqrt(vals)
             if numel is None:
                 numel = [-1] * len(names)
-            self._store_norms(list(names), vals, list(numel), global_norm, where, columns=columns, attrs=attrs)
+            squares = self._experts.read() if self._experts is not None else None
+            self._store_norms(list(names), vals, list(numel), global_norm, where, columns=columns, attrs=attrs,
+                              squares=squares)
         except Exception as exc:  # noqa: BLE001
             self._fail("record_local_norms", exc)
 
     def _store_norms(self, names: list[str], norms: np.ndarray, numel: Sequence[int],
                      global_norm: float | None, where: str,
                      tensors: Sequence[np.ndarray] | None = None, columns: Mapping[str, Sequence[int]] | None = None,
-                     attrs: Mapping[str, Any] | None = None) -> None:
+                     attrs: Mapping[str, Any] | None = None, squares: Mapping[str, np.ndarray] | None = None) -> None:
         self._norms_done = True
         bad = [i for i, v in enumerate(norms) if not np.isfinite(v)]
         self._scalars["nonfinite_grads"] = len(bad)
@@ -449,6 +484,15 @@ class MindSporeDumper(StepBookkeeping):
             self._add_trace("grad", names[i], self._owners.get(names[i], names[i].rsplit(".", 1)[0]),
                             detail, tensors[i] if tensors is not None else None, "grad")
         if self.config.local_norms and self._array_step:
+            if squares and columns:   # a row that is a slice (TP / EP / optimizer parallel) stays whole
+                sliced = {names[i] for i in range(len(names))
+                          if int((columns.get("tp_size") or [1] * len(names))[i]) > 1
+                          or int((columns.get("dp_shard") or [0] * len(names))[i]) != 0}
+                squares = {k: v for k, v in squares.items() if k not in sliced}
+            if squares:   # stacked experts: one row per expert, NAME[e] (dumpers/mindspore_expert_norms.py)
+                names, split, numel, origin = split_rows(names, norms, numel, squares)
+                norms = np.asarray(split, dtype=np.float64)
+                columns = {k: [col[i] for i in origin] for k, col in (columns or {}).items()}
             n = len(names)
             layout = {"tp_partition_dim": np.full(n, -1, np.int64),
                       "tp_rank": np.full(n, self.coords["tp_rank"], np.int64),

@@ -18,7 +18,7 @@ import numpy as np
 
 from core.errors import BadInput
 from core.findings import Finding, StageResult
-from mapping.rules import SIDES, GroupPair, Match, ModuleRule, Rule
+from mapping.rules import SIDES, GroupPair, Match, ModuleRule, Rule, expert_piece, split_piece
 from mapping.templates import compile_pattern as _compile
 from mapping.templates import has_field as _has_field
 from mapping.transforms import OPS, TransformParams
@@ -190,23 +190,40 @@ class Mapping:
         n = self.strip(name, side)
         return any(p.match(n) is not None for p in self.ignore[side])
 
-    def match(self, name: str, side: str, scheme: str | None = None) -> Match | None:
-        """The rule that covers ``name`` on ``side`` and the full groups on both sides."""
-        n = self.strip(name, side)
+    def match(self, name: str, side: str, scheme: str | None = None,
+              split: set[tuple[str, tuple[tuple[str, str], ...]]] | None = None) -> Match | None:
+        """The rule that covers ``name`` on ``side`` and the full groups on both sides.
+
+        ``NAME[e]`` (expert e's piece of a stacked tensor, ``mapping.rules.EXPERT_PIECE``) matches the gather
+        rule of NAME as expert e alone, paired with the other side's expert e. ``split`` holds the keys
+        (rule id, captures) of gather groups whose stacked side came in pieces: the other side's experts of
+        such a group match one by one too (``pair`` fills it)."""
+        full = self.strip(name, side)
+        n, piece = split_piece(full)
         other = "candidate" if side == "baseline" else "baseline"
         for rule in self.rules:
             if side == "candidate" and rule.scheme is not None and rule.scheme not in str(
                     scheme or self.sides["baseline"].get("default_scheme")).split("+"):
                 continue
+            g = rule.gather
             for pat in rule.patterns(side):
                 caps = pat.match(n)
                 if caps is None:
                     continue
-                g = rule.gather
+                if piece is not None:
+                    if g and not _has_field(rule.patterns(side), g) and _has_field(rule.patterns(other), g):
+                        return self._per_expert(rule, caps, piece)
+                    if not g and len(rule.baseline) == len(rule.candidate) == 1:   # mirrored: piece to piece
+                        theirs = [expert_piece(p.format(caps), piece) for p in rule.patterns(other)]
+                        b, c = ([full], theirs) if side == "baseline" else (theirs, [full])
+                        return Match(rule, {**caps, "[expert]": str(piece)}, b, c, [piece])
+                    continue
                 if g:
                     # one group per stacked tensor: the gathered capture is not part of the key; pair()
                     # fills the expanded side with every expert (seen, or num_experts)
                     experts = [int(caps.pop(g))] if g in caps else []
+                    if experts and split and (rule.id, tuple(sorted(caps.items()))) in split:
+                        return self._per_expert(rule, caps, experts[0])
                     if experts:
                         mine = [p.format({**caps, g: experts[0]}) for p in rule.patterns(side)]
                         theirs = [] if _has_field(rule.patterns(other), g) else [
@@ -222,12 +239,23 @@ class Mapping:
                 return Match(rule, caps, b, c)
         return None
 
+    @staticmethod
+    def _per_expert(rule: Rule, caps: dict[str, str], expert: int) -> Match:
+        """One expert of a gather rule on both sides: its own names where the rule names experts, its piece
+        ``NAME[e]`` of the stacked tensor where the rule names the stack."""
+        g = str(rule.gather)
+        sides = {s: [p.format({**caps, g: expert}) for p in rule.patterns(s)] if _has_field(rule.patterns(s), g)
+                 else [expert_piece(p.format(caps), expert) for p in rule.patterns(s)] for s in SIDES}
+        return Match(rule, {**caps, g: str(expert)}, sides["baseline"], sides["candidate"], [expert])
+
     def _expand(self, m: Match, num_experts: int | None) -> None:
-        """Give a gather match its full expanded group: every expert, in order, each rule pattern."""
+        """Give a gather match its full expanded group: every expert, in order, each rule pattern (a match of
+        one expert, ``_per_expert``, is complete already)."""
         g = m.rule.gather
-        if not g:
+        if not g or g in m.captures:
             return
         experts = list(range(int(num_experts))) if num_experts else sorted(set(m.experts))
+        m.experts = experts
         for side in SIDES:
             pats = m.rule.patterns(side)
             if _has_field(pats, g):
@@ -280,7 +308,8 @@ class Mapping:
         Returns (pairs, unmapped, ignored): ``unmapped[side]`` lists names no rule covers; a pair whose group
         is incomplete on either side is returned too (``complete`` is False) so callers can report it.
         Gather rules (routed experts) group every expert of a layer with its stacked tensor; the experts are
-        those whose names appear, or ``num_experts`` when given.
+        those whose names appear, or ``num_experts`` when given. Where one side holds the stacked tensor in
+        per-expert pieces (``NAME[e]``), that layer's experts pair one by one instead.
         """
         bnames, cnames = list(baseline_names), list(candidate_names)
         scheme = scheme or self.detect_scheme(bnames)
@@ -289,9 +318,18 @@ class Mapping:
         unmapped: dict[str, list[str]] = {s: [] for s in SIDES}
         ignored: dict[str, list[str]] = {s: [] for s in SIDES}
         groups: dict[Any, Match] = {}
+        split = set()   # gather groups whose stacked tensor came in per-expert pieces: pair expert by expert
         for side, names in (("baseline", bnames), ("candidate", cnames)):
             for n in names:
+                if split_piece(self.strip(n, side))[1] is None:
+                    continue
                 m = self.match(n, side, scheme)
+                if m is not None and m.rule.gather:
+                    split.add((m.rule.id, tuple(sorted((k, v) for k, v in m.captures.items()
+                                                       if k != m.rule.gather))))
+        for side, names in (("baseline", bnames), ("candidate", cnames)):
+            for n in names:
+                m = self.match(n, side, scheme, split)
                 if m is None:
                     (ignored if self.ignored(n, side) else unmapped)[side].append(n)
                     continue

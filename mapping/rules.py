@@ -5,6 +5,7 @@ sides' full groups; a group pair is one comparable unit."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,31 @@ from mapping.transforms import TransformParams
 from mapping.transforms import apply as apply_transform
 
 SIDES = ("baseline", "candidate")
+
+#: A piece of a stacked expert tensor in a run store: ``NAME[e]`` is expert ``e`` (its global index) of the
+#: tensor NAME, the rows that the rule's ``stack_experts`` transform gives that expert
+#: (``mlp.experts.weight1[3]``: rows [3*H, 4*H) of MindFormers' [E*H, 2F] ``weight1``). Dumpers that see a
+#: stacked parameter's gradient record its norm per expert under these names (docs/mindformers-mcore.md).
+EXPERT_PIECE = re.compile(r"^(?P<name>.+)\[(?P<expert>\d+)\]$")
+
+
+def expert_piece(name: str, expert: int) -> str:
+    """The run-store name of expert ``expert``'s rows of the stacked tensor ``name``."""
+    return f"{name}[{int(expert)}]"
+
+
+def split_piece(name: str) -> tuple[str, int | None]:
+    """``NAME[e]`` -> (NAME, e); any other name -> (name, None)."""
+    m = EXPERT_PIECE.match(name)
+    return (m.group("name"), int(m.group("expert"))) if m else (name, None)
+
+
+def expert_span(experts: Sequence[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``0-3``; ``[0, 2]`` -> ``0, 2`` (how a group of experts is named)."""
+    es = sorted(set(int(e) for e in experts))
+    if len(es) > 2 and es == list(range(es[0], es[-1] + 1)):
+        return f"{es[0]}-{es[-1]}"
+    return ", ".join(str(e) for e in es)
 
 
 @dataclass
@@ -76,6 +102,21 @@ class GroupPair:
     def name(self) -> str:
         """Named by the baseline (the contract: reports use baseline names)."""
         return self.match.baseline[0]
+
+    @property
+    def label(self) -> str:
+        """The baseline name, or for a gather group of several experts (a stacked tensor compared whole)
+        the group's own name: ``decoder.layers.1.mlp.experts.local_experts.*.linear_fc1.weight (experts 0-3)``,
+        never one expert's name for all of them."""
+        m, g = self.match, self.match.rule.gather
+        if not g or len(set(m.experts)) <= 1:
+            return self.name
+        pats = m.rule.baseline
+        if any(g in p.fields for p in pats):
+            text = pats[0].format({**m.captures, g: "*"})
+        else:
+            text = m.baseline[0]
+        return f"{text} (experts {expert_span(m.experts)})"
 
     @property
     def complete(self) -> bool:

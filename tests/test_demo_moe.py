@@ -28,25 +28,39 @@ STEPS = 6
 LR0_STEPS = 2
 JUDGED = ("checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors",
           "step2_loss", "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite", "nan_trace")
-# every candidate parameter by name (Megatron's names; experts stacked on the MindFormers side)
-PARAMETERS = {"moe": 21, "mla": 31}
+# every candidate parameter by name (Megatron's names). Stacked experts are recorded per expert by the candidate's
+# dumper (`weight1[e]`, dumpers/mindspore_expert_norms.py) and pair one by one with Megatron's experts: each
+# layer's 2 stacked tensors became 2 x 4 rows (moe 21 + 2 layers x 6 = 33; mla 31 + 12 = 43).
+PARAMETERS = {"moe": 33, "mla": 43}
+EXPERTS, LAYERS = 4, 2
 
 
 def _clean(kind: str, out: Path, repeat: bool) -> dict:
     return paired_demo(out, steps=STEPS, lr0_steps=LR0_STEPS, model_kind=kind, repeat=repeat)
 
 
-@pytest.mark.parametrize(("kind", "repeat"), [("moe", True), ("mla", False)])
-def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path: Path) -> None:
-    data = _clean(kind, tmp_path / kind, repeat)
+@pytest.fixture(scope="module", params=[("moe", True), ("mla", False)], ids=["moe", "mla"])
+def clean(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bool, Path, dict]:
+    kind, repeat = request.param
+    out = tmp_path_factory.mktemp(kind)
+    return kind, repeat, out, _clean(kind, out, repeat)
+
+
+def test_clean_pair_passes_every_judged_stage(clean: tuple[str, bool, Path, dict]) -> None:
+    kind, repeat, out, data = clean
     assert data["verdict"] == "pass", [f for f in data["findings"] if f["verdict"] != "pass"]
     for stage in JUDGED + (("band",) if repeat else ()):
         assert data["stages"][stage]["verdict"] == "pass", (stage, data["stages"][stage])
     assert data["stages"]["step1_loss"]["rel_delta"] < 1e-5
     ln = data["stages"]["step1_local_norm"]
     assert ln["compared"] == PARAMETERS[kind]
+    # one row per routed expert, by its global index on both sides, never a layer's experts under one name
+    experts = {(r["name"], r["candidate"]) for r in ln["parameters"] if ".experts." in r["name"]}
+    assert experts == {(f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{k}.weight",
+                        f"decoder.layers.{i}.mlp.experts.weight{k}[{e}]")
+                       for i in range(LAYERS) for e in range(EXPERTS) for k in (1, 2)}
     assert data["stages"]["layer_tensors"]["compared"] >= 20
-    runs = tmp_path / kind / "runs"
+    runs = out / "runs"
     cand = json.loads((runs / "candidate" / "meta.json").read_text())
     cfg = cand["config"].get("values", cand["config"])
     want = {"moe": ("qwen3_moe", ["TrainingQwen3MoeForCausalLM"]),
@@ -60,3 +74,21 @@ def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path:
     if repeat:
         rep = json.loads((runs / "repeat_dp2" / "meta.json").read_text())
         assert rep["parallel"]["dp"] == 2 and "float16" in rep.get("attention", "")
+
+
+def test_perturbed_expert_named_by_global_index(clean: tuple[str, bool, Path, dict]) -> None:
+    """The candidate's real step-1 norms (its dumper wrote them per expert), one expert's gradient norm scaled
+    by 1.01 in a copy: the step-1 stage fails naming that expert by its global index on both sides."""
+    from comparators.local_norms import compare_norm_entries, read_local_norms
+    from models import load_mapping
+
+    kind, _, out, data = clean
+    runs = out / "runs"
+    base, _ = read_local_norms(runs / "baseline", 1)
+    cand, _ = read_local_norms(runs / "candidate", 1)
+    hit = "decoder.layers.1.mlp.experts.weight2[2]"
+    cand[hit].shards = {0: cand[hit].shards[0] * 1.01}
+    res = compare_norm_entries(base, cand, load_mapping(data["stages"]["step1_local_norm"]["mapping"]))
+    bad = [f for f in res.findings if f.verdict == "fail"]
+    assert [f.component for f in bad] == ["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"], bad
+    assert hit in bad[0].message

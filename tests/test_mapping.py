@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import numpy as np
 import pytest
@@ -176,3 +177,72 @@ def test_cli_show_and_check(tmp_path, capsys) -> None:
     report = json.loads(capsys.readouterr().out)
     assert rc == 1 and report["verdict"] == "fail"
     assert [f["component"] for f in report["findings"]] == ["output_layer.weight"]
+
+
+def _experts(layer: int, scheme: str = "local", experts: range = range(4)) -> list[str]:
+    p = f"decoder.layers.{layer}.mlp.experts."
+    if scheme == "grouped":
+        return [p + f"linear_fc{k}.weight{e}" for e in experts for k in (1, 2)]
+    return [p + f"local_experts.{e}.linear_fc{k}.weight" for e in experts for k in (1, 2)]
+
+
+@pytest.mark.parametrize("scheme", ["local", "grouped"])
+def test_stacked_expert_pieces_pair_expert_by_expert(scheme: str) -> None:
+    """A candidate that recorded its stacked experts per expert (``weight1[e]``) pairs one to one with the
+    baseline's expert e, in either orientation; a stacked tensor alone stays one group, named as the group."""
+    m = load_mapping("megatron_core__mindformers_mcore_moe")
+    b = _experts(1, scheme)
+    pieces = [f"decoder.layers.1.mlp.experts.weight{k}[{e}]" for e in range(4) for k in (1, 2)]
+    pairs, unmapped, _ = m.pair(b, pieces)
+    assert not unmapped["baseline"] and not unmapped["candidate"]
+    got = sorted((gp.baseline_present[0], gp.candidate_present[0]) for gp in pairs)
+    assert got == sorted(zip(b, pieces, strict=True)) and all(gp.complete and gp.label == gp.name for gp in pairs)
+    if scheme == "local":   # a MindFormers baseline: the same pairs, swapped (swapped() keeps the default scheme)
+        back, _, _ = m.oriented(pieces, b).pair(pieces, b)
+        assert sorted((gp.candidate_present[0], gp.baseline_present[0]) for gp in back) == got
+    same, _, _ = m.oriented(pieces, pieces).pair(pieces, pieces)
+    assert sorted(gp.name for gp in same) == sorted(pieces) and all(gp.complete for gp in same)
+    whole, _, _ = m.pair(b, ["decoder.layers.1.mlp.experts.weight1", "decoder.layers.1.mlp.experts.weight2"])
+    star = "local_experts.*.linear_fc1.weight" if scheme == "local" else "linear_fc1.weight*"
+    assert sorted(gp.label for gp in whole)[0] == f"decoder.layers.1.mlp.experts.{star} (experts 0-3)"
+    assert mp.rules.expert_span([0, 2]) == "0, 2" and mp.rules.split_piece("a.weight1[12]") == ("a.weight1", 12)
+
+
+def test_local_norms_name_the_perturbed_expert_by_global_index() -> None:
+    """Numpy units: baseline experts against the candidate's pieces, expert 3 off by 2 %: the finding names
+    expert 3 on both sides (tests/test_megatron_layouts.py: the same on an EP=2 store). Against a
+    stacked norm only (MindFormers' own local_norm output) the group compares as a whole, named as the group."""
+    from comparators.local_norms import ShardNorm, compare_norm_entries
+
+    m = load_mapping("megatron_core__mindformers_mcore_moe")
+    rng = np.random.default_rng(0)
+    base = {n: float(v) for n, v in zip(_experts(0), rng.uniform(0.5, 2.0, 8), strict=True)}
+
+    def entries(norms: dict[str, float], numel: int = 64) -> dict[str, ShardNorm]:
+        return {k: ShardNorm(-1, 1, {0: v}, {0: numel}, {0}) for k, v in norms.items()}
+
+    piece = {f"decoder.layers.0.mlp.experts.weight{n.split('linear_fc')[1][0]}[{n.split('.')[6]}]": v
+             for n, v in base.items()}
+    bad = dict(piece)
+    bad["decoder.layers.0.mlp.experts.weight1[3]"] *= 1.02
+    res = compare_norm_entries(entries(base), entries(bad), m)
+    failing = [f for f in res.findings if f.verdict == "fail"]
+    assert [f.component for f in failing] == ["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert "weight1[3]" in failing[0].message and res.details["compared"] == 8
+    stacked = {f"decoder.layers.0.mlp.experts.weight{k}": math.sqrt(sum(
+        v * v for n, v in base.items() if f"linear_fc{k}" in n)) for k in (1, 2)}
+    stacked["decoder.layers.0.mlp.experts.weight1"] *= 1.02
+    res = compare_norm_entries(entries(base), entries(stacked, 256), m)
+    assert [f.component for f in res.findings if f.verdict == "fail"] == [
+        "decoder.layers.0.mlp.experts.local_experts.*.linear_fc1.weight (experts 0-3)"]
+    assert res.details["compared"] == 2 and all(r["numel_baseline"] == 256 for r in res.details["parameters"])
+
+
+def test_experts_named_locally_on_an_ep_rank_get_their_global_index() -> None:
+    from comparators.local_norms import global_expert_names
+
+    local = _experts(0, experts=range(2)) + _experts(0, "grouped", range(2)) + ["decoder.layers.0.mlp.router.weight"]
+    assert global_expert_names(local, 1) == (_experts(0, experts=range(2, 4)) + _experts(0, "grouped", range(2, 4))
+                                             + ["decoder.layers.0.mlp.router.weight"])
+    glob = _experts(0, experts=range(2, 4))          # MegatronDumper's names: global already, kept
+    assert global_expert_names(glob, 1) == glob and global_expert_names(local, 0) == local

@@ -438,6 +438,46 @@ def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
     assert res.verdict == "warn" and res.details["compared"] == 0 and len(res.details["unmatched_baseline"]) == 112
 
 
+def test_ep2_experts_compare_by_global_index_against_stacked_pieces(stores) -> None:
+    """The EP=2 store (EP rank 1's local experts 0 and 1 recorded as 2 and 3) against a MindFormers-named
+    candidate holding every layer's experts as pieces of its stacked tensors (``weight1[e]``, as the
+    MindSpore dumper records them), made from the EP=1 run's norms with expert 3 of layer 0 off by 1 %: the
+    only failure names expert 3 on both sides."""
+    import re
+
+    from comparators.local_norms import compare_norm_entries
+    from models import load_mapping
+
+    out, _ = stores
+    m = load_mapping("megatron_core__mindformers_mcore_moe")
+    ep2, _ = read_local_norms(out / "ep2", 1)
+    ref, _ = read_local_norms(out / "ref_moe", 1)
+    cand = {}
+    for name, e in ref.items():
+        x = re.fullmatch(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.linear_fc(\d)\.weight", name)
+        for c in [f"{x.group(1)}.weight{x.group(3)}[{x.group(2)}]"] if x else m.map_name(name)[:1]:
+            cand[c] = e
+    hit = "decoder.layers.0.mlp.experts.weight1[3]"
+    cand[hit] = type(cand[hit])(-1, 1, {0: cand[hit].full_norm() * 1.01}, {0: cand[hit].full_numel()}, {0})
+    res = compare_norm_entries(ep2, cand, m, pass_tol=1e-4)
+    bad = [f for f in res.findings if f.verdict != "pass"]
+    assert [(f.verdict, f.component) for f in bad] == [
+        ("fail", "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight")], bad
+    assert hit in bad[0].message and res.details["compared"] == len(cand)
+    # a store whose EP rank 1 named its experts locally (0, 1: another writer than MegatronDumper) reads the same
+    from comparators.local_norms import add_rank_table
+
+    r = RunReader(out / "ep2")
+    local = {}
+    for k in (0, 1):
+        t = r.step_arrays(1, k).table("local_norm")
+        cols = {c: t[c].to_numpy() for c in t.columns}
+        cols["name"] = np.array([re.sub(r"local_experts\.(\d+)", lambda x: f"local_experts.{int(x.group(1)) % 2}", n)
+                                 for n in cols["name"]], dtype=object)
+        add_rank_table(local, cols, r.rank_info(k))
+    assert sorted(local) == sorted(ep2) and all(local[n].full_norm() == ep2[n].full_norm() for n in ep2)
+
+
 def test_megatron_lm_loop_integration_records_training_iterations_only(stores) -> None:
     out, results = stores
     res = results["lm_loop"][0]

@@ -233,6 +233,8 @@ def test_moe_example_yaml_trains_qwen3_moe_from_megatron_weights(tmp_path: Path)
         np.testing.assert_array_equal(cand.step_arrays(step).data["batch/input_ids"],
                                       base.step_arrays(step).data["batch/tokens"])
     names = set(cand.step_arrays(1).table("local_norm").name)
-    assert {"decoder.layers.0.mlp.experts.weight1", "decoder.layers.1.mlp.router.weight"} <= names
+    # the callback records the stacked experts per expert (weight1[e]), in place of the stacked row
+    assert {"decoder.layers.0.mlp.experts.weight1[0]", "decoder.layers.0.mlp.experts.weight2[3]",
+            "decoder.layers.1.mlp.router.weight"} <= names and "decoder.layers.0.mlp.experts.weight1" not in names
     _assert_report_passes_steps_1_2({"store": store, "out": out, "config": config, "root": tmp_path},
                                     layer_tensors=False)

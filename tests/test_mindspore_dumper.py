@@ -212,3 +212,46 @@ def test_dumper_failure_never_stops_training(batches: list, tmp_path: Path) -> N
     out2 = cell(*mc.llama_inputs(batches[1]))  # training goes on
     assert np.isfinite(out2[0].asnumpy()).all()
     dumper.close()
+
+
+class _Experts(ms.nn.Cell):
+    """A stacked-experts cell shaped as MindFormers' FFNGroupedGEMM: ``num_local_experts`` and [E*H, F]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_local_experts = 3
+        self.weight1 = ms.Parameter(ms.Tensor(np.random.default_rng(1).standard_normal((12, 5)), ms.float32),
+                                    name="experts.weight1")
+        self.bias = ms.Parameter(ms.Tensor(np.ones(3), ms.float32), name="experts.bias")
+
+    def construct(self, x: ms.Tensor) -> ms.Tensor:
+        return ((x @ self.weight1) ** 2).sum() * self.bias.sum()
+
+
+def test_stacked_expert_norms_recorded_per_expert(tmp_path: Path) -> None:
+    """record_grads splits a stacked expert Parameter's gradient by rows into NAME[e] rows (their squares add
+    up to the whole); split_rows keeps the one row when the pieces do not add up (not written this step)."""
+    from dumpers.mindspore_expert_norms import split_rows, stacked_experts
+
+    mc.set_cpu_context("pynative")
+    net = _Experts()
+    x = ms.Tensor(np.random.default_rng(2).standard_normal((2, 12)), ms.float32)
+    grads = ms.value_and_grad(net, None, net.trainable_params())(x)[1]
+    assert stacked_experts(net) == {"experts.weight1": 3}
+    dumper = MindSporeDumper(net, tmp_path / "run", DumpConfig())
+    dumper.begin_step(1)
+    dumper.record_grads(grads)
+    dumper.end_step(loss=1.0)
+    dumper.close()
+    t = RunReader(tmp_path / "run").step_arrays(1).table("local_norm")
+    norms = dict(zip(t["name"], t["norm"], strict=True))
+    g = grads[0].asnumpy().astype(np.float64)
+    want = {f"experts.weight1[{e}]": float(np.linalg.norm(g[4 * e:4 * (e + 1)])) for e in range(3)}
+    assert sorted(norms) == sorted([*want, "experts.bias"]) and list(t["numel"][:3]) == [20, 20, 20]
+    for k, v in want.items():
+        assert norms[k] == pytest.approx(v, rel=1e-12)
+    sq = {"w": np.array([1.0, 4.0])}
+    assert split_rows(["w", "b"], [5 ** 0.5, 1.0], [8, 2], sq) == (["w[0]", "w[1]", "b"], [1.0, 2.0, 1.0], [4, 4, 2],
+                                                                  [0, 0, 1])
+    assert split_rows(["w"], [3.0], [8], sq)[0] == ["w"]              # 1 + 4 != 9: stale, kept whole
+    assert split_rows(["w"], [5 ** 0.5], [8], {"w": np.array([np.nan, 4.0])})[0] == ["w"]
