@@ -20,6 +20,7 @@ from comparators.optimizer_check import compare_updates, read_step1_file, to_can
 from core.errors import BadInput
 from core.findings import StageResult, skipped
 from models import load_mapping
+from reports.html import table
 from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, evidence_path
 
 
@@ -69,6 +70,11 @@ def run(ev: Evidence) -> StageResult:
     return res
 
 
+def section(res: StageResult) -> str:
+    """Every parameter's update difference, its ratio to its noise floor and the floor's source."""
+    return table(res.details.get("parameters") or [])
+
+
 STAGE = Stage(
     name="optimizer", order=80, title="Optimizer check (same gradients, both optimizers)",
     needs="the baseline's step-1 gradients and weights (evidence/optimizer_step1.npz) and the candidate's "
@@ -77,4 +83,4 @@ STAGE = Stage(
             "optimizer.step() writes RUN/evidence/optimizer_step1.npz; candidate: "
             "dumpers.mindspore_optimizer_check.run_optimizer_check(optimizer, RUN, OUT), then "
             "--optimizer-check OUT (docs/workflow.md)",
-    run=run)
+    run=run, section=section)
