@@ -87,11 +87,12 @@ class Judgement:
     threshold: float             # the pass line in force: min(dtype pass line, PASS_RATIO x floor)
     dtype_verdict: str
     decided_by: str              # "floor" (the floor was stricter) or "dtype line"
+    dtype_line: float            # the dtype's pass line (what the difference was judged against before floors)
 
     def columns(self) -> dict[str, Any]:
         """The row columns every judged table carries (summary.json and the HTML tables)."""
         return {"ratio": self.ratio, "floor": self.floor, "floor_source": self.floor_source,
-                "dtype_verdict": self.dtype_verdict, "decided_by": self.decided_by}
+                "dtype_line": self.dtype_line, "dtype_verdict": self.dtype_verdict, "decided_by": self.decided_by}
 
     def says(self) -> str:
         """The ratio in words, for a finding's message."""
@@ -110,12 +111,13 @@ def judge(value: float, floor: Floor | None, dtype_line: tuple[float, float], *,
     eff = floor.effective if floor is not None else None
     source = floor.source if floor is not None else "no floor: judged at the dtype line"
     if eff is None:
-        return Judgement(dv, value, None, None, source, dtype_line[0], dv, "dtype line")
+        return Judgement(dv, value, None, None, source, dtype_line[0], dv, "dtype line", dtype_line[0])
     ratio = value / eff if finite else math.inf
     fv = "pass" if ratio <= pass_ratio else "warn" if ratio <= fail_ratio else "fail"
     verdict = worst(dv, fv)
     decided = "floor" if _ORDER[fv] > _ORDER[dv] else "dtype line"
-    return Judgement(verdict, value, ratio, eff, source, min(dtype_line[0], pass_ratio * eff), dv, decided)
+    return Judgement(verdict, value, ratio, eff, source, min(dtype_line[0], pass_ratio * eff), dv, decided,
+                     dtype_line[0])
 
 
 def spread(values: Iterable[float | None]) -> float | None:

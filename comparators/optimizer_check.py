@@ -101,8 +101,9 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
                    "decay_mismatch": decayed, "worst": rows[:top],
                    "noise_floor": {"pass_ratio": nf.PASS_RATIO, "fail_ratio": nf.FAIL_RATIO,
                                    "worst_ratio": max((r["ratio"] for r in rows), default=None)},
-                   "parameters": [{k: r[k] for k in ("name", "rel_diff", "ratio", "floor", "verdict", "decided_by",
-                                                     "floor_source")} for r in rows]}
+                   "parameters": [{k: r[k] for k in ("name", "rel_diff", "dtype_line", "dtype_verdict", "ratio",
+                                                     "floor", "verdict", "decided_by", "floor_source")}
+                                  for r in rows]}
     return res
 
 
