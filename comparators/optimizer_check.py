@@ -100,7 +100,8 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
     res.details = {"compared": len(rows), "failing": len(bad), "rtol": list(rtol), "dtype": dtype,
                    "decay_mismatch": decayed, "worst": rows[:top],
                    "noise_floor": {"pass_ratio": nf.PASS_RATIO, "fail_ratio": nf.FAIL_RATIO,
-                                   "worst_ratio": max((r["ratio"] for r in rows), default=None)},
+                                   "worst_ratio": max((r["ratio"] for r in rows if r["ratio"] is not None),
+                                                      default=None)},
                    "parameters": [{k: r[k] for k in ("name", "rel_diff", "dtype_line", "dtype_verdict", "ratio",
                                                      "floor", "verdict", "decided_by", "floor_source")}
                                   for r in rows]}
