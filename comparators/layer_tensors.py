@@ -262,7 +262,8 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
         res.add(Finding(STAGE, "pass", None, "rows_within_tolerance", len(rows_out), None,
                         f"all {len(rows_out)} compared tensor rows within their dtype's tolerance"
                         + (f" and {nf.PASS_RATIO:g}x their noise floors ({len(ratios)} rows with a floor, worst "
-                           f"ratio {max(ratios):.3g})" if ratios else "")))
+                           f"ratio {max(ratios):.3g})" if ratios else
+                           f" ({rows_out[0]['floor_source']})" if rows_out[0].get("floor_source") else "")))
     departing = [r for r in rows_out if r["verdict"] != "pass"]
     res.details = {"step": step, "rank": rank, "compared": len(rows_out),
                    "mode": "tensor" if full else "stats", "departing": len(departing),
@@ -271,6 +272,12 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
                    "first_departing_layer": (first.get("forward") or first.get("backward") or {}).get("layer"),
                    "unmatched_baseline": unmatched, "unmatched_candidate_rows": extra_b,
                    "rows": rows_out, "per_layer": _per_layer(rows_out)}
+    if any("floor_source" in r for r in rows_out):
+        with_floor = [r["ratio"] for r in rows_out if r.get("ratio") is not None]
+        res.details["noise_floor"] = {"with_floor": len(with_floor), "without_floor": len(rows_out) - len(with_floor),
+                                      "worst_ratio": max(with_floor, default=None),
+                                      "decided_by_floor": sum(r.get("decided_by") == "floor" for r in rows_out),
+                                      "pass_ratio": nf.PASS_RATIO, "fail_ratio": nf.FAIL_RATIO}
     if one_sided:
         res.details["note"] = (f"{len(unmatched)} baseline rows (module inputs / input gradients) have no "
                                "counterpart kind in the candidate's dump; outputs and output gradients are compared")

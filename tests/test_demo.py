@@ -128,9 +128,9 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
     assert ln["noise_floor"]["with_floor"] == 19 and ln["noise_floor"]["worst_ratio"] < 10
     floors = {f["quantity"]: f for f in summary["stages"]["lr0_run"]["floors"]}
     assert set(floors) == {"loss", "grad_norm"} and all("step 1" in f["floor_source"] for f in floors.values())
-    assert "noise floor" in html and "floor_source" in html
     html = (out / "report.html").read_text()
     assert "TP=2" in html and "lr = 0" in html and "Checklist" in html
+    assert "noise floor" in html and "floor_source" in html
     assert "data:image/png;base64," in html
     # the runs really are the two frameworks, and the repeat really ran TP=2
     runs = out / "runs"
