@@ -35,9 +35,13 @@ def rows_of(summary: dict[str, Any]) -> list[dict[str, Any]]:
             continue
 
         def before(r: dict[str, Any], value: str = value) -> float:
-            return r[value] / r["dtype_line"] if r.get("dtype_line") else math.nan
+            v = r[value] if r[value] is not None else math.inf     # summary.json writes inf / nan as null
+            return v / r["dtype_line"] if r.get("dtype_line") else math.nan
 
-        worst = max(rows, key=lambda r: (r["ratio"] if r.get("ratio") is not None else -1.0, before(r)))
+        def after(r: dict[str, Any], value: str = value) -> float:
+            return r["ratio"] if r.get("ratio") is not None else (math.inf if r[value] is None else -1.0)
+
+        worst = max(rows, key=lambda r: (after(r), before(r)))
         comp = worst[name] + (f" {worst['kind']}" if stage == "layer_tensors" else "")
         out.append({"stage": stage, "component": comp, "value": worst[value], "dtype_line": worst.get("dtype_line"),
                     "ratio_before": before(worst), "verdict_before": worst.get("dtype_verdict"),

@@ -78,7 +78,8 @@ def _repeat_layers(ev: Evidence, step: int) -> tuple[LayerSource | None, int | N
         if ranks and src.layer_rows(step, ranks[0])[0]:
             return src, ranks[0], None
     return None, None, (f"the repeat holds no layer tensors at step {step}: capture them on the repeat too "
-                        f"(tensor_steps=[{step}])")
+                        f"(tensor_steps=[{step}]) from a repeat that sees the whole batch (another TP layout or "
+                        "no determinism: a data-parallel rank's rows hold its share of the batch)")
 
 
 def _readers(*srcs: LayerSource) -> Any:
