@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from comparators import noise_floor as nf
 from comparators.tensor_dispatch import run_tasks
 from comparators.tensor_metrics import Readers
-from comparators.tensor_pair import direction_of
+from comparators.tensor_pair import direction_of, tolerance
 from core.dtypes import EPS, coarsest, normalize
 from core.findings import Finding, StageResult
 
@@ -123,7 +124,8 @@ def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *,
                           threads: int = 2, tolerances: dict[str, tuple[float, float, float]] | None = None,
                           jobs: int | None = None, scheduler: Any = None, executor: str = "thread",
                           readers: Readers | None = None, rows: tuple[Rows, Rows] | None = None,
-                          one_sided_kinds: tuple[str, ...] = ()) -> StageResult:
+                          one_sided_kinds: tuple[str, ...] = (), repeat: Any = None,
+                          repeat_rank: int | None = None, no_floor: str | None = None) -> StageResult:
     """Compare layer tensors of ``step``; names the first departing layer, forward then backward.
 
     ``baseline`` / ``candidate``: layer sources (``sources.layers.layer_source`` opens a run store or an
@@ -135,11 +137,51 @@ def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *,
     compare by statistics. ``rows``: both sides' rows of this step and rank, already read by the caller.
     ``one_sided_kinds``: row kinds (prefixes) one side may not record at all; when every unmatched baseline
     row is of them, they are noted in ``details["note"]``, not judged.
+    ``repeat``: the baseline's repeat as a layer source (its rows of ``step`` at ``repeat_rank``): each row is
+    also judged against its noise floor, the same compare of the baseline against the repeat
+    (:func:`apply_floors`); ``no_floor``: why there is no repeat to measure it on (the rows say so).
     """
     plan = plan_layer_tasks(baseline, candidate, mapping, step=step, rank=rank, candidate_rank=candidate_rank,
                             stats_only=stats_only, tolerances=tolerances, readers=readers, rows=rows)
     rows_out = run_tasks(plan["tasks"], jobs or threads, scheduler, executor)
+    if repeat is not None or no_floor is not None:
+        floor_rows = None
+        label = str(getattr(repeat, "root", repeat)).rstrip("/").rsplit("/", 1)[-1]
+        if repeat is not None and plan["tasks"]:
+            fplan = plan_layer_tasks(baseline, repeat, mapping, step=step, rank=rank, candidate_rank=repeat_rank,
+                                     stats_only=not plan["full"], tolerances=tolerances, readers=readers)
+            floor_rows = run_tasks(fplan["tasks"], jobs or threads, scheduler, executor)
+        apply_floors(rows_out, floor_rows, f"repeat {label} vs baseline, step {step}",
+                     no_floor or f"the repeat {label} has no layer rows at step {step}", tolerances)
     return summarise(plan, rows_out, one_sided_kinds)
+
+
+def apply_floors(rows_out: list[dict[str, Any]], floor_rows: list[dict[str, Any]] | None, what: str,
+                 no_floor: str, tolerances: dict[str, tuple[float, float, float]] | None = None) -> None:
+    """Judge each compared row against its noise floor too (comparators.noise_floor), in place.
+
+    ``floor_rows``: the same compare of the baseline against its repeat (same mode: statistics or tensors).
+    A row's own floor is the repeat row of the same module, kind and occurrence with the baseline's shape (a
+    tensor-parallel repeat holds shards of another shape for some rows: those take their group's spread); the
+    group is (direction, judged dtype). Without floor rows every row keeps its dtype verdict and says why."""
+    def key(r: dict[str, Any]) -> tuple[str, str, int]:
+        return r["module"], r["kind"], int(r["order"])
+
+    own: dict[tuple[str, str, int], float | None] = {}
+    if floor_rows:
+        by_key = {key(f): f for f in floor_rows}
+        for r in rows_out:
+            f = by_key.get(key(r))
+            same = f is not None and f.get("mode") == r.get("mode") and \
+                str(f.get("shape")) == str(f.get("candidate_shape")) and math.isfinite(float(f["value"]))
+            own[key(r)] = float(f["value"]) if same else None
+    groups = {key(r): (r["direction"], r.get("judged_dtype", "float32")) for r in rows_out}
+    floors = nf.group_floors(own, groups, what, no_repeat=None if floor_rows else no_floor)
+    for r in rows_out:
+        tol = tolerance(r.get("judged_dtype") or r.get("dtype", "float32"), tolerances)
+        j = nf.judge(float(r["value"]), floors[key(r)], (tol[0], tol[1]))
+        r.update(j.columns(), verdict=nf.worst(r["verdict"], j.verdict),
+                 threshold=j.threshold if j.ratio is not None else r["threshold"])
 
 
 def compare_layer_tensors_all(baseline: Any, candidate: Any, mapping: Any = None, *,
@@ -203,8 +245,8 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
                      f"({later['metric']} {later['value']:.3g})")
         res.add(Finding(STAGE, verdict, r["module"], r["metric"], r["value"], r["threshold"],
                         f"first departing {direction} tensor: {where}{r['module']} {r['kind']} "
-                        f"({r['mode']} compare, {_judged(r)}: {r['metric']} {r['value']:.3g} > {r['threshold']:g})"
-                        f"{grows}"))
+                        f"({r['mode']} compare, {_judged(r)}: {r['metric']} {r['value']:.3g} > {r['threshold']:.3g}"
+                        f"{_floor_words(r)}){grows}"))
     one_sided = bool(unmatched) and bool(one_sided_kinds) and \
         all(u.split(" ")[-1].startswith(one_sided_kinds) for u in unmatched)
     if unmatched and not one_sided:
@@ -218,8 +260,12 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
                         "(msprobe .pt needs torch: readers=checkpoints.torch_tensors.READERS)"))
     extra_b = plan["rows_b"] - len(rows_out)
     if not first and rows_out:
+        ratios = [r["ratio"] for r in rows_out if r.get("ratio") is not None]
         res.add(Finding(STAGE, "pass", None, "rows_within_tolerance", len(rows_out), None,
-                        f"all {len(rows_out)} compared tensor rows within their dtype's tolerance"))
+                        f"all {len(rows_out)} compared tensor rows within their dtype's tolerance"
+                        + (f" and {nf.PASS_RATIO:g}x their noise floors ({len(ratios)} rows with a floor, worst "
+                           f"ratio {max(ratios):.3g})" if ratios else
+                           f" ({rows_out[0]['floor_source']})" if rows_out[0].get("floor_source") else "")))
     departing = [r for r in rows_out if r["verdict"] != "pass"]
     res.details = {"step": step, "rank": rank, "compared": len(rows_out),
                    "mode": "tensor" if full else "stats", "departing": len(departing),
@@ -228,6 +274,12 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
                    "first_departing_layer": (first.get("forward") or first.get("backward") or {}).get("layer"),
                    "unmatched_baseline": unmatched, "unmatched_candidate_rows": extra_b,
                    "rows": rows_out, "per_layer": _per_layer(rows_out)}
+    if any("floor_source" in r for r in rows_out):
+        with_floor = [r["ratio"] for r in rows_out if r.get("ratio") is not None]
+        res.details["noise_floor"] = {"with_floor": len(with_floor), "without_floor": len(rows_out) - len(with_floor),
+                                      "worst_ratio": max(with_floor, default=None),
+                                      "decided_by_floor": sum(r.get("decided_by") == "floor" for r in rows_out),
+                                      "pass_ratio": nf.PASS_RATIO, "fail_ratio": nf.FAIL_RATIO}
     if one_sided:
         res.details["note"] = (f"{len(unmatched)} baseline rows (module inputs / input gradients) have no "
                                "counterpart kind in the candidate's dump; outputs and output gradients are compared")
@@ -242,6 +294,12 @@ def _first_failing_after(rows: list[dict[str, Any]], r: dict[str, Any]) -> dict[
         if seen and x["direction"] == r["direction"] and x["verdict"] == "fail":
             return x
     return None
+
+
+def _floor_words(r: dict[str, Any]) -> str:
+    if r.get("ratio") is None:
+        return f"; {r['floor_source']}" if r.get("floor_source") else ""
+    return f"; {r['ratio']:.3g}x its noise floor {r['floor']:.3g}, {r['floor_source']}"
 
 
 def _judged(r: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from comparators import noise_floor as nf
 from core.errors import BadInput
 from core.findings import Finding, StageResult
 from models.mindformers_parallel import ALL_REDUCED, PIPELINE_UNVERIFIED, PRE_ALL_REDUCE, param_stage
@@ -402,8 +403,12 @@ def pair_norms(b_names: Iterable[str], c_names: Iterable[str], mapping: Any) -> 
 
 def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, step: int = 1,
                         dtype: str = "float32", rtol: tuple[float, float] | None = None,
-                        top: int = 20) -> StageResult:
-    """Compare two runs' step-``step`` local norms; details name the worst parameters by baseline name."""
+                        top: int = 20, repeats: Iterable[Any] = ()) -> StageResult:
+    """Compare two runs' step-``step`` local norms; details name the worst parameters by baseline name.
+
+    ``repeats``: the baseline's repeats (runs or stores); their step-``step`` norms give each parameter's
+    noise floor (comparators.noise_floor), the largest over the repeats. Without one the dtype line alone
+    judges, and the details say so."""
     from mapping import Mapping
     from models import load_mapping
 
@@ -411,8 +416,17 @@ def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, s
     pass_tol, warn_tol = rtol or RTOL.get(dtype, RTOL["float32"])
     b_norms, b_info = read_local_norms(baseline, step)
     c_norms, c_info = read_local_norms(candidate, step)
+    r_norms: list[tuple[str, dict[str, ShardNorm]]] = []
+    why = "no --repeat run"
+    for r in repeats:
+        label = Path(str(getattr(r, "label", None) or getattr(r, "root", None) or getattr(r, "path", r))).name
+        try:
+            r_norms.append((label, read_local_norms(r, step)[0]))
+        except BadInput as exc:    # a repeat without this step's norms: no floor from it, said in the details
+            why = f"repeat {label}: {exc}"
     res = compare_norm_entries(b_norms, c_norms, m, pass_tol=pass_tol, warn_tol=warn_tol, top=top,
-                               info={"baseline": b_info, "candidate": c_info, "step": step, "dtype": dtype})
+                               info={"baseline": b_info, "candidate": c_info, "step": step, "dtype": dtype},
+                               repeats=r_norms, no_floor=None if r_norms else why)
     for side, info in (("baseline", b_info), ("candidate", c_info)):
         if PIPELINE_UNVERIFIED in info.get("grad_state", {}):
             res.add(Finding(STAGE, "warn", None, "pipeline_local_norms_unverified", None, None,
@@ -423,10 +437,30 @@ def compare_local_norms(baseline: Any, candidate: Any, mapping: Any = None, *, s
     return res
 
 
+def norm_floors(pairs: list[NormPair], b_norms: dict[str, ShardNorm],
+                repeats: list[tuple[str, dict[str, ShardNorm]]], no_floor: str | None = None,
+                step: int | None = None) -> dict[str, nf.Floor]:
+    """Each compared parameter's noise floor: the repeats' relative difference from the baseline's norm (the
+    largest over the repeats), or the spread of all parameters' when larger or when the repeat lacks it."""
+    own: dict[str, float | None] = {}
+    for p in pairs:
+        b = math.sqrt(sum(b_norms[n].full_norm() ** 2 for n in p.baseline))
+        diffs = [nf.rel_diff(b, math.sqrt(sum(rn[n].full_norm() ** 2 for n in p.baseline)))
+                 for _, rn in repeats if all(n in rn for n in p.baseline)]
+        own[p.name] = max(diffs) if diffs else None
+    what = (f"repeat {', '.join(label for label, _ in repeats)} vs baseline"
+            + (f", step {step}" if step is not None else ""))
+    return nf.group_floors(own, {p.name: "parameters" for p in pairs}, what, no_repeat=no_floor)
+
+
 def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, ShardNorm], m: Any, *,
                          pass_tol: float = 1e-4, warn_tol: float = 1e-2, top: int = 20,
-                         info: dict[str, Any] | None = None) -> StageResult:
-    """The comparison proper, on already-combined per-parameter entries (kept separate for tests)."""
+                         info: dict[str, Any] | None = None,
+                         repeats: list[tuple[str, dict[str, ShardNorm]]] | None = None,
+                         no_floor: str | None = "no --repeat run") -> StageResult:
+    """The comparison proper, on already-combined per-parameter entries (kept separate for tests).
+    ``repeats``: (label, entries) of the baseline's repeats, the noise floor of each parameter; ``no_floor``:
+    why there is none (then the dtype line alone judges)."""
     res = StageResult(STAGE)
     info = info or {}
     for side, norms in (("baseline", b_norms), ("candidate", c_norms)):
@@ -493,6 +527,9 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
                         f"{len(bounded)} parameter group(s); a norm above it by more than {warn_tol:g} fails. "
                         "To compare exactly, dump the all-reduced norms (the dumper under semi-auto parallel) "
                         "or compare with a run of the same DP size captured the same way"))
+    floors = norm_floors(pairing.pairs, b_norms, repeats or [], no_floor if not repeats else None,
+                         info.get("step"))
+    judged = []
     for r in rows:
         if r.get("compared_as") == "pre_all_reduce_bound":
             continue
@@ -501,19 +538,28 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
                             f"{r['name']}: {r['numel_baseline']} elements in the baseline, "
                             f"{r['numel_candidate']} in the candidate ({r['candidate']})"))
         rel = r["rel_diff"]
-        if rel > pass_tol or not math.isfinite(r["candidate_norm"]) or not math.isfinite(r["baseline_norm"]):
+        finite = math.isfinite(r["candidate_norm"]) and math.isfinite(r["baseline_norm"])
+        j = nf.judge(rel if finite else math.inf, floors.get(r["name"]), (pass_tol, warn_tol))
+        judged.append(j)
+        r.update(j.columns(), verdict=j.verdict, threshold=j.threshold)
+        if j.verdict != "pass":
             failing += 1
-            verdict = "warn" if rel <= warn_tol else "fail"
-            res.add(Finding(STAGE, verdict, r["name"], "local_norm_rel_diff", rel, pass_tol,
+            res.add(Finding(STAGE, j.verdict, r["name"], "local_norm_rel_diff", rel, j.threshold,
                             f"{r['name']}: gradient norm {r['baseline_norm']:.6g} (baseline) vs "
-                            f"{r['candidate_norm']:.6g} ({r['candidate']}), relative difference {rel:.3g}"))
+                            f"{r['candidate_norm']:.6g} ({r['candidate']}), relative difference {rel:.3g}: "
+                            f"{j.says()}"))
     rows.sort(key=lambda r: (-r["rel_diff"] if math.isfinite(r["rel_diff"]) else -math.inf))
     exact = [r for r in rows if r.get("compared_as") != "pre_all_reduce_bound"]
     if exact and failing == 0:
-        res.add(Finding(STAGE, "pass", exact[0]["name"], "local_norm_rel_diff", exact[0]["rel_diff"], pass_tol,
-                        f"all {len(exact)} parameter groups within {pass_tol:g} relative; worst "
-                        f"{exact[0]['name']} at {exact[0]['rel_diff']:.3g}"))
+        worst_ratio = max((r["ratio"] for r in exact if r.get("ratio") is not None), default=None)
+        res.add(Finding(STAGE, "pass", exact[0]["name"], "local_norm_rel_diff", exact[0]["rel_diff"],
+                        exact[0]["threshold"],
+                        f"all {len(exact)} parameter groups within {pass_tol:g} relative"
+                        + (f" and within {nf.PASS_RATIO:g}x their noise floors (worst ratio {worst_ratio:.3g})"
+                           if worst_ratio is not None else f" ({floors[exact[0]['name']].source})")
+                        + f"; worst {exact[0]['name']} at {exact[0]['rel_diff']:.3g}"))
     res.details = {"compared": len(rows), "failing": failing, "rtol": pass_tol, **info,
+                   "noise_floor": nf.summary(judged),
                    "worst": rows[:top], "per_layer": _aggregate(rows, "layer"),
                    "per_kind": _aggregate(rows, "kind"),
                    "parameters": sorted(rows, key=lambda r: (r["layer"] if r["layer"] is not None else -1,

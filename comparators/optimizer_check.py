@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from comparators import noise_floor as nf
 from core.errors import BadInput
 from core.findings import Finding, StageResult, skipped
 from runstore import read_step1_file, write_step1_file  # noqa: F401  (the evidence file format)
@@ -78,6 +79,7 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
         rows.append(_row(name, w0, wb, wc, rtol, eps))
     if not rows:
         return res if res.findings else skipped(STAGE, "no parameters in common")
+    _apply_floors(rows, rtol)
     rows.sort(key=lambda r: -r["excess"])
     bad = [r for r in rows if r["verdict"] != "pass"]
     for r in bad:
@@ -96,8 +98,36 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
                         f"all {len(rows)} parameters updated alike from the same gradients (worst "
                         f"{w['name']} at {w['rel_diff']:.3g} relative)"))
     res.details = {"compared": len(rows), "failing": len(bad), "rtol": list(rtol), "dtype": dtype,
-                   "decay_mismatch": decayed, "worst": rows[:top]}
+                   "decay_mismatch": decayed, "worst": rows[:top],
+                   "noise_floor": {"pass_ratio": nf.PASS_RATIO, "fail_ratio": nf.FAIL_RATIO,
+                                   "worst_ratio": max((r["ratio"] for r in rows if r["ratio"] is not None),
+                                                      default=None)},
+                   "parameters": [{k: r[k] for k in ("name", "rel_diff", "dtype_line", "dtype_verdict", "ratio",
+                                                     "floor", "verdict", "decided_by", "floor_source")}
+                                  for r in rows]}
     return res
+
+
+def _apply_floors(rows: list[dict[str, Any]], rtol: tuple[float, float]) -> None:
+    """Judge each parameter's update difference against its noise floor too (comparators.noise_floor), in place.
+
+    Both optimizers step on the same gradients, so a repeat's gradient noise does not apply: the floor is the
+    rounding of ``w - lr*u`` (``NOISE_ULPS`` ulps of |w|, relative to the update) or the spread of the clean
+    rows (the median of all parameters' differences), whichever is larger. A fault on a few parameters stands
+    out from the median; one on all of them is left to the dtype line, which stays the upper bound."""
+    diffs = sorted(r["rel_diff"] for r in rows if np.isfinite(r["rel_diff"]))
+    median = float(np.median(diffs)) if diffs else None
+    for r in rows:
+        rounding = r["rounding_floor"]
+        if median is not None and median > rounding:
+            floor = nf.Floor(median, f"median of the {len(diffs)} parameters' update differences")
+        else:
+            floor = nf.Floor(rounding, f"rounding of w - lr*u ({NOISE_ULPS:g} ulps of |w|)")
+        j = nf.judge(r["rel_diff"], floor, (r["threshold"], rtol[1] + (r["threshold"] - rtol[0])))
+        verdict = "pass" if r["diff_norm"] <= r["noise"] else nf.worst(r["verdict"], j.verdict)
+        r.update(j.columns(), verdict=verdict, threshold=j.threshold,
+                 excess=r["rel_diff"] / j.threshold if j.threshold else r["rel_diff"],
+                 decay_like=verdict != "pass" and abs(r["cos_with_weight"]) >= DECAY_COSINE)
 
 
 def _row(name: str, w0: np.ndarray, wb: np.ndarray, wc: np.ndarray, rtol: tuple[float, float],
@@ -115,7 +145,8 @@ def _row(name: str, w0: np.ndarray, wb: np.ndarray, wc: np.ndarray, rtol: tuple[
     ww = float(w @ w)
     cos = float(diff @ w) / (nd * np.sqrt(ww)) if nd > 0 and ww > 0 else 0.0
     return {"name": name, "rel_diff": rel, "threshold": pass_t, "excess": rel / pass_t if pass_t else rel,
-            "verdict": verdict, "update_norm_baseline": nb, "update_norm_candidate": float(np.linalg.norm(dc)),
+            "verdict": verdict, "rounding_floor": floor, "noise": noise,
+            "update_norm_baseline": nb, "update_norm_candidate": float(np.linalg.norm(dc)),
             "diff_norm": nd, "cos_with_weight": cos,
             "decay_like": verdict != "pass" and abs(cos) >= DECAY_COSINE,
             # diff = -lr * (wd_c - wd_b) * w  =>  lr * delta_wd = -(diff . w) / (w . w)

@@ -145,7 +145,24 @@ def build_mcore_net(spec: Spec) -> nn.Cell:
             return inner(*args, **kwargs).astype(ms.float16).astype(ms.float32)
 
         emb.construct = low_precision
+    if injects(spec, "candidate") == "log_softmax_bf16":
+        bf16_log_softmax(net.model.loss)
     return net
+
+
+def bf16_log_softmax(loss: nn.Cell) -> None:
+    """The log_softmax_bf16 fault: the cross-entropy's log-softmax (MindFormers' ``_LogSoftmax`` cell inside
+    its CrossEntropyLoss) takes logits rounded to bfloat16 and returns log-probabilities rounded to bfloat16,
+    as a loss kernel run in bfloat16 computes them; its own backward (softmax - one-hot, from those
+    log-probabilities) carries the rounding into the gradients."""
+    cell = loss._log_softmax
+    inner = cell.construct
+
+    def low_precision(logits: Any, label: Any) -> Any:
+        log_probs, one_hot = inner(logits.astype(ms.bfloat16).astype(ms.float32), label)
+        return log_probs.astype(ms.bfloat16).astype(ms.float32), one_hot
+
+    cell.construct = low_precision
 
 
 def build_net(spec: Spec) -> nn.Cell:
@@ -164,6 +181,8 @@ def build_net(spec: Spec) -> nn.Cell:
             return inner(*args, **kwargs).astype(ms.float16).astype(ms.float32)
 
         emb.construct = low_precision
+    if injects(spec, "candidate") == "log_softmax_bf16":
+        bf16_log_softmax(net.loss)
     return net
 
 

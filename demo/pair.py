@@ -35,6 +35,9 @@ from demo.spec import FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, write_spe
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
 DEFAULT_LR0_STEPS = 20
+# The repeat's layer tensors at step 1: the noise floor each step-1 layer row is judged against
+# (comparators.noise_floor). Only a TP repeat has them: a DP=2 repeat's activations are half the batch.
+REPEAT_TENSOR_STEPS = "1"
 # Layer tensors: both sides compute float32 on the same CPU, and the clean pair's worst layer row is ~5e-7
 # relative (measured), so float32 passes up to 1e-5 (20x that) and fails beyond 1e-4. The comparator's own
 # float32 default (1e-4 / 1e-2) is meant for different hardware kernels (NPU vs GPU).
@@ -79,7 +82,8 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None,
             base.pad_id = cand.pad_id = base.eos_id
     layout = repeat_layout(model_kind)
     repeat = replace(base, role="repeat", out=str(work / ("repeat_tp2" if layout["tp"] > 1 else "repeat_dp2")),
-                     **layout, tensor_steps="", init_weights=None, optimizer_evidence=False,
+                     **layout, tensor_steps=REPEAT_TENSOR_STEPS if layout["tp"] > 1 else "", init_weights=None,
+                     optimizer_evidence=False,
                      result_file=str(work / "repeat.json"))
     optcheck = replace(cand, role="optimizer_check", out=str(work / "optimizer_check"), steps=1,
                        init_weights=None, step1_file=base.out, result_file=str(work / "optcheck.json"))

@@ -127,6 +127,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("no_clip", "candidate", "optimizer", "clipping",
           "candidate's training cell does not clip although its YAML says use_clip_grad: True, max_grad_norm "
           "1.0 (the wrapper is built without the YAML's clipping keys)"),
+    Fault("log_softmax_bf16", "candidate", "lr0_run", "loss",
+          "candidate computes the cross-entropy's log-softmax in bfloat16 (MindFormers computes the loss in "
+          "float32): the loss differs under float16's lines, far above the pair's measured noise floor"),
 ]}
 
 NAN_STEP = 3
@@ -322,11 +325,12 @@ def trains_in_graph(spec: Spec) -> bool:
     10-40 s compile) with its layer statistics captured inside the compiled step at the tensor steps
     (``MindSporeDumper(graph_capture=True)``: statistics only, no full tensors). The lr = 0 run (no tensor steps,
     short), the optimizer check and the faults that patch the candidate's Python at run time (nan_param poisons
-    a gradient in the training cell, embedding_fp16 replaces the embedding's ``construct``; GRAPH would compile
-    neither) stay in PYNATIVE with layer hooks and full tensors; so does the legacy Llama. So does no_clip: a
-    cell without clipping returns None as its global norm, which a CPU GRAPH step cannot output."""
+    a gradient in the training cell, embedding_fp16 replaces the embedding's ``construct``, log_softmax_bf16
+    the loss's log-softmax cell's; GRAPH would compile none of them) stay in PYNATIVE with layer hooks and full
+    tensors; so does the legacy Llama. So does no_clip: a cell without clipping returns None as its global norm,
+    which a CPU GRAPH step cannot output."""
     return (spec.model_kind != "llama" and spec.role == "candidate" and bool(spec.tensor_steps)
-            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16", "no_clip"))
+            and injects(spec, "candidate") not in ("nan_param", "embedding_fp16", "log_softmax_bf16", "no_clip"))
 
 
 def mindformers_config(spec: Spec) -> dict[str, Any]:

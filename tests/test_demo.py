@@ -128,8 +128,14 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
     judged = {(r["module"], r["kind"]): r["judged_dtype"] for r in lt["rows"]}
     assert judged[("embedding", "forward.output.0")] == "float32"
     assert judged[("decoder.layers.0.self_attention.core_attention", "forward.output.0")] == "float16"
+    # each judged quantity against the noise floor the TP=2 repeat shows at step 1 (comparators.noise_floor)
+    assert all(r["ratio"] is not None and "repeat_tp2" in r["floor_source"] for r in lt["rows"])
+    assert ln["noise_floor"]["with_floor"] == 19 and ln["noise_floor"]["worst_ratio"] < 10
+    floors = {f["quantity"]: f for f in summary["stages"]["lr0_run"]["floors"]}
+    assert set(floors) == {"loss", "grad_norm"} and all("step 1" in f["floor_source"] for f in floors.values())
     html = (out / "report.html").read_text()
     assert "TP=2" in html and "lr = 0" in html and "Checklist" in html
+    assert "noise floor" in html and "floor_source" in html
     assert "data:image/png;base64," in html
     # the runs really are the two frameworks, and the repeat really ran TP=2
     runs = out / "runs"
@@ -216,6 +222,9 @@ def test_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[P
     hits = [x for x in data["findings"] if x["stage"] == f.stage and x["verdict"] == "fail"
             and component in str(x["component"])]
     assert hits, (component, [x for x in data["findings"] if x["stage"] == f.stage])
+    if name == "log_softmax_bf16":   # under float16's line: only the measured floor fails it
+        (row,) = [r for r in stage["floors"] if r["quantity"] == "loss"]
+        assert (row["dtype_verdict"], row["decided_by"], row["verdict"]) == ("pass", "floor", "fail")
     assert f.name in (tmp_path / name / "report.html").read_text()
     # `align report` alone, on the stores this fault's demo made, fails at the same stage, same component
     assert verdicts(report_again(tmp_path / name, tmp_path / f"{name}_report")) == verdicts(data)

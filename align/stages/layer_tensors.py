@@ -1,5 +1,6 @@
-"""Layer tensors at step 1: the first layer whose output departs beyond its dtype's noise, forward then
-backward, from whatever both stores captured (statistics or full tensors), through the mapping."""
+"""Layer tensors at step 1: the first layer whose output departs beyond its noise, forward then backward, from
+whatever both stores captured (statistics or full tensors), through the mapping. The noise is the baseline's
+repeat at the same step where it holds layer rows (comparators.noise_floor), under the dtype's line."""
 
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ def run(ev: Evidence) -> StageResult:
         return skipped("layer_tensors", "no step where both runs hold layer tensors (tensor_stats / dump.json)")
     step, rows = found
     opt = ev.options
+    repeat, repeat_rank, no_floor = _repeat_layers(ev, step)
     res = compare_layer_tensors(srcs[0], srcs[1], ev.mapping, step=step,
                                 candidate_rank=srcs[1].array_ranks(step)[0], rank=srcs[0].array_ranks(step)[0],
                                 tolerances=opt.layer_tolerance or None, jobs=opt.jobs, scheduler=opt.scheduler,
-                                readers=_readers(*srcs), rows=rows, one_sided_kinds=ONE_SIDED_KINDS)
+                                readers=_readers(*srcs), rows=rows, one_sided_kinds=ONE_SIDED_KINDS,
+                                repeat=repeat, repeat_rank=repeat_rank, no_floor=no_floor)
     gathered = {side: src.notes.get(step) for side, src in zip(("baseline", "candidate"), srcs, strict=True)
                 if isinstance(src, GatheredLayers) and src.notes.get(step)}
     if gathered:
@@ -66,6 +69,23 @@ def run(ev: Evidence) -> StageResult:
                             "the candidate's layer tensors come from a re-run that does not reproduce it "
                             "(rerun_check): the departing module named here may not be the candidate's"))
     return res
+
+
+def _repeat_layers(ev: Evidence, step: int) -> tuple[LayerSource | None, int | None, str | None]:
+    """The first repeat holding layer rows at ``step`` (its first rank there): the rows' noise floor; else
+    why there is none (the rows are then judged at their dtype's line and say so)."""
+    if not ev.repeats:
+        return None, None, "no --repeat run"
+    for r in ev.repeats:
+        src = layer_source(r, required=False)
+        if src is None or step not in set(src.array_steps()):
+            continue
+        ranks = src.array_ranks(step)
+        if ranks and src.layer_rows(step, ranks[0])[0]:
+            return src, ranks[0], None
+    return None, None, (f"the repeat holds no layer tensors at step {step}: capture them on the repeat too "
+                        f"(tensor_steps=[{step}]) from a repeat that sees the whole batch (another TP layout or "
+                        "no determinism: a data-parallel rank's rows hold its share of the batch)")
 
 
 def _readers(*srcs: LayerSource) -> Any:
@@ -81,14 +101,23 @@ def _readers(*srcs: LayerSource) -> Any:
     return READERS
 
 
+FLOOR_COLUMNS = ("module", "kind", "judged_dtype", "value", "ratio", "floor", "verdict", "decided_by",
+                 "floor_source")
+
+
 def section(res: StageResult) -> str:
+    """The per-layer profile, then every row's difference, its ratio to its noise floor and the floor's source."""
     rows = res.details.get("per_layer") or []
     if not rows:
         return ""
     keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
     gathered = [{"side": side, "gathered": "; ".join(notes)} for side, notes in
                 (res.details.get("gathered") or {}).items()]    # a parallel run's ranks put back together
-    return (table(gathered) if gathered else "") + table([{k: r.get(k) for k in keys} for r in rows])
+    out = (table(gathered) if gathered else "") + table([{k: r.get(k) for k in keys} for r in rows])
+    judged = res.details.get("rows") or []
+    if judged and "floor_source" in judged[0]:
+        out += table([{k: r.get(k) for k in FLOOR_COLUMNS} for r in judged])
+    return out
 
 
 def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:

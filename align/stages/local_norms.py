@@ -1,4 +1,5 @@
-"""Step-1 local norms (backward): every parameter's gradient norm, by name, through the mapping."""
+"""Step-1 local norms (backward): every parameter's gradient norm, by name, through the mapping, each judged
+against its noise floor (the baseline's repeat at the same step, comparators.noise_floor) under the dtype line."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from align.stages.evidence import Evidence
 from comparators.local_norms import compare_local_norms
 from core.findings import StageResult, skipped
 from reports.figures import local_norm_chart
+from reports.html import table
 from runstore.run import Run
 
 SEARCH = 20   # steps looked at for the first one both runs recorded local norms at
@@ -32,9 +34,20 @@ def run(ev: Evidence) -> StageResult:
     dtype, source = ev.dtype
     res = compare_local_norms(b.store if b.store is not None else b, c.store if c.store is not None else c,
                               ev.mapping, step=step, dtype=dtype,
-                              rtol=ev.options.local_norm_rtol)
+                              rtol=ev.options.local_norm_rtol,
+                              repeats=[r.store if r.store is not None else r for r in ev.repeats
+                                       if r.local_norm_steps(limit=SEARCH)])
     res.details.update(dtype_source=source, mapping=ev.mapping, mapping_source=ev.mapping_source)
     return res
+
+
+FLOOR_COLUMNS = ("name", "rel_diff", "ratio", "floor", "verdict", "decided_by", "floor_source")
+
+
+def section(res: StageResult) -> str:
+    """Every parameter's relative difference, its ratio to its noise floor and where the floor came from."""
+    rows = res.details.get("parameters") or []
+    return table([{k: r.get(k) for k in FLOOR_COLUMNS} for r in rows])
 
 
 def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
@@ -52,4 +65,4 @@ STAGE = Stage(
     capture="MegatronDumper / MindSporeDumper record them every step; from MindFormers alone, "
             "monitor_config: {monitor_on: True, local_norm_format: [log]} logs them by name "
             "(TrainingStateMonitor); MFLossMonitor's unnamed local_norm arrays need the dumper's names",
-    run=run, figures=figures, figure_order=3, summary_keys=())
+    run=run, section=section, figures=figures, figure_order=3, summary_keys=())

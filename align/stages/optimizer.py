@@ -28,6 +28,7 @@ from comparators.optimizer_check import compare_clipping, compare_updates, read_
 from core.errors import BadInput
 from core.findings import Finding, StageResult, skipped
 from models import load_mapping
+from reports.html import table
 from runstore import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, evidence_path
 from runstore.clip_probe import CLIP_PROBE, read_clip_probe
 
@@ -131,6 +132,11 @@ def clipping(ev: Evidence, res: StageResult, base: Path, cand_path: Path, grads:
                                **clip.details}
 
 
+def section(res: StageResult) -> str:
+    """Every parameter's update difference, its ratio to its noise floor and the floor's source."""
+    return table(res.details.get("parameters") or [])
+
+
 STAGE = Stage(
     name="optimizer", order=80, title="Optimizer check (same gradients, both optimizers)",
     needs="the baseline's step-1 gradients and weights (evidence/optimizer_step1.npz) and the candidate's "
@@ -139,4 +145,4 @@ STAGE = Stage(
             "optimizer.step() writes RUN/evidence/optimizer_step1.npz; candidate: "
             "dumpers.mindspore_optimizer_check.run_optimizer_check(optimizer, RUN, OUT, train_cell=cell), then "
             "--optimizer-check OUT (docs/workflow.md); both also write the clipping probe (one process)",
-    run=run)
+    run=run, section=section)
