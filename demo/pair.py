@@ -30,7 +30,7 @@ from align.procedure.arguments import parse_report_args, report_inputs
 from align.stages import Inputs
 from core.errors import BadInput
 from core.findings import EXIT
-from demo.spec import FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, write_spec
+from demo.spec import FAULTS, MODEL_KINDS, MOE_KINDS, Spec, fault, repeat_layout, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
@@ -329,6 +329,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise BadInput(f"--model {model_kind}: unknown model; known: {', '.join(MODEL_KINDS)}")
     if args.inject == "qk_swap" and model_kind == "mla":
         raise BadInput("--inject qk_swap: the mla model has no fused linear_qkv to permute")
+    if args.inject in ("router_fp16", "expert_swap") and model_kind not in MOE_KINDS:
+        raise BadInput(f"--inject {args.inject}: a router fault needs an MoE model (--model moe or mla)")
     if args.steps < 3:
         raise BadInput("--steps must be at least 3 (step 1, step 2 and a long run)")
     t0 = time.perf_counter()

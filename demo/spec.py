@@ -124,7 +124,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "the baseline data loader mutates its cached loss_mask in place each step"),
     Fault("nan_param", "candidate", "nan_trace", "feed_forward.w2",
           "one parameter's gradient becomes NaN at step 3 on the candidate", mcore_component="mlp.linear_fc2"),
+    # moe / mla pairs only (demo --model moe): routing evidence (runstore.routing, stage moe_routing)
+    Fault("router_fp16", "candidate", "moe_routing", "mlp.router",
+          "candidate computes the MoE router (gating matmul, score function, top-k) in float16 "
+          "(router_dense_type: float16 in its YAML) while the baseline routes in float32"),
+    Fault("expert_swap", "conversion", "moe_routing", "decoder.layers.1.mlp.router",
+          "weight conversion writes layer 1's router rows of experts 0 and 1 swapped: the router's expert order "
+          "no longer matches the stacked experts', so each token of expert 0 goes to expert 1 and back"),
 ]}
+SWAP_LAYER, SWAP_EXPERTS = 1, (0, 1)      # the expert_swap fault: layer and experts
 
 NAN_STEP = 3
 NAN_PARAM = "model.layers.1.feed_forward.w2.weight"
@@ -417,6 +425,8 @@ def _mcore_moe_model(spec: Spec) -> dict[str, Any]:
     moe = {"num_experts_per_tok": m.moe_topk, "moe_intermediate_size": m.moe_ffn_hidden_size,
            "norm_topk_prob": True, "moe_router_topk_scaling_factor": 1.0, "moe_grouped_gemm": True,
            "moe_aux_loss_coeff": 0.0}
+    if injects(spec, "candidate") == "router_fp16":
+        moe["router_dense_type"] = "float16"      # MindFormers' key for moe_router_dtype (its config converter)
     if spec.model_kind == "moe":
         cfg = {**dense, "model_type": "qwen3_moe", "architectures": ["TrainingQwen3MoeForCausalLM"],
                "num_experts": m.num_experts, "decoder_sparse_step": 1, **moe}

@@ -31,8 +31,9 @@ from mindspore import Tensor, nn, ops
 
 from dumpers.contract import DumpConfig, NonFiniteError, StepBookkeeping, dumps_rank, merge_micro_batches, open_writer
 from dumpers.mindspore_graph_capture import MECHANISM as GRAPH_MECHANISM
-from dumpers.mindspore_graph_capture import GraphLayerCapture
+from dumpers.mindspore_graph_capture import ROUTER_MECHANISM, GraphLayerCapture, RouterCapture
 from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
+from runstore.routing import put_routing
 
 PYNATIVE_MECHANISM = "Cell.register_forward_hook (outputs) and Tensor.register_hook (output gradients)"
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
@@ -169,6 +170,8 @@ class MindSporeDumper(StepBookkeeping):
         self.config = config or DumpConfig()
         self.graph_capture = graph_capture
         self._graph: Any = None
+        self._router: RouterCapture | None = None
+        self._routes: list[Any] = []
         out = out if out is not None else self.config.out
         if out is None:
             raise ValueError("MindSporeDumper needs the run-store directory (out, or DumpConfig.out)")
@@ -194,6 +197,8 @@ class MindSporeDumper(StepBookkeeping):
             graph = ms.get_context("mode") != ms.PYNATIVE_MODE
             meta["layer_capture"] = {"mode": "GRAPH" if graph else "PYNATIVE",
                                      "mechanism": GRAPH_MECHANISM if graph else PYNATIVE_MECHANISM}
+        if self.config.routing:
+            meta["routing_capture"] = {"mechanism": ROUTER_MECHANISM}
         meta.update(self.config.meta)
         rank_info = {k: v for k, v in self.coords.items() if k != "rank"}
         rank_info["world_size"] = ws
@@ -202,6 +207,16 @@ class MindSporeDumper(StepBookkeeping):
             return
         self.writer = open_writer(out, rank=self.coords["rank"], meta=meta, rank_info=rank_info,
                                   background=self.config.background_writes)
+        if self.config.routing and net is not None:
+            try:    # before the layer capture: a layer capture of the router then wraps the router capture
+                self._router = RouterCapture(net)
+                if not self._router.cells:
+                    warnings.warn("MindSporeDumper: routing=True but the network has no top-k router",
+                                  RuntimeWarning, stacklevel=2)
+            except Exception as exc:  # noqa: BLE001 - the run goes on without routing evidence
+                warnings.warn(f"MindSporeDumper: routing capture not installed ({exc!r})", RuntimeWarning,
+                              stacklevel=2)
+                self._router = None
         if capture:
             self.watch(net)
         if self.config.capture_env:
@@ -360,6 +375,12 @@ class MindSporeDumper(StepBookkeeping):
         self._open_step(step)
         self._rows, self._trace_rows, self._trace_tensors = [], [], []
         self._batch, self._scalars, self._norms_done = {}, {}, False
+        self._routes = []
+        if self._router is not None and self._routing_step:
+            try:
+                self._router.reset()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("routing capture reset", exc)
         if self._graph is not None and self._capturing():
             try:
                 self._graph.reset_backward()
@@ -494,6 +515,12 @@ class MindSporeDumper(StepBookkeeping):
             except Exception as exc:  # noqa: BLE001
                 self._fail("graph capture read", exc)
                 return
+        if self._router is not None and self._routing_step:
+            try:
+                self._routes = self._router.read()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("routing capture read", exc)
+                return
         step, trace = self._step, list(self._trace_rows)
         try:
             self._flush(step)
@@ -502,7 +529,7 @@ class MindSporeDumper(StepBookkeeping):
         except Exception as exc:  # noqa: BLE001
             self._fail(f"end_step {step}", exc)
         self._close_step()
-        self._rows, self._trace_tensors, self._batch = [], [], {}
+        self._rows, self._trace_tensors, self._batch, self._routes = [], [], {}, []
         if trace and self.config.stop_on_nan:
             first = trace[0]
             raise NonFiniteError(f"step {step}: non-finite {first['kind']} in {first['name']} "
@@ -533,6 +560,8 @@ class MindSporeDumper(StepBookkeeping):
                 "numel": np.asarray(cols["numel"], np.int64),
                 **{k: np.asarray(cols[k], np.float64) for k in ("max", "min", "mean", "norm")},
                 "nan": np.asarray(cols["nan"], np.int64), "inf": np.asarray(cols["inf"], np.int64)})
+        for rec in self._routes:
+            put_routing(self.writer, step, rec)
         if self._trace_rows:
             cols = {k: [r[k] for r in self._trace_rows] for k in self._trace_rows[0]}
             for k in ("tp_rank", "pp_rank", "dp_rank"):
