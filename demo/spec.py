@@ -99,6 +99,7 @@ class Fault:
     component: str     # a substring of the failing finding's component
     what: str
     mcore_component: str | None = None   # the component with the mcore candidate, where names differ
+    kinds: tuple[str, ...] = MODEL_KINDS   # the model kinds (--model) the fault applies to
 
     def component_for(self, model_kind: str) -> str:
         """The failing component's substring for a candidate model kind (mcore names are Megatron's)."""
@@ -127,10 +128,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     # moe / mla pairs only (demo --model moe): routing evidence (runstore.routing, stage moe_routing)
     Fault("router_fp16", "candidate", "moe_routing", "mlp.router",
           "candidate computes the MoE router (gating matmul, score function, top-k) in float16 "
-          "(router_dense_type: float16 in its YAML) while the baseline routes in float32"),
+          "(router_dense_type: float16 in its YAML) while the baseline routes in float32", kinds=MOE_KINDS),
     Fault("expert_swap", "conversion", "moe_routing", "decoder.layers.1.mlp.router",
           "weight conversion writes layer 1's router rows of experts 0 and 1 swapped: the router's expert order "
-          "no longer matches the stacked experts', so each token of expert 0 goes to expert 1 and back"),
+          "no longer matches the stacked experts', so each token of expert 0 goes to expert 1 and back",
+          kinds=MOE_KINDS),
 ]}
 SWAP_LAYER, SWAP_EXPERTS = 1, (0, 1)      # the expert_swap fault: layer and experts
 

@@ -23,11 +23,13 @@ pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
 from demo.pair import paired_demo  # noqa: E402
+from demo.spec import FAULTS, SWAP_LAYER  # noqa: E402
 
 STEPS = 6
 LR0_STEPS = 2
 JUDGED = ("checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors",
-          "step2_loss", "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite", "nan_trace")
+          "moe_routing", "step2_loss", "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite",
+          "nan_trace")
 # every candidate parameter by name (Megatron's names; experts stacked on the MindFormers side)
 PARAMETERS = {"moe": 21, "mla": 31}
 
@@ -36,9 +38,22 @@ def _clean(kind: str, out: Path, repeat: bool) -> dict:
     return paired_demo(out, steps=STEPS, lr0_steps=LR0_STEPS, model_kind=kind, repeat=repeat)
 
 
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The clean moe pair (with its repeat): the clean test judges it, the router fault tests reuse its
+    baseline-side runs."""
+    out = tmp_path_factory.mktemp("moe_pair") / "moe"
+    return out, _clean("moe", out, True)
+
+
 @pytest.mark.parametrize(("kind", "repeat"), [("moe", True), ("mla", False)])
-def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path: Path) -> None:
-    data = _clean(kind, tmp_path / kind, repeat)
+def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path: Path,
+                                              request: pytest.FixtureRequest) -> None:
+    if kind == "moe":
+        root, data = request.getfixturevalue("moe_pair")
+        tmp_path = root.parent
+    else:
+        data = _clean(kind, tmp_path / kind, repeat)
     assert data["verdict"] == "pass", [f for f in data["findings"] if f["verdict"] != "pass"]
     for stage in JUDGED + (("band",) if repeat else ()):
         assert data["stages"][stage]["verdict"] == "pass", (stage, data["stages"][stage])
@@ -60,3 +75,28 @@ def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path:
     if repeat:
         rep = json.loads((runs / "repeat_dp2" / "meta.json").read_text())
         assert rep["parallel"]["dp"] == 2 and "float16" in rep.get("attention", "")
+    routing = data["stages"]["moe_routing"]     # every router recorded on both sides, compared alike
+    assert routing["compared"] == 2 and routing["routers"] == [f"decoder.layers.{i}.mlp.router" for i in (0, 1)]
+    assert all(r["topk_agreement"] > 0.9 and r["baseline_precision"] == r["candidate_precision"] == "float32"
+               for r in routing["per_layer"])
+
+
+@pytest.mark.parametrize("inject", ["router_fp16", "expert_swap"])
+def test_router_fault_is_named_at_the_router(inject: str, moe_pair: tuple[Path, dict], tmp_path: Path) -> None:
+    """A router computed in float16 on the candidate, and a conversion that swaps two experts' router rows of
+    layer 1, each fail moe_routing naming the router (a 2-step candidate on the clean pair's baseline)."""
+    data = paired_demo(tmp_path / inject, steps=2, lr0_steps=0, inject=inject, reuse_baseline=moe_pair[0],
+                       repeat=False, model_kind="moe")
+    fault = FAULTS[inject]
+    routing = data["stages"]["moe_routing"]
+    assert fault.stage == "moe_routing" and routing["verdict"] == "fail"
+    failing = [f for f in data["findings"] if f["stage"] == "moe_routing" and f["verdict"] == "fail"]
+    assert failing and all(fault.component in f["component"] for f in failing), failing
+    if inject == "router_fp16":        # every router, by its precision
+        assert routing["failing_routers"] == routing["routers"]
+        assert {f["metric"] for f in failing} >= {"router_precision"}
+        assert all(f["value"] == "float16" for f in failing if f["metric"] == "router_precision")
+    else:                               # layer 1's router only: experts 0 and 1 in the other order
+        assert routing["failing_routers"] == [f"decoder.layers.{SWAP_LAYER}.mlp.router"]
+        assert {"expert_order", "tokens_per_expert"} <= {f["metric"] for f in failing}
+        assert any(f["value"] == "0->1, 1->0" for f in failing if f["metric"] == "expert_order")
