@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from comparators.tensor_pair import TOLERANCE
 from core.dtypes import EPS, normalize
 from core.findings import Finding
 from runstore.routing import RouterRecord
@@ -32,16 +33,23 @@ _EXACT_SHARE = 0.999
 
 @dataclass(frozen=True)
 class RoutingTolerance:
-    """Judged at the pair's dtype (``dtype``): logits and their statistics pass up to ``rel_pass`` x eps
-    relative (to the baseline's RMS logit), warn up to ``rel_warn`` x eps; a flip counts only where the
-    baseline's margin between the two experts exceeds ``margin_ulps`` x eps x the token's largest |logit|;
-    flips beyond ``flip_warn`` of the tokens fail (one or more warn)."""
+    """Judged at the pair's dtype (``dtype``): logits and their statistics pass up to ``rel_pass`` relative (to
+    the baseline's RMS logit), fail beyond ``rel_fail`` (warn between): the layer tensors' lines per dtype
+    (:data:`comparators.tensor_pair.TOLERANCE`, overridden by ``--layer-tolerance``). A flip counts only where
+    the baseline's margin between the two experts exceeds ``margin_ulps`` x the dtype's eps x max(1, the
+    token's largest |logit|); flips beyond ``flip_warn`` of the tokens fail (one or more warn)."""
 
     dtype: str = "float32"
-    rel_pass: float = 4.0
-    rel_warn: float = 32.0
+    rel_pass: float = TOLERANCE["float32"][0]
+    rel_fail: float = TOLERANCE["float32"][1]
     margin_ulps: float = 8.0
     flip_warn: float = 0.01
+
+    @classmethod
+    def for_dtype(cls, dtype: str, overrides: Mapping[str, Sequence[float]] | None = None) -> RoutingTolerance:
+        d = normalize(dtype)
+        line = (overrides or {}).get(d) or TOLERANCE.get(d) or TOLERANCE["float32"]
+        return cls(dtype=d, rel_pass=float(line[0]), rel_fail=float(line[1]))
 
     @property
     def eps(self) -> float:
@@ -182,13 +190,13 @@ def compare_router(base: RouterRecord, cand: RouterRecord, tol: RoutingTolerance
     row["stats_worst"] = f"{worst_stat} {stat_rel[worst_stat]:.2e}"
     eps = tol.eps
     worst = max(rel, stat_rel[worst_stat])
-    if worst > tol.rel_pass * eps:
-        verdict = "fail" if worst > tol.rel_warn * eps else "warn"
+    if worst > tol.rel_pass:
+        verdict = "fail" if worst > tol.rel_fail else "warn"
         what = "logits" if rel >= stat_rel[worst_stat] else f"score statistic {worst_stat}"
         out.append(Finding(STAGE, verdict, name, "logits_rel_l2" if what == "logits" else f"stat_{worst_stat}",
-                           worst, tol.rel_pass * eps,
+                           worst, tol.rel_pass,
                            f"{name}: {what} differ by {worst:.2e} relative (the {tol.dtype} line: pass "
-                           f"{tol.rel_pass * eps:.1e}, fail beyond {tol.rel_warn * eps:.1e})"))
+                           f"{tol.rel_pass:.1e}, fail beyond {tol.rel_fail:.1e})"))
 
     # 3. top-k choices: flips beyond the noise of a near tie
     t = base.topk_index.shape[0]

@@ -32,7 +32,7 @@ def logits(seed: int = 0) -> np.ndarray:
 
 
 def judge(b: object, c: object, dtype: str = "float32", **kw: object) -> tuple[dict, list]:
-    rows, findings = compare_routing({NAME: b}, {NAME: c}, RoutingTolerance(dtype=dtype), **kw)
+    rows, findings = compare_routing({NAME: b}, {NAME: c}, RoutingTolerance.for_dtype(dtype), **kw)
     return rows[0], findings
 
 
@@ -41,6 +41,19 @@ def test_the_same_routing_passes_and_small_noise_passes() -> None:
     row, findings = judge(route(z), route(z * (1 + 1e-7)))
     assert findings == [] and row["verdict"] == "pass" and row["topk_agreement"] == 1.0
     assert row["baseline_precision"] == row["candidate_precision"] == "float32"
+
+
+def test_logits_are_judged_at_the_dtype_line_and_overrides_apply() -> None:
+    z = logits()
+    noisy = z + np.float32(3e-3) * np.random.default_rng(9).normal(size=z.shape).astype(np.float32)
+    row, findings = judge(route(z), route(noisy))          # float32: pass 1e-4, fail beyond 1e-2
+    (f,) = [f for f in findings if f.metric == "logits_rel_l2"]
+    assert f.verdict == "warn" and 2e-3 < row["logits_rel_l2"] < 5e-3
+    assert not [f for f in judge(route(z), route(noisy), dtype="bfloat16")[1] if f.metric == "logits_rel_l2"]
+    tol = RoutingTolerance.for_dtype("fp32", {"float32": (1e-5, 1e-3, 0.9)})
+    assert (tol.dtype, tol.rel_pass, tol.rel_fail) == ("float32", 1e-5, 1e-3)
+    rows, findings = compare_routing({NAME: route(z)}, {NAME: route(noisy)}, tol)
+    assert [f.verdict for f in findings if f.metric == "logits_rel_l2"] == ["fail"]
 
 
 def test_a_router_computed_in_float16_is_named_by_its_precision() -> None:

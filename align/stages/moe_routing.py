@@ -4,6 +4,7 @@ order; a router fault is named at the router (decoder.layers.L.mlp.router), not 
 
 from __future__ import annotations
 
+from html import escape
 from typing import Any
 
 from align.stages import Stage
@@ -52,7 +53,7 @@ def run(ev: Evidence) -> StageResult:
     step = steps[0]
     (base, brank), (cand, crank) = _records(b, step), _records(c, step)
     dtype, dtype_source = ev.dtype
-    tol = RoutingTolerance(dtype=dtype)
+    tol = RoutingTolerance.for_dtype(dtype, ev.options.layer_tolerance)
     rows, findings = compare_routing(base, cand, tol)
     res = StageResult(NAME, details={
         "step": step, "steps_recorded": steps, "ranks": [brank, crank], "compared": len(rows),
@@ -61,7 +62,7 @@ def run(ev: Evidence) -> StageResult:
         "per_layer": rows,
         "failing_routers": [r["router"] for r in rows if r["verdict"] == "fail"],
         "first_failing": next((r["router"] for r in rows if r["verdict"] == "fail"), None),
-        "tolerance": {"logits_pass": tol.rel_pass * tol.eps, "logits_fail": tol.rel_warn * tol.eps,
+        "tolerance": {"logits_pass": tol.rel_pass, "logits_fail": tol.rel_fail,
                       "margin_ulps": tol.margin_ulps, "flip_warn": tol.flip_warn}})
     aux = _aux_losses(ev, step)
     if aux:
@@ -95,11 +96,12 @@ def section(res: StageResult) -> str:
     if not rows:
         return ""
     d = res.details
-    head = (f"<p>Step {d.get('step')} (rank {d['ranks'][0]} / {d['ranks'][1]}), judged at {d.get('dtype')} "
-            f"({d.get('dtype_source')}); expert order: {d.get('expert_order')}. Tokens per expert: baseline / "
-            "candidate; a flip is a token whose top-k set differs beyond a near tie (the baseline's margin above "
-            "the noise).</p>")
-    return head + table([{k: r.get(k) for k in ROW_KEYS} for r in rows])
+    head = (f"<p>Step {d.get('step')} (rank {d['ranks'][0]} / {d['ranks'][1]}), judged at "
+            f"{escape(str(d.get('dtype')))} ({escape(str(d.get('dtype_source')))}); expert order: "
+            f"{escape(str(d.get('expert_order')))}. Precision: "
+            "logits/probabilities where they differ; tokens per expert: baseline / candidate; a flip is a token "
+            "whose top-k set differs beyond a near tie (the baseline's margin above the noise).</p>")
+    return head + table([{k: r.get(k) for k in ROW_KEYS} for r in rows], row_class="verdict")
 
 
 STAGE = Stage(
