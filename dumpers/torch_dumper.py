@@ -451,7 +451,10 @@ class TorchDumper(StepBookkeeping):
                                        probs_dtype=_dtype_name(probs.dtype),
                                        score_function=str(getattr(module, "score_function", "") or ""),
                                        topk=int(module.topk), batch=batch, seq=seq, calls=1)
-                self._routes.setdefault(name, []).append(rec)
+                calls = self._routes.setdefault(name, [])
+                # activation recomputation runs the router again on the same tokens: keep one record of them
+                if not any(np.array_equal(c.logits, rec.logits) for c in calls):
+                    calls.append(rec)
             except Exception as exc:
                 self._fail(f"router hook {name}", exc)
             return None

@@ -207,7 +207,7 @@ def test_deepseek_v3_style_pynative_matches_graph(mla_pair: dict[str, Any]) -> N
         net = mc.build_mcore_model(SPECS["mla"], "pynative")
         mc.load_parameter_arrays(net, p["weights"])
         cell = mc.build_mcore_train_cell(net)
-        routers = RouterCapture(net)
+        routers = RouterCapture(net.model)     # the GPTModel: Megatron's module names, as the dumper hooks it
         out = cell(*mc.mcore_inputs(p["batch"]))
         names = [q.name for q in cell.optimizer.parameters]
         records = routers.read()
