@@ -268,3 +268,28 @@ def compare_routing(base: Mapping[str, RouterRecord], cand: Mapping[str, RouterR
             findings.append(Finding(STAGE, "warn", module, "router_one_sided", side, None,
                                     f"{module}: routing recorded by the {side} only (not compared)"))
     return rows, findings
+
+
+def counts_by_step(base: Mapping[int, Mapping[str, np.ndarray]], cand: Mapping[int, Mapping[str, np.ndarray]],
+                   expert_order: Mapping[str, Sequence[int]] | None = None) -> list[dict[str, Any]]:
+    """Tokens per expert at every step both runs counted: per step, the router whose counts moved most and the
+    share of its choices that moved (sum |delta| / 2 / choices). Not a verdict: after step 1 the weights
+    differ and routing drifts with them; it shows where the routing of the two runs parts."""
+    rows = []
+    for step in sorted(set(base) & set(cand)):
+        worst, share, n = None, -1.0, 0
+        for module in sorted(set(base[step]) & set(cand[step]), key=_layer_key):
+            b = np.asarray(base[step][module], np.int64)
+            c0 = np.asarray(cand[step][module], np.int64)
+            if b.shape != c0.shape:
+                continue
+            order = (expert_order or {}).get(module)
+            c = np.empty_like(c0)
+            c[np.asarray(order) if order is not None else np.arange(c0.size)] = c0
+            moved = float(np.abs(c - b).sum()) / 2.0 / max(int(b.sum()), 1)
+            n += 1
+            if moved > share:
+                worst, share = module, moved
+        if n:
+            rows.append({"step": int(step), "routers": n, "worst_router": worst, "moved_share": share})
+    return rows

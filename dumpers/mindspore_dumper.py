@@ -33,7 +33,7 @@ from dumpers.contract import DumpConfig, NonFiniteError, StepBookkeeping, dumps_
 from dumpers.mindspore_graph_capture import MECHANISM as GRAPH_MECHANISM
 from dumpers.mindspore_graph_capture import ROUTER_MECHANISM, GraphLayerCapture, RouterCapture
 from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
-from runstore.routing import put_routing
+from runstore.routing import put_counts, put_routing
 
 PYNATIVE_MECHANISM = "Cell.register_forward_hook (outputs) and Tensor.register_hook (output gradients)"
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
@@ -172,6 +172,7 @@ class MindSporeDumper(StepBookkeeping):
         self._graph: Any = None
         self._router: RouterCapture | None = None
         self._routes: list[Any] = []
+        self._route_counts: dict[str, np.ndarray] = {}
         out = out if out is not None else self.config.out
         if out is None:
             raise ValueError("MindSporeDumper needs the run-store directory (out, or DumpConfig.out)")
@@ -375,8 +376,8 @@ class MindSporeDumper(StepBookkeeping):
         self._open_step(step)
         self._rows, self._trace_rows, self._trace_tensors = [], [], []
         self._batch, self._scalars, self._norms_done = {}, {}, False
-        self._routes = []
-        if self._router is not None and self._routing_step:
+        self._routes, self._route_counts = [], {}
+        if self._router is not None and self._array_step:
             try:
                 self._router.reset()
             except Exception as exc:  # noqa: BLE001
@@ -515,9 +516,13 @@ class MindSporeDumper(StepBookkeeping):
             except Exception as exc:  # noqa: BLE001
                 self._fail("graph capture read", exc)
                 return
-        if self._router is not None and self._routing_step:
+        if self._router is not None and self._array_step:
             try:
-                self._routes = self._router.read()
+                if self._routing_step:
+                    self._routes = self._router.read()
+                    self._route_counts = {r.module: r.tokens_per_expert for r in self._routes}
+                else:
+                    self._route_counts = self._router.counts()
             except Exception as exc:  # noqa: BLE001
                 self._fail("routing capture read", exc)
                 return
@@ -529,7 +534,7 @@ class MindSporeDumper(StepBookkeeping):
         except Exception as exc:  # noqa: BLE001
             self._fail(f"end_step {step}", exc)
         self._close_step()
-        self._rows, self._trace_tensors, self._batch, self._routes = [], [], {}, []
+        self._rows, self._trace_tensors, self._batch, self._routes, self._route_counts = [], [], {}, [], {}
         if trace and self.config.stop_on_nan:
             first = trace[0]
             raise NonFiniteError(f"step {step}: non-finite {first['kind']} in {first['name']} "
@@ -562,6 +567,7 @@ class MindSporeDumper(StepBookkeeping):
                 "nan": np.asarray(cols["nan"], np.int64), "inf": np.asarray(cols["inf"], np.int64)})
         for rec in self._routes:
             put_routing(self.writer, step, rec)
+        put_counts(self.writer, step, self._route_counts)
         if self._trace_rows:
             cols = {k: [r[k] for r in self._trace_rows] for k in self._trace_rows[0]}
             for k in ("tp_rank", "pp_rank", "dp_rank"):

@@ -368,6 +368,16 @@ class RouterCapture:
                                    else "softmax", topk=w.k, batch=max(1, w.tokens // seq), seq=seq, calls=1))
         return out
 
+    def counts(self) -> dict[str, np.ndarray]:
+        """This step's tokens per expert of every router the step called (the expert index only: cheap)."""
+        out = {}
+        for name, w in self.cells.items():
+            if w.xf_meta.asnumpy()[0] != 1:
+                continue
+            idx = w.xf_index.asnumpy().ravel()
+            out[name] = np.bincount(idx[(idx >= 0) & (idx < w.experts)], minlength=w.experts).astype(np.int64)
+        return out
+
     def remove(self) -> None:
         """Put the original routers back (their Parameters keep their names)."""
         names = {id(p): p.name for p in self.net.get_parameters()}

@@ -233,6 +233,8 @@ class TorchDumper(StepBookkeeping):
             self._grads_used: dict[int, torch.Tensor] = {}
             self._step_scalars: dict[str, Any] = {}
             self._routes: dict[str, list[Any]] = {}           # router name -> this step's records (calls)
+            self._route_counts: dict[str, np.ndarray] = {}     # router name -> tokens per expert (counts only)
+            self._count_keys: dict[str, set] = {}
             self._router_logits: dict[str, torch.Tensor] = {}
             self._router_modules: list[torch.nn.Module] = []
             if not self.enabled:
@@ -428,12 +430,20 @@ class TorchDumper(StepBookkeeping):
 
     def _router_hook(self, name: str, mod: torch.nn.Module):  # noqa: ANN202
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self._routing_step:
+            if self._step is None or not self._array_step:
                 return None
             try:
                 from runstore.routing import batch_major, from_routing_map
 
                 probs, rmap = output[0], output[1]
+                if not self._routing_step:      # every other array step: tokens per expert only (E integers)
+                    counts = rmap.reshape(-1, rmap.shape[-1]).sum(0).cpu().numpy().astype(np.int64)
+                    key = (tuple(counts.tolist()), float(probs.detach().float().sum()))
+                    seen = self._count_keys.setdefault(name, set())
+                    if key not in seen:         # a recomputed forward is the same call again
+                        seen.add(key)
+                        self._route_counts[name] = self._route_counts.get(name, 0) + counts
+                    return None
                 x = args[0] if args else kwargs.get("input")
                 logits = self._router_logits.pop(name, None)
                 if logits is None:
@@ -461,13 +471,17 @@ class TorchDumper(StepBookkeeping):
         return hook
 
     def _flush_routing(self, step: int) -> None:
-        from runstore.routing import concat_records, put_routing
+        from runstore.routing import concat_records, put_counts, put_routing
 
-        routes, self._routes = self._routes, {}
-        if self._writer is None or not routes:
+        routes, counts = self._routes, dict(self._route_counts)
+        self._routes, self._route_counts, self._count_keys = {}, {}, {}
+        if self._writer is None or not (routes or counts):
             return
-        for recs in routes.values():
-            put_routing(self._writer, step, concat_records(recs))
+        for name, recs in routes.items():
+            rec = concat_records(recs)
+            put_routing(self._writer, step, rec)
+            counts[name] = rec.tokens_per_expert
+        put_counts(self._writer, step, counts)
 
     def _owner_modules(self) -> list[tuple[str, torch.nn.Module]]:
         return [(n, m) for n, m in self._selected_modules() if any(True for _ in m.parameters(recurse=False))]
@@ -835,6 +849,8 @@ class TorchDumper(StepBookkeeping):
         self._trace_tensors.clear()
         self._grads_used = {}
         self._routes = {}
+        self._route_counts = {}
+        self._count_keys = {}
         self._router_logits = {}
 
     def _drop_open_step(self) -> None:

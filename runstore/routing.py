@@ -15,6 +15,9 @@ Arrays of one router (token order: batch-major, token ``b * seq + s``, whatever 
   ``dtype``.
 - ``tokens_per_expert`` int64 [experts]: how many of the tokens chose each expert.
 
+Every array step (not only the tensor steps) also gets the cheap part, the ``routing_counts`` table: one row per
+router and expert (``module``, ``expert``, ``tokens``: how many of the step's tokens chose it).
+
 Attributes on the router's group: ``score_function`` (softmax | sigmoid), ``topk``, ``batch`` and ``seq`` (the
 token grid), ``calls`` (micro-batches concatenated on the token axis).
 """
@@ -31,6 +34,7 @@ import numpy as np
 from core.errors import BadInput
 
 ROUTING_GROUP = "routing"
+COUNTS_TABLE = "routing_counts"
 ARRAYS = ("logits", "topk_index", "topk_probs", "tokens_per_expert")
 
 
@@ -111,6 +115,46 @@ def put_routing(writer: Any, step: int, rec: RouterRecord) -> None:
     writer.put_array(step, f"{base}/topk_index", rec.topk_index)
     writer.put_array(step, f"{base}/topk_probs", rec.topk_probs, {"dtype": rec.probs_dtype})
     writer.put_array(step, f"{base}/tokens_per_expert", rec.tokens_per_expert)
+
+
+def put_counts(writer: Any, step: int, counts: dict[str, np.ndarray]) -> None:
+    """Write the step's tokens per expert of every router as the ``routing_counts`` table."""
+    if not counts:
+        return
+    modules, experts, tokens = [], [], []
+    for module, c in counts.items():
+        c = np.asarray(c, np.int64).ravel()
+        modules += [module] * c.size
+        experts.append(np.arange(c.size, dtype=np.int64))
+        tokens.append(c)
+    writer.put_table(step, COUNTS_TABLE, {"module": modules, "expert": np.concatenate(experts),
+                                          "tokens": np.concatenate(tokens)})
+
+
+def read_counts(path: str | Path) -> dict[str, np.ndarray]:
+    """Tokens per expert of every router in one step file (``routing_counts``; empty when absent)."""
+    from runstore.tables import check_table, table_columns
+
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as h5:
+            obj = h5.get(COUNTS_TABLE)
+            if obj is None:
+                return {}
+            cols = table_columns(obj)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise BadInput(f"{path}: routing_counts not readable ({' '.join(str(exc).split())[:120]})") from None
+    check_table(path, COUNTS_TABLE, cols)
+    out: dict[str, np.ndarray] = {}
+    for module in dict.fromkeys(cols["module"]):
+        sel = cols["module"] == module
+        e, t = cols["expert"][sel].astype(np.int64), cols["tokens"][sel].astype(np.int64)
+        if e.size and (e.min() < 0 or e.max() > 1 << 20):
+            raise BadInput(f"{path}: routing_counts of {module}: expert index {int(e.min())}..{int(e.max())}")
+        c = np.zeros(int(e.max()) + 1 if e.size else 0, np.int64)
+        np.add.at(c, e, t)
+        out[str(module)] = c
+    return out
 
 
 def read_routing(path: str | Path) -> dict[str, RouterRecord]:

@@ -134,3 +134,21 @@ def test_routing_round_trip_and_malformed_groups(tmp_path: Path) -> None:
         del h5[f"routing/{NAME}/tokens_per_expert"]
     with pytest.raises(BadInput, match="lacks tokens_per_expert"):
         read_routing(path)
+
+
+def test_counts_every_step_round_trip_and_where_they_part(tmp_path: Path) -> None:
+    from comparators.routing import counts_by_step
+    from runstore.routing import put_counts, read_counts
+
+    c1 = {NAME: np.array([3, 5, 0, 8]), "decoder.layers.1.mlp.router": np.array([4, 4, 4, 4])}
+    with RunWriter(tmp_path / "run") as w:
+        put_counts(w, 2, c1)
+        w.finish_step()
+    back = read_counts(next((tmp_path / "run").rglob("rank_00000.h5")))
+    assert {k: v.tolist() for k, v in back.items()} == {k: v.tolist() for k, v in c1.items()}
+    moved = {2: {NAME: np.array([5, 3, 0, 8]), "decoder.layers.1.mlp.router": np.array([4, 4, 4, 4])}}
+    rows = counts_by_step({1: c1, 2: c1}, {1: c1, **moved})
+    assert [(r["step"], r["worst_router"], r["moved_share"]) for r in rows] == [
+        (1, NAME, 0.0), (2, NAME, 2 / 16)]
+    # through the mapping's expert order the swapped counts are the same
+    assert counts_by_step({2: c1}, moved, {NAME: [1, 0, 2, 3]})[0]["moved_share"] == 0.0

@@ -10,13 +10,14 @@ from typing import Any
 from align.stages import Stage
 from align.stages.evidence import Evidence
 from comparators.routing import STAGE as NAME
-from comparators.routing import RoutingTolerance, compare_routing
+from comparators.routing import RoutingTolerance, compare_routing, counts_by_step
 from core.findings import Finding, StageResult, skipped
 from reports.html import table
 from runstore import Run
-from runstore.routing import ROUTING_GROUP, RouterRecord, read_routing
+from runstore.routing import ROUTING_GROUP, RouterRecord, read_counts, read_routing
 
 SEARCH = 20
+COUNT_STEPS = 2000
 ROW_KEYS = ("router", "verdict", "baseline_precision", "candidate_precision", "logits_rel_l2", "stats_worst",
             "baseline_entropy", "candidate_entropy", "topk_agreement", "near_ties", "flips", "tokens_per_expert",
             "expert_permutation")
@@ -64,6 +65,12 @@ def run(ev: Evidence) -> StageResult:
         "first_failing": next((r["router"] for r in rows if r["verdict"] == "fail"), None),
         "tolerance": {"logits_pass": tol.rel_pass, "logits_fail": tol.rel_fail,
                       "margin_ulps": tol.margin_ulps, "flip_warn": tol.flip_warn}})
+    counts = counts_by_step(_all_counts(b), _all_counts(c))
+    if counts:
+        moved = [r for r in counts if r["moved_share"] > 0]
+        res.details["counts_by_step"] = counts
+        res.details["counts_steps"] = len(counts)
+        res.details["first_step_counts_differ"] = moved[0]["step"] if moved else None
     aux = _aux_losses(ev, step)
     if aux:
         res.details["aux_losses"] = aux
@@ -79,6 +86,19 @@ def run(ev: Evidence) -> StageResult:
                         f"step {step}: {len(rows)} routers route alike (same precision, logits within the {dtype} "
                         f"line, top-k agreement {agree:.3f} with near ties tolerated, tokens per expert equal)"))
     return res
+
+
+def _all_counts(run: Run) -> dict[int, dict[str, Any]]:
+    """Tokens per expert of every array step (rank 0 / the first rank), up to COUNT_STEPS steps."""
+    store = run.store
+    out: dict[int, dict[str, Any]] = {}
+    if store is None:
+        return out
+    for s in store.array_steps()[:COUNT_STEPS]:
+        counts = read_counts(store.step_file(s, store.array_ranks(s)[0]))
+        if counts:
+            out[s] = counts
+    return out
 
 
 def _aux_losses(ev: Evidence, step: int) -> dict[str, Any]:
@@ -101,7 +121,18 @@ def section(res: StageResult) -> str:
             f"{escape(str(d.get('expert_order')))}. Precision: "
             "logits/probabilities where they differ; tokens per expert: baseline / candidate; a flip is a token "
             "whose top-k set differs beyond a near tie (the baseline's margin above the noise).</p>")
-    return head + table([{k: r.get(k) for k in ROW_KEYS} for r in rows], row_class="verdict")
+    body = head + table([{k: r.get(k) for k in ROW_KEYS} for r in rows], row_class="verdict")
+    counts = d.get("counts_by_step") or []
+    if counts:
+        first = d.get("first_step_counts_differ")
+        body += (f"<p>Tokens per expert at every step both runs counted ({len(counts)} steps): "
+                 + ("equal at every step.</p>" if first is None else
+                    f"first differing at step {first} (shown from there: the share of a router's choices that "
+                    "moved; not judged, routing drifts with the weights after step 1).</p>"))
+        if first is not None:
+            shown = [r for r in counts if r["step"] >= first][:12]
+            body += table(shown)
+    return body
 
 
 STAGE = Stage(
@@ -110,4 +141,5 @@ STAGE = Stage(
     capture="MegatronDumper / TorchDumper and MindSporeDumper DumpConfig(tensor_steps=[1, 2], routing=True) "
             "(Megatron-core TopKRouter hook; MindFormers TopKRouter wrapped in GRAPH or PYNATIVE)",
     run=run, section=section,
-    summary_keys=("step", "compared", "routers", "failing_routers", "first_failing", "dtype"))
+    summary_keys=("step", "compared", "routers", "failing_routers", "first_failing", "dtype",
+                  "first_step_counts_differ"))
