@@ -79,6 +79,8 @@ def test_clean_pair_passes_every_judged_stage(kind: str, repeat: bool, tmp_path:
     assert routing["compared"] == 2 and routing["routers"] == [f"decoder.layers.{i}.mlp.router" for i in (0, 1)]
     assert all(r["topk_agreement"] > 0.9 and r["baseline_precision"] == r["candidate_precision"] == "float32"
                for r in routing["per_layer"])
+    # tokens per expert at every step on both sides; step 1 (same weights, same batch) alike
+    assert routing["counts_steps"] == STEPS and routing["counts_by_step"][0]["moved_share"] == 0.0
 
 
 @pytest.mark.parametrize("inject", ["router_fp16", "expert_swap"])
