@@ -251,14 +251,16 @@ def _band_source(kind: str) -> str:
 
 def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int = DEFAULT_LR0_STEPS,
                 inject: str | None = None, reuse_baseline: str | Path | None = None,
-                repeat: bool = True, parallel: int = 2, model_kind: str = "dense") -> dict[str, Any]:
+                repeat: bool = True, parallel: int = 2, model_kind: str = "dense",
+                optimizer_check: bool = True) -> dict[str, Any]:
     """Run the whole pair and write ``out/report.html``; returns summary.json's content.
 
     ``repeat=False`` skips the TP=2 repeat (the band then falls back to a relative tolerance; for short
     fault tests). ``reuse_baseline``: a previous demo output of the same ``steps``/``lr0_steps`` whose
     baseline-side runs (baseline, repeat, lr=0 baseline) are reused for a candidate-side fault (tests share
     one; a candidate-side fault test may run fewer ``steps`` than the reused baseline). ``lr0_steps=0`` runs no
-    lr = 0 pair. ``model_kind``: the candidate model (:data:`demo.spec.MODEL_KINDS`); a reused baseline must
+    lr = 0 pair, ``optimizer_check=False`` no optimizer check (short fault tests). ``model_kind``: the candidate
+    model (:data:`demo.spec.MODEL_KINDS`); a reused baseline must
     come from a demo of the same kind (the dense baseline has q/k layernorm).
     """
     out = Path(out)
@@ -288,7 +290,8 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     if not reused:
         first = [("baseline", [specs["baseline"]])] + ([("lr0_baseline", [specs["lr0_baseline"]])] if lr0 else [])
         took.update(run_jobs(first, work, parallel))
-    jobs = [("candidate", [specs["candidate"], specs["optimizer_check"]] + ([specs["lr0_candidate"]] if lr0 else []))]
+    jobs = [("candidate", [specs["candidate"]] + ([specs["optimizer_check"]] if optimizer_check else [])
+             + ([specs["lr0_candidate"]] if lr0 else []))]
     if not reused and repeat:
         jobs.append(("repeat", [specs["repeat"]]))
     took.update(run_jobs(jobs, work, parallel))
@@ -305,7 +308,8 @@ def report_argv(specs: dict[str, Spec], out: Path) -> list[str]:
     lr0 = [specs["lr0_baseline"].out, specs["lr0_candidate"].out]
     argv = [specs["baseline"].out, specs["candidate"].out, "--out", str(out),
             *(["--lr0", *lr0] if all(Path(p, "meta.json").is_file() for p in lr0) else []),
-            "--optimizer-check", specs["optimizer_check"].out,
+            *(["--optimizer-check", specs["optimizer_check"].out]
+              if Path(specs["optimizer_check"].out, "evidence").is_dir() else []),
             "--layer-tolerance", "float32={},{},{}".format(*LAYER_TOLERANCE)]
     if Path(specs["repeat"].out, "meta.json").is_file():
         argv += ["--repeat", specs["repeat"].out]
