@@ -60,8 +60,9 @@ class DumpConfig:
         Off: each full tensor is written in its hook (torch: straight from the tensor's memory, no copy).
     routing: MoE routing evidence at the tensor steps (``tensor_steps``; taken even with ``tensors="off"``): each
         router's logits, top-k choices, their probabilities and tokens per expert (runstore.routing; the
-        moe_routing stage compares them); at every other array step the tokens per expert only. Torch: a forward hook on every Megatron-core TopKRouter; MindSpore:
-        every MindFormers TopKRouter wrapped (GRAPH and PYNATIVE) before the first compile.
+        moe_routing stage compares them); at every other array step the tokens per expert only. Torch: a
+        forward hook on every Megatron-core TopKRouter; MindSpore: every MindFormers TopKRouter wrapped (GRAPH
+        and PYNATIVE) before the first compile.
     capture_env: record the cluster capture (dumpers/environment.py: numerics-relevant environment variables,
         versions, determinism / precision settings, the random generators' state) in meta.json
         ``environment`` when the dumper is built (rank 0; build it once the weights are loaded, right before
