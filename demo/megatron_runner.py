@@ -181,7 +181,7 @@ def run(spec: Spec) -> dict[str, Any]:
     modules = LAYER_MODULES if spec.model_kind == "llama" else MCORE_LAYER_MODULES
     cfg = DumpConfig(out=spec.out, steps=None, tensor_steps=spec.tensor_steps if spec.tensor_steps else [],
                      modules=modules, tensors="full" if spec.tensor_steps else "off", seed_layout=True,
-                     nan_trace="grads")
+                     nan_trace="grads", routing=spec.model_kind in MOE_KINDS and bool(spec.tensor_steps))
     meta = {**seed_info, "config": {"kind": "megatron_args", "values": megatron_args(spec)}, "role": spec.role,
             "inject": spec.inject, "threads": torch.get_num_threads(),
             "dtypes": {"params": "float32", "grads": "float32", "compute": "float32"},
@@ -227,7 +227,7 @@ def run(spec: Spec) -> dict[str, Any]:
     return {"role": spec.role, "rank": info.rank, "tp": spec.tp, "steps": spec.steps,
             "seconds": time.perf_counter() - t0,
             "first_loss": losses[0], "last_loss": losses[-1], "threads": torch.get_num_threads(),
-            "dumper_errors": dumper.errors,
+            "dumper_errors": dumper.errors, "dumper_error_log": dumper.error_log[:5],
             "evidence_errors": [e for e in (evidence.error, evidence.clip_error) if e] if evidence else []}
 
 

@@ -35,7 +35,10 @@ import numpy as np
 
 from demo.spec import (
     MCORE_LAYER_MODULES,
+    MOE_KINDS,
     NAN_STEP,
+    SWAP_EXPERTS,
+    SWAP_LAYER,
     Spec,
     injects,
     mindformers_config,
@@ -97,6 +100,16 @@ def convert(spec: Spec) -> dict[str, Any]:
         arrays = {k: _qk_swap_rows(v, num_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
                                    head_dim=m.head_dim)
                   if k.endswith("self_attention.linear_qkv.weight") else v for k, v in arrays.items()}
+        write_safetensors(arrays, spec.converted, metadata=meta)
+    elif injects(spec, "conversion") == "expert_swap":
+        from checkpoints.mindformers import read_safetensors, write_safetensors
+
+        arrays, meta = read_safetensors(spec.converted)
+        key = f"decoder.layers.{SWAP_LAYER}.mlp.router.weight"
+        w = arrays[key].copy()
+        a, b = SWAP_EXPERTS
+        w[[a, b]] = w[[b, a]]
+        arrays[key] = w
         write_safetensors(arrays, spec.converted, metadata=meta)
     elif injects(spec, "conversion") == "qk_swap":
         params = ms.load_checkpoint(spec.converted)
@@ -275,6 +288,7 @@ def run(spec: Spec) -> dict[str, Any]:
     dcfg = DumpConfig(steps=None, tensor_steps=spec.tensor_steps or [],
                       cells=LAYER_CELLS_MCORE if is_mcore(spec) else LAYER_CELLS,
                       tensors=tensors, nan_trace="grads",
+                      routing=spec.model_kind in MOE_KINDS and bool(spec.tensor_steps),
                       meta={"config": {"kind": "mindformers_yaml", "values": mindformers_config(spec)},
                             "role": spec.role, "inject": spec.inject})
     if is_mcore(spec):   # the GPTModel inside: its cells have Megatron's module names

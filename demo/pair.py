@@ -255,13 +255,16 @@ def _band_source(kind: str) -> str:
 
 def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int = DEFAULT_LR0_STEPS,
                 inject: str | None = None, reuse_baseline: str | Path | None = None,
-                repeat: bool = True, parallel: int = 2, model_kind: str = "dense") -> dict[str, Any]:
+                repeat: bool = True, parallel: int = 2, model_kind: str = "dense",
+                optimizer_check: bool = True) -> dict[str, Any]:
     """Run the whole pair and write ``out/report.html``; returns summary.json's content.
 
     ``repeat=False`` skips the TP=2 repeat (the band then falls back to a relative tolerance; for short
     fault tests). ``reuse_baseline``: a previous demo output of the same ``steps``/``lr0_steps`` whose
     baseline-side runs (baseline, repeat, lr=0 baseline) are reused for a candidate-side fault (tests share
-    one). ``model_kind``: the candidate model (:data:`demo.spec.MODEL_KINDS`); a reused baseline must
+    one; a candidate-side fault test may run fewer ``steps`` than the reused baseline). ``lr0_steps=0`` runs no
+    lr = 0 pair, ``optimizer_check=False`` no optimizer check (short fault tests). ``model_kind``: the candidate
+    model (:data:`demo.spec.MODEL_KINDS`); a reused baseline must
     come from a demo of the same kind (the dense baseline has q/k layernorm).
     """
     out = Path(out)
@@ -287,10 +290,12 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
         reused = True
     took: dict[str, float] = {}
     first: list[tuple[str, list[Spec]]] = []
+    lr0 = lr0_steps > 0        # 0: no lr = 0 pair (short fault tests; the lr0_run stage is skipped)
     if not reused:
-        first = [("baseline", [specs["baseline"]]), ("lr0_baseline", [specs["lr0_baseline"]])]
+        first = [("baseline", [specs["baseline"]])] + ([("lr0_baseline", [specs["lr0_baseline"]])] if lr0 else [])
         took.update(run_jobs(first, work, parallel))
-    jobs = [("candidate", [specs["candidate"], specs["optimizer_check"], specs["lr0_candidate"]])]
+    jobs = [("candidate", [specs["candidate"]] + ([specs["optimizer_check"]] if optimizer_check else [])
+             + ([specs["lr0_candidate"]] if lr0 else []))]
     if not reused and repeat:
         jobs.append(("repeat", [specs["repeat"]]))
     took.update(run_jobs(jobs, work, parallel))
@@ -304,9 +309,11 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
 
 def report_argv(specs: dict[str, Spec], out: Path) -> list[str]:
     """The demo's report as the `align report` command a user would type on the same runs."""
+    lr0 = [specs["lr0_baseline"].out, specs["lr0_candidate"].out]
     argv = [specs["baseline"].out, specs["candidate"].out, "--out", str(out),
-            "--lr0", specs["lr0_baseline"].out, specs["lr0_candidate"].out,
-            "--optimizer-check", specs["optimizer_check"].out,
+            *(["--lr0", *lr0] if all(Path(p, "meta.json").is_file() for p in lr0) else []),
+            *(["--optimizer-check", specs["optimizer_check"].out]
+              if Path(specs["optimizer_check"].out, "evidence").is_dir() else []),
             "--layer-tolerance", "float32={},{},{}".format(*LAYER_TOLERANCE)]
     if Path(specs["repeat"].out, "meta.json").is_file():
         argv += ["--repeat", specs["repeat"].out]
@@ -333,6 +340,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise BadInput(f"--model {model_kind}: unknown model; known: {', '.join(MODEL_KINDS)}")
     if args.inject == "qk_swap" and model_kind == "mla":
         raise BadInput("--inject qk_swap: the mla model has no fused linear_qkv to permute")
+    if args.inject is not None and model_kind not in FAULTS[args.inject].kinds:
+        raise BadInput(f"--inject {args.inject}: applies to --model {' / '.join(FAULTS[args.inject].kinds)} only")
     if args.steps < 3:
         raise BadInput("--steps must be at least 3 (step 1, step 2 and a long run)")
     t0 = time.perf_counter()

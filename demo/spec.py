@@ -99,6 +99,7 @@ class Fault:
     component: str     # a substring of the failing finding's component
     what: str
     mcore_component: str | None = None   # the component with the mcore candidate, where names differ
+    kinds: tuple[str, ...] = MODEL_KINDS   # the model kinds (--model) the fault applies to
 
     def component_for(self, model_kind: str) -> str:
         """The failing component's substring for a candidate model kind (mcore names are Megatron's)."""
@@ -130,7 +131,16 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("log_softmax_bf16", "candidate", "lr0_run", "loss",
           "candidate computes the cross-entropy's log-softmax in bfloat16 (MindFormers computes the loss in "
           "float32): the loss differs under float16's lines, far above the pair's measured noise floor"),
+    # moe / mla pairs only (demo --model moe): routing evidence (runstore.routing, stage moe_routing)
+    Fault("router_fp16", "candidate", "moe_routing", "mlp.router",
+          "candidate computes the MoE router (gating matmul, score function, top-k) in float16 "
+          "(router_dense_type: float16 in its YAML) while the baseline routes in float32", kinds=MOE_KINDS),
+    Fault("expert_swap", "conversion", "moe_routing", "decoder.layers.1.mlp.router",
+          "weight conversion writes layer 1's router rows of experts 0 and 1 swapped: the router's expert order "
+          "no longer matches the stacked experts', so each token of expert 0 goes to expert 1 and back",
+          kinds=MOE_KINDS),
 ]}
+SWAP_LAYER, SWAP_EXPERTS = 1, (0, 1)      # the expert_swap fault: layer and experts
 
 NAN_STEP = 3
 NAN_PARAM = "model.layers.1.feed_forward.w2.weight"
@@ -425,6 +435,8 @@ def _mcore_moe_model(spec: Spec) -> dict[str, Any]:
     moe = {"num_experts_per_tok": m.moe_topk, "moe_intermediate_size": m.moe_ffn_hidden_size,
            "norm_topk_prob": True, "moe_router_topk_scaling_factor": 1.0, "moe_grouped_gemm": True,
            "moe_aux_loss_coeff": 0.0}
+    if injects(spec, "candidate") == "router_fp16":
+        moe["router_dense_type"] = "float16"      # MindFormers' key for moe_router_dtype (its config converter)
     if spec.model_kind == "moe":
         cfg = {**dense, "model_type": "qwen3_moe", "architectures": ["TrainingQwen3MoeForCausalLM"],
                "num_experts": m.num_experts, "decoder_sparse_step": 1, **moe}

@@ -58,6 +58,11 @@ class DumpConfig:
     background_writes: write step files on a background thread (full tensors are then copied to host
         memory in the hook, written while training computes; ``end_step`` waits for the step file).
         Off: each full tensor is written in its hook (torch: straight from the tensor's memory, no copy).
+    routing: MoE routing evidence at the tensor steps (``tensor_steps``; taken even with ``tensors="off"``): each
+        router's logits, top-k choices, their probabilities and tokens per expert (runstore.routing; the
+        moe_routing stage compares them); at every other array step the tokens per expert only. Torch: a
+        forward hook on every Megatron-core TopKRouter; MindSpore: every MindFormers TopKRouter wrapped (GRAPH
+        and PYNATIVE) before the first compile.
     capture_env: record the cluster capture (dumpers/environment.py: numerics-relevant environment variables,
         versions, determinism / precision settings, the random generators' state) in meta.json
         ``environment`` when the dumper is built (rank 0; build it once the weights are loaded, right before
@@ -81,6 +86,7 @@ class DumpConfig:
     ranks: Iterable[int] | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     background_writes: bool = False
+    routing: bool = False
     capture_env: bool = False
     capture_env_data: Sequence[str] = ()
     capture_env_weights: bool = True
@@ -133,6 +139,7 @@ class StepBookkeeping:
     _step: int | None = None
     _array_step: bool = False
     _tensor_step: bool = False
+    _routing_step: bool = False
 
     def _select_steps(self) -> None:
         """Parse ``config.steps`` / ``config.tensor_steps`` (a bad spec raises ValueError)."""
@@ -146,6 +153,9 @@ class StepBookkeeping:
         self._array_step = self._steps is None or self._step in self._steps
         self._tensor_step = self.config.tensors != "off" and self._array_step and (
             self._tensor_steps is None or self._step in self._tensor_steps)
+        self._routing_step = self.config.routing and self._array_step and (
+            self._tensor_steps is None or self._step in self._tensor_steps)
 
     def _close_step(self) -> None:
         self._step = None
+        self._routing_step = False

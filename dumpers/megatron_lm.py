@@ -553,6 +553,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "meta.json")
     ap.add_argument("--align-capture-data", action="append", default=[], metavar="PATH",
                     help="a dataset file or folder the capture hashes (repeat)")
+    ap.add_argument("--align-routing", action="store_true",
+                    help="MoE routing evidence (each router's logits, top-k choices, tokens per expert) at the "
+                         "array steps: give --align-steps 1-2 with it (the logits are tokens x experts per router)")
     ap.add_argument("--align-module", default=TARGET,
                     help=f"module whose train_step is wrapped (default {TARGET})")
     ns = ap.parse_args(argv[:i])
@@ -571,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     install(DumpConfig(out=ns.align_out, steps=ns.align_steps, tensors=ns.align_tensors,
                        tensor_steps=ns.align_tensor_steps, modules=tuple(ns.align_modules or ("*",)),
                        seed_layout=ns.align_seed_layout, capture_env=capture,
-                       capture_env_data=ns.align_capture_data), module=module)
+                       capture_env_data=ns.align_capture_data, routing=ns.align_routing), module=module)
     sys.argv = list(argv[i:])
     runpy.run_path(argv[i], run_name="__main__")
 

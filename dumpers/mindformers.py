@@ -176,7 +176,7 @@ class MindFormersDumperCallback(DumperCallback):
     Two ways to build it: from Python with a dumper (``MindFormersDumperCallback(MindSporeDumper(net, out))``),
     or from a YAML ``callbacks:`` entry with keyword arguments only (``out_dir``, ``batch_columns``,
     ``steps``, ``tensor_steps``, ``tensors``, ``cells``, ``backward``, ``nan_trace``, ``meta``,
-    ``graph_capture``, ``capture_env``, ``capture_env_data``): the dumper is then created at
+    ``graph_capture``, ``capture_env``, ``capture_env_data``, ``routing``): the dumper is then created at
     the start of training on the network the Trainer built, with this process's rank (MindSpore's
     ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms: stacked routed
     experts one row per expert, ``mlp.experts.weight1[e]``, see dumpers/mindspore_expert_norms.py) and, with
@@ -195,14 +195,14 @@ class MindFormersDumperCallback(DumperCallback):
                  out_dir: str | None = None, steps: Any = None, tensor_steps: Any = None, tensors: str = "off",
                  cells: Sequence[str] = ("*",), backward: bool = True, nan_trace: str = "grads",
                  meta: dict[str, Any] | None = None, graph_capture: bool = True, capture_env: bool = False,
-                 capture_env_data: Sequence[str] = ()) -> None:
+                 capture_env_data: Sequence[str] = (), routing: bool = False) -> None:
         if dumper is None and not out_dir:
             raise ValueError("MindFormersDumperCallback needs a dumper or out_dir (the run-store directory)")
         super().__init__(dumper, batch_columns)  # type: ignore[arg-type]
         self._pending = None if dumper is not None else (str(out_dir), DumpConfig(
             steps=steps, tensor_steps=tensor_steps, tensors=tensors, cells=tuple(cells), backward=backward,
             nan_trace=nan_trace, meta=dict(meta or {}), capture_env=bool(capture_env),
-            capture_env_data=tuple(capture_env_data or ())))
+            capture_env_data=tuple(capture_env_data or ()), routing=bool(routing)))
         self._graph_capture = bool(graph_capture)
         self._capture_checked = False
 

@@ -38,8 +38,9 @@ from dumpers.mindspore_expert_norms import MECHANISM as EXPERT_MECHANISM
 from dumpers.mindspore_expert_norms import host_squares, split_rows, stacked_experts
 from dumpers.mindspore_expert_norms import install as install_expert_norms
 from dumpers.mindspore_graph_capture import MECHANISM as GRAPH_MECHANISM
-from dumpers.mindspore_graph_capture import GraphLayerCapture
+from dumpers.mindspore_graph_capture import ROUTER_MECHANISM, GraphLayerCapture, RouterCapture
 from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
+from runstore.routing import put_counts, put_routing
 
 PYNATIVE_MECHANISM = "Cell.register_forward_hook (outputs) and Tensor.register_hook (output gradients)"
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
@@ -176,6 +177,9 @@ class MindSporeDumper(StepBookkeeping):
         self.config = config or DumpConfig()
         self.graph_capture = graph_capture
         self._graph: Any = None
+        self._router: RouterCapture | None = None
+        self._routes: list[Any] = []
+        self._route_counts: dict[str, np.ndarray] = {}
         out = out if out is not None else self.config.out
         if out is None:
             raise ValueError("MindSporeDumper needs the run-store directory (out, or DumpConfig.out)")
@@ -203,6 +207,8 @@ class MindSporeDumper(StepBookkeeping):
             graph = ms.get_context("mode") != ms.PYNATIVE_MODE
             meta["layer_capture"] = {"mode": "GRAPH" if graph else "PYNATIVE",
                                      "mechanism": GRAPH_MECHANISM if graph else PYNATIVE_MECHANISM}
+        if self.config.routing:
+            meta["routing_capture"] = {"mechanism": ROUTER_MECHANISM}
         meta.update(self.config.meta)
         rank_info = {k: v for k, v in self.coords.items() if k != "rank"}
         rank_info["world_size"] = ws
@@ -211,6 +217,16 @@ class MindSporeDumper(StepBookkeeping):
             return
         self.writer = open_writer(out, rank=self.coords["rank"], meta=meta, rank_info=rank_info,
                                   background=self.config.background_writes)
+        if self.config.routing and net is not None:
+            try:    # before the layer capture: a layer capture of the router then wraps the router capture
+                self._router = RouterCapture(net)
+                if not self._router.cells:
+                    warnings.warn("MindSporeDumper: routing=True but the network has no top-k router",
+                                  RuntimeWarning, stacklevel=2)
+            except Exception as exc:  # noqa: BLE001 - the run goes on without routing evidence
+                warnings.warn(f"MindSporeDumper: routing capture not installed ({exc!r})", RuntimeWarning,
+                              stacklevel=2)
+                self._router = None
         if capture:
             self.watch(net)
         if self.config.capture_env:
@@ -390,6 +406,12 @@ class MindSporeDumper(StepBookkeeping):
                 self._experts.reset()
             except Exception as exc:  # noqa: BLE001
                 self._fail("expert norms reset", exc)
+        self._routes, self._route_counts = [], {}
+        if self._router is not None and self._array_step:
+            try:
+                self._router.reset()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("routing capture reset", exc)
         if self._graph is not None and self._capturing():
             try:
                 self._graph.reset_backward()
@@ -547,6 +569,16 @@ class MindSporeDumper(StepBookkeeping):
             except Exception as exc:  # noqa: BLE001
                 self._fail("graph capture read", exc)
                 return
+        if self._router is not None and self._array_step:
+            try:
+                if self._routing_step:
+                    self._routes = self._router.read()
+                    self._route_counts = {r.module: r.tokens_per_expert for r in self._routes}
+                else:
+                    self._route_counts = self._router.counts()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("routing capture read", exc)
+                return
         step, trace = self._step, list(self._trace_rows)
         try:
             self._flush(step)
@@ -555,7 +587,7 @@ class MindSporeDumper(StepBookkeeping):
         except Exception as exc:  # noqa: BLE001
             self._fail(f"end_step {step}", exc)
         self._close_step()
-        self._rows, self._trace_tensors, self._batch = [], [], {}
+        self._rows, self._trace_tensors, self._batch, self._routes, self._route_counts = [], [], {}, [], {}
         if trace and self.config.stop_on_nan:
             first = trace[0]
             raise NonFiniteError(f"step {step}: non-finite {first['kind']} in {first['name']} "
@@ -586,6 +618,9 @@ class MindSporeDumper(StepBookkeeping):
                 "numel": np.asarray(cols["numel"], np.int64),
                 **{k: np.asarray(cols[k], np.float64) for k in ("max", "min", "mean", "norm")},
                 "nan": np.asarray(cols["nan"], np.int64), "inf": np.asarray(cols["inf"], np.int64)})
+        for rec in self._routes:
+            put_routing(self.writer, step, rec)
+        put_counts(self.writer, step, self._route_counts)
         if self._trace_rows:
             cols = {k: [r[k] for r in self._trace_rows] for k in self._trace_rows[0]}
             for k in ("tp_rank", "pp_rank", "dp_rank"):

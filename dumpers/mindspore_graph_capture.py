@@ -139,17 +139,24 @@ class CaptureCell(nn.Cell):
         return kept
 
 
+def _unwrap(cell: nn.Cell) -> nn.Cell:
+    """The model's own cell inside the capture wrappers (a layer capture may wrap a router capture)."""
+    while isinstance(cell, (CaptureCell, RouterCaptureCell)):
+        cell = cell.inner
+    return cell
+
+
 def _logical_cells(cell: nn.Cell, prefix: str = "") -> list[tuple[str, nn.Cell, str, nn.Cell]]:
     """(name as cells_and_names gives it without any capture, parent, attribute, child) of every cell below
-    ``cell``, pre-order; a :class:`CaptureCell` stands for the cell it wraps (its name, its children)."""
+    ``cell``, pre-order; a :class:`CaptureCell` or :class:`RouterCaptureCell` stands for the cell it wraps (its
+    name, its children)."""
     out = []
     for attr, child in cell._cells.items():   # noqa: SLF001 - CellList children are only reachable this way
         if child is None:
             continue
         name = f"{prefix}{attr}"
         out.append((name, cell, attr, child))
-        inner = child.inner if isinstance(child, CaptureCell) else child
-        out.extend(_logical_cells(inner, name + "."))
+        out.extend(_logical_cells(_unwrap(child), name + "."))
     return out
 
 
@@ -248,3 +255,138 @@ def _post_order(names: list[str]) -> list[str]:
 def _stats(row: np.ndarray) -> dict[str, Any]:
     return {"max": float(row[0]), "min": float(row[1]), "mean": float(row[2]), "norm": float(row[3]),
             "nan": int(row[4]), "inf": int(row[5])}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MoE routing (DumpConfig.routing): each router's logits, choices and probabilities, full, inside the graph
+# ---------------------------------------------------------------------------------------------------------
+
+ROUTER_MECHANISM = ("MindFormers TopKRouter wrapped: its logits (its own gating, again, outside autodiff), top-k "
+                    "expert index and probabilities assigned into Parameters in the graph")
+
+
+def is_router(cell: nn.Cell) -> bool:
+    """A MindFormers mcore top-k router (``gating`` + ``routing`` + ``num_experts_chosen``), wrapped or not."""
+    inner = cell.inner if isinstance(cell, RouterCaptureCell) else cell
+    return (callable(getattr(inner, "gating", None)) and callable(getattr(inner, "routing", None))
+            and isinstance(getattr(inner, "num_experts_chosen", None), int)
+            and isinstance(getattr(inner, "expert_dim", None), int))
+
+
+class RouterCaptureCell(nn.Cell):
+    """``inner`` (a TopKRouter returning ``(expert_index, probs, aux_loss)``) with its logits [tokens, E], its
+    expert index and probabilities [tokens, k] assigned into Parameters each call (the last call of a step
+    stays). The logits come from the router's own ``gating`` called again on the same input (the same ops,
+    the same dtype: MindFormers' router does not return them). Shapes are fixed before compiling: ``tokens``
+    per call (micro-batch x sequence); a call of another size leaves the Parameters unwritten (compile-time
+    branch), it never fails the step."""
+
+    def __init__(self, inner: nn.Cell, name: str, tokens: int) -> None:
+        super().__init__(auto_prefix=False)
+        self.inner = inner
+        self.tokens = int(tokens)
+        self.experts = int(inner.expert_dim)
+        self.k = int(inner.num_experts_chosen)
+        self.xf_logits = Parameter(Tensor(np.zeros((self.tokens, self.experts), np.float32)), requires_grad=False,
+                                   name=f"xf_router.{name}.logits")
+        self.xf_index = Parameter(Tensor(np.zeros((self.tokens, self.k), np.int32)), requires_grad=False,
+                                  name=f"xf_router.{name}.index")
+        self.xf_probs = Parameter(Tensor(np.zeros((self.tokens, self.k), np.float32)), requires_grad=False,
+                                  name=f"xf_router.{name}.probs")
+        # written (1), logits dtype code, probs dtype code
+        self.xf_meta = Parameter(Tensor(np.zeros(3, np.int32)), requires_grad=False, name=f"xf_router.{name}.meta")
+
+    def construct(self, *args: Any) -> Any:
+        out = self.inner(*args)
+        index, probs = out[0], out[1]
+        if index.size == self.tokens * self.k:
+            logits = ops.stop_gradient(self.inner.gating(args[0]))
+            meta = Tensor((1, _dtype_code(logits.dtype), _dtype_code(probs.dtype)), ms.int32)
+            done = ops.depend(
+                ops.assign(self.xf_logits, ops.reshape(ops.cast(logits, ms.float32), (self.tokens, self.experts))),
+                ops.assign(self.xf_index, ops.reshape(ops.cast(ops.stop_gradient(index), ms.int32),
+                                                      (self.tokens, self.k))))
+            done = ops.depend(done, ops.assign(self.xf_probs, ops.reshape(
+                ops.cast(ops.stop_gradient(probs), ms.float32), (self.tokens, self.k))))
+            done = ops.depend(done, ops.assign(self.xf_meta, meta))
+            return (ops.depend(out[0], done),) + tuple(out[1:])
+        return out
+
+
+class RouterCapture:
+    """Wraps every router below ``net`` in :class:`RouterCaptureCell` (before the first compile; routers
+    already wrapped are reused) and reads the records after a step. ``tokens``: tokens per router call
+    (default: the router's ``config.batch_size * seq_length``; the MoE layer gives the router the micro-batch's
+    tokens batch-major, ``b * seq + s``)."""
+
+    def __init__(self, net: nn.Cell, tokens: int | None = None) -> None:
+        self.net = net
+        names = {id(p): p.name for p in net.get_parameters()}
+        self.cells: dict[str, RouterCaptureCell] = {}
+        self.seq: dict[str, int] = {}
+        for name, parent, attr, child in _logical_cells(net):
+            while isinstance(child, CaptureCell):      # a layer capture around the router: wrap inside it
+                parent, attr, child = child, "inner", child.inner
+            if not is_router(child):
+                continue
+            if isinstance(child, RouterCaptureCell):
+                self.cells[name] = child
+                continue
+            cfg = getattr(child, "config", None)
+            seq = int(getattr(child, "seq_length", 0) or getattr(cfg, "seq_length", 0) or 0)
+            n = tokens if tokens is not None else seq * int(getattr(cfg, "batch_size", 1) or 1)
+            wrapper = RouterCaptureCell(child, name, n)
+            parent.insert_child_to_cell(attr, wrapper)
+            self.cells[name] = wrapper
+            self.seq[name] = seq
+        for p in net.get_parameters():
+            if id(p) in names:
+                p.name = names[id(p)]
+        for name, w in self.cells.items():
+            for attr in ("logits", "index", "probs", "meta"):
+                getattr(w, f"xf_{attr}").name = f"xf_router.{name}.{attr}"
+
+    def reset(self) -> None:
+        """Mark every record unwritten (before a captured step)."""
+        for w in self.cells.values():
+            w.xf_meta.set_data(Tensor(np.zeros(3, np.int32)))
+
+    def read(self) -> list[Any]:
+        """This step's records (runstore.routing.RouterRecord), one per router the step called."""
+        from runstore.routing import make_record
+
+        out = []
+        for name, w in self.cells.items():
+            meta = w.xf_meta.asnumpy()
+            if meta[0] != 1:
+                continue
+            inner = w.inner
+            seq = self.seq.get(name) or w.tokens
+            out.append(make_record(name, w.xf_logits.asnumpy(), w.xf_index.asnumpy(), w.xf_probs.asnumpy(),
+                                   logits_dtype=_DTYPES[int(meta[1])], probs_dtype=_DTYPES[int(meta[2])],
+                                   score_function="sigmoid" if getattr(inner, "use_gating_sigmoid", False)
+                                   else "softmax", topk=w.k, batch=max(1, w.tokens // seq), seq=seq, calls=1))
+        return out
+
+    def counts(self) -> dict[str, np.ndarray]:
+        """This step's tokens per expert of every router the step called (the expert index only: cheap)."""
+        out = {}
+        for name, w in self.cells.items():
+            if w.xf_meta.asnumpy()[0] != 1:
+                continue
+            idx = w.xf_index.asnumpy().ravel()
+            out[name] = np.bincount(idx[(idx >= 0) & (idx < w.experts)], minlength=w.experts).astype(np.int64)
+        return out
+
+    def remove(self) -> None:
+        """Put the original routers back (their Parameters keep their names)."""
+        names = {id(p): p.name for p in self.net.get_parameters()}
+        for name, parent, attr, child in _logical_cells(self.net):
+            while isinstance(child, CaptureCell):
+                parent, attr, child = child, "inner", child.inner
+            if isinstance(child, RouterCaptureCell) and name in self.cells:
+                parent.insert_child_to_cell(attr, child.inner)
+        self.cells = {}
+        for p in self.net.get_parameters():
+            if id(p) in names:
+                p.name = names[id(p)]

@@ -232,6 +232,11 @@ class TorchDumper(StepBookkeeping):
             self._hook_norms: list[float] = []
             self._grads_used: dict[int, torch.Tensor] = {}
             self._step_scalars: dict[str, Any] = {}
+            self._routes: dict[str, list[Any]] = {}           # router name -> this step's records (calls)
+            self._route_counts: dict[str, np.ndarray] = {}     # router name -> tokens per expert (counts only)
+            self._count_keys: dict[str, set] = {}
+            self._router_logits: dict[str, torch.Tensor] = {}
+            self._router_modules: list[torch.nn.Module] = []
             if not self.enabled:
                 return
             self._open_writer(meta)
@@ -393,6 +398,90 @@ class TorchDumper(StepBookkeeping):
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_order_hook(i)))
             if self.optimizer is not None and hasattr(self.optimizer, "register_step_pre_hook"):
                 self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
+        if cfg.routing:
+            self._install_router_hooks()
+
+    # -- MoE routing (DumpConfig.routing) -----------------------------------------------------------------
+    def _install_router_hooks(self) -> None:
+        """A forward hook on every top-k router (Megatron-core's TopKRouter: ``gating`` + ``routing`` +
+        ``topk``) and its ``gating`` wrapped on the instance to keep the logits; both act only at the tensor
+        steps and change nothing the router computes."""
+        for i, m in enumerate(self.models):
+            name_of = self._chunk_namer(i, m)
+            for name, mod in m.named_modules():
+                if not (callable(getattr(mod, "gating", None)) and callable(getattr(mod, "routing", None))
+                        and isinstance(getattr(mod, "topk", None), int)):
+                    continue
+                cname = name_of(name)
+                self._handles.append(mod.register_forward_hook(self._router_hook(cname, mod), with_kwargs=True))
+                self._wrap_gating(cname, mod)
+
+    def _wrap_gating(self, name: str, mod: torch.nn.Module) -> None:
+        inner = mod.gating
+
+        def gating(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            if self._routing_step and isinstance(out, torch.Tensor):
+                self._router_logits[name] = out.detach()
+            return out
+
+        mod.gating = gating
+        self._router_modules.append(mod)
+
+    def _router_hook(self, name: str, mod: torch.nn.Module):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._step is None or not self._array_step:
+                return None
+            try:
+                from runstore.routing import batch_major, from_routing_map
+
+                probs, rmap = output[0], output[1]
+                if not self._routing_step:      # every other array step: tokens per expert only (E integers)
+                    counts = rmap.reshape(-1, rmap.shape[-1]).sum(0).cpu().numpy().astype(np.int64)
+                    key = (tuple(counts.tolist()), float(probs.detach().float().sum()))
+                    seen = self._count_keys.setdefault(name, set())
+                    if key not in seen:         # a recomputed forward is the same call again
+                        seen.add(key)
+                        self._route_counts[name] = self._route_counts.get(name, 0) + counts
+                    return None
+                x = args[0] if args else kwargs.get("input")
+                logits = self._router_logits.pop(name, None)
+                if logits is None:
+                    return None
+                experts = int(probs.shape[-1])
+                seq, batch = (int(x.shape[0]), int(x.shape[1])) if x is not None and x.dim() == 3 else (
+                    int(probs.shape[0]), 1)
+
+                def host(t: torch.Tensor) -> np.ndarray:
+                    return batch_major(t.detach().float().reshape(-1, experts).cpu().numpy(), seq, batch)
+
+                rec = from_routing_map(name, host(logits), host(probs),
+                                       batch_major(rmap.detach().reshape(-1, experts).cpu().numpy(), seq, batch),
+                                       int(module.topk), logits_dtype=_dtype_name(logits.dtype),
+                                       probs_dtype=_dtype_name(probs.dtype),
+                                       score_function=str(getattr(module, "score_function", "") or ""),
+                                       topk=int(module.topk), batch=batch, seq=seq, calls=1)
+                calls = self._routes.setdefault(name, [])
+                # activation recomputation runs the router again on the same tokens: keep one record of them
+                if not any(np.array_equal(c.logits, rec.logits) for c in calls):
+                    calls.append(rec)
+            except Exception as exc:
+                self._fail(f"router hook {name}", exc)
+            return None
+        return hook
+
+    def _flush_routing(self, step: int) -> None:
+        from runstore.routing import concat_records, put_counts, put_routing
+
+        routes, counts = self._routes, dict(self._route_counts)
+        self._routes, self._route_counts, self._count_keys = {}, {}, {}
+        if self._writer is None or not (routes or counts):
+            return
+        for name, recs in routes.items():
+            rec = concat_records(recs)
+            put_routing(self._writer, step, rec)
+            counts[name] = rec.tokens_per_expert
+        put_counts(self._writer, step, counts)
 
     def _owner_modules(self) -> list[tuple[str, torch.nn.Module]]:
         return [(n, m) for n, m in self._selected_modules() if any(True for _ in m.parameters(recurse=False))]
@@ -735,6 +824,10 @@ class TorchDumper(StepBookkeeping):
         except Exception as exc:
             self._fail("nan_trace", exc)
         try:
+            self._flush_routing(step)
+        except Exception as exc:
+            self._fail("routing", exc)
+        try:
             if self._writer is not None:
                 self._writer.log_scalars(step, self._step_scalars)
         except Exception as exc:
@@ -761,6 +854,10 @@ class TorchDumper(StepBookkeeping):
         self._trace_rows.clear()
         self._trace_tensors.clear()
         self._grads_used = {}
+        self._routes = {}
+        self._route_counts = {}
+        self._count_keys = {}
+        self._router_logits = {}
 
     def _drop_open_step(self) -> None:
         if self._writer is not None:
@@ -836,6 +933,10 @@ class TorchDumper(StepBookkeeping):
             with contextlib.suppress(Exception):
                 h.remove()
         self._handles.clear()
+        for mod in self._router_modules:     # the class's own gating again
+            with contextlib.suppress(Exception):
+                del mod.gating
+        self._router_modules = []
         if self._writer is not None:
             try:
                 self._writer.close()

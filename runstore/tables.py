@@ -75,6 +75,8 @@ TABLE_SCHEMAS: dict[str, dict[str, Any]] = {
     "tensor_stats": {"required": ("order", "module", "kind"), "columns": {
         "order": _INT, "module": _TEXT, "kind": _TEXT, "dtype": _TEXT, "shape": _TEXT, "numel": _INT,
         "max": _NUM, "min": _NUM, "mean": _NUM, "norm": _NUM, "nan": _INT, "inf": _INT, "split": _TEXT}},
+    "routing_counts": {"required": ("module", "expert", "tokens"), "columns": {
+        "module": _TEXT, "expert": _INT, "tokens": _INT}},
 }
 # per-parameter weight and optimizer-update norms, where a store records them: local_norm's columns
 TABLE_SCHEMAS["param_norm"] = TABLE_SCHEMAS["update_norm"] = TABLE_SCHEMAS["local_norm"]

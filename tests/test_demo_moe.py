@@ -23,11 +23,13 @@ pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
 from demo.pair import paired_demo  # noqa: E402
+from demo.spec import FAULTS, SWAP_LAYER  # noqa: E402
 
 STEPS = 6
 LR0_STEPS = 2
 JUDGED = ("checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors",
-          "step2_loss", "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite", "nan_trace")
+          "moe_routing", "step2_loss", "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite",
+          "nan_trace")
 # every candidate parameter by name (Megatron's names). Stacked experts are recorded per expert by the candidate's
 # dumper (`weight1[e]`, dumpers/mindspore_expert_norms.py) and pair one by one with Megatron's experts: each
 # layer's 2 stacked tensors became 2 x 4 rows (moe 21 + 2 layers x 6 = 33; mla 31 + 12 = 43).
@@ -39,9 +41,19 @@ def _clean(kind: str, out: Path, repeat: bool) -> dict:
     return paired_demo(out, steps=STEPS, lr0_steps=LR0_STEPS, model_kind=kind, repeat=repeat)
 
 
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The clean moe pair (with its repeat): the clean test judges it, the router fault tests reuse its
+    baseline-side runs."""
+    out = tmp_path_factory.mktemp("moe")
+    return out, _clean("moe", out, True)
+
+
 @pytest.fixture(scope="module", params=[("moe", True), ("mla", False)], ids=["moe", "mla"])
 def clean(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bool, Path, dict]:
     kind, repeat = request.param
+    if kind == "moe":
+        return (kind, repeat, *request.getfixturevalue("moe_pair"))
     out = tmp_path_factory.mktemp(kind)
     return kind, repeat, out, _clean(kind, out, repeat)
 
@@ -92,3 +104,31 @@ def test_perturbed_expert_named_by_global_index(clean: tuple[str, bool, Path, di
     bad = [f for f in res.findings if f.verdict == "fail"]
     assert [f.component for f in bad] == ["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"], bad
     assert hit in bad[0].message
+    routing = data["stages"]["moe_routing"]     # every router recorded on both sides, compared alike
+    assert routing["compared"] == 2 and routing["routers"] == [f"decoder.layers.{i}.mlp.router" for i in (0, 1)]
+    assert all(r["topk_agreement"] > 0.9 and r["baseline_precision"] == r["candidate_precision"] == "float32"
+               for r in routing["per_layer"])
+    # tokens per expert at every step on both sides; step 1 (same weights, same batch) alike
+    assert routing["counts_steps"] == STEPS and routing["counts_by_step"][0]["moved_share"] == 0.0
+
+
+@pytest.mark.parametrize("inject", ["router_fp16", "expert_swap"])
+def test_router_fault_is_named_at_the_router(inject: str, moe_pair: tuple[Path, dict], tmp_path: Path) -> None:
+    """A router computed in float16 on the candidate, and a conversion that swaps two experts' router rows of
+    layer 1, each fail moe_routing naming the router (a 2-step candidate on the clean pair's baseline, no lr = 0
+    pair, no optimizer check)."""
+    data = paired_demo(tmp_path / inject, steps=2, lr0_steps=0, inject=inject, reuse_baseline=moe_pair[0],
+                       repeat=False, model_kind="moe", optimizer_check=False)
+    fault = FAULTS[inject]
+    routing = data["stages"]["moe_routing"]
+    assert fault.stage == "moe_routing" and routing["verdict"] == "fail"
+    failing = [f for f in data["findings"] if f["stage"] == "moe_routing" and f["verdict"] == "fail"]
+    assert failing and all(fault.component in f["component"] for f in failing), failing
+    if inject == "router_fp16":        # every router, by its precision
+        assert routing["failing_routers"] == routing["routers"]
+        assert {f["metric"] for f in failing} >= {"router_precision"}
+        assert all(f["value"] == "float16" for f in failing if f["metric"] == "router_precision")
+    else:                               # layer 1's router only: experts 0 and 1 in the other order
+        assert routing["failing_routers"] == [f"decoder.layers.{SWAP_LAYER}.mlp.router"]
+        assert {"expert_order", "tokens_per_expert"} <= {f["metric"] for f in failing}
+        assert any(f["value"] == "0->1, 1->0" for f in failing if f["metric"] == "expert_order")

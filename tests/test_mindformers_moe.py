@@ -198,15 +198,22 @@ def test_deepseek_v3_style_step1_loss_and_local_norms_match_megatron(mla_pair: d
 
 def test_deepseek_v3_style_pynative_matches_graph(mla_pair: dict[str, Any]) -> None:
     """PYNATIVE with the stand-ins (and the per-use split that fixes MLA's PYNATIVE gradients, and the
-    shared-expert unpacking fix): GRAPH's loss and local norms."""
+    shared-expert unpacking fix): GRAPH's loss and local norms. The routers are wrapped for routing evidence
+    (dumpers' RouterCapture, as DumpConfig(routing=True) does): nothing changes, and each record is the
+    router's own (its choices are the top-k of its recorded sigmoid scores, its probabilities those scores
+    renormalised)."""
+    from dumpers.mindspore_graph_capture import RouterCapture
+
     p = mla_pair
     mc.set_mcore_context("pynative", seed=0)
     try:
         net = mc.build_mcore_model(SPECS["mla"], "pynative")
         mc.load_parameter_arrays(net, p["weights"])
         cell = mc.build_mcore_train_cell(net)
+        routers = RouterCapture(net.model)     # the GPTModel: Megatron's module names, as the dumper hooks it
         out = cell(*mc.mcore_inputs(p["batch"]))
         names = [q.name for q in cell.optimizer.parameters]
+        records = routers.read()
     finally:
         mc.set_mcore_context("graph")
         mc.reset_mindformers_context()
@@ -214,3 +221,13 @@ def test_deepseek_v3_style_pynative_matches_graph(mla_pair: dict[str, Any]) -> N
     got = dict(zip(names, np.sqrt(out[5].asnumpy()), strict=True))
     for name, (want, _) in p["c_norms"].items():
         assert got[name] == pytest.approx(want, rel=1e-4), name
+    spec = SPECS["mla"]
+    assert [r.module for r in records] == [f"decoder.layers.{i}.mlp.router" for i in range(spec.num_layers)]
+    for r in records:
+        tokens = spec.micro_batch_size * spec.seq_length
+        assert r.logits.shape == (tokens, spec.num_experts) and r.attrs["score_function"] == "sigmoid"
+        assert r.tokens_per_expert.sum() == tokens * spec.moe_topk
+        s = 1 / (1 + np.exp(-r.logits.astype(np.float64)))
+        assert (np.sort(r.topk_index, 1) == np.sort(np.argsort(-s, 1)[:, :spec.moe_topk], 1)).all()
+        chosen = np.take_along_axis(s, r.topk_index, 1)
+        np.testing.assert_allclose(r.topk_probs, chosen / chosen.sum(1, keepdims=True), rtol=1e-5)
