@@ -14,10 +14,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 COLOURS = {"pass": "#1a7f37", "warn": "#b35900", "fail": "#c62828", "skipped": "#666666"}
-MAX_POINTS = 2000      # per curve: a 100k-step run is drawn from its per-bucket min and max (spikes stay)
 DPI = 100
 #: fixed margins instead of bbox_inches="tight" (which draws every figure twice to measure it)
 MARGINS = {"left": 0.08, "right": 0.98, "bottom": 0.14, "top": 0.9}
+CURVE_SIZE = (9, 3.6)   # inches: the curve figure every loss / delta plot reuses
+#: pixel columns of that figure's axes (810): a long curve is drawn from each column's min and max (envelope)
+COLUMNS = round(CURVE_SIZE[0] * DPI * (MARGINS["right"] - MARGINS["left"]))
 
 
 def _figure(figsize: tuple[float, float], ncols: int = 1, sharey: bool = False) -> tuple[Figure, Any]:
@@ -36,7 +38,7 @@ def _curve_axes() -> tuple[Figure, Any]:
     axes and tick objects are kept, and building those is most of a small figure's cost."""
     got = getattr(_LOCAL, "curves", None)
     if got is None:
-        fig, ax = _figure((9, 3.6))
+        fig, ax = _figure(CURVE_SIZE)
         fig.subplots_adjust(**MARGINS)
         _LOCAL.curves = got = (fig, ax)
         return got
@@ -57,26 +59,37 @@ def warm() -> None:
     _curve_axes()
 
 
-def envelope(x: np.ndarray, y: np.ndarray, points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
-    """At most ``points`` (x, y) pairs that draw like the whole curve: per bucket of consecutive steps its
-    minimum and maximum, in step order, so a one-step spike is still drawn. NaN-only buckets stay NaN
-    (a gap), as the full curve would show."""
+def pixel_columns(ax: Any) -> int:
+    """The axes' width in pixels at the figure's DPI: the pixel columns a curve is drawn on."""
+    return max(1, round(ax.get_position().width * ax.get_figure().get_figwidth() * DPI))
+
+
+def envelope(x: np.ndarray, y: np.ndarray, columns: int = COLUMNS) -> tuple[np.ndarray, np.ndarray]:
+    """The points of a long series that draw like all of it: matplotlib's time goes with the points it is
+    given, and a 100k-step run on an axes ``columns`` pixels wide has ~100 points a pixel. The x range is cut
+    into ``columns`` equal columns (narrower than a pixel, as the axes' margins widen the view) and each
+    keeps its first minimum and first maximum in step order, so a one-step spike is still drawn; the first
+    and last points are kept. NaN values are skipped; a column of NaN only keeps one (the gap the full
+    curve shows). A series of at most ``2 * columns`` points is returned as given. x out of order is
+    cut by position instead."""
     n = len(y)
-    if n <= points:
+    if n <= 2 * columns:
         return x, y
-    buckets = points // 2
-    size = -(-n // buckets)
-    pad = buckets * size - n
-    yy = np.concatenate([np.asarray(y, dtype=np.float64), np.full(pad, np.nan)]).reshape(buckets, size)
-    finite = ~np.isnan(yy)
-    lo = np.where(finite, yy, np.inf).argmin(axis=1)
-    hi = np.where(finite, yy, -np.inf).argmax(axis=1)
-    first, second = np.minimum(lo, hi), np.maximum(lo, hi)
-    rows = np.arange(buckets)
-    idx = np.stack([rows * size + first, rows * size + second], axis=1).ravel()
-    keep = idx < n
-    idx = idx[keep]
-    return np.asarray(x)[idx], np.asarray(y, dtype=np.float64)[idx]
+    ys = np.asarray(y, dtype=np.float64)
+    pos = np.asarray(x, dtype=np.float64)
+    if not (pos[-1] > pos[0] and np.all(pos[1:] >= pos[:-1])):   # also false for NaN steps
+        pos = np.arange(n, dtype=np.float64)
+    edges = pos[0] + (pos[-1] - pos[0]) * (np.arange(columns) / columns)
+    starts = np.unique(np.searchsorted(pos, edges))                # where each non-empty column begins
+    counts = np.diff(starts, append=n)
+    keep = [np.array([0, n - 1])]
+    for reduce in (np.fmin, np.fmax):                                # fmin/fmax skip NaN
+        ext = reduce.reduceat(ys, starts)
+        hits = np.flatnonzero(ys == np.repeat(ext, counts))
+        first = hits[np.minimum(np.searchsorted(hits, starts), len(hits) - 1)] if len(hits) else starts
+        keep.append(np.where(np.isnan(ext), starts, first))          # an all-NaN column: its first NaN
+    idx = np.unique(np.concatenate(keep))
+    return np.asarray(x)[idx], ys[idx]
 
 
 def _save(fig: Figure, path: Path | None) -> bytes:
@@ -95,11 +108,16 @@ def loss_curves(table: pd.DataFrame, labels: dict[str, str], verdict: str, path:
     if "baseline" not in cols or "candidate" not in cols:
         return None
     x = table.index.to_numpy()
-    every = {k: table[c].to_numpy(dtype=np.float64) for k, c in cols.items()}
-    rows = ~np.all(np.isnan(np.column_stack(list(every.values()))), axis=1)   # steps with any value
-    data = {k: v for k, v in every.items() if k in ("baseline", "candidate") or k.startswith("repeat")}
-    x = x[rows]
-    data = {k: v[rows] for k, v in data.items()}
+    rows = np.zeros(len(x), dtype=bool)                  # steps with any value (no 100k x columns copy)
+    data = {}
+    for k, c in cols.items():
+        v = table[c].to_numpy(dtype=np.float64)
+        rows |= ~np.isnan(v)
+        if k in ("baseline", "candidate") or k.startswith("repeat"):
+            data[k] = v
+    if not rows.all():
+        x = x[rows]
+        data = {k: v[rows] for k, v in data.items()}
     fig, ax = _curve_axes()
     for c in sorted(k for k in data if k.startswith("repeat")):
         ax.plot(*envelope(x, data[c]), color="#9e9e9e", lw=0.8, alpha=0.8, label=labels.get(c, c))
@@ -124,8 +142,9 @@ def delta_band(table: pd.DataFrame, verdict: str, path: Path, divergence_step: i
     if not rows.any():
         return None
     x = table.index.to_numpy()[rows]
-    col = {c[len(prefix):]: table[c].to_numpy(dtype=np.float64)[rows] for c in table.columns
-           if c.startswith(prefix)}
+    col = {k: table[prefix + k].to_numpy(dtype=np.float64)[rows]   # only the columns drawn
+           for k in (c[len(prefix):] for c in table.columns if c.startswith(prefix))
+           if k in ("delta", "band", "outside", "baseline") or k.startswith("repeat")}
     delta = col["delta"]
     fig, ax = _curve_axes()
     bx, band = envelope(x, col["band"])
@@ -358,17 +377,19 @@ def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -
     for ax, c in zip(axes, curves, strict=False):
         x = np.asarray(c["steps"])
         band = np.nan_to_num(np.asarray(c["rel_band"], dtype=np.float64), nan=0.0, posinf=0.0)
-        bx, by = envelope(x, band)
+        cols = pixel_columns(ax)
+        bx, by = envelope(x, band, cols)
         handles = [ax.fill_between(bx, -by, by, color="#90caf9", alpha=0.5, step="mid", label="band")]
         for k, r in enumerate(c.get("repeats", [])):
-            (line,) = ax.plot(*envelope(x, np.asarray(r, dtype=np.float64)), color="#9e9e9e", lw=0.6,
+            (line,) = ax.plot(*envelope(x, np.asarray(r, dtype=np.float64), cols), color="#9e9e9e", lw=0.6,
                               label="repeat - baseline")
             handles += [line] if k == 0 else []
         d = np.asarray(c["rel_delta"], dtype=np.float64)
-        handles += ax.plot(*envelope(x, d), color="#e07b00", lw=0.9, label="candidate - baseline")
+        handles += ax.plot(*envelope(x, d, cols), color="#e07b00", lw=0.9, label="candidate - baseline")
         out = np.asarray(c["outside"], dtype=bool)
         if out.any():
-            ax.scatter(*envelope(x[out], np.clip(d[out], -1e30, 1e30)), s=5, color=COLOURS["fail"], zorder=3)
+            ax.scatter(*envelope(x[out], np.clip(d[out], -1e30, 1e30), cols), s=5, color=COLOURS["fail"],
+                       zorder=3)
         if c.get("departure_step") is not None:
             ax.axvline(c["departure_step"], color=COLOURS["fail"], ls="--", lw=1.0)
         ax.axhline(0, color="k", lw=0.5)
