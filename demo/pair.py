@@ -30,7 +30,7 @@ from align.procedure.arguments import parse_report_args, report_inputs
 from align.stages import Inputs
 from core.errors import BadInput
 from core.findings import EXIT
-from demo.spec import FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, write_spec
+from demo.spec import DEFAULT_SEED, FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
@@ -60,12 +60,13 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None,
-               model_kind: str = "dense") -> dict[str, Spec]:
-    """Baseline, repeat (TP=2), candidate, optimizer check and the lr=0 pair, with the fault applied."""
+               model_kind: str = "dense", seed: int = DEFAULT_SEED) -> dict[str, Spec]:
+    """Baseline, repeat (TP=2), candidate, optimizer check and the lr=0 pair, with the fault applied.
+    ``seed`` draws the initial weights and the batches (every run of the pair shares it)."""
     f = fault(inject)
     base = Spec(role="baseline", out=str(work / "baseline"), steps=steps, inject=inject,
                 init_weights=str(work / "megatron_init.pt"), optimizer_evidence=True,
-                result_file=str(work / "baseline.json"), model_kind=model_kind)
+                result_file=str(work / "baseline.json"), model_kind=model_kind, seed=seed)
     converted = "mindformers_init.ckpt" if model_kind == "llama" else "mindformers_init.safetensors"
     cand = replace(base, role="candidate", out=str(work / "candidate"), optimizer_evidence=False,
                    replay_dir=base.out, converted=str(work / converted),
@@ -256,7 +257,7 @@ def _band_source(kind: str) -> str:
 def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int = DEFAULT_LR0_STEPS,
                 inject: str | None = None, reuse_baseline: str | Path | None = None,
                 repeat: bool = True, parallel: int = 2, model_kind: str = "dense",
-                optimizer_check: bool = True) -> dict[str, Any]:
+                optimizer_check: bool = True, seed: int = DEFAULT_SEED) -> dict[str, Any]:
     """Run the whole pair and write ``out/report.html``; returns summary.json's content.
 
     ``repeat=False`` skips the TP=2 repeat (the band then falls back to a relative tolerance; for short
@@ -265,22 +266,27 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     one; a candidate-side fault test may run fewer ``steps`` than the reused baseline). ``lr0_steps=0`` runs no
     lr = 0 pair, ``optimizer_check=False`` no optimizer check (short fault tests). ``model_kind``: the candidate
     model (:data:`demo.spec.MODEL_KINDS`); a reused baseline must
-    come from a demo of the same kind (the dense baseline has q/k layernorm).
+    come from a demo of the same kind (the dense baseline has q/k layernorm) and ``seed`` (it draws the weights
+    and batches: a clean pair must pass whatever the seed, so tests and `align demo --seed` draw others).
     """
     out = Path(out)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
-    specs = make_specs(work, steps, lr0_steps, inject, model_kind)
+    specs = make_specs(work, steps, lr0_steps, inject, model_kind, seed)
     f = fault(inject)
     t0 = time.perf_counter()
     reused = False
     if reuse_baseline is not None and (f is None or f.side in ("candidate", "conversion")):
         src = Path(reuse_baseline) / "runs"
         prev = Path(reuse_baseline) / "demo.json"
-        prev_kind = json.loads(prev.read_text()).get("model", "llama") if prev.is_file() else model_kind
+        prev_meta = json.loads(prev.read_text()) if prev.is_file() else {"model": model_kind}
+        prev_kind = prev_meta.get("model", "llama")
         if prev_kind != model_kind:
             raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline is for --model {prev_kind}, "
                            f"not {model_kind}")
+        if prev_meta.get("seed", DEFAULT_SEED) != seed:
+            raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline was drawn with --seed "
+                           f"{prev_meta.get('seed', DEFAULT_SEED)}, not {seed}")
         for name in ("baseline", "lr0_baseline", "repeat_tp2", "repeat_dp2"):
             if (src / name).is_dir():
                 shutil.copytree(src / name, work / name, dirs_exist_ok=True)
@@ -301,7 +307,7 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     took.update(run_jobs(jobs, work, parallel))
     _log(f"runs done in {time.perf_counter() - t0:.1f} s{' (baseline side reused)' if reused else ''}")
     data = compare_pair(out, specs, took, inject)
-    meta = {"inject": inject, "model": model_kind, "steps": steps, "lr0_steps": lr0_steps,
+    meta = {"inject": inject, "model": model_kind, "seed": seed, "steps": steps, "lr0_steps": lr0_steps,
             "wall_seconds": time.perf_counter() - t0, "run_seconds": took, "baseline_reused": reused}
     (out / "demo.json").write_text(json.dumps(meta, indent=1))
     return data
@@ -346,7 +352,8 @@ def run_demo(args: argparse.Namespace) -> int:
         raise BadInput("--steps must be at least 3 (step 1, step 2 and a long run)")
     t0 = time.perf_counter()
     data = paired_demo(args.out, steps=args.steps, lr0_steps=args.lr0_steps, inject=args.inject,
-                       reuse_baseline=args.reuse_baseline, model_kind=model_kind)
+                       reuse_baseline=args.reuse_baseline, model_kind=model_kind,
+                       seed=getattr(args, "seed", DEFAULT_SEED))
     failing = sorted({f["stage"] for f in data["findings"] if f["verdict"] == "fail"})
     print(f"verdict: {data['verdict']}" + (f" (failing stages: {', '.join(failing)})" if failing else ""))
     print(f"took: {time.perf_counter() - t0:.0f} s")

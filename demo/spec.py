@@ -27,6 +27,7 @@ EOS_ID = 1
 # ``moe`` = mcore Qwen3-MoE-style (routed experts), ``mla`` = mcore DeepSeek-V3-style (MLA + MoE + shared
 # expert); the baseline is the same megatron-core model each time.
 MODEL_KINDS = ("dense", "llama", "moe", "mla")
+DEFAULT_SEED = 1234   # weights and batches of every run of a pair (`align demo --seed`)
 MOE_KINDS = ("moe", "mla")
 
 # Layer profile of the mcore pairs: the same module names on both sides (MindFormers mcore cells carry
@@ -55,7 +56,7 @@ class Spec:
     adam_eps: float = 1e-8
     lr_schedule: str = "constant"  # constant | cosine (with warm-up)
     warmup_steps: int = 0
-    seed: int = 1234
+    seed: int = DEFAULT_SEED
     threads: int = 1
     tp: int = 1                    # tensor parallel size (the repeat runs TP=2 under torchrun)
     dp: int = 1                    # data parallel size (the moe / mla repeat: the batch split over 2 ranks)

@@ -213,8 +213,10 @@ def test_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[P
                                                        tmp_path: Path) -> None:
     f = FAULTS[name]
     reuse = clean[0] if f.side in ("candidate", "conversion") else None
-    data = paired_demo(tmp_path / name, steps=STEPS, lr0_steps=LR0_STEPS, inject=name, reuse_baseline=reuse,
-                       repeat=False)
+    # only the runs the fault's stage judges: an lr = 0 pair for lr0_run, the optimizer check for optimizer
+    # (each is one more framework start-up per side; the clean pair above runs them all)
+    data = paired_demo(tmp_path / name, steps=STEPS, lr0_steps=LR0_STEPS if f.stage == "lr0_run" else 0,
+                       inject=name, reuse_baseline=reuse, repeat=False, optimizer_check=f.stage == "optimizer")
     assert data["verdict"] == "fail"
     stage = data["stages"][f.stage]
     assert stage["verdict"] == "fail", (f.stage, stage)
@@ -249,12 +251,15 @@ def test_judged_at_float32_the_float16_attention_shows(clean: tuple[Path, dict],
     assert any("layernorm" in str(f["component"]) for f in hits), hits
 
 
-def test_reuse_of_a_baseline_of_another_model_is_refused(clean: tuple[Path, dict], tmp_path: Path) -> None:
+def test_reuse_of_a_baseline_of_another_model_or_seed_is_refused(clean: tuple[Path, dict], tmp_path: Path) -> None:
     from core.errors import BadInput
 
     with pytest.raises(BadInput, match="--model dense"):
         paired_demo(tmp_path / "x", steps=STEPS, lr0_steps=LR0_STEPS, inject="qk_swap", reuse_baseline=clean[0],
                     repeat=False, model_kind="llama")
+    with pytest.raises(BadInput, match="--seed 1234, not 5"):     # other weights and batches than the candidate's
+        paired_demo(tmp_path / "y", steps=STEPS, lr0_steps=LR0_STEPS, inject="qk_swap", reuse_baseline=clean[0],
+                    repeat=False, seed=5)
 
 
 def test_cli_rejects_unknown_fault(tmp_path: Path) -> None:
@@ -337,6 +342,13 @@ def test_mindformers_dp_tp_pp_stores_recombine_to_the_single_process_norms(clean
         assert len(unverified) == (label == "pp2"), label      # MFPipelineWithLossScaleCell's norms: said so
         assert [(f.verdict, f.component, f.metric) for f in res.findings if f not in unverified] == [
             (f.verdict, f.component, f.metric) for f in one.findings], label  # the one-process run's compare
+    # both sides parallel: the pair's Megatron TP=2 repeat (same weights and batches, its own rank files) against
+    # each MindFormers layout: every parameter paired, no shard, part or counterpart missing, none failing
+    for label in layouts:
+        res = compare_local_norms(d["runs"] / "repeat_tp2", tmp_path / label, d["mapping"])
+        assert res.details["compared"] == 19, (label, res.findings)
+        assert res.details["baseline"]["ranks"] == [0, 1], label
+        assert not [f for f in res.findings if f.verdict == "fail" or f.metric.startswith("missing")], label
     tp = read_local_norms(tmp_path / "tp2")[0]
     assert tp["decoder.layers.0.mlp.linear_fc2.weight"].partition_dim == 1        # row-parallel: dim 1
     assert tp["decoder.layers.0.self_attention.linear_qkv.weight"].partition_dim == 0

@@ -441,8 +441,9 @@ def test_moe_expert_parallel_global_expert_names_and_norms(stores) -> None:
 def test_ep2_experts_compare_by_global_index_against_stacked_pieces(stores) -> None:
     """The EP=2 store (EP rank 1's local experts 0 and 1 recorded as 2 and 3) against a MindFormers-named
     candidate holding every layer's experts as pieces of its stacked tensors (``weight1[e]``, as the
-    MindSpore dumper records them), made from the EP=1 run's norms with expert 3 of layer 0 off by 1 %: the
-    only failure names expert 3 on both sides."""
+    MindSpore dumper records them), made from the EP=1 run's norms with expert 3 of layer 0 off by 2 % (1 % sits
+    on the fail line, 1e-2, and EP=2's own rounding can put it either side): the only failure names expert 3 on
+    both sides."""
     import re
 
     from comparators.local_norms import compare_norm_entries
@@ -458,7 +459,7 @@ def test_ep2_experts_compare_by_global_index_against_stacked_pieces(stores) -> N
         for c in [f"{x.group(1)}.weight{x.group(3)}[{x.group(2)}]"] if x else m.map_name(name)[:1]:
             cand[c] = e
     hit = "decoder.layers.0.mlp.experts.weight1[3]"
-    cand[hit] = type(cand[hit])(-1, 1, {0: cand[hit].full_norm() * 1.01}, {0: cand[hit].full_numel()}, {0})
+    cand[hit] = type(cand[hit])(-1, 1, {0: cand[hit].full_norm() * 1.02}, {0: cand[hit].full_numel()}, {0})
     res = compare_norm_entries(ep2, cand, m, pass_tol=1e-4)
     bad = [f for f in res.findings if f.verdict != "pass"]
     assert [(f.verdict, f.component) for f in bad] == [

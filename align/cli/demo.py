@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "trains (default; baseline with q/k layernorm to match), llama = MindFormers' legacy "
                         "LlamaForCausalLM (MindFormers <= 1.6), moe = mcore Qwen3-MoE-style (4 experts, top-2), "
                         "mla = mcore DeepSeek-V3-style (MLA + MoE + shared expert)")
+    p.add_argument("--seed", type=int, default=1234, metavar="N",
+                   help="draws the initial weights and the batches of every run of the pair (default 1234); "
+                        "a clean pair passes whatever the seed")
     p.add_argument("--reuse-baseline", metavar="DIR", default=None,
                    help="reuse the baseline-side runs of an earlier demo DIR (same --steps) for a "
                         "candidate-side fault")
