@@ -5,8 +5,9 @@ prints, per pair and per floor-judged stage (lr0_run, step1_local_norm, layer_te
 row: its difference, the dtype line it was judged against before and that ratio with the verdict it gave,
 then the measured floor, the ratio to it and today's verdict.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/noise_floor_ratios.py --run OUT   # clean dense + moe pairs
-        and every candidate-side fault on the clean dense baseline (steps 12, lr=0 steps 3; ~10 min on 2 cores)
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/noise_floor_ratios.py --run OUT [--seeds 1234,5]  # clean
+        dense + moe pairs at each seed and every candidate-side fault of each kind on its first clean pair
+        (dense: steps 12, lr=0 steps 3; moe: 6 and 2; ~6 min a seed on 2 cores)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/noise_floor_ratios.py DEMO_OUT ...  # existing demo outputs
 """
 
@@ -65,20 +66,24 @@ def print_table(label: str, summary: dict[str, Any]) -> None:
             "verdict_after", "floor_source")) + " |")
 
 
-def run_all(out: Path) -> list[Path]:
+def run_all(out: Path, seeds: list[int]) -> list[Path]:
+    """Clean dense and moe pairs at every seed; each candidate-side fault of a kind on that kind's first clean
+    pair (its baseline reused)."""
     from demo.pair import paired_demo
     from demo.spec import FAULTS
 
     done = []
-    clean = out / "clean_dense"
-    paired_demo(clean, steps=12, lr0_steps=3)
-    done.append(clean)
-    for name, f in FAULTS.items():
-        if f.side in ("candidate", "conversion"):
-            paired_demo(out / name, steps=12, lr0_steps=3, inject=name, reuse_baseline=clean, repeat=False)
-            done.append(out / name)
-    paired_demo(out / "clean_moe", steps=6, lr0_steps=2, model_kind="moe")
-    done.append(out / "clean_moe")
+    for kind, steps, lr0 in (("dense", 12, 3), ("moe", 6, 2)):
+        for seed in seeds:
+            clean = out / f"clean_{kind}_seed{seed}"
+            paired_demo(clean, steps=steps, lr0_steps=lr0, model_kind=kind, seed=seed)
+            done.append(clean)
+        first = out / f"clean_{kind}_seed{seeds[0]}"
+        for name, f in FAULTS.items():
+            if f.side in ("candidate", "conversion") and kind in f.kinds:
+                paired_demo(out / f"{kind}_{name}", steps=steps, lr0_steps=lr0, inject=name, reuse_baseline=first,
+                            repeat=False, model_kind=kind, seed=seeds[0])
+                done.append(out / f"{kind}_{name}")
     return done
 
 
@@ -86,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="*", type=Path, help="demo outputs (each with summary.json)")
     ap.add_argument("--run", type=Path, help="run the clean pairs and the candidate-side faults here first")
+    ap.add_argument("--seeds", default="1234", help="comma-separated seeds of the clean pairs (default 1234)")
     args = ap.parse_args(argv)
-    dirs = (run_all(args.run) if args.run else []) + list(args.dirs)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    dirs = (run_all(args.run, seeds) if args.run else []) + list(args.dirs)
     for d in dirs:
         print_table(d.name, json.loads((d / "summary.json").read_text()))
     return 0

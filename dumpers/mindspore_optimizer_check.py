@@ -15,6 +15,16 @@ from typing import Any
 import numpy as np
 
 
+def _params_with_grads(optimizer: Any, grads: Mapping[str, np.ndarray]) -> list[Any]:
+    """The optimizer's parameters in its own order; each must have a baseline gradient (a missing one is an
+    error, never a zero gradient)."""
+    params = list(optimizer.parameters)
+    missing = [p.name for p in params if p.name not in grads]
+    if missing:
+        raise KeyError(f"no baseline gradient for {len(missing)} candidate parameter(s): {', '.join(missing[:5])}")
+    return params
+
+
 def optimizer_step_with_grads(optimizer: Any, grads: Mapping[str, np.ndarray], *,
                               clip_norm: float | None = None, train_cell: Any = None) -> dict[str, np.ndarray]:
     """Run ``optimizer`` once on ``grads`` (candidate names); return {parameter name: updated weight}.
@@ -27,10 +37,7 @@ def optimizer_step_with_grads(optimizer: Any, grads: Mapping[str, np.ndarray], *
     import mindspore as ms
     from mindspore import Tensor, ops
 
-    params = list(optimizer.parameters)
-    missing = [p.name for p in params if p.name not in grads]
-    if missing:
-        raise KeyError(f"no baseline gradient for {len(missing)} candidate parameter(s): {', '.join(missing[:5])}")
+    params = _params_with_grads(optimizer, grads)
     tensors = []
     for p in params:
         g = np.ascontiguousarray(grads[p.name])
@@ -59,10 +66,7 @@ def clip_probe_with_grads(optimizer: Any, grads: Mapping[str, np.ndarray], scale
     import mindspore as ms
     from mindspore import Tensor, ops
 
-    params = list(optimizer.parameters)
-    missing = [p.name for p in params if p.name not in grads]
-    if missing:
-        raise KeyError(f"no baseline gradient for {len(missing)} candidate parameter(s): {', '.join(missing[:5])}")
+    params = _params_with_grads(optimizer, grads)
     tensors = []
     for p in params:
         g = np.asarray(grads[p.name], dtype=np.float64) * float(scale)

@@ -8,12 +8,13 @@ HELP = "run the paired Megatron-core vs MindFormers experiment (CPU) and report"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from demo.spec import FAULTS  # numpy only: the fault names are in --help even without the frameworks
+
     p.add_argument("--out", default="demo_out", metavar="DIR")
     p.add_argument("--steps", type=int, default=300, metavar="N", help="steps of the long pair (default 300)")
     p.add_argument("--lr0-steps", type=int, default=20, metavar="N", help="steps of the lr=0 pair (default 20)")
     p.add_argument("--inject", metavar="FAULT", default=None,
-                   help="plant a known fault: embedding_fp16, weight_decay_all, norm_eps, dropout_on, "
-                        "lr_schedule, qk_swap, pad_eos, loss_mask_mutation, nan_param")
+                   help="plant a known fault: " + ", ".join(FAULTS))
     p.add_argument("--model", choices=("dense", "llama", "moe", "mla"), default="dense",
                    help="candidate model: dense = MindFormers 2.x mcore Qwen3-style model, the one MindFormers 2.x "
                         "trains (default; baseline with q/k layernorm to match), llama = MindFormers' legacy "
