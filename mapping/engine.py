@@ -333,6 +333,12 @@ class Mapping:
                 if m is None:
                     (ignored if self.ignored(n, side) else unmapped)[side].append(n)
                     continue
+                if (m.rule.gather and not m.experts and split_piece(self.strip(n, side))[1] is None
+                        and (m.rule.id, tuple(sorted(m.captures.items()))) in split):
+                    # the stacked tensor whole beside its own per-expert pieces (a store holding both, e.g. a
+                    # NaN traced to the whole tensor): its pieces pair expert by expert; the whole is covered
+                    ignored[side].append(n)
+                    continue
                 orig[side][self.strip(n, side)] = n
                 have = groups.setdefault(m.key, m)
                 if have is not m:

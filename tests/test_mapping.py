@@ -246,3 +246,20 @@ def test_experts_named_locally_on_an_ep_rank_get_their_global_index() -> None:
                                              + ["decoder.layers.0.mlp.router.weight"])
     glob = _experts(0, experts=range(2, 4))          # MegatronDumper's names: global already, kept
     assert global_expert_names(glob, 1) == glob and global_expert_names(local, 0) == local
+
+
+def test_stacked_experts_whole_beside_their_pieces_is_covered_by_them() -> None:
+    """A candidate store holding a layer's stacked experts both in per-expert pieces (``weight2[e]``) and whole
+    (the moe nan_param fault's NaN'd tensor: found by a seeded fault sweep, where norm_trajectories crashed on a
+    group with no baseline name): the pieces pair one by one, the whole is ignored as covered, nothing crashes."""
+    from comparators.local_norms import pair_norms
+    from models import load_mapping
+
+    m = load_mapping("megatron_core__mindformers_mcore_moe")
+    base = [f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2.weight" for e in range(4)]
+    cand = [f"decoder.layers.1.mlp.experts.weight2[{e}]" for e in range(4)] + ["decoder.layers.1.mlp.experts.weight2"]
+    _, unmapped, ignored = m.oriented(base, cand).pair(base, cand)
+    assert ignored["candidate"] == ["decoder.layers.1.mlp.experts.weight2"] and not unmapped["candidate"]
+    pairing = pair_norms(base, cand, m)
+    assert [(p.name, p.candidate) for p in pairing.pairs] == [(b, [c]) for b, c in zip(base, cand[:4], strict=True)]
+    assert not pairing.incomplete

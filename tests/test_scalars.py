@@ -93,3 +93,27 @@ def test_a_grad_norm_bias_under_the_precisions_ulp_is_noise_not_a_bias():
     assert at16.verdict == "pass" and at16.details["bias_precision_noise"] > abs(at16.details["mean_delta"])
     # the loss keeps float32's floor whatever the precision: a real loss bias still shows
     assert compare_scalars(*runs, precision="float16").stages["long_run"].details["band_floor"] < 1e-5
+
+
+def test_one_step_outside_a_short_run_warns_and_two_fail():
+    """A clean 12-step pair (seed 5) had one step 1.4x its band: 8 % of 12 steps, above the allowed 5 %, yet
+    one excursion in a run too short to hold one allowed step is no failing run: it warns naming the step.
+    Two such steps fail; so does 7.5 % of a run long enough to judge a share."""
+    rng = np.random.default_rng(1)
+    n = 12
+    loss = np.linspace(5.0, 4.5, n)
+    repeat = loss + rng.normal(0, 1e-4, n)
+    band = 3 * np.sqrt(np.mean((repeat - loss) ** 2))       # the band of a single window: 3 x RMS
+    cand = loss.copy()
+    cand[8] += 1.4 * band                                     # step 9
+    st = compare_scalars(run(loss, "b"), run(cand, "c"), [run(repeat, "r")]).stages["long_run"]
+    (f,) = [f for f in st.findings if f.metric == "outside_band_fraction"]
+    assert (st.verdict, f.verdict) == ("warn", "warn") and "step 9" in f.message and "run longer" in f.message
+    cand[3] += 1.4 * band
+    assert compare_scalars(run(loss, "b"), run(cand, "c"), [run(repeat, "r")]).stages["long_run"].verdict == "fail"
+    n = 40                                                     # 3 of 40 = 7.5 % > 5 % of 40 = 2 allowed
+    loss = np.linspace(5.0, 4.5, n)
+    repeat = loss + rng.normal(0, 1e-4, n)
+    cand = loss.copy()
+    cand[[5, 20, 35]] += 10 * np.sqrt(np.mean((repeat - loss) ** 2)) * 3
+    assert compare_scalars(run(loss, "b"), run(cand, "c"), [run(repeat, "r")]).stages["long_run"].verdict == "fail"

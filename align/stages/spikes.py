@@ -11,6 +11,7 @@ from align.checks.data import BATCH_KEYS, batch_digest
 from align.stages import Stage
 from align.stages.divergence_data import step_batch
 from align.stages.evidence import Evidence
+from comparators.scalars import too_many_outside
 from comparators.spikes import SPIKE_FACTOR, find_spikes
 from comparators.trajectories import norm_groups, norm_jumps, pair_trajectories, read_trajectory
 from core.findings import Finding, StageResult, skipped
@@ -102,7 +103,8 @@ def run(ev: Evidence) -> StageResult:
     crowded = []
     for metric, prefix, st in metrics:
         frac = st.details.get("outside_band_fraction") or 0.0
-        if frac > max_outside:       # outside most of the time: no lone spike to tell apart (the long run says)
+        if too_many_outside(round(frac * st.details.get("steps", 0)), st.details.get("steps", 0), max_outside):
+            # outside most of the time: no lone spike to tell apart (the long run says)
             crowded.append(f"{'loss' if metric == 'loss' else 'grad norm'} outside the band at {frac:.0%} of steps")
             res.details[metric] = {"spikes": None, "reason": crowded[-1]}
             continue
