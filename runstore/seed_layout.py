@@ -4,6 +4,8 @@ users replay. ``RunWriter.write_seed_batch`` writes it; this module reads it (no
 
 from __future__ import annotations
 
+import math
+import threading
 import tokenize
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,11 +31,17 @@ def step_number(name: str, digits: str, where: Path) -> int:
     return int(digits)
 
 
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11's compile() is not thread-safe: two threads
+# of a parallel tensor compare raised "SystemError: AST constructor recursion depth mismatch" (a CI run). Headers
+# are parsed one at a time; the data is read outside the lock.
+_HEADER_LOCK = threading.Lock()
+
+
 def npy_header(path: str | Path) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """(shape, fortran order, dtype, data offset) of a .npy file through numpy's public header readers (numpy
     1.x and 2.x), checked: a numeric dtype and a file that holds every declared byte. One-line BadInput."""
     try:
-        with open(path, "rb") as fh:
+        with open(path, "rb") as fh, _HEADER_LOCK:
             version = np.lib.format.read_magic(fh)
             reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
                 np.lib.format.read_array_header_2_0
@@ -59,22 +67,18 @@ def npy_header(path: str | Path) -> tuple[tuple[int, ...], bool, np.dtype, int]:
 
 
 def load_npy(path: Path) -> np.ndarray:
-    """np.load without pickle; a one-line BadInput for anything that is not a plain numeric .npy array."""
+    """A plain numeric .npy array (no pickle): its header read once and checked (:func:`npy_header`), then its
+    data; safe to call from several threads. A one-line BadInput for anything else."""
     regular_file(path, ".npy file")
-    npy_header(path)
+    shape, fortran, dtype, offset = npy_header(path)
+    count = math.prod(shape)
     try:
-        arr = np.load(path, allow_pickle=False)
-        if not isinstance(arr, np.ndarray):
-            raise BadInput(f"{path}: an .npz archive, expected one .npy array")
-        if arr.dtype.kind not in "biuf" or arr.dtype.names is not None:
-            raise BadInput(f"{path}: dtype {arr.dtype} is not a number type (int, uint, float or bool)")
-        return arr
-    except ValueError as exc:
-        if "pickle" in str(exc).lower():
-            raise BadInput(f"{path}: holds pickled objects; refusing to load (no pickle)") from None
-        raise BadInput(f"{path}: not a valid .npy array ({exc})") from None
+        arr = np.fromfile(path, dtype=dtype, count=count, offset=offset)
     except _HEADER_ERRORS as exc:
         raise BadInput(f"{path}: unreadable or truncated .npy ({' '.join(str(exc).split())[:80]})") from None
+    if arr.size != count:
+        raise BadInput(f"{path}: unreadable or truncated .npy ({arr.size} of {count} values)")
+    return arr.reshape(shape, order="F" if fortran else "C")
 
 
 def seed_steps(root: Path) -> dict[int, dict[int, Path]]:

@@ -134,7 +134,9 @@ def load_ref(ref: Any) -> np.ndarray:
         return join_parts([[load_ref(p) for p in row] for row in parts], tp, cp_dim)
     if isinstance(ref, (tuple, list)) and ref and ref[0] == "h5":
         return np.asarray(_open_h5(ref[1])[ref[2]][...])
-    return np.load(str(ref), allow_pickle=False)
+    from runstore.seed_layout import load_npy  # thread-safe header parse (gathered rows load in threads)
+
+    return load_npy(Path(ref))
 
 
 _OPEN: dict[tuple[str, int, int], Any] = {}

@@ -239,3 +239,25 @@ def test_background_writer_reports_failures_and_keeps_going(tmp_path):
     w.close()
     r = RunReader(tmp_path / "run")
     assert sorted(r.step_arrays(1).data) == ["after", "ok"] and r.array_steps() == [1, 2]
+
+
+def test_load_npy_reads_every_layout_np_save_writes_from_many_threads(tmp_path) -> None:
+    """load_npy parses the header once (under a lock: numpy's literal_eval is not thread-safe on CPython 3.11)
+    and reads the data itself: Fortran order, big-endian, 0-d and empty arrays come back as np.load gives them,
+    also when 8 threads read at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runstore.seed_layout import load_npy
+
+    arrays = {"c": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
+              "f": np.asfortranarray(np.arange(6.0).reshape(2, 3)), "be": np.arange(5, dtype=">i4"),
+              "scalar": np.array(3.5), "empty": np.zeros((0, 3), np.float16), "bool": np.array([True, False])}
+    for k, a in arrays.items():
+        np.save(tmp_path / f"{k}.npy", a)
+    names = list(arrays) * 40
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda k: (k, load_npy(tmp_path / f"{k}.npy")), names))
+    for k, a in got:
+        want = np.load(tmp_path / f"{k}.npy", allow_pickle=False)
+        assert a.dtype == want.dtype and a.shape == want.shape and np.array_equal(a, want), k
+        assert a.flags.f_contiguous == want.flags.f_contiguous, k
