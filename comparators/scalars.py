@@ -305,12 +305,13 @@ def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[
     div_step = int(common[first]) if first is not None else None
     st = StageResult(name, details={
         "steps": int(n), "first_step": int(common[0]), "last_step": int(common[-1]),
-        "outside_band_fraction": frac, "mean_delta": mean_delta, "delta_std": spread,
+        "outside_band_fraction": frac, "outside_steps": int(outside.sum()), "mean_delta": mean_delta,
+        "delta_std": spread,
         "mean_delta_over_spread": bias, "divergence_step": div_step, "band": band_source,
         "max_abs_delta": float(np.nanmax(np.abs(d_f))) if len(d_f) else math.nan, "band_floor": floor,
     })
     label = "loss" if key == "loss" else key.replace("_", " ")
-    n_out = int(outside.sum())
+    n_out = st.details["outside_steps"]
     if too_many_outside(n_out, n, opt.max_outside):
         st.add(Finding(name, fail_verdict, key, "outside_band_fraction", frac, opt.max_outside,
                        f"{label}: {frac:.1%} of {n} steps outside the benchmark band "

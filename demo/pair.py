@@ -284,9 +284,10 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
         if prev_kind != model_kind:
             raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline is for --model {prev_kind}, "
                            f"not {model_kind}")
-        if prev_meta.get("seed", DEFAULT_SEED) != seed:
-            raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline was drawn with --seed "
-                           f"{prev_meta.get('seed', DEFAULT_SEED)}, not {seed}")
+        prev_seed = prev_meta.get("seed", DEFAULT_SEED)
+        if prev_seed != seed:
+            raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline was drawn with --seed {prev_seed}, "
+                           f"not {seed}")
         for name in ("baseline", "lr0_baseline", "repeat_tp2", "repeat_dp2"):
             if (src / name).is_dir():
                 shutil.copytree(src / name, work / name, dirs_exist_ok=True)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from core.errors import BadInput
+from runstore.seed_layout import load_npy
 from sources import detect, sources
 
 
@@ -134,8 +135,6 @@ def load_ref(ref: Any) -> np.ndarray:
         return join_parts([[load_ref(p) for p in row] for row in parts], tp, cp_dim)
     if isinstance(ref, (tuple, list)) and ref and ref[0] == "h5":
         return np.asarray(_open_h5(ref[1])[ref[2]][...])
-    from runstore.seed_layout import load_npy  # thread-safe header parse (gathered rows load in threads)
-
     return load_npy(Path(ref))
 
 

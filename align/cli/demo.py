@@ -8,20 +8,20 @@ HELP = "run the paired Megatron-core vs MindFormers experiment (CPU) and report"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from demo.spec import FAULTS  # numpy only: the fault names are in --help even without the frameworks
+    from demo.spec import DEFAULT_SEED, FAULTS, MODEL_KINDS  # numpy only: in --help even without the frameworks
 
     p.add_argument("--out", default="demo_out", metavar="DIR")
     p.add_argument("--steps", type=int, default=300, metavar="N", help="steps of the long pair (default 300)")
     p.add_argument("--lr0-steps", type=int, default=20, metavar="N", help="steps of the lr=0 pair (default 20)")
     p.add_argument("--inject", metavar="FAULT", default=None,
                    help="plant a known fault: " + ", ".join(FAULTS))
-    p.add_argument("--model", choices=("dense", "llama", "moe", "mla"), default="dense",
+    p.add_argument("--model", choices=MODEL_KINDS, default="dense",
                    help="candidate model: dense = MindFormers 2.x mcore Qwen3-style model, the one MindFormers 2.x "
                         "trains (default; baseline with q/k layernorm to match), llama = MindFormers' legacy "
                         "LlamaForCausalLM (MindFormers <= 1.6), moe = mcore Qwen3-MoE-style (4 experts, top-2), "
                         "mla = mcore DeepSeek-V3-style (MLA + MoE + shared expert)")
-    p.add_argument("--seed", type=int, default=1234, metavar="N",
-                   help="draws the initial weights and the batches of every run of the pair (default 1234); "
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="N",
+                   help=f"draws the initial weights and the batches of every run of the pair (default {DEFAULT_SEED}); "
                         "a clean pair passes whatever the seed")
     p.add_argument("--reuse-baseline", metavar="DIR", default=None,
                    help="reuse the baseline-side runs of an earlier demo DIR (same --steps) for a "

@@ -103,7 +103,7 @@ def run(ev: Evidence) -> StageResult:
     crowded = []
     for metric, prefix, st in metrics:
         frac = st.details.get("outside_band_fraction") or 0.0
-        if too_many_outside(round(frac * st.details.get("steps", 0)), st.details.get("steps", 0), max_outside):
+        if too_many_outside(st.details.get("outside_steps", 0), st.details.get("steps", 0), max_outside):
             # outside most of the time: no lone spike to tell apart (the long run says)
             crowded.append(f"{'loss' if metric == 'loss' else 'grad norm'} outside the band at {frac:.0%} of steps")
             res.details[metric] = {"spikes": None, "reason": crowded[-1]}
