@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import struct
 import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ COLUMNS = round(CURVE_SIZE[0] * DPI * (MARGINS["right"] - MARGINS["left"]))
 
 def _figure(figsize: tuple[float, float], ncols: int = 1, sharey: bool = False) -> tuple[Figure, Any]:
     """A figure on the Agg canvas, without pyplot (no figure manager, nothing to close)."""
-    fig = Figure(figsize=figsize)
+    fig = Figure(figsize=figsize, dpi=DPI)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, ncols, sharey=sharey)
     return fig, axes
@@ -92,10 +94,34 @@ def envelope(x: np.ndarray, y: np.ndarray, columns: int = COLUMNS) -> tuple[np.n
     return np.asarray(x)[idx], ys[idx]
 
 
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png(rgba: np.ndarray, dpi: float = DPI) -> bytes:
+    """A PNG of an (h, w, 4) uint8 image: RGB when every pixel is opaque (a figure's background is), each row
+    filtered as the difference from the row above, deflated at level 1. 3x faster than Pillow's writer at
+    level 1 (which keeps the alpha channel and tries filters per row) and smaller: a curve figure is mostly
+    rows equal to the one above; zlib lets go of the GIL while it compresses."""
+    h, w, _ = rgba.shape
+    opaque = bool((rgba[..., 3] == 255).all())
+    rows = (rgba[..., :3] if opaque else rgba).reshape(h, -1)
+    data = np.empty((h, rows.shape[1] + 1), dtype=np.uint8)
+    data[:, 0] = 2                                               # filter type 2 (Up) on every row
+    data[0, 1:] = rows[0]
+    np.subtract(rows[1:], rows[:-1], out=data[1:, 1:])           # uint8: wraps modulo 256, as PNG defines
+    ppm = round(dpi / 0.0254)
+    return (b"\x89PNG\r\n\x1a\n"
+            + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2 if opaque else 6, 0, 0, 0))
+            + _chunk(b"pHYs", struct.pack(">IIB", ppm, ppm, 1))
+            + _chunk(b"IDAT", zlib.compress(data.tobytes(), 1)) + _chunk(b"IEND", b""))
+
+
 def _save(fig: Figure, path: Path | None) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI, pil_kwargs={"compress_level": 1})   # 1/4 of level 6's time
-    data = buf.getvalue()
+    """Draw ``fig`` at its own DPI (what savefig did, without its per-call set-up) and encode it with
+    :func:`png`."""
+    fig.canvas.draw()
+    data = png(np.asarray(fig.canvas.buffer_rgba()), fig.dpi)
     if path is not None:
         path.write_bytes(data)
     return data
@@ -367,7 +393,7 @@ def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -
         return None
     ncols = 2 if len(curves) > 1 else 1
     nrows = -(-len(curves) // ncols)
-    fig = Figure(figsize=(5.2 * ncols, 2.3 * nrows + 0.5))
+    fig = Figure(figsize=(5.2 * ncols, 2.3 * nrows + 0.5), dpi=DPI)
     FigureCanvasAgg(fig)
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.5 / (2.3 * nrows + 0.5) + 0.04,
