@@ -24,6 +24,19 @@ from runstore.schema import read_bytes
 _ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
+def find_text(raw: bytes, text: bytes, start: int = 0, most: int = 64) -> int:
+    """``raw.find(text, start)``, by ``text``'s first byte when that byte is rare in ``raw``: a search for one
+    byte runs at memory speed, a longer text's ~4x slower on a large log that lacks it. After ``most`` places
+    holding that byte but not ``text``, the plain search from there."""
+    first = text[:1]
+    at = raw.find(first, start)
+    for _ in range(most):
+        if at < 0 or raw.startswith(text, at):
+            return at
+        at = raw.find(first, at + 1)
+    return at if at < 0 else raw.find(text, at)
+
+
 def looks_binary(head: bytes) -> bool:
     """Whether the first bytes of a file are binary rather than log text: NUL or non-UTF-8 bytes make up
     more than a tenth of them. A few NULs (a crash that padded the file, a stray byte) do not."""

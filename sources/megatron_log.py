@@ -27,6 +27,7 @@ from sources.logtext import (
     clean_text,
     digit_run,
     find_line,
+    find_text,
     first_bytes,
     fixed_width_rows,
     holds,
@@ -1146,7 +1147,7 @@ _PADDED = re.compile(rb"> padded vocab \(size: (\d{1,12})\) with (\d{1,12}) dumm
 def padded_vocab_line(raw: bytes) -> dict[str, Any]:
     """``> padded vocab (size: 128) with 0 dummy tokens (new size: 128)``, printed by every Megatron-LM when it
     builds the tokenizer: the tokenizer's vocabulary and the padded one the embedding has."""
-    i = raw.find(b"> padded vocab (size:")
+    i = find_text(raw, b"> padded vocab (size:")   # ('>' is rare in a log: absent, this skips a slow scan)
     m = _PADDED.search(raw, i, i + 200) if i >= 0 else None
     if m is None:
         return {}
