@@ -6,7 +6,7 @@ import numpy as np
 
 from align.stages import Stage
 from align.stages.evidence import Evidence
-from comparators.scalars import band_floor
+from comparators.scalars import band_floor, values_at
 from core.findings import Finding, StageResult, skipped
 
 
@@ -24,7 +24,7 @@ def run(ev: Evidence) -> StageResult:
             res.add(Finding("band", "warn", rep.label, "repeat_common_steps", 0, None,
                             f"repeat {rep.label} shares no step with the baseline: it cannot set a band"))
             continue
-        d = (r[common] - b[common]).to_numpy(dtype=float)
+        d = values_at(r, common) - values_at(b, common)
         d = d[np.isfinite(d)]
         rms = float(np.sqrt(np.mean(d ** 2))) if len(d) else float("nan")
         mx = float(np.max(np.abs(d))) if len(d) else float("nan")
