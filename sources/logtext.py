@@ -166,21 +166,34 @@ def rejoin_wrapped(lines: list[str], starts_record: Callable[[str], bool], is_co
 # ------------------------------------------------------------------------------------------------------
 
 class _Translating(io.RawIOBase):
-    """``raw`` read through ``bytes.translate(table)`` a block at a time: pyarrow's reader thread translates
-    the next block while its workers parse the last ones (the whole file translated first costs ~30 ms a
-    100k lines more, all of it holding the GIL)."""
+    """``raw`` read through a ``bytes.translate`` ``table`` a block at a time, as pyarrow's reader asks for
+    it: its reader thread maps the next block while its workers parse the last ones, the blocks stay in
+    cache, and no mapped copy of the whole file is made (~0.15 s less a 1M-line log than mapping it first).
+    A table that changes one byte maps with numpy (``_map_byte``, about twice as fast as ``translate``)."""
 
     def __init__(self, raw: bytes, table: bytes) -> None:
         super().__init__()
         self._raw, self._table, self._pos = raw, table, 0
+        changed = [b for b in range(256) if table[b] != b]
+        self._one = (changed[0], table[changed[0]]) if len(changed) == 1 else None
+        self._array = np.frombuffer(raw, dtype=np.uint8)
 
     def readable(self) -> bool:
         return True
 
+    def read(self, size: int | None = -1) -> Any:
+        """The next ``size`` bytes mapped (bytes or a uint8 array: pyarrow takes either without a copy)."""
+        start = self._pos
+        end = len(self._raw) if size is None or size < 0 else min(len(self._raw), start + size)
+        self._pos = end
+        if self._one is None:
+            return self._raw[start: end].translate(self._table)
+        src = self._array[start: end]
+        return _map_byte(src, np.empty_like(src), *self._one)
+
     def readinto(self, buf: Any) -> int:
-        piece = self._raw[self._pos: self._pos + len(buf)].translate(self._table)
+        piece = self.read(len(buf))
         buf[: len(piece)] = piece
-        self._pos += len(piece)
         return len(piece)
 
 
@@ -233,6 +246,14 @@ def is_utf8(text: bytes, chunk: int = 1 << 24) -> bool:
     return True
 
 
+def _map_byte(src: np.ndarray, dst: np.ndarray, old: int, new: int) -> np.ndarray:
+    """``src`` (uint8) into ``dst`` with every byte ``old`` turned into ``new``: three numpy passes."""
+    np.equal(src, old, out=dst.view(np.bool_))
+    np.multiply(dst, np.uint8((new - old) % 256), out=dst)
+    np.add(src, dst, out=dst)
+    return dst
+
+
 def to_pipes(raw: bytes, char: bytes) -> np.ndarray:
     """``raw`` with every ``char`` (one ASCII byte) turned into '|', same length, as a uint8 array: three
     whole-array numpy passes, about twice as fast as ``bytes.translate`` on a large log."""
@@ -240,10 +261,7 @@ def to_pipes(raw: bytes, char: bytes) -> np.ndarray:
     out = np.empty_like(a)
 
     def part(lo: int, hi: int) -> None:   # numpy lets go of the GIL: two threads, half the time
-        src, dst = a[lo:hi], out[lo:hi]
-        np.equal(src, ord(char), out=dst.view(np.bool_))
-        np.multiply(dst, np.uint8(ord("|") - ord(char)), out=dst)
-        np.add(src, dst, out=dst)
+        _map_byte(a[lo:hi], out[lo:hi], ord(char), ord("|"))
 
     half = len(a) // 2
     if half < 1 << 20:

@@ -36,7 +36,6 @@ from sources.logtext import (
     read_log,
     read_split,
     rejoin_wrapped,
-    to_pipes,
 )
 
 #: Megatron's field names (every label variant seen in Megatron-LM, Megatron-DeepSpeed and forks, compared
@@ -770,11 +769,11 @@ def _read_canonical(raw: bytes) -> _Canonical | None:
     value_cols = [c + 1 for c in name_cols]
     if not is_utf8(raw):
         return None
-    tr = to_pipes(raw, b":")
-    got = read_split(tr, head + 2 + 2 * len(names), set(value_cols), 1000 + len(raw) // 10_000, utf8=True)
+    ncols, most = head + 2 + 2 * len(names), 1000 + len(raw) // 10_000
+    got = read_split(raw, ncols, set(value_cols), most, utf8=True, translate=_TO_PIPE)
     garbled = got is None
     if garbled and raw.endswith(b"\n"):   # a value that is not a number? every column as text, looked at below
-        got = read_split(tr, head + 2 + 2 * len(names), set(), 1000 + len(raw) // 10_000, utf8=True)
+        got = read_split(raw, ncols, set(), most, utf8=True, translate=_TO_PIPE)
     if got is None:
         return None   # a line that is not UTF-8, or mostly other text
     table, rejected = got
