@@ -224,8 +224,8 @@ def read_split(text: bytes | np.ndarray, ncols: int, floats: set[int], most: int
         table = pcsv.read_csv(
             source, read_options=pcsv.ReadOptions(column_names=names),
             parse_options=pcsv.ParseOptions(delimiter="|", quote_char=False, invalid_row_handler=handler),
-            convert_options=pcsv.ConvertOptions(column_types=types, null_values=[],
-                                                strings_can_be_null=False))
+            convert_options=pcsv.ConvertOptions(column_types=types, null_values=[], strings_can_be_null=False,
+                                                check_utf8=False))   # (checked above, on the whole text)
     except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeError):
         return None
     return table, other
@@ -352,6 +352,9 @@ def digit_run(block: np.ndarray, spaces_only: bool = False) -> np.ndarray | None
     row holds anything else (right-aligned numbers, Python's %8d, take a few whole-column operations).
     ``spaces_only``: the blanks are spaces, no other whitespace byte (a control byte is not padding)."""
     block = np.ascontiguousarray(block)
+    if len(block) > 1 and (block[0] == block[-1]).all() and (block == block[-1]).all():
+        one = digit_run(block[-1:], spaces_only)   # one text on every row (an epoch, a total): read it once
+        return None if one is None else np.full(len(block), one[0], dtype=np.int64)
     d = block - np.uint8(48)                      # digits become 0-9, everything else wraps to >= 10
     digit = d < 10
     if not (digit | (block == 32)).all() and (

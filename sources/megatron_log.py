@@ -962,12 +962,13 @@ def _fixed_width_numbers(heads: Any, width: int, start: int, slash: int) -> np.n
             not (rows[:, slash] == ord("/")).all():
         return None
     n_block = rows[:, start + 9: slash]
-    if ((n_block == 11) | (n_block == 12)).any():   # \v \f next to a digit: the careful path leaves it unread
-        return None
+    iters = digit_run(n_block, spaces_only=True)   # the usual padding (spaces only) holds no \v \f to look for
+    if iters is None and ((n_block == 11) | (n_block == 12)).any():   # \v \f next to a digit: the careful
+        return None                                                   # path leaves it unread
     total = rows[:, slash + 1:]
     if not (total == total[-1]).all() and digit_run(total) is None:   # M: the same on every line, usually
         return None
-    return digit_run(n_block)
+    return iters if iters is not None else digit_run(n_block)
 
 
 def _line_end(raw: bytes, pos: int) -> int:
