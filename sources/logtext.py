@@ -407,6 +407,15 @@ def fixed_width_rows(column: Any, width: int) -> np.ndarray:
     return np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
 
 
+def all_equal(column: Any, text: str) -> bool:
+    """Whether every string of a pyarrow string column is ``text``; all empty is read off the offsets."""
+    if text:
+        import pyarrow.compute as pc
+
+        return bool(pc.all(pc.equal(column, text)).as_py())
+    return all(offsets[-1] == offsets[0] for _, offsets, _ in _chunk_buffers(column))
+
+
 def first_bytes(column: Any) -> np.ndarray:
     """The first byte of every non-empty string of a pyarrow string column, read from its buffers."""
     out = [data[offsets[:-1][offsets[1:] > offsets[:-1]]] for _, offsets, data in _chunk_buffers(column)]

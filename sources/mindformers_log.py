@@ -40,7 +40,17 @@ from core.errors import BadInput
 from models.mindformers_parallel import strategy_from_yaml
 from runstore.run import Run, make_series
 from sources import Source
-from sources.logtext import any_ends_with, clean_text, find_line, int_column, read_log_bytes, read_split
+from sources.logtext import (
+    all_equal,
+    any_ends_with,
+    clean_text,
+    digit_run,
+    find_line,
+    fixed_width_rows,
+    int_column,
+    read_log_bytes,
+    read_split,
+)
 
 # "{ Epoch:[..], step:[..]," (2.x/1.x), "Epoch:[..], step:[..]," (0.x) and TrainingStateMonitor's
 # "Epoch:[..], step:[..] tag: value" (no comma after the step bracket). Numbers are ASCII digits padded with
@@ -374,7 +384,7 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool, l
         return None
     tail = m.group(0)[: m.group(0).index(b"Epoch") + 5].decode()
     for c in range(head + 1, len(pieces)):      # everything between the values, as in the first line
-        if c not in roles and not pc.all(pc.equal(col(names[c]), pieces[c].decode("utf-8"))).as_py():
+        if c not in roles and not all_equal(col(names[c]), pieces[c].decode("utf-8")):
             return None
     if not pc.all(pc.ends_with(col(names[head]), tail)).as_py():
         return None
@@ -390,13 +400,7 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool, l
                 return None
             v = pc.equal(t, "True").to_numpy(zero_copy_only=False).astype(np.float64)
         elif g in _SUFFIX:
-            unit = _SUFFIX[g].decode()
-            if not pc.all(pc.match_substring_regex(x, f"^[ \t]*[0-9.]+{unit}[ \t]*$")).as_py():
-                return None   # (blanks are spaces and tabs: '\x0b84ms' is not 84 ms)
-            try:
-                v = pc.cast(pc.utf8_rtrim(pc.utf8_trim(x, " \t"), unit), pa.float64()).to_numpy()
-            except pa.ArrowInvalid:
-                return None   # '1.2.3ms'
+            v = _suffix_values(x, _SUFFIX[g])
         elif garbled:
             t = pc.utf8_trim(x, " \t")
             try:     # a column of numbers only reads as the float columns of a clean file do
@@ -430,6 +434,31 @@ def _bulk(raw: bytes) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], bool, l
         ok &= ~x
     got = _garbled_lines(raw, table, ok, gstep, out, line.decode("utf-8", "replace"), [names[c] for c in floats])
     return None if got is None else (got[0], config, got[1])
+
+
+def _suffix_values(column: Any, unit: bytes) -> np.ndarray | None:
+    """Numbers with a unit glued on ('561ms', '2.849T') as float64; None when a string is anything but
+    blanks, digits and dots, the unit, blanks. Strings of one width holding whole numbers (a steady step
+    time) are read with numpy, others with pyarrow's regex and cast."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    lengths = pc.min_max(pc.binary_length(column))
+    width, k = lengths["max"].as_py(), len(unit)
+    if width is not None and width == lengths["min"].as_py() and width > k:
+        rows = fixed_width_rows(column, width)
+        if (rows[:, width - k:] == np.frombuffer(unit, dtype=np.uint8)).all() and \
+                (rows[:, width - k - 1] - np.uint8(48) < 10).all():    # digits right up to the unit
+            v = digit_run(rows[:, : width - k], spaces_only=True)
+            if v is not None:
+                return v.astype(np.float64)
+    text = unit.decode()
+    if not pc.all(pc.match_substring_regex(column, f"^[ \t]*[0-9.]+{text}[ \t]*$")).as_py():
+        return None   # (blanks are spaces and tabs: '\x0b84ms' is not 84 ms)
+    try:
+        return pc.cast(pc.utf8_rtrim(pc.utf8_trim(column, " \t"), text), pa.float64()).to_numpy()
+    except pa.ArrowInvalid:
+        return None   # '1.2.3ms'
 
 
 def _garbled_lines(raw: bytes, table: Any, ok: np.ndarray, gstep: np.ndarray,
