@@ -30,7 +30,7 @@ from align.procedure.arguments import parse_report_args, report_inputs
 from align.stages import Inputs
 from core.errors import BadInput
 from core.findings import EXIT
-from demo.spec import DEFAULT_SEED, FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, write_spec
+from demo.spec import DEFAULT_SEED, FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, trains_in_graph, write_spec
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
@@ -60,9 +60,10 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None,
-               model_kind: str = "dense", seed: int = DEFAULT_SEED) -> dict[str, Spec]:
+               model_kind: str = "dense", seed: int = DEFAULT_SEED, candidate_graph: bool = True) -> dict[str, Spec]:
     """Baseline, repeat (TP=2), candidate, optimizer check and the lr=0 pair, with the fault applied.
-    ``seed`` draws the initial weights and the batches (every run of the pair shares it)."""
+    ``seed`` draws the initial weights and the batches (every run of the pair shares it);
+    ``candidate_graph=False`` trains the mcore candidate in PYNATIVE (:func:`demo.spec.trains_in_graph`)."""
     f = fault(inject)
     base = Spec(role="baseline", out=str(work / "baseline"), steps=steps, inject=inject,
                 init_weights=str(work / "megatron_init.pt"), optimizer_evidence=True,
@@ -70,7 +71,7 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None,
     converted = "mindformers_init.ckpt" if model_kind == "llama" else "mindformers_init.safetensors"
     cand = replace(base, role="candidate", out=str(work / "candidate"), optimizer_evidence=False,
                    replay_dir=base.out, converted=str(work / converted),
-                   result_file=str(work / "candidate.json"))
+                   result_file=str(work / "candidate.json"), graph=candidate_graph)
     if f is not None:
         name = f.name
         if name == "dropout_on":
@@ -156,10 +157,8 @@ def run_jobs(jobs: list[tuple[str, list[Spec]]], work: Path, parallel: int = 2) 
 _MOE_PAIRS = {
     "moe": ("Qwen3-MoE-shaped (q/k layernorm, every MLP 4 routed experts, top-2, softmax router)",
             "MindFormers 2.x mcore TrainingQwen3MoeForCausalLM (<code>use_legacy: False</code>, stacked experts, "
-            "mapping <code>megatron_core__mindformers_mcore_moe</code>; trained in GRAPH, layer statistics "
-            "captured inside the compiled step at the tensor steps; CPU stand-ins for the MoE kernels MindSpore "
-            "2.10 lacks on CPU; "
-            "attention inputs cast to float16 by MindFormers' flash-attention path)",
+            "mapping <code>megatron_core__mindformers_mcore_moe</code>; {mode}; CPU stand-ins for the MoE kernels "
+            "MindSpore 2.10 lacks on CPU; attention inputs cast to float16 by MindFormers' flash-attention path)",
             "the baseline run again with data parallelism 2 (each rank half of the same batch, gradients "
             "averaged: another summation order; megatron-core allows MoE with TP only under sequence parallelism, "
             "which its local norms do not support) and with attention q, k, v and output rounded through float16, "
@@ -168,23 +167,24 @@ _MOE_PAIRS = {
     "mla": ("DeepSeek-V3-shaped (MLA with q/kv low-rank projections, every MLP 4 routed experts, top-2, sigmoid "
             "router with expert bias, one shared expert)",
             "MindFormers 2.x mcore TrainingDeepseekV3ForCausalLM (<code>use_legacy: False</code>, mapping "
-            "<code>megatron_core__mindformers_mcore_mla</code>; trained in GRAPH, layer statistics captured "
-            "inside the compiled step at the tensor steps; CPU stand-ins for the MoE kernels)",
+            "<code>megatron_core__mindformers_mcore_mla</code>; {mode}; CPU stand-ins for the MoE kernels)",
             "the baseline run again with data parallelism 2 (each rank half of the same batch, gradients "
             "averaged: another summation order; megatron-core allows MoE with TP only under sequence "
             "parallelism, which its local norms do not support)."),
 }
 
 
-def _candidate_model(kind: str) -> str:
+def _candidate_model(spec: Spec) -> str:
+    kind = spec.model_kind
     if kind == "llama":
         return "MindFormers LlamaForCausalLM (legacy, <code>use_legacy: True</code>)"
+    mode = ("trained in GRAPH, layer statistics captured inside the compiled step at the tensor steps"
+            if trains_in_graph(spec) else "trained in PYNATIVE, layers captured by hooks at the tensor steps")
     if kind in _MOE_PAIRS:
-        return _MOE_PAIRS[kind][1]
+        return _MOE_PAIRS[kind][1].format(mode=mode)
     return ("MindFormers 2.x mcore TrainingQwen3ForCausalLM (<code>use_legacy: False</code>, q/k layernorm on "
             "both sides, safetensors weights, mapping <code>megatron_core__mindformers_mcore_dense</code>; "
-            "trained in GRAPH, layer statistics captured inside the compiled step at the tensor steps; CPU "
-            "stand-ins for the kernels MindSpore 2.10 lacks on CPU; attention inputs cast to float16 by "
+            f"{mode}; CPU stand-ins for the kernels MindSpore 2.10 lacks on CPU; attention inputs cast to float16 by "
             "MindFormers' flash-attention path, so the report judges attention and what follows it at float16's "
             "line, the embedding and first norm at float32's)")
 
@@ -224,7 +224,7 @@ def _section_setup(specs: dict[str, Spec], took: dict[str, float], inject: str |
         "the MegatronDumper records every step's batch (also in the seed layout <code>step_N/rank_R/*.npy</code>), "
         "named local norms (inside Megatron's grad-norm call), scalars, and layer statistics at steps "
         f"{html.escape(b.tensor_steps)}.</p>"
-        f"<p><b>Candidate:</b> {_candidate_model(b.model_kind)} from the converted baseline weights "
+        f"<p><b>Candidate:</b> {_candidate_model(specs['candidate'])} from the converted baseline weights "
         f"(<code>align convert-weights</code>), {_candidate_build(b.model_kind)}, MindFormers AdamW over "
         "MindFormers' own weight-decay groups, its lr schedule, "
         f"{'CPUTrainOneStepCell' if b.model_kind == 'llama' else 'McoreCPUTrainOneStepCell'} (MFTrainOneStepCell "
@@ -257,7 +257,7 @@ def _band_source(kind: str) -> str:
 def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int = DEFAULT_LR0_STEPS,
                 inject: str | None = None, reuse_baseline: str | Path | None = None,
                 repeat: bool = True, parallel: int = 2, model_kind: str = "dense",
-                optimizer_check: bool = True, seed: int = DEFAULT_SEED) -> dict[str, Any]:
+                optimizer_check: bool = True, seed: int = DEFAULT_SEED, candidate_graph: bool = True) -> dict[str, Any]:
     """Run the whole pair and write ``out/report.html``; returns summary.json's content.
 
     ``repeat=False`` skips the TP=2 repeat (the band then falls back to a relative tolerance; for short
@@ -268,11 +268,14 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     model (:data:`demo.spec.MODEL_KINDS`); a reused baseline must
     come from a demo of the same kind (the dense baseline has q/k layernorm) and ``seed`` (it draws the weights
     and batches: a clean pair must pass whatever the seed, so tests and `align demo --seed` draw others).
+    ``candidate_graph=False``: the mcore candidate trains in PYNATIVE with layer hooks, not in GRAPH with its
+    statistics captured in the compiled step (fault tests: a GRAPH compile with capture takes 10-25 s here, a
+    dozen PYNATIVE steps a few).
     """
     out = Path(out)
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
-    specs = make_specs(work, steps, lr0_steps, inject, model_kind, seed)
+    specs = make_specs(work, steps, lr0_steps, inject, model_kind, seed, candidate_graph)
     f = fault(inject)
     t0 = time.perf_counter()
     reused = False

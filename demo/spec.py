@@ -62,6 +62,7 @@ class Spec:
     dp: int = 1                    # data parallel size (the moe / mla repeat: the batch split over 2 ranks)
     attention_fp16: bool = False   # Megatron side: core attention's q, k, v and output rounded through float16
     tensor_steps: str = "1-2"
+    graph: bool = True             # mcore candidate: GRAPH where it can (trains_in_graph); False: PYNATIVE
     model: TinyModel = field(default_factory=demo_model)   # the one description (demo.model)
     pad_id: int = PAD_ID
     eos_id: int = EOS_ID
@@ -340,7 +341,7 @@ def trains_in_graph(spec: Spec) -> bool:
     the loss's log-softmax cell's; GRAPH would compile none of them) stay in PYNATIVE with layer hooks and full
     tensors; so does the legacy Llama. So does no_clip: a cell without clipping returns None as its global norm,
     which a CPU GRAPH step cannot output."""
-    return (spec.model_kind != "llama" and spec.role == "candidate" and bool(spec.tensor_steps)
+    return (spec.graph and spec.model_kind != "llama" and spec.role == "candidate" and bool(spec.tensor_steps)
             and injects(spec, "candidate") not in ("nan_param", "embedding_fp16", "log_softmax_bf16", "no_clip"))
 
 

@@ -5,8 +5,11 @@ TrainingQwen3ForCausalLM (``--model dense``). The legacy LlamaForCausalLM pair i
 
 Why short runs: the stages under test (checklist, step 1/2, optimizer, layer profile, lr=0, data checks,
 NaN trace) need only a dozen steps; the 300-step long run is `make demo`'s. One clean baseline (with its
-TP=2 repeat) is shared: candidate-side faults reuse its baseline-side runs, baseline-side faults run their
-own baseline without the repeat (the band does not decide their stage).
+TP=2 repeat) is shared: candidate-side faults reuse its baseline-side runs; the baseline-side faults, which run
+their own baseline, are tests/test_demo_baseline_faults.py. The clean pair's candidate trains in GRAPH with its
+layer statistics captured in the compiled step; the fault runs train in PYNATIVE with layer hooks (a GRAPH compile
+with capture is 10-25 s here, a dozen PYNATIVE steps a few; tests/test_mindspore_graph_capture.py names planted
+faults from GRAPH statistics).
 """
 
 from __future__ import annotations
@@ -28,9 +31,8 @@ pytest.importorskip("mindformers")
 from demo.pair import paired_demo  # noqa: E402
 from demo.spec import FAULTS  # noqa: E402
 from tests.helpers.browser import chromium, report_problems, tamper  # noqa: E402
+from tests.helpers.demo_checks import LR0_STEPS, STEPS, dense_fault_fails_at_its_stage, report_again, verdicts  # noqa: E402
 
-STEPS = 12
-LR0_STEPS = 3
 ALL_STAGES = ("checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
               "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite",
               "band", "nan_trace", "norm_trajectories", "spikes")
@@ -48,24 +50,6 @@ def workflow_blocks() -> list[str]:
 def run_block(block: str, wf: Path) -> subprocess.CompletedProcess:
     script = block.replace("/tmp/wf", str(wf)).replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
     return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, capture_output=True, text=True)
-
-
-def verdicts(data: dict) -> tuple[dict, set]:
-    """What must agree between the demo and `align report`: every stage's verdict, every non-pass finding."""
-    stages = {k: v["verdict"] for k, v in data["stages"].items()}
-    findings = {(f["stage"], f["verdict"], f["component"]) for f in data["findings"] if f["verdict"] != "pass"}
-    return stages, findings
-
-
-def report_again(out: Path, dest: Path) -> dict:
-    """`align report` on the demo's own stores, with the command the demo saved, in a fresh folder."""
-    from align.cli import main
-
-    argv = shlex.split((out / "report_command.txt").read_text())[2:]
-    i = argv.index("--out")
-    argv[i + 1] = str(dest)
-    main(["report", "-q", *argv])
-    return json.loads((dest / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -208,28 +192,12 @@ def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp
     assert spike["batches"]["same_batch"] is True and spike["norm_jumps"]
 
 
-@pytest.mark.parametrize("name", [n for n, f in FAULTS.items() if "dense" in f.kinds])
+@pytest.mark.parametrize("name", [n for n, f in FAULTS.items()
+                                  if "dense" in f.kinds and f.side in ("candidate", "conversion")])
 def test_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[Path, dict],
                                                        tmp_path: Path) -> None:
-    f = FAULTS[name]
-    reuse = clean[0] if f.side in ("candidate", "conversion") else None
-    # only the runs the fault's stage judges: an lr = 0 pair for lr0_run, the optimizer check for optimizer
-    # (each is one more framework start-up per side; the clean pair above runs them all)
-    data = paired_demo(tmp_path / name, steps=STEPS, lr0_steps=LR0_STEPS if f.stage == "lr0_run" else 0,
-                       inject=name, reuse_baseline=reuse, repeat=False, optimizer_check=f.stage == "optimizer")
-    assert data["verdict"] == "fail"
-    stage = data["stages"][f.stage]
-    assert stage["verdict"] == "fail", (f.stage, stage)
-    component = f.component_for("dense")
-    hits = [x for x in data["findings"] if x["stage"] == f.stage and x["verdict"] == "fail"
-            and component in str(x["component"])]
-    assert hits, (component, [x for x in data["findings"] if x["stage"] == f.stage])
-    if name == "log_softmax_bf16":   # under float16's line: only the measured floor fails it
-        (row,) = [r for r in stage["floors"] if r["quantity"] == "loss"]
-        assert (row["dtype_verdict"], row["decided_by"], row["verdict"]) == ("pass", "floor", "fail")
-    assert f.name in (tmp_path / name / "report.html").read_text()
-    # `align report` alone, on the stores this fault's demo made, fails at the same stage, same component
-    assert verdicts(report_again(tmp_path / name, tmp_path / f"{name}_report")) == verdicts(data)
+    """Candidate-side faults, on the clean pair's baseline (baseline-side ones: test_demo_baseline_faults.py)."""
+    dense_fault_fails_at_its_stage(name, tmp_path / name, clean[0])
 
 
 def test_judged_at_float32_the_float16_attention_shows(clean: tuple[Path, dict], tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ pytest.importorskip("mindformers")
 
 from demo.pair import paired_demo  # noqa: E402
 from demo.spec import FAULTS  # noqa: E402
+from tests.helpers.demo_checks import verdicts  # noqa: E402
 
 STEPS = 12
 LR0_STEPS = 3
@@ -34,12 +35,6 @@ ALL_STAGES = ("checklist", "conversion", "data_checks", "step1_loss", "step1_loc
 def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("demo_legacy") / "clean"
     return out, paired_demo(out, steps=STEPS, lr0_steps=LR0_STEPS, model_kind="llama")
-
-
-def verdicts(data: dict) -> tuple[dict, set]:
-    stages = {k: v["verdict"] for k, v in data["stages"].items()}
-    findings = {(f["stage"], f["verdict"], f["component"]) for f in data["findings"] if f["verdict"] != "pass"}
-    return stages, findings
 
 
 def test_legacy_clean_pair_passes_every_stage(clean: tuple[Path, dict], tmp_path: Path) -> None:

@@ -121,9 +121,10 @@ def test_perturbed_expert_named_by_global_index(clean: tuple[str, bool, Path, di
 def test_router_fault_is_named_at_the_router(inject: str, moe_pair: tuple[Path, dict], tmp_path: Path) -> None:
     """A router computed in float16 on the candidate, and a conversion that swaps two experts' router rows of
     layer 1, each fail moe_routing naming the router (a 2-step candidate on the clean pair's baseline, no lr = 0
-    pair, no optimizer check)."""
+    pair, no optimizer check; in PYNATIVE, its router wrapped there as in GRAPH: no compile)."""
     data = paired_demo(tmp_path / inject, steps=2, lr0_steps=0, inject=inject, reuse_baseline=moe_pair[0],
-                       repeat=False, model_kind="moe", optimizer_check=False, seed=SEEDS["moe"])
+                       repeat=False, model_kind="moe", optimizer_check=False, seed=SEEDS["moe"],
+                       candidate_graph=False)
     fault = FAULTS[inject]
     routing = data["stages"]["moe_routing"]
     assert fault.stage == "moe_routing" and routing["verdict"] == "fail"
