@@ -92,7 +92,8 @@ def test_planted_differences_are_named(clusters: dict[str, Path], monkeypatch: p
                         {"NCCL_ALGO": "Ring", "OMP_NUM_THREADS": "8"})
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    # NPU side: another thread count, one dataset file changed, one weight changed in the converted file
+    # NPU side: another thread count, MindSpore's compile cache on, one dataset file changed, one weight changed in
+    # the converted file
     data_c = clusters["dir"] / "npu_data_changed"
     shutil.copytree(clusters["data_c"], data_c)
     raw = bytearray((data_c / "train.bin").read_bytes())
@@ -104,7 +105,8 @@ def test_planted_differences_are_named(clusters: dict[str, Path], monkeypatch: p
     arrays[FC1] = arrays[FC1].copy()
     arrays[FC1][3, 1] += 1e-3
     st = write_safetensors(arrays, clusters["dir"] / "mf_changed.safetensors")
-    c = capture(clusters["dir"] / "npu.json", "mindspore", data_c, st, monkeypatch, {"OMP_NUM_THREADS": "16"})
+    c = capture(clusters["dir"] / "npu.json", "mindspore", data_c, st, monkeypatch,
+                {"OMP_NUM_THREADS": "16", "MS_COMPILER_CACHE_ENABLE": "1"})
 
     rc, s = report(clusters, "r_diff", "--baseline-env", str(b), "--candidate-env", str(c))
     found = checklist_findings(s)
@@ -114,12 +116,14 @@ def test_planted_differences_are_named(clusters: dict[str, Path], monkeypatch: p
     assert found["determinism"]["verdict"] == "warn"
     assert found["fp32_conv_reduced"]["verdict"] == "warn"            # cuDNN's TF32 default, on a GPU
     assert "OMP_NUM_THREADS: baseline 8 vs candidate 16" in found["env:OMP_NUM_THREADS"]["message"]
+    cache = found["compiled_graph_cache"]               # a cached graph keeps its folded constants
+    assert cache["verdict"] == "warn" and "rms_norm_eps" in cache["message"], cache
     data = found[f"data:{clusters['data_b']}"]
     assert data["verdict"] == "fail" and "train.bin" in data["message"] and "train.idx" not in data["message"]
     assert found[FC1]["verdict"] == "fail" and found[FC1]["value"] == 1      # the one changed weight, by name
     assert "relative" in found[FC1]["message"]
     assert set(found) == {"fp32_matmul_reduced", "fp32_conv_reduced", "collective_algorithm", "determinism",
-                          "env:OMP_NUM_THREADS", f"data:{clusters['data_b']}", FC1}
+                          "compiled_graph_cache", "env:OMP_NUM_THREADS", f"data:{clusters['data_b']}", FC1}
     html = (clusters["dir"] / "r_diff" / "report.html").read_text()
     assert "Cluster diff (torch vs mindspore)" in html and "OMP_NUM_THREADS" in html
 
