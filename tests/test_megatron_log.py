@@ -472,17 +472,21 @@ def test_digit_run_reads_padded_numbers_and_refuses_anything_else():
     assert digit_run(np.frombuffer(b"\t  12345", np.uint8).reshape(1, 8)).tolist() == [12345]
 
 
-def test_to_pipes_and_originals_undo_each_other():
-    """The canonical path translates ':' with numpy and finds the lines pyarrow hands back in the original
-    text: the same bytes as str.translate, every line where it is, also one that ends the file unterminated,
-    one that repeats inside a longer line, and one without any separator."""
-    from sources.logtext import originals, to_pipes
+def test_translated_reads_and_originals_undo_each_other():
+    """The bulk paths translate the separators block by block as pyarrow reads (numpy for a one-byte table) and
+    find the lines pyarrow hands back in the original text: the same bytes as bytes.translate, every line where
+    it is, also one that ends the file unterminated, one that repeats inside a longer line, and one without any
+    separator."""
+    from sources.logtext import _Translating, originals
     table = bytes.maketrans(b":", b"|")
     lines = [b"a: b | c", b"x|y", b"plain text", b"a: b | c", b"k: 1 | a: b | c:", b"|", b" b | c", b"last: 1"]
     raw = b"\n".join(lines)
-    big = raw * 50_000   # past the size where two threads translate
-    assert to_pipes(big, b":").tobytes() == big.translate(table)
-    assert to_pipes(raw, b":").tobytes() == raw.translate(table)
+    big = raw * 50_000
+    for tab in (table, bytes.maketrans(b",:[]/", b"|||||")):     # one mapped byte (numpy), several (translate)
+        reader = _Translating(big, tab)
+        blocks = [bytes(reader.read(1 << 16)) for _ in range(-(-len(big) // (1 << 16)) + 1)]
+        assert b"".join(blocks) == big.translate(tab) and blocks[-1] == b""
+        assert bytes(_Translating(raw, tab).read()) == raw.translate(tab)
     tr = raw.translate(table)
     picked = [1, 2, 3, 4, 5, 6, 7]
     texts = [tr.split(b"\n")[i].decode() for i in picked]
