@@ -24,7 +24,11 @@ import numpy as np
 
 from core.errors import BadInput
 
-CHUNK = 1 << 18     # elements per chunk (1 MiB of float32): stays in L2 across the ~12 passes per chunk
+CHUNK = 1 << 16     # elements a compute pass covers (256 KiB of float32): a, b, two scratch arrays, the floor
+#                     and the mask (1.3 MiB) stay in the 2 MiB L2 across the ~15 passes; 1 MiB chunks did not
+READ = 1 << 18      # elements per read (1 MiB of float32 a side): few syscalls / HDF5 calls per tensor
+AHEAD = 3           # read slots per compare: one being compared, up to two filled ahead by the reader thread
+AHEAD_MIN = 3       # blocks a tensor needs before the read-ahead thread pays for its start (~0.1 ms)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -51,22 +55,28 @@ class Metrics:
 
 
 _FLOOR = np.full(CHUNK, 1e-12, np.float32)
+_TINY = _FLOOR[0]
+_T1, _T5 = np.float32(0.001), np.float32(0.005)
 
 
 _LOCAL = threading.local()
 
 
-def _buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Four chunk buffers per thread, reused across tensor pairs (fresh 1 MiB arrays per pair cost page
-    faults that showed up as ~20% of a compare's CPU time)."""
-    bufs = getattr(_LOCAL, "bufs", None)
-    if bufs is None:
-        bufs = _LOCAL.bufs = tuple(np.empty(CHUNK, np.float32) for _ in range(4))
-    return bufs
+def _scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per thread: |a-b|, the relative error and a mask, one chunk each, reused across chunks and tensor pairs
+    (fresh arrays per pair cost page faults that showed up as ~20% of a compare's CPU time)."""
+    s = getattr(_LOCAL, "scratch", None)
+    if s is None:
+        s = _LOCAL.scratch = (np.empty(CHUNK, np.float32), np.empty(CHUNK, np.float32), np.empty(CHUNK, np.bool_))
+    return s
 
 
-def _floor(n: int) -> np.ndarray:
-    return _FLOOR[:n] if n <= _FLOOR.size else np.full(n, 1e-12, np.float32)
+def _ring() -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per calling thread: AHEAD read slots (baseline, candidate), READ elements each, reused like _scratch."""
+    r = getattr(_LOCAL, "ring", None)
+    if r is None:
+        r = _LOCAL.ring = [(np.empty(READ, np.float32), np.empty(READ, np.float32)) for _ in range(AHEAD)]
+    return r
 
 
 class _Acc:
@@ -80,35 +90,46 @@ class _Acc:
         self.nan = [0, 0]
         self.inf = [0, 0]
 
-    def add(self, a: np.ndarray, b: np.ndarray, work: np.ndarray, work2: np.ndarray) -> None:
+    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Fold in two flat float32 arrays of equal size, CHUNK elements at a time; a and b are only read."""
+        for s in range(0, a.size, CHUNK):
+            self._chunk(a[s:s + CHUNK], b[s:s + CHUNK])
+
+    def _neutralised(self, x: np.ndarray, side: int) -> np.ndarray:
+        """Count NaN / Inf of one side and return a copy with them zeroed (rare path; the input stays as is)."""
+        nan, inf = np.isnan(x), np.isinf(x)
+        self.nan[side] += int(nan.sum())
+        self.inf[side] += int(inf.sum())
+        x = x.copy()
+        x[nan | inf] = 0.0
+        return x
+
+    def _chunk(self, a: np.ndarray, b: np.ndarray) -> None:
+        """One chunk in L2, one numpy pass per step (each pass over L2 data costs ~ a memory copy, so their
+        number is the cost): 3 dots, a-b, its dot, |a-b|, max, |b|, min(|b|) (the floor pass runs only when
+        some |b| is under 1e-12), the divide, max, two compares and their counts."""
         n = a.size
-        if n > work.size:    # keep every pass inside the cache-sized work buffers
-            for s in range(0, n, work.size):
-                self.add(a[s:s + work.size], b[s:s + work.size], work, work2)
-            return
+        d, r, m = _scratch()
+        d, r, m = d[:n], r[:n], m[:n]
         aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
         if not (math.isfinite(aa) and math.isfinite(bb)):    # rare path: count exactly, then neutralise
-            for i, x in enumerate((a, b)):
-                nan, inf = np.isnan(x), np.isinf(x)
-                self.nan[i] += int(nan.sum())
-                self.inf[i] += int(inf.sum())
-                x[nan | inf] = 0.0
+            a, b = self._neutralised(a, 0), self._neutralised(b, 1)
             aa, bb = float(np.dot(a, a)), float(np.dot(b, b))
-        d, rel = work[:n], work2[:n]
         self.aa += aa
         self.bb += bb
         self.ab += float(np.dot(a, b))
         np.subtract(a, b, out=d)
         self.dd += float(np.dot(d, d))
         np.abs(d, out=d)
-        self.max_abs = max(self.max_abs, float(d.max()) if n else 0.0)
+        self.max_abs = max(self.max_abs, float(d.max()))
         # relative error |a-b| / |b| (|b| floored at 1e-12, so b == 0 with a == b counts as exact)
-        np.abs(b, out=rel)
-        np.maximum(rel, _floor(n), out=rel)     # an array operand: numpy 1.26's scalar path is 4x slower
-        np.divide(d, rel, out=rel)
-        self.max_rel = max(self.max_rel, float(rel.max()) if n else 0.0)
-        self.within5 += int(np.count_nonzero(rel <= np.float32(0.005)))
-        self.within1 += int(np.count_nonzero(rel <= np.float32(0.001)))
+        np.abs(b, out=r)
+        if r.min() < _TINY:     # the floor changes something only here; a read-only min is cheaper
+            np.maximum(r, _FLOOR[:n], out=r)    # an array operand: numpy 1.26's scalar path is 4x slower
+        np.divide(d, r, out=r)
+        self.max_rel = max(self.max_rel, float(r.max()))
+        self.within5 += int(np.count_nonzero(np.less_equal(r, _T5, out=m)))
+        self.within1 += int(np.count_nonzero(np.less_equal(r, _T1, out=m)))
         self.n += n
 
     def result(self) -> Metrics:
@@ -131,12 +152,12 @@ def _chunks(ds: h5py.Dataset, buf: np.ndarray) -> Iterator[np.ndarray]:
         return
     rows = ds.shape[0]
     per_row = int(np.prod(ds.shape[1:])) if ds.ndim > 1 else 1
-    if per_row > CHUNK or ds.dtype != np.float32:
-        step = max(1, CHUNK // max(per_row, 1))
+    if per_row > buf.size or ds.dtype != np.float32:
+        step = max(1, buf.size // max(per_row, 1))
         for r in range(0, rows, step):
             yield np.ascontiguousarray(ds[r:r + step], dtype=np.float32).ravel()
         return
-    step = max(1, CHUNK // per_row)
+    step = max(1, buf.size // per_row)
     for r in range(0, rows, step):
         e = min(rows, r + step)
         out = buf[: (e - r) * per_row].reshape((e - r,) + ds.shape[1:])
@@ -145,15 +166,13 @@ def _chunks(ds: h5py.Dataset, buf: np.ndarray) -> Iterator[np.ndarray]:
 
 
 def compare_arrays(a: np.ndarray, b: np.ndarray) -> Metrics:
-    """All metrics for two in-memory arrays (a = baseline, b = candidate)."""
+    """All metrics for two in-memory arrays (a = baseline, b = candidate; neither is written)."""
     acc = _Acc()
     a = np.ascontiguousarray(a, dtype=np.float32).ravel()
     b = np.ascontiguousarray(b, dtype=np.float32).ravel()
     if a.size != b.size:
         raise BadInput(f"shapes differ: {a.size} vs {b.size} elements")
-    w1, w2 = np.empty(CHUNK, np.float32), np.empty(CHUNK, np.float32)
-    for s in range(0, max(a.size, 1), CHUNK):
-        acc.add(a[s:s + CHUNK].copy(), b[s:s + CHUNK].copy(), w1, w2)
+    acc.add(a, b)
     return acc.result()
 
 
@@ -167,21 +186,71 @@ def _raw_offset(ds: h5py.Dataset) -> int | None:
         return None
 
 
-def _raw_chunks(path: str, offset: int, size: int, buf: np.ndarray) -> Iterator[np.ndarray]:
-    """The dataset's bytes read straight from the file into ``buf`` (unbuffered reads, no HDF5 layer):
-    the run store writes arrays contiguous and uncompressed, so this is the same data, at memcpy speed."""
-    with open(path, "rb", buffering=0) as fh:
-        fh.seek(offset)
-        for s in range(0, size, buf.size):
-            n = min(buf.size, size - s)
-            view = memoryview(buf[:n]).cast("B")
-            got = 0
-            while got < view.nbytes:
-                k = fh.readinto(view[got:])
-                if not k:
-                    raise BadInput(f"{path}: file ends inside a dataset (truncated?)")
-                got += k
-            yield buf[:n]
+def _read_exact(fh: Any, buf: np.ndarray, path: str) -> None:
+    """Fill ``buf`` from the file's position (unbuffered ``readinto``: the kernel copies straight into it)."""
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < view.nbytes:
+        k = fh.readinto(view[got:])
+        if not k:
+            raise BadInput(f"{path}: file ends inside a tensor (truncated?)")
+        got += k
+
+
+def _raw_pairs(path_a: str, off_a: int, path_b: str, off_b: int, size: int
+               ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Two tensors' float32 bytes read straight from their files (no HDF5 / .npy layer), READ elements a side
+    at a time. From AHEAD_MIN blocks on, a reader thread fills the next slots while the caller compares the
+    current one: reading is a memory copy from the page cache and the compare a dozen passes in L2, so on two
+    cores they overlap (readinto and numpy release the GIL) and the wall is near the larger of the two."""
+    ring = _ring()
+    spans = [(s, min(READ, size - s)) for s in range(0, size, READ)]
+    with open(path_a, "rb", buffering=0) as fa, open(path_b, "rb", buffering=0) as fb:
+        fa.seek(off_a)
+        fb.seek(off_b)
+
+        def fill(k: int) -> tuple[np.ndarray, np.ndarray]:
+            n = spans[k][1]
+            ba, bb = ring[k % len(ring)]
+            _read_exact(fa, ba[:n], path_a)
+            _read_exact(fb, bb[:n], path_b)
+            return ba[:n], bb[:n]
+
+        if len(spans) < AHEAD_MIN:
+            for k in range(len(spans)):
+                yield fill(k)
+            return
+        free, full = threading.Semaphore(len(ring)), threading.Semaphore(0)
+        stop = threading.Event()
+        failed: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                for k in range(len(spans)):
+                    free.acquire()
+                    if stop.is_set():
+                        return
+                    fill(k)
+                    full.release()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, raised there
+                failed.append(e)
+                full.release()
+
+        t = threading.Thread(target=produce, name="tensor-read-ahead", daemon=True)
+        t.start()
+        try:
+            for k in range(len(spans)):
+                full.acquire()
+                if failed:
+                    raise failed[0]
+                n = spans[k][1]
+                ba, bb = ring[k % len(ring)]
+                yield ba[:n], bb[:n]
+                free.release()      # slot k is compared: the reader may refill it
+        finally:
+            stop.set()
+            free.release()          # a reader waiting for a slot wakes, sees stop and ends
+            t.join()
 
 
 def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = False) -> Metrics:
@@ -191,23 +260,21 @@ def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = Fal
     if da.size != db.size:
         raise BadInput(f"{da.name}: {da.shape} vs {db.shape}")
     acc = _Acc()
-    ba, bb, w1, w2 = _buffers()
     if transpose_a:
         for i in range(da.shape[1]):
             acc.add(np.ascontiguousarray(da[:, i], dtype=np.float32).ravel(),
-                    np.ascontiguousarray(db[i], dtype=np.float32).ravel(), w1, w2)
+                    np.ascontiguousarray(db[i], dtype=np.float32).ravel())
         return acc.result()
     oa, ob = _raw_offset(da), _raw_offset(db)
     if oa is not None and ob is not None:
-        for ca, cb in zip(_raw_chunks(da.file.filename, oa, da.size, ba),
-                          _raw_chunks(db.file.filename, ob, db.size, bb), strict=True):
-            acc.add(ca, cb, w1, w2)
+        for ca, cb in _raw_pairs(da.file.filename, oa, db.file.filename, ob, da.size):
+            acc.add(ca, cb)
     elif da.shape == db.shape:
+        ba, bb = _ring()[0]
         for ca, cb in zip(_chunks(da, ba), _chunks(db, bb), strict=True):
-            acc.add(ca, cb, w1, w2)
+            acc.add(ca, cb)
     else:   # same size, different shape (e.g. flattened on one side): compare flat
-        acc.add(np.asarray(da[...], np.float32).ravel(), np.asarray(db[...], np.float32).ravel(),
-                np.empty(da.size, np.float32), np.empty(da.size, np.float32))
+        acc.add(np.asarray(da[...], np.float32).ravel(), np.asarray(db[...], np.float32).ravel())
     return acc.result()
 
 
@@ -218,7 +285,7 @@ def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = Fal
 Readers = dict  # suffix (".pt") -> callable(path) -> np.ndarray; see checkpoints.torch_tensors.READERS
 
 
-def _flat_chunks(parts: Iterator[np.ndarray], n: int = CHUNK) -> Iterator[np.ndarray]:
+def _flat_chunks(parts: Iterator[np.ndarray], n: int = READ) -> Iterator[np.ndarray]:
     """Re-cut a stream of flat float32 pieces into writable chunks of exactly ``n`` elements (last shorter)."""
     buf = np.empty(n, np.float32)
     fill = 0
@@ -253,6 +320,12 @@ class _Npy:
 
         return np.asarray(load_npy(self.path), dtype=np.float32)
 
+    def raw_offset(self) -> int | None:
+        """Offset of the data when it is C-order little-endian float32 (compared straight from the file)."""
+        if self.fortran or self.dtype != np.dtype("<f4") or self.size == 0:
+            return None
+        return self.offset      # npy_header checked that the file holds the data
+
     def chunks(self) -> Iterator[np.ndarray]:
         if self.fortran:
             yield from _flat_chunks(iter([self.full()]))
@@ -261,7 +334,7 @@ class _Npy:
             fh.seek(self.offset)
             left = self.size
             while left > 0:
-                part = np.fromfile(fh, dtype=self.dtype, count=min(CHUNK, left))
+                part = np.fromfile(fh, dtype=self.dtype, count=min(READ, left))
                 if part.size == 0:
                     raise BadInput(f"{self.path}: truncated .npy ({self.size - left} of {self.size} elements)")
                 left -= part.size
@@ -280,8 +353,8 @@ class _Loaded:
 
     def chunks(self) -> Iterator[np.ndarray]:
         flat = self.arr.reshape(-1)
-        for s in range(0, max(flat.size, 1), CHUNK):
-            yield np.array(flat[s:s + CHUNK], dtype=np.float32)   # a copy: the accumulator writes into it
+        for s in range(0, flat.size, READ):
+            yield np.asarray(flat[s:s + READ], dtype=np.float32)   # a view when float32: the compare only reads
 
 
 def _open_file(path: str, readers: Readers | None) -> _Npy | _Loaded | None:
@@ -306,10 +379,15 @@ def compare_files(path_a: str, path_b: str, transpose_a: bool = False, readers: 
     if ta.size != tb.size:
         raise BadInput(f"{path_a}: {ta.shape} vs {tb.shape}")
     acc = _Acc()
-    w1, w2 = _buffers()[2:]
+    oa = ta.raw_offset() if isinstance(ta, _Npy) else None
+    ob = tb.raw_offset() if isinstance(tb, _Npy) else None
+    if oa is not None and ob is not None:
+        for ca, cb in _raw_pairs(path_a, oa, path_b, ob, ta.size):
+            acc.add(ca, cb)
+        return acc.result()
     ca_it = ta.chunks() if isinstance(ta, _Loaded) else _flat_chunks(ta.chunks())
     cb_it = tb.chunks() if isinstance(tb, _Loaded) else _flat_chunks(tb.chunks())
     for ca, cb in zip(ca_it, cb_it, strict=True):
-        acc.add(ca, cb, w1, w2)
+        acc.add(ca, cb)
     return acc.result()
 
