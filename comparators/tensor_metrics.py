@@ -13,6 +13,7 @@ at a few chunks and the throughput is bounded by memory bandwidth, not by Python
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ from core.errors import BadInput
 
 CHUNK = 1 << 16     # elements a compute pass covers (256 KiB of float32): a, b, two scratch arrays, the floor
 #                     and the mask (1.3 MiB) stay in the 2 MiB L2 across the ~15 passes; 1 MiB chunks did not
-READ = 1 << 18      # elements per read (1 MiB of float32 a side): few syscalls / HDF5 calls per tensor
-AHEAD = 3           # read slots per compare: one being compared, up to two filled ahead by the reader thread
-AHEAD_MIN = 3       # blocks a tensor needs before the read-ahead thread pays for its start (~0.1 ms)
+READ = 1 << 18      # elements per read where bytes are copied (1 MiB of float32 a side): HDF5 / .npy readers
+WINDOW = 1 << 20    # elements per mapped window (4 MiB a side) of a raw float32 tensor: few mmap calls, and
+#                     what is mapped at a time (it counts in RSS) stays a few MiB
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -71,11 +72,11 @@ def _scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return s
 
 
-def _ring() -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per calling thread: AHEAD read slots (baseline, candidate), READ elements each, reused like _scratch."""
-    r = getattr(_LOCAL, "ring", None)
+def _buffers() -> tuple[np.ndarray, np.ndarray]:
+    """Per thread: one read buffer a side, READ elements each, reused like _scratch."""
+    r = getattr(_LOCAL, "bufs", None)
     if r is None:
-        r = _LOCAL.ring = [(np.empty(READ, np.float32), np.empty(READ, np.float32)) for _ in range(AHEAD)]
+        r = _LOCAL.bufs = (np.empty(READ, np.float32), np.empty(READ, np.float32))
     return r
 
 
@@ -197,60 +198,43 @@ def _read_exact(fh: Any, buf: np.ndarray, path: str) -> None:
         got += k
 
 
+def _mapped(fh: Any, start: int, n: int, path: str) -> np.ndarray:
+    """``n`` float32 values from byte ``start`` of an open file, mapped read-only (no copy: the compare reads
+    the page cache's pages themselves; the mapping goes when the array does)."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    try:
+        m = mmap.mmap(fh.fileno(), start - base + 4 * n, access=mmap.ACCESS_READ, offset=base)
+    except ValueError as e:     # the window reaches past the end of the file
+        raise BadInput(f"{path}: file ends inside a tensor (truncated?)") from e
+    return np.frombuffer(m, np.float32, n, start - base)
+
+
 def _raw_pairs(path_a: str, off_a: int, path_b: str, off_b: int, size: int
                ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Two tensors' float32 bytes read straight from their files (no HDF5 / .npy layer), READ elements a side
-    at a time. From AHEAD_MIN blocks on, a reader thread fills the next slots while the caller compares the
-    current one: reading is a memory copy from the page cache and the compare a dozen passes in L2, so on two
-    cores they overlap (readinto and numpy release the GIL) and the wall is near the larger of the two."""
-    ring = _ring()
-    spans = [(s, min(READ, size - s)) for s in range(0, size, READ)]
+    """Two tensors' float32 bytes straight from their files (no HDF5 / .npy layer), in windows mapped
+    read-only: reading them into buffers first was a memory copy costing about what the whole plain read
+    costs. Where the file system cannot map, the bytes are read into buffers (unbuffered ``readinto``)."""
     with open(path_a, "rb", buffering=0) as fa, open(path_b, "rb", buffering=0) as fb:
+        n = min(WINDOW, size)
+        try:
+            first = _mapped(fa, off_a, n, path_a), _mapped(fb, off_b, n, path_b)
+        except OSError:
+            first = None
+        if first is not None:
+            yield first
+            first = None        # unmapped once the caller drops it too
+            for s in range(WINDOW, size, WINDOW):
+                n = min(WINDOW, size - s)
+                yield _mapped(fa, off_a + 4 * s, n, path_a), _mapped(fb, off_b + 4 * s, n, path_b)
+            return
+        ba, bb = _buffers()
         fa.seek(off_a)
         fb.seek(off_b)
-
-        def fill(k: int) -> tuple[np.ndarray, np.ndarray]:
-            n = spans[k][1]
-            ba, bb = ring[k % len(ring)]
+        for s in range(0, size, READ):
+            n = min(READ, size - s)
             _read_exact(fa, ba[:n], path_a)
             _read_exact(fb, bb[:n], path_b)
-            return ba[:n], bb[:n]
-
-        if len(spans) < AHEAD_MIN:
-            for k in range(len(spans)):
-                yield fill(k)
-            return
-        free, full = threading.Semaphore(len(ring)), threading.Semaphore(0)
-        stop = threading.Event()
-        failed: list[BaseException] = []
-
-        def produce() -> None:
-            try:
-                for k in range(len(spans)):
-                    free.acquire()
-                    if stop.is_set():
-                        return
-                    fill(k)
-                    full.release()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, raised there
-                failed.append(e)
-                full.release()
-
-        t = threading.Thread(target=produce, name="tensor-read-ahead", daemon=True)
-        t.start()
-        try:
-            for k in range(len(spans)):
-                full.acquire()
-                if failed:
-                    raise failed[0]
-                n = spans[k][1]
-                ba, bb = ring[k % len(ring)]
-                yield ba[:n], bb[:n]
-                free.release()      # slot k is compared: the reader may refill it
-        finally:
-            stop.set()
-            free.release()          # a reader waiting for a slot wakes, sees stop and ends
-            t.join()
+            yield ba[:n], bb[:n]
 
 
 def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = False) -> Metrics:
@@ -270,7 +254,7 @@ def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = Fal
         for ca, cb in _raw_pairs(da.file.filename, oa, db.file.filename, ob, da.size):
             acc.add(ca, cb)
     elif da.shape == db.shape:
-        ba, bb = _ring()[0]
+        ba, bb = _buffers()
         for ca, cb in zip(_chunks(da, ba), _chunks(db, bb), strict=True):
             acc.add(ca, cb)
     else:   # same size, different shape (e.g. flattened on one side): compare flat

@@ -1,11 +1,10 @@
 """The tensor compare's faster paths give what the definitions give: the relative-error floor applied only to
-chunks where some |b| is under 1e-12, NaN/Inf chunks neutralised on copies (inputs untouched), and the
-read-ahead thread that streams .npy / HDF5 float32 bytes (its errors and an early stop end the thread)."""
+chunks where some |b| is under 1e-12, NaN/Inf chunks neutralised on copies (inputs untouched), and float32
+.npy / HDF5 bytes compared from mapped windows (or read into buffers where mapping fails)."""
 
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -64,47 +63,30 @@ def test_floor_and_nan_chunks_equal_a_float64_reference() -> None:
     assert tm.compare_arrays(a[s:s + 4], b[s:s + 4]).max_rel_err == pytest.approx(0.1, rel=1e-6)
 
 
-def _alive() -> int:
-    return sum(t.name == "tensor-read-ahead" and t.is_alive() for t in threading.enumerate())
-
-
-def test_npy_read_ahead_equals_in_memory(tmp_path: Path) -> None:
-    """.npy float32 files over AHEAD_MIN read blocks go through the read-ahead thread; same chunks, so the
-    same numbers bit for bit as the in-memory compare."""
+def test_raw_reads_equal_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """.npy float32 files are compared from mapped windows (several here, uneven tail), and where mapping
+    fails from buffers read with readinto; both are the in-memory compare bit for bit (same chunks). A window
+    past the end of the file is BadInput."""
     rng = np.random.default_rng(6)
-    n = 4 * tm.READ + 5
+    n = 2 * tm.WINDOW + tm.READ + 5
     b = rng.standard_normal(n).astype(np.float32)
     a = b + rng.standard_normal(n).astype(np.float32) * np.float32(1e-4)
     a[7], b[n - 1] = np.nan, 0.0
-    np.save(tmp_path / "a.npy", a)
-    np.save(tmp_path / "b.npy", b)
-    got = tm.compare_files(str(tmp_path / "a.npy"), str(tmp_path / "b.npy"))
-    assert got is not None and got.as_dict() == tm.compare_arrays(a, b).as_dict()
-    assert _alive() == 0
+    pa, pb = str(tmp_path / "a.npy"), str(tmp_path / "b.npy")
+    np.save(pa, a)
+    np.save(pb, b)
+    want = tm.compare_arrays(a, b).as_dict()
+    got = tm.compare_files(pa, pb)
+    assert got is not None and got.as_dict() == want
 
+    def unmappable(*args, **kw):
+        raise OSError("no mmap on this file system")
 
-def test_read_ahead_error_and_early_stop_end_the_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    n = 6 * tm.READ
-    x = np.arange(n, dtype=np.float32)
-    np.save(tmp_path / "x.npy", x)
-    off = tm._Npy(str(tmp_path / "x.npy")).raw_offset()
+    with monkeypatch.context() as m:
+        m.setattr(tm, "_mapped", unmappable)
+        got = tm.compare_files(pa, pb)
+    assert got is not None and got.as_dict() == want
+    off = tm._Npy(pa).raw_offset()
     assert off is not None
-    pairs = tm._raw_pairs(str(tmp_path / "x.npy"), off, str(tmp_path / "x.npy"), off, n)
-    ca, cb = next(pairs)
-    assert np.array_equal(ca, x[:tm.READ]) and np.array_equal(cb, x[:tm.READ])
-    pairs.close()                                   # the caller stops early: the reader ends with it
-    assert _alive() == 0
-    calls = []
-    real = tm._read_exact
-
-    def failing(fh, buf, path):
-        calls.append(1)
-        if len(calls) == 5:
-            raise BadInput(f"{path}: file ends inside a tensor (truncated?)")
-        real(fh, buf, path)
-
-    monkeypatch.setattr(tm, "_read_exact", failing)
     with pytest.raises(BadInput, match="ends inside a tensor"):
-        for _ in tm._raw_pairs(str(tmp_path / "x.npy"), off, str(tmp_path / "x.npy"), off, n):
-            pass
-    assert _alive() == 0
+        list(tm._raw_pairs(pa, off, pb, off, n + 1))
