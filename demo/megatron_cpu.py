@@ -10,6 +10,8 @@ DDP). This module bridges exactly those places and nothing else, so the model's 
 * the RNG tracker is Megatron's inference tracker (``inference_rng_tracker=True``; its ``fork`` is a no-op);
 * ``cpu_device_redirect()`` rewrites ``device='cuda'`` literals to CPU (and drops ``pin_memory``) for the span
   where Megatron's optimizer runs (``MegatronOptimizerCPU`` wraps ``step`` in it);
+* megatron-core is imported with ``torch.compile`` as the identity (:func:`import_megatron_core_eager`), so its
+  ``jit_fuser`` functions run eagerly and TorchDynamo / Inductor are never imported;
 * sequence parallelism: the local spec's torch norms refuse it, :class:`SequenceParallelNorm` is them with
   weights marked as apex / TE mark theirs; context parallelism: the local attention refuses it,
   :func:`context_parallel_attention_cls` is that attention over the all-gathered sequence.
@@ -34,6 +36,38 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
+
+
+def _eager(model: Any = None, **_: Any) -> Any:
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron_core_eager() -> None:
+    """Import megatron.core with ``torch.compile`` standing in as the identity for the span of the import.
+
+    Why: megatron.core.jit binds ``jit_fuser = torch.compile`` at import and ~15 modules decorate functions with
+    it, which imports TorchDynamo and Inductor: measured here 12.2 -> 7.8 s CPU for importing megatron.core and
+    GPTModel, paid by every Megatron process the demo and the tests start. On CPU those functions have nothing
+    to fuse (Inductor would compile C++ for them), and none is on the local-spec path the demo trains. No-op
+    when megatron.core is already imported or missing."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _eager  # type: ignore[assignment]
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()     # later imports and callers see the identity too
+    except ImportError:
+        pass
+    finally:
+        torch.compile = compile_  # type: ignore[assignment]
+
+
+import_megatron_core_eager()
 
 
 # ---------------------------------------------------------------------------------------------------------
