@@ -11,7 +11,7 @@ from typing import Any
 
 import h5py
 
-from comparators.tensor_metrics import Metrics
+from comparators.tensor_metrics import Metrics, raw_offset
 from comparators.tensor_pair import compare_pair
 from core.errors import BadInput
 from sources.layers import release_files
@@ -27,7 +27,8 @@ def run_tasks(tasks: list[dict[str, Any]], jobs: int = 1, scheduler: str | None 
     parallel too; ``scheduler`` ("tcp://host:8786", or a dask.distributed Client) fans the items out to a
     cluster whose workers see the same paths.
     """
-    keys = _stored_as(tasks)
+    keys, raw = _stored_as(tasks)
+    tasks = [{**t, "raw": r} if r is not None else t for t, r in zip(tasks, raw, strict=True)]
     first: dict[Any, int] = {}       # where the tensors are stored -> the task that reads them
     reads = [i for i, k in enumerate(keys) if k is None or first.setdefault(k, i) == i]
     try:
@@ -45,11 +46,14 @@ def run_tasks(tasks: list[dict[str, Any]], jobs: int = 1, scheduler: str | None 
     return out
 
 
-def _stored_as(tasks: list[dict[str, Any]]) -> list[Any]:
+def _stored_as(tasks: list[dict[str, Any]]) -> tuple[list[Any], list[tuple[int, int, int] | None]]:
     """Per task, where both tensors are stored (file and data offset of each side, and the transpose):
     rows whose datasets are HDF5 hard links to the same stored tensors on both sides (the dumper links a
     tensor it saw twice, e.g. one module's output that is the next one's input) are compared once and
-    judged per row. None where a side is not a contiguous HDF5 dataset of a run store."""
+    judged per row. None where a side is not a contiguous HDF5 dataset of a run store. Second, per task,
+    (baseline offset, candidate offset, elements) where both sides are raw float32 of one size and no
+    transpose is asked: ``compare_pair`` then reads the bytes with no HDF5 call (each file is opened here
+    once, not once per row in every reader)."""
     names: dict[str, set[str]] = {}
     for t in tasks:
         if not t.get("full"):
@@ -58,23 +62,32 @@ def _stored_as(tasks: list[dict[str, Any]]) -> list[Any]:
             if _h5(ref):
                 names.setdefault(ref[1], set()).add(ref[2])
     offsets: dict[tuple[str, str], int | None] = {}
+    raws: dict[tuple[str, str], tuple[int, int]] = {}      # raw float32 datasets: (offset, elements)
     for path, wanted in names.items():
         try:
             with h5py.File(path, "r") as h5:
                 for n in wanted:
                     obj = h5.get(n)
                     offsets[(path, n)] = obj.id.get_offset() if isinstance(obj, h5py.Dataset) else None
+                    raw = raw_offset(obj) if isinstance(obj, h5py.Dataset) else None
+                    if raw is not None:
+                        raws[(path, n)] = (raw, obj.size)
         except OSError:
             continue       # the compare itself reports an unreadable file
     keys: list[Any] = []
+    direct: list[tuple[int, int, int] | None] = []
     for t in tasks:
         ra, rb = t["a"].get("ref"), t["b"].get("ref")
         if not t.get("full") or not _h5(ra) or not _h5(rb):   # (a gathered row's parts: read each time)
             keys.append(None)
+            direct.append(None)
             continue
         oa, ob = offsets.get((ra[1], ra[2])), offsets.get((rb[1], rb[2]))
         keys.append(None if oa is None or ob is None else (ra[1], oa, rb[1], ob, bool(t.get("transpose"))))
-    return keys
+        xa, xb = raws.get((ra[1], ra[2])), raws.get((rb[1], rb[2]))
+        same = xa is not None and xb is not None and xa[1] == xb[1] and not t.get("transpose")
+        direct.append((xa[0], xb[0], xa[1]) if same else None)
+    return keys, direct
 
 
 def _h5(ref: Any) -> bool:

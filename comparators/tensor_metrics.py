@@ -177,7 +177,7 @@ def compare_arrays(a: np.ndarray, b: np.ndarray) -> Metrics:
     return acc.result()
 
 
-def _raw_offset(ds: h5py.Dataset) -> int | None:
+def raw_offset(ds: h5py.Dataset) -> int | None:
     """Byte offset of a contiguous, uncompressed little-endian float32 dataset in its file (else None)."""
     if ds.chunks is not None or ds.dtype != np.dtype("<f4") or ds.size == 0:
         return None
@@ -237,6 +237,15 @@ def _raw_pairs(path_a: str, off_a: int, path_b: str, off_b: int, size: int
             yield ba[:n], bb[:n]
 
 
+def compare_raw(path_a: str, off_a: int, path_b: str, off_b: int, size: int) -> Metrics:
+    """Metrics of two raw float32 tensors at known byte offsets (:func:`raw_offset`), with no HDF5 call: the
+    work items of a compare carry the offsets, so reader threads do not queue on h5py's global lock."""
+    acc = _Acc()
+    for ca, cb in _raw_pairs(path_a, off_a, path_b, off_b, size):
+        acc.add(ca, cb)
+    return acc.result()
+
+
 def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = False) -> Metrics:
     """Stream two HDF5 datasets chunk by chunk. ``transpose_a``: baseline is [s, b, ...], candidate [b, s,
     ...] (Megatron vs MindFormers activations); then both stream one batch index at a time (baseline
@@ -249,11 +258,10 @@ def compare_datasets(da: h5py.Dataset, db: h5py.Dataset, transpose_a: bool = Fal
             acc.add(np.ascontiguousarray(da[:, i], dtype=np.float32).ravel(),
                     np.ascontiguousarray(db[i], dtype=np.float32).ravel())
         return acc.result()
-    oa, ob = _raw_offset(da), _raw_offset(db)
+    oa, ob = raw_offset(da), raw_offset(db)
     if oa is not None and ob is not None:
-        for ca, cb in _raw_pairs(da.file.filename, oa, db.file.filename, ob, da.size):
-            acc.add(ca, cb)
-    elif da.shape == db.shape:
+        return compare_raw(da.file.filename, oa, db.file.filename, ob, da.size)
+    if da.shape == db.shape:
         ba, bb = _buffers()
         for ca, cb in zip(_chunks(da, ba), _chunks(db, bb), strict=True):
             acc.add(ca, cb)

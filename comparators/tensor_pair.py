@@ -15,7 +15,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from comparators.tensor_metrics import Metrics, Readers, compare_arrays, compare_datasets, compare_files
+from comparators.tensor_metrics import Metrics, Readers, compare_arrays, compare_datasets, compare_files, compare_raw
 from core.dtypes import normalize
 from sources.layers import load_ref
 
@@ -100,6 +100,9 @@ def compare_pair(task: dict[str, Any]) -> dict[str, Any]:
                 a = b = None
             if a is not None and b is not None and a.size == b.size:
                 mt = compare_arrays(np.swapaxes(a, 0, 1) if tr else a, b)
+        elif task.get("raw") is not None:     # both raw float32 at offsets found by the dispatcher
+            off_a, off_b, size = task["raw"]
+            mt = compare_raw(ref_a[1], off_a, ref_b[1], off_b, size)
         elif isinstance(ref_a, (tuple, list)) and isinstance(ref_b, (tuple, list)):   # both HDF5 (run stores)
             with h5py.File(ref_a[1], "r") as ha, h5py.File(ref_b[1], "r") as hb:
                 if ref_a[2] in ha and ref_b[2] in hb:
