@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -261,3 +262,23 @@ def test_load_npy_reads_every_layout_np_save_writes_from_many_threads(tmp_path) 
         want = np.load(tmp_path / f"{k}.npy", allow_pickle=False)
         assert a.dtype == want.dtype and a.shape == want.shape and np.array_equal(a, want), k
         assert a.flags.f_contiguous == want.flags.f_contiguous, k
+
+
+def test_attributes_fast_path_and_fallback_store_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer types attributes with h5py's private ``array_for_new_object``; without it (a later h5py may
+    move it) the high-level call takes over. Both must store the same values with the same HDF5 types."""
+    import h5py
+
+    import runstore.writer as w
+
+    vals = {"s": "héllo", "i": 3, "f": 1.5, "b": True, "a": np.arange(3), "l": ["x", "yy"], "f32": np.float32(2)}
+
+    def stored(path: Path) -> dict:
+        with h5py.File(path, "w") as f:
+            w._put_attrs(f.id, vals)
+        with h5py.File(path, "r") as f:
+            return {k: (repr(f.attrs[k]), f.attrs.get_id(k).get_type().get_class()) for k in f.attrs}
+
+    fast = stored(tmp_path / "fast.h5")
+    monkeypatch.setattr(w, "array_for_new_object", None)
+    assert stored(tmp_path / "fallback.h5") == fast and len(fast) == len(vals)
