@@ -31,8 +31,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check core runstore mapping models sources checkpoints dumpers comparators reports align demo tests benchmarks
-	# two workers, one test file each at a time (a file's shared runs are made once): 15 min on 2 cores (750 tests,
-	# clean clone, 2026-11-28 15:15 UTC, a slow hour of this machine: the stop-31 code's benchmarks ran 1.5-2x slower)
+	# two workers, one test file each at a time (a file's shared runs are made once): 12 min on 2 cores (752 tests,
+	# clean clone, 2026-11-28 18:11 UTC; 14m34s with the environment)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # The browser tests (report.html in headless Chromium) need Debian's chromium; without it they skip
