@@ -198,9 +198,10 @@ def _read_exact(fh: Any, buf: np.ndarray, path: str) -> None:
         got += k
 
 
-#: MAP_POPULATE (Linux): the window's pages enter the page table in the mmap call, not one fault per 4 KiB page
-#: as the compare touches them (page faults of reader threads queue on the process's one memory-map lock)
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+#: Read-only mappings; MAP_POPULATE (Linux): the window's pages enter the page table in the mmap call, not one
+#: fault per 4 KiB page as the compare touches them (reader threads' page faults queue on one memory-map lock)
+_MAP = ({"flags": mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), "prot": mmap.PROT_READ}
+        if hasattr(mmap, "MAP_SHARED") else {"access": mmap.ACCESS_READ})
 
 
 def _mapped(fh: Any, start: int, n: int, path: str) -> np.ndarray:
@@ -208,7 +209,7 @@ def _mapped(fh: Any, start: int, n: int, path: str) -> np.ndarray:
     the page cache's pages themselves; the mapping goes when the array does)."""
     base = start - start % mmap.ALLOCATIONGRANULARITY
     try:
-        m = mmap.mmap(fh.fileno(), start - base + 4 * n, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
+        m = mmap.mmap(fh.fileno(), start - base + 4 * n, offset=base, **_MAP)
     except ValueError as e:     # the window reaches past the end of the file
         raise BadInput(f"{path}: file ends inside a tensor (truncated?)") from e
     return np.frombuffer(m, np.float32, n, start - base)
