@@ -68,8 +68,11 @@ def _stored_as(tasks: list[dict[str, Any]]) -> tuple[list[Any], list[tuple[int, 
             with h5py.File(path, "r") as h5:
                 for n in wanted:
                     obj = h5.get(n)
-                    offsets[(path, n)] = obj.id.get_offset() if isinstance(obj, h5py.Dataset) else None
-                    raw = raw_offset(obj) if isinstance(obj, h5py.Dataset) else None
+                    if not isinstance(obj, h5py.Dataset):
+                        offsets[(path, n)] = None
+                        continue
+                    raw = raw_offset(obj)       # the offset itself, when the dataset is raw float32
+                    offsets[(path, n)] = raw if raw is not None else obj.id.get_offset()
                     if raw is not None:
                         raws[(path, n)] = (raw, obj.size)
         except OSError:

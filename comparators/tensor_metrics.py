@@ -224,11 +224,11 @@ def _raw_pairs(path_a: str, off_a: int, path_b: str, off_b: int, size: int
         n = min(WINDOW, size)
         try:
             first = _mapped(fa, off_a, n, path_a), _mapped(fb, off_b, n, path_b)
-        except OSError:
-            first = None
-        if first is not None:
+        except OSError:         # no mapping here: read into buffers below
+            pass
+        else:
             yield first
-            first = None        # unmapped once the caller drops it too
+            del first           # unmapped once the caller drops it too
             for s in range(WINDOW, size, WINDOW):
                 n = min(WINDOW, size - s)
                 yield _mapped(fa, off_a + 4 * s, n, path_a), _mapped(fb, off_b + 4 * s, n, path_b)
@@ -376,13 +376,11 @@ def compare_files(path_a: str, path_b: str, transpose_a: bool = False, readers: 
         return compare_arrays(np.swapaxes(ta.full(), 0, 1), tb.full())
     if ta.size != tb.size:
         raise BadInput(f"{path_a}: {ta.shape} vs {tb.shape}")
-    acc = _Acc()
     oa = ta.raw_offset() if isinstance(ta, _Npy) else None
     ob = tb.raw_offset() if isinstance(tb, _Npy) else None
     if oa is not None and ob is not None:
-        for ca, cb in _raw_pairs(path_a, oa, path_b, ob, ta.size):
-            acc.add(ca, cb)
-        return acc.result()
+        return compare_raw(path_a, oa, path_b, ob, ta.size)
+    acc = _Acc()
     ca_it = ta.chunks() if isinstance(ta, _Loaded) else _flat_chunks(ta.chunks())
     cb_it = tb.chunks() if isinstance(tb, _Loaded) else _flat_chunks(tb.chunks())
     for ca, cb in zip(ca_it, cb_it, strict=True):
