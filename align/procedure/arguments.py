@@ -12,14 +12,20 @@ from core.errors import BadInput
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("baseline", metavar="BASELINE")
-    p.add_argument("candidate", metavar="CANDIDATE")
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("baseline", metavar="BASELINE",
+                   help="the reference run (Megatron-LM): a run store, a log, a TensorBoard folder, golden values "
+                        "or a dump (detected)")
+    p.add_argument("candidate", metavar="CANDIDATE", help="the run compared with it (MindFormers), any of the same")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for report.html, summary.json, deltas.csv and figures/ (created; an existing file "
+                        "is refused)")
     e = p.add_argument_group("more evidence (docs/workflow.md)")
     e.add_argument("--repeat", action="append", default=[], metavar="RUN",
-                   help="a repeat of the baseline (same settings, run again): builds the error band")
+                   help="a repeat of the baseline (same settings, run again without determinism or at another "
+                        "TP): the error band and the noise floors (repeatable; default: none, the band is --rtol)")
     e.add_argument("--lr0", nargs=2, metavar=("BASELINE_LR0", "CANDIDATE_LR0"),
-                   help="the lr=0 pair: loss and grad norm must agree at every step")
+                   help="the lr = 0 pair (both runs again at learning rate 0): loss and grad norm must agree at "
+                        "every step")
     e.add_argument("--baseline-config", metavar="FILE",
                    help="Megatron arguments: a training log, a launch script or JSON (default: the run's meta)")
     e.add_argument("--candidate-config", metavar="FILE", help="the MindFormers YAML (default: the run's meta)")
@@ -37,27 +43,43 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--candidate-env", metavar="FILE",
                    help="the candidate cluster's environment capture (align capture-env; default: the run's meta)")
     e.add_argument("--mapping", default=None, metavar="PRESET_OR_FILE",
-                   help="name mapping (default: Megatron-core <-> MindFormers Llama)")
-    e.add_argument("--vocab-size", type=int, help="data checks: ids must be in [0, vocab)")
-    e.add_argument("--eos-id", type=int, help="data checks: the EOD token id")
-    e.add_argument("--pad-id", type=int, help="data checks: the padding token id")
+                   help="name mapping preset or YAML file (default: detected: a MindFormers 2.x mcore candidate "
+                        "config gets its model's mcore preset, two Megatron runs the preset covering their names, "
+                        "else Megatron-core <-> MindFormers Llama; the report names the source)")
+    e.add_argument("--vocab-size", type=int,
+                   help="data checks: ids must be in [0, vocab) (default: the runs' recorded vocabulary, padded as "
+                        "Megatron pads it)")
+    e.add_argument("--eos-id", type=int, help="data checks: the EOD token id (default: the runs' recorded data block)")
+    e.add_argument("--pad-id", type=int,
+                   help="data checks: the padding token id (default: the runs' recorded data block)")
     g = p.add_argument_group("thresholds (README: 'How the verdict is reached')")
-    g.add_argument("--step-rtol", type=float, default=5e-3, help="step-1/2 loss relative tolerance")
-    g.add_argument("--rtol", type=float, default=1e-2, help="band as a share of |loss| with no repeats")
-    g.add_argument("--band-k", type=float, default=3.0, help="band = K x rolling RMS of repeat deltas")
-    g.add_argument("--band-window", type=int, default=51, help="rolling window of the band, in steps")
-    g.add_argument("--band-floor", type=float, default=0.0, help="smallest band (absolute)")
+    g.add_argument("--step-rtol", type=float, default=5e-3,
+                   help="step-1/2 loss relative tolerance (default: %(default)s)")
+    g.add_argument("--rtol", type=float, default=1e-2,
+                   help="band as a share of |loss| with no repeats (default: %(default)s)")
+    g.add_argument("--band-k", type=float, default=3.0,
+                   help="band = K x rolling RMS of repeat deltas (default: %(default)s)")
+    g.add_argument("--band-window", type=int, default=51,
+                   help="rolling window of the band, in steps (default: %(default)s)")
+    g.add_argument("--band-floor", type=float, default=0.0, help="smallest band, absolute (default: %(default)s)")
     g.add_argument("--band-floor-ulps", type=float, default=8.0,
-                   help="smallest band in float32 ulps of the largest baseline value (rounding, not training)")
-    g.add_argument("--max-outside", type=float, default=0.05, help="allowed share of steps outside band")
-    g.add_argument("--max-bias", type=float, default=0.5, help="allowed |mean delta| / std(delta)")
+                   help="smallest band in float32 ulps (units in the last place) of the largest baseline value: "
+                        "rounding, not training (default: %(default)s)")
+    g.add_argument("--max-outside", type=float, default=0.05,
+                   help="allowed share of steps outside the band (default: %(default)s)")
+    g.add_argument("--max-bias", type=float, default=0.5,
+                   help="allowed |mean delta| / std(delta) (default: %(default)s)")
     g.add_argument("--sustain", type=int, default=10,
-                   help="consecutive out-of-band steps that make a divergence")
-    g.add_argument("--tail", type=float, default=0.2, help="share of final steps checked for a late gap")
-    g.add_argument("--dtype", help="precision the runs computed in (default: read from the runs' meta.json)")
+                   help="consecutive out-of-band steps that make a divergence (default: %(default)s)")
+    g.add_argument("--tail", type=float, default=0.2,
+                   help="share of final steps checked for a late gap (default: %(default)s)")
+    g.add_argument("--dtype",
+                   help="precision the runs computed in: float32, bfloat16, float16 (default: read from the runs' "
+                        "meta.json and the candidate's YAML, else float32)")
     g.add_argument("--layer-tolerance", action="append", default=[], metavar="DTYPE=PASS,WARN[,COS]",
                    help="layer tensors: relative error passing / warning up to, cosine passing from, per dtype "
-                        "(e.g. float32=1e-5,1e-4,0.999999 for two runs on the same hardware)")
+                        "(e.g. float32=1e-5,1e-4,0.999999 for two runs on the same hardware; repeatable; default "
+                        "by dtype, float32 1e-4,1e-2,0.99999)")
     g.add_argument("--local-norm-rtol", default=None, metavar="PASS,WARN",
                    help="step-1 local norms: relative difference passing / warning up to (default by dtype, "
                         "float32 1e-4,1e-2)")
@@ -65,12 +87,12 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="lr=0 pair: relative loss / grad-norm difference passing / warning up to (default by "
                         "dtype, float32 1e-5,1e-4)")
     x = p.add_argument_group("speed (layer tensors)")
-    x.add_argument("--jobs", type=int, default=None, metavar="N", help="parallel tensor readers")
+    x.add_argument("--jobs", type=int, default=None, metavar="N", help="parallel tensor readers (default: 2 threads)")
     x.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="a Dask scheduler (tcp://HOST:8786): the layer-tensor compare fans out to its workers "
-                        "(needs the 'dask' extra)")
-    p.add_argument("--strict", action="store_true", help="exit 1 on warn too (for CI gates)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+                        "(needs the 'dask' extra; default: none, local readers)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warn too (for CI gates; default: warn exits 0)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr (default: progress on)")
 
 
 def _layer_tolerance(items: list[str]) -> dict[str, tuple[float, float, float]]:
