@@ -25,10 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--framework", choices=("torch", "mindspore"),
                         help="the side this cluster trains with (default: the one installed; say it when both are)")
     parser.add_argument("--data", action="append", default=[], metavar="PATH",
-                        help="a dataset file or folder to hash (repeat; give them in the same order on both clusters)")
+                        help="a dataset file or folder to hash (repeatable; give them in the same order on both "
+                             "clusters; default: none)")
     parser.add_argument("--weights", metavar="CKPT",
                         help="the weights the run loads: Megatron checkpoint folder or .pt, MindFormers .safetensors / "
-                             ".ckpt (fingerprinted per parameter, compared through the mapping)")
+                             ".ckpt (fingerprinted per parameter, compared through the mapping; default: none)")
     parser.add_argument("--workers", type=int, default=None, metavar="N", help="hashing threads (default: up to 8)")
 
 

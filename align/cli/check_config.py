@@ -12,7 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`align check-config MEGATRON MINDFORMERS_YAML [--json OUT|-]`."""
     parser.add_argument("megatron", help="Megatron log (arguments block), launch script, or JSON arguments")
     parser.add_argument("mindformers", help="MindFormers YAML config")
-    parser.add_argument("--json", metavar="OUT", help="write machine-readable results to OUT ('-' = stdout)")
+    parser.add_argument("--json", metavar="OUT",
+                        help="also write machine-readable results to OUT ('-' = stdout, JSON only; default: the table "
+                             "only)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,10 +13,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="run store, or a step_N/rank_R/*.npy batch dump")
     parser.add_argument("--vocab-size", type=int, help="ids must lie in [0, vocab) (default: what a run store "
                         "recorded: its Megatron arguments' padded vocabulary, a dumper's data block)")
-    parser.add_argument("--eos-id", type=int, help="EOD / eos token id")
-    parser.add_argument("--pad-id", type=int, help="pad token id")
-    parser.add_argument("--ignore-index", type=int, default=-100, help="label value that means 'no target'")
-    parser.add_argument("--json", metavar="OUT", help="write findings as JSON to OUT ('-' = stdout)")
+    parser.add_argument("--eos-id", type=int, help="EOD / eos token id (default: what a run store recorded)")
+    parser.add_argument("--pad-id", type=int, help="pad token id (default: what a run store recorded)")
+    parser.add_argument("--ignore-index", type=int, default=-100,
+                        help="label value that means 'no target' (default: %(default)s)")
+    parser.add_argument("--json", metavar="OUT",
+                        help="also write findings as JSON to OUT ('-' = stdout, JSON only; default: text only)")
 
 
 def _store_ids(path: str) -> dict:

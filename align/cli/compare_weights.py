@@ -24,28 +24,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Each CHECKPOINT is a Megatron torch_dist or legacy (mp_rank_*) folder (the save root or an iter_N), a "
         "torch state_dict .pt, a MindFormers .safetensors file or folder of them, or a MindSpore .ckpt. "
         "Tensors are brought into the baseline's layout by the mapping and compared one at a time.")
-    parser.add_argument("baseline", help="the reference checkpoint (findings use its parameter names)")
-    parser.add_argument("candidate", help="the checkpoint compared with it")
-    parser.add_argument("--out", required=True, help="folder for summary.json, report.html, weights.csv, figures/")
+    parser.add_argument("baseline", help="the reference CHECKPOINT (findings use its parameter names)")
+    parser.add_argument("candidate", help="the CHECKPOINT compared with it")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="folder for summary.json, report.html, weights.csv, figures/ (created)")
     parser.add_argument("--repeat", metavar="CHECKPOINT", help="the baseline's weights from a repeat of its run "
                         "(same steps, e.g. without determinism or at another TP size): each parameter is then "
                         "judged against how far the baseline is from itself (pass within 3 x that band, fail "
-                        "beyond 10 x), never tighter than its dtype's tolerance")
+                        "beyond 10 x), never tighter than its dtype's tolerance (default: none, the dtype decides)")
     parser.add_argument("--mapping", help="preset name or YAML mapping file (default: the preset whose rules "
                         "cover the most of both checkpoints' names)")
     parser.add_argument("--tolerance", action="append", default=[], metavar="[DTYPE=]PASS[,FAIL]",
                         help="relative L2 difference that passes (and above which it fails; default 100 x PASS) "
                         "for every dtype, or for one (bfloat16=1e-2,5e-2); repeatable. Defaults: float32 1e-4 "
                         "(fails above 1e-2), bfloat16 1e-2 (5e-2), float16 2e-3 (2e-2)")
-    parser.add_argument("--num-heads", type=int, help="attention heads (presets that split fused QKV: the legacy "
-                        "Llama)")
+    parser.add_argument("--num-heads", type=int, help="attention heads (needed by presets that split fused QKV: the "
+                        "legacy Llama; default: none)")
     parser.add_argument("--num-query-groups", type=int, help="GQA groups (default: = heads)")
     parser.add_argument("--num-experts", type=int, help="routed experts per MoE layer (default: from the "
                         "checkpoints)")
     parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
-                        help="a named size a fused tensor splits back by (as for convert-weights)")
-    parser.add_argument("--top", type=int, default=10, help="how many of the most drifted parameters to list")
-    parser.add_argument("--strict", action="store_true", help="exit 1 on warn too (CI gates)")
+                        help="a named size a fused tensor splits back by (as for convert-weights; repeatable; "
+                             "default: none)")
+    parser.add_argument("--top", type=int, default=10,
+                        help="how many of the most drifted parameters to list (default: %(default)s)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 on warn too (CI gates; default: warn exits 0)")
 
 
 def parse_tolerances(items: Sequence[str]) -> dict[str, tuple[float, float]]:

@@ -17,19 +17,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", help="Megatron state_dict .pt (one per TP rank, in rank order), "
                         "a Megatron checkpoint folder (torch_dist or mp_rank_* files), or one MindFormers "
                         ".safetensors (mcore) / .ckpt (legacy Llama)")
-    parser.add_argument("--to", choices=["mindformers", "megatron"], required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--num-heads", type=int, required=True)
+    parser.add_argument("--to", choices=["mindformers", "megatron"], required=True,
+                        help="the framework to write for")
+    parser.add_argument("--out", required=True, metavar="FILE",
+                        help="the converted checkpoint: .safetensors (MindFormers 2.x mcore), .ckpt (legacy Llama) "
+                        "or .pt (to megatron)")
+    parser.add_argument("--num-heads", type=int, required=True, help="attention heads (to split / fuse QKV)")
     parser.add_argument("--num-query-groups", type=int, help="GQA groups (default: MHA, = heads)")
-    parser.add_argument("--mapping", help="preset name or YAML mapping file")
-    parser.add_argument("--num-experts", type=int, help="routed experts per MoE layer (to megatron, MoE presets)")
+    parser.add_argument("--mapping",
+                        help="preset name or YAML mapping file (default: from the MindFormers file's suffix: "
+                             ".safetensors the mcore dense preset, .ckpt the legacy Llama one)")
+    parser.add_argument("--num-experts", type=int,
+                        help="routed experts per MoE layer (to megatron, MoE presets; default: the experts whose "
+                             "names appear)")
     parser.add_argument("--scheme", choices=["local", "te", "local+grouped", "te+grouped"], default="local",
                         help="Megatron names to write (to megatron): local/te norms, +grouped for TE grouped "
-                        "GEMM experts")
+                        "GEMM experts (default: %(default)s)")
     parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
                         help="a named size a fused tensor splits back by (to megatron), e.g. q_down=1536 "
-                        "(q_lora_rank) for megatron_core__mindformers_mcore_mla_qkv_concat")
-    parser.add_argument("--json", action="store_true")
+                        "(q_lora_rank) for megatron_core__mindformers_mcore_mla_qkv_concat (repeatable; default: none)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the conversion report as JSON (for align report --conversion; default: one line)")
 
 
 def parse_sizes(items: Sequence[str]) -> dict[str, int]:

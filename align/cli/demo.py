@@ -10,11 +10,12 @@ HELP = "run the paired Megatron-core vs MindFormers experiment (CPU) and report"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from demo.spec import DEFAULT_SEED, FAULTS, MODEL_KINDS  # numpy only: in --help even without the frameworks
 
-    p.add_argument("--out", default="demo_out", metavar="DIR")
+    p.add_argument("--out", default="demo_out", metavar="DIR",
+                   help="folder for the runs (DIR/runs/) and the report (default: %(default)s)")
     p.add_argument("--steps", type=int, default=300, metavar="N", help="steps of the long pair (default 300)")
     p.add_argument("--lr0-steps", type=int, default=20, metavar="N", help="steps of the lr=0 pair (default 20)")
     p.add_argument("--inject", metavar="FAULT", default=None,
-                   help="plant a known fault: " + ", ".join(FAULTS))
+                   help="plant a known fault (default: none, the clean pair): " + ", ".join(FAULTS))
     p.add_argument("--model", choices=MODEL_KINDS, default="dense",
                    help="candidate model: dense = MindFormers 2.x mcore Qwen3-style model, the one MindFormers 2.x "
                         "trains (default; baseline with q/k layernorm to match), llama = MindFormers' legacy "
@@ -25,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a clean pair passes whatever the seed")
     p.add_argument("--reuse-baseline", metavar="DIR", default=None,
                    help="reuse the baseline-side runs of an earlier demo DIR (same --steps) for a "
-                        "candidate-side fault")
+                        "candidate-side fault (default: run the baseline side too)")
     p.add_argument("--example-logs", action="store_true",
-                   help="compare the bundled example logs instead (no framework needed)")
+                   help="compare the bundled example logs instead (no framework needed; default: the paired runs)")
 
 
 # what the paired runs import (in their own processes, so a missing one would surface there as a traceback)

@@ -13,8 +13,8 @@ HELP = "turn a Megatron/MindFormers log, TensorBoard dir, golden values or mspro
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from sources import sources
     parser.description = "SOURCE is detected: " + "; ".join(s.describe for s in sources() if s.kind != "runstore")
-    parser.add_argument("source", metavar="SOURCE")
-    parser.add_argument("--out", required=True, metavar="RUN_DIR")
+    parser.add_argument("source", metavar="SOURCE", help="the file or folder to import (its kind is detected)")
+    parser.add_argument("--out", required=True, metavar="RUN_DIR", help="the run store to write (created)")
 
 
 def run(args: argparse.Namespace) -> int:

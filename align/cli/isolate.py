@@ -31,11 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the candidate's weights at that step (.safetensors / .ckpt / a Megatron checkpoint)")
     parser.add_argument("--out", required=True, metavar="RUN", help="writes RUN/evidence/isolation.npz")
     parser.add_argument("--step", type=int, help="the tensor step (default: the baseline's first with full tensors)")
-    parser.add_argument("--rank", type=int, default=0, help="the baseline rank whose tensors and batch are used")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="the baseline rank whose tensors and batch are used (default: %(default)s)")
     parser.add_argument("--modules", action="append", metavar="PATTERN",
                         help="fnmatch pattern over the baseline's module names (repeatable; default: every "
                              "captured layer, attention, MLP, norm and output module the mapping maps)")
-    parser.add_argument("--mapping", metavar="PRESET_OR_FILE", help="default: the preset the YAML needs")
+    parser.add_argument("--mapping", metavar="PRESET_OR_FILE",
+                        help="name mapping preset or YAML file (default: the preset the YAML needs)")
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

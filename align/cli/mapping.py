@@ -42,11 +42,13 @@ def _read_names(path: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`align mapping show PRESET` / `align mapping check PRESET --baseline NAMES --candidate NAMES`."""
-    parser.add_argument("action", choices=["show", "check", "list"], help="show a mapping, check names, list")
-    parser.add_argument("preset", nargs="?", default=DEFAULT_PRESET, help="preset name or YAML file")
-    parser.add_argument("--baseline", help="baseline names: text file (one a line), JSON list, or run store")
-    parser.add_argument("--candidate", help="candidate names: text file, JSON list, or run store")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("action", choices=["show", "check", "list"],
+                        help="show a mapping, check names against it, or list the presets")
+    parser.add_argument("preset", nargs="?", default=DEFAULT_PRESET,
+                        help="preset name or YAML file (default: %(default)s)")
+    parser.add_argument("--baseline", help="check: baseline names: text file (one a line), JSON list, or run store")
+    parser.add_argument("--candidate", help="check: candidate names: text file, JSON list, or run store")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (default: text)")
 
 
 def run(args: argparse.Namespace) -> int:
