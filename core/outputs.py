@@ -21,14 +21,43 @@ def check_out_dir(out: str | os.PathLike) -> Path:
         raise BadInput(f"{p}: output is a dangling symlink (to {os.readlink(p)})")
     if p.exists() and not p.is_dir():
         raise BadInput(f"{p}: output exists and is not a directory")
+    if p.is_dir():
+        _writable(p, f"{p}: output folder is not writable")
+        return p
     parent = p.parent
     while not parent.exists():
         if parent.is_symlink():
-            raise BadInput(f"{parent}: output's parent is a dangling symlink")
+            raise BadInput(f"{p}: cannot create it: {parent} is a dangling symlink")
         parent = parent.parent
     if not parent.is_dir():
-        raise BadInput(f"{parent}: output's parent is not a directory")
+        raise BadInput(f"{p}: cannot create it: {parent} is not a directory")
+    _writable(parent, f"{p}: cannot create it: {parent} is not writable")
     return p
+
+
+def check_out_file(out: str | os.PathLike, what: str = "output") -> Path:
+    """``out`` as a Path when a file can be written there (an existing file is replaced); BadInput for a
+    folder, a dangling symlink, a missing or unwritable parent folder. ``"-"`` (stdout) passes."""
+    p = Path(out)
+    if str(out) == "-":
+        return p
+    if p.is_symlink() and not p.exists():
+        raise BadInput(f"{p}: {what} is a dangling symlink (to {os.readlink(p)})")
+    if p.is_dir():
+        raise BadInput(f"{p}: {what} is a directory, expected a file name")
+    parent = p.parent
+    if not parent.is_dir():
+        raise BadInput(f"{p}: {what}'s folder {parent} does not exist")
+    _writable(parent, f"{p}: cannot write it: {parent} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise BadInput(f"{p}: {what} exists and is not writable")
+    return p
+
+
+def _writable(folder: Path, message: str) -> None:
+    """BadInput(message) when files cannot be created in ``folder`` (permissions, a read-only mount)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise BadInput(message)
 
 
 def check_no_symlinks(out: str | os.PathLike, relpaths: Iterable[str | os.PathLike]) -> None:

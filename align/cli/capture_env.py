@@ -47,8 +47,10 @@ def _framework(choice: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from core.outputs import check_out_file
     from dumpers.environment import capture_environment, write_capture
 
+    check_out_file(args.out, "--out")     # before hashing gigabytes: a capture that cannot be saved is refused
     if args.workers is not None and args.workers < 1:
         raise BadInput(f"--workers {args.workers}: expected a positive number of threads")
     framework = _framework(args.framework)

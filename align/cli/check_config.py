@@ -19,9 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from align.checks.config import compare_configs, format_table
-    from core.outputs import write_text_output
+    from core.outputs import check_out_file, write_text_output
     from sources.configs import read_megatron, read_mindformers
 
+    if args.json:
+        check_out_file(args.json, "--json")   # before the configs are read
     mg_args, kind = read_megatron(args.megatron)
     rows, res = compare_configs(mg_args, read_mindformers(args.mindformers))
     payload = {"verdict": res.verdict, "megatron_source": kind, **res.details,

@@ -39,8 +39,10 @@ def _store_ids(path: str) -> dict:
 def run(args: argparse.Namespace) -> int:
     from align.checks.data import check_batches, iter_batches
     from align.stages.data_checks import with_options
-    from core.outputs import write_text_output
+    from core.outputs import check_out_file, write_text_output
 
+    if args.json:
+        check_out_file(args.json, "--json")   # before the batches are read
     ids = with_options(_store_ids(args.path), args.vocab_size, args.eos_id, args.pad_id)
     res = check_batches(iter_batches(args.path), ignore_index=args.ignore_index, **ids)
     payload = {"verdict": res.verdict, **res.details, "vocabulary": ids,

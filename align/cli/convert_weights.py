@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     # command-line mistakes are refused before any file is read (exit 2, one line)
+    from core.outputs import check_out_file
+
+    check_out_file(args.out, "--out")     # a dangling symlink, an unwritable folder
     check_out_path(args.out)
     check_model_params(args.num_heads, args.num_query_groups, args.num_experts)
     for p in args.inputs:

@@ -38,7 +38,10 @@ FRAMEWORKS = ("torch", "megatron.core", "mindspore", "mindformers")
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
+    from core.outputs import check_out_dir
     from demo.pair import run_demo
+
+    check_out_dir(args.out)         # before minutes of training: an --out that cannot be written
     if not args.example_logs:
         for name in FRAMEWORKS:
             top = name.split(".")[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from core.errors import BadInput
 
@@ -21,13 +20,12 @@ def run(args: argparse.Namespace) -> int:
     from core.outputs import check_out_dir
     from runstore.run import save_run
     from sources import detect, load_run
+    out = check_out_dir(args.out)     # before the source is read: a long read must not end in a refusal
+    if out.exists() and any(out.iterdir()):
+        raise BadInput(f"{out}: exists and is not empty")
     kind = detect(args.source)
     if kind == "runstore":
         raise BadInput(f"{args.source}: already a run store")
-    out = Path(args.out)
-    check_out_dir(out)
-    if out.exists() and any(out.iterdir()):
-        raise BadInput(f"{out}: exists and is not empty")
     loaded = load_run(args.source, kind)
     save_run(loaded, out)
     print(f"{args.source} ({kind}): {len(loaded.steps)} steps -> {out}")

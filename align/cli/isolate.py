@@ -74,8 +74,10 @@ def _weights(path: str, net: Any, m: Any, cfg: dict[str, Any]) -> dict[str, Any]
 
 def run(args: argparse.Namespace) -> int:
     from align.checks.config import mindformers_attention_dtype
+    from core.outputs import check_out_dir
     from models import load_mapping, preset_for_config
 
+    check_out_dir(args.out)                  # before a model is built: an --out that cannot be written
     cfg = _read_yaml(args.candidate_yaml)
     if not Path(args.baseline).is_dir():
         raise BadInput(f"{args.baseline}: not a run store folder")
