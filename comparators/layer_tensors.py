@@ -151,14 +151,25 @@ def compare_layer_tensors(baseline: Any, candidate: Any, mapping: Any = None, *,
             fplan = plan_layer_tasks(baseline, repeat, mapping, step=step, rank=rank, candidate_rank=repeat_rank,
                                      stats_only=not plan["full"], tolerances=tolerances, readers=readers)
             floor_rows = run_tasks(fplan["tasks"], jobs or threads, scheduler, executor)
-        apply_floors(rows_out, floor_rows, f"repeat {label} vs baseline, step {step}",
-                     no_floor or f"the repeat {label} has no layer rows at step {step}", tolerances)
+        judged = apply_floors(rows_out, floor_rows, f"repeat {label} vs baseline, step {step}",
+                              no_floor or f"the repeat {label} has no layer rows at step {step}", tolerances)
+        res = summarise(plan, rows_out, one_sided_kinds)
+        if judged:
+            res.details["power"] = nf.power(judged, "layer rows")
+            if "noise_floor" in res.details:
+                res.details["noise_floor"].update(pass_ratio=judged[0].pass_ratio, fail_ratio=judged[0].fail_ratio)
+            for f in res.findings:
+                if f.metric == "rows_within_tolerance" and f.verdict == "pass":
+                    f.message += "; " + res.details["power"]["text"]
+        return res
     return summarise(plan, rows_out, one_sided_kinds)
 
 
 def apply_floors(rows_out: list[dict[str, Any]], floor_rows: list[dict[str, Any]] | None, what: str,
-                 no_floor: str, tolerances: dict[str, tuple[float, float, float]] | None = None) -> None:
-    """Judge each compared row against its noise floor too (comparators.noise_floor), in place.
+                 no_floor: str, tolerances: dict[str, tuple[float, float, float]] | None = None
+                 ) -> list[nf.Judgement]:
+    """Judge each compared row against its noise floor too (comparators.noise_floor), in place; returns the
+    judgements. Every row is judged at once, so the floor's lines grow with their number (noise_floor.ratios).
 
     ``floor_rows``: the same compare of the baseline against its repeat (same mode: statistics or tensors).
     A row's own floor is the repeat row of the same module, kind and occurrence with the baseline's shape (a
@@ -177,11 +188,14 @@ def apply_floors(rows_out: list[dict[str, Any]], floor_rows: list[dict[str, Any]
             own[key(r)] = float(f["value"]) if same else None
     groups = {key(r): (r["direction"], r.get("judged_dtype", "float32")) for r in rows_out}
     floors = nf.group_floors(own, groups, what, no_repeat=None if floor_rows else no_floor)
+    out = []
     for r in rows_out:
         tol = tolerance(r.get("judged_dtype") or r.get("dtype", "float32"), tolerances)
-        j = nf.judge(float(r["value"]), floors[key(r)], (tol[0], tol[1]))
+        j = nf.judge(float(r["value"]), floors[key(r)], (tol[0], tol[1]), judged=len(rows_out))
+        out.append(j)
         r.update(j.columns(), verdict=nf.worst(r["verdict"], j.verdict),
                  threshold=j.threshold if j.ratio is not None else r["threshold"])
+    return out
 
 
 def compare_layer_tensors_all(baseline: Any, candidate: Any, mapping: Any = None, *,
@@ -263,7 +277,8 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
         ratios = [r["ratio"] for r in rows_out if r.get("ratio") is not None]
         res.add(Finding(STAGE, "pass", None, "rows_within_tolerance", len(rows_out), None,
                         f"all {len(rows_out)} compared tensor rows within their dtype's tolerance"
-                        + (f" and {nf.PASS_RATIO:g}x their noise floors ({len(ratios)} rows with a floor, worst "
+                        + (f" and {rows_out[0].get('pass_ratio', nf.PASS_RATIO):.3g}x their noise floors "
+                           f"({len(ratios)} rows with a floor, worst "
                            f"ratio {max(ratios):.3g})" if ratios else
                            f" ({rows_out[0]['floor_source']})" if rows_out[0].get("floor_source") else "")))
     departing = [r for r in rows_out if r["verdict"] != "pass"]

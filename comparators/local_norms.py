@@ -530,6 +530,8 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
     floors = norm_floors(pairing.pairs, b_norms, repeats or [], no_floor if not repeats else None,
                          info.get("step"))
     judged = []
+    # every parameter is judged at once: the floor's lines grow with their number (noise_floor.ratios)
+    n_judged = sum(r.get("compared_as") != "pre_all_reduce_bound" for r in rows)
     for r in rows:
         if r.get("compared_as") == "pre_all_reduce_bound":
             continue
@@ -539,7 +541,7 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
                             f"{r['numel_candidate']} in the candidate ({r['candidate']})"))
         rel = r["rel_diff"]
         finite = math.isfinite(r["candidate_norm"]) and math.isfinite(r["baseline_norm"])
-        j = nf.judge(rel if finite else math.inf, floors.get(r["name"]), (pass_tol, warn_tol))
+        j = nf.judge(rel if finite else math.inf, floors.get(r["name"]), (pass_tol, warn_tol), judged=n_judged)
         judged.append(j)
         r.update(j.columns(), verdict=j.verdict, threshold=j.threshold)
         if j.verdict != "pass":
@@ -555,11 +557,13 @@ def compare_norm_entries(b_norms: dict[str, ShardNorm], c_norms: dict[str, Shard
         res.add(Finding(STAGE, "pass", exact[0]["name"], "local_norm_rel_diff", exact[0]["rel_diff"],
                         exact[0]["threshold"],
                         f"all {len(exact)} parameter groups within {pass_tol:g} relative"
-                        + (f" and within {nf.PASS_RATIO:g}x their noise floors (worst ratio {worst_ratio:.3g})"
-                           if worst_ratio is not None else f" ({floors[exact[0]['name']].source})")
-                        + f"; worst {exact[0]['name']} at {exact[0]['rel_diff']:.3g}"))
+                        + (f" and within {judged[0].pass_ratio:.3g}x their noise floors (worst ratio "
+                           f"{worst_ratio:.3g})" if worst_ratio is not None
+                           else f" ({floors[exact[0]['name']].source})")
+                        + f"; worst {exact[0]['name']} at {exact[0]['rel_diff']:.3g}; "
+                        + nf.power(judged, "parameters' gradient norms")["text"]))
     res.details = {"compared": len(rows), "failing": failing, "rtol": pass_tol, **info,
-                   "noise_floor": nf.summary(judged),
+                   "noise_floor": nf.summary(judged), "power": nf.power(judged, "parameters' gradient norms"),
                    "worst": rows[:top], "per_layer": _aggregate(rows, "layer"),
                    "per_kind": _aggregate(rows, "kind"),
                    "parameters": sorted(rows, key=lambda r: (r["layer"] if r["layer"] is not None else -1,

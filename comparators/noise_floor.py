@@ -32,6 +32,9 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from comparators.stats import FAIL_RATE, WARN_RATE, multiplicity
 from core.dtypes import EPS
 
 PASS_RATIO = 10.0      # a difference up to this many floors is noise
@@ -88,36 +91,62 @@ class Judgement:
     dtype_verdict: str
     decided_by: str              # "floor" (the floor was stricter) or "dtype line"
     dtype_line: float            # the dtype's pass line (what the difference was judged against before floors)
+    pass_ratio: float = PASS_RATIO   # the ratios in force (grown with the number of values judged together)
+    fail_ratio: float = FAIL_RATIO
+    judged: int = 1                  # values judged together against floors of this kind
+    dtype_fail_line: float = math.inf    # the dtype's warn line: beyond it the value fails whatever its floor
+
+    @property
+    def fail_at(self) -> float:
+        """The smallest difference this value would fail at: its floor's fail line or the dtype's, if lower."""
+        by_floor = self.fail_ratio * self.floor if self.floor is not None else math.inf
+        return min(by_floor, self.dtype_fail_line)
 
     def columns(self) -> dict[str, Any]:
         """The row columns every judged table carries (summary.json and the HTML tables)."""
         return {"ratio": self.ratio, "floor": self.floor, "floor_source": self.floor_source,
-                "dtype_line": self.dtype_line, "dtype_verdict": self.dtype_verdict, "decided_by": self.decided_by}
+                "dtype_line": self.dtype_line, "dtype_verdict": self.dtype_verdict, "decided_by": self.decided_by,
+                "pass_ratio": self.pass_ratio, "fail_ratio": self.fail_ratio}
 
     def says(self) -> str:
         """The ratio in words, for a finding's message."""
         if self.ratio is None:
             return self.floor_source
+        among = f" for {self.judged} values judged together" if self.judged > 1 else ""
         return (f"{self.ratio:.3g}x its noise floor {self.floor:.3g} ({self.floor_source}; passes up to "
-                f"{PASS_RATIO:g}x, fails beyond {FAIL_RATIO:g}x)")
+                f"{self.pass_ratio:.3g}x, fails beyond {self.fail_ratio:.3g}x{among})")
+
+
+def ratios(judged: int = 1) -> tuple[float, float]:
+    """(pass, fail) ratios for ``judged`` values judged at once: ``PASS_RATIO`` and ``FAIL_RATIO`` are the lines
+    for one value; applied to many, the chance that the largest clean one crosses a line grows, so each line
+    grows by the Bonferroni factor that keeps that chance at the stated rate (stats.multiplicity: the warn line
+    at ``WARN_RATE``, the fail line at ``FAIL_RATE``): 20 values at once pass up to 13.5x, fail beyond 37x."""
+    n = max(int(judged), 1)
+    return PASS_RATIO * multiplicity(n, WARN_RATE), FAIL_RATIO * multiplicity(n, FAIL_RATE)
 
 
 def judge(value: float, floor: Floor | None, dtype_line: tuple[float, float], *,
-          pass_ratio: float = PASS_RATIO, fail_ratio: float = FAIL_RATIO) -> Judgement:
+          pass_ratio: float | None = None, fail_ratio: float | None = None, judged: int = 1) -> Judgement:
     """The verdict of a difference ``value`` (relative, >= 0): the worse of its dtype line (``dtype_line``:
-    passes up to [0], warns up to [1]) and its ratio to ``floor`` (when measured)."""
+    passes up to [0], warns up to [1]) and its ratio to ``floor`` (when measured). ``judged``: how many values
+    are judged together against floors like this one (the ratios grow with it: :func:`ratios`)."""
+    auto = ratios(judged)
+    pass_ratio = auto[0] if pass_ratio is None else pass_ratio
+    fail_ratio = auto[1] if fail_ratio is None else fail_ratio
     finite = math.isfinite(value)
     dv = "pass" if finite and value <= dtype_line[0] else "warn" if finite and value <= dtype_line[1] else "fail"
     eff = floor.effective if floor is not None else None
     source = floor.source if floor is not None else "no floor: judged at the dtype line"
     if eff is None:
-        return Judgement(dv, value, None, None, source, dtype_line[0], dv, "dtype line", dtype_line[0])
+        return Judgement(dv, value, None, None, source, dtype_line[0], dv, "dtype line", dtype_line[0],
+                         pass_ratio, fail_ratio, judged, dtype_line[1])
     ratio = value / eff if finite else math.inf
     fv = "pass" if ratio <= pass_ratio else "warn" if ratio <= fail_ratio else "fail"
     verdict = worst(dv, fv)
     decided = "floor" if _ORDER[fv] > _ORDER[dv] else "dtype line"
     return Judgement(verdict, value, ratio, eff, source, min(dtype_line[0], pass_ratio * eff), dv, decided,
-                     dtype_line[0])
+                     dtype_line[0], pass_ratio, fail_ratio, judged, dtype_line[1])
 
 
 def spread(values: Iterable[float | None]) -> float | None:
@@ -164,4 +193,65 @@ def summary(judgements: Iterable[Judgement]) -> dict[str, Any]:
     return {"judged": len(js), "with_floor": len(with_floor), "without_floor": len(js) - len(with_floor),
             "decided_by_floor": sum(j.decided_by == "floor" for j in js),
             "worst_ratio": worst_j.ratio if worst_j is not None else None,
-            "pass_ratio": PASS_RATIO, "fail_ratio": FAIL_RATIO, "floor_min": FLOOR_MIN}
+            "pass_ratio": js[0].pass_ratio if js else PASS_RATIO, "fail_ratio": js[0].fail_ratio if js else FAIL_RATIO,
+            "floor_min": FLOOR_MIN}
+
+
+def power(judgements: Iterable[Judgement], what: str, unit: str = "relative difference") -> dict[str, Any]:
+    """What a floor-judged stage can tell (summary.json and the stage's message): ``detectable``, the
+    ``unit`` at which a typical judged value (the median over them) fails, ``most_sensitive`` the smallest
+    of those lines; for a pass, ``margin``: the largest share of its own fail line any value used (0.2: every
+    value is 5x below the difference that would have failed it). Values judged at the dtype line alone
+    (no floor) resolve only that line, and the text says a repeat would measure the noise."""
+    js = [j for j in judgements if math.isfinite(j.value)]
+    if not js:
+        return {"detectable": None, "text": f"no {what} compared"}
+    lines = sorted(j.fail_at for j in js)
+    finite = [x for x in lines if math.isfinite(x)]
+    detect = finite[len(finite) // 2] if finite else math.inf
+    used = max((j.value / j.fail_at for j in js if j.fail_at > 0 and math.isfinite(j.fail_at)), default=math.nan)
+    no_floor = sum(j.ratio is None for j in js)
+    text = (f"with these floors, a {unit} of {detect:.3g} fails a typical one of the {len(js)} {what} judged "
+            f"together (the most sensitive at {finite[0] if finite else math.inf:.3g})")
+    if math.isfinite(used):
+        text += (f"; the largest here uses {used:.2g} of its fail line" +
+                 (f" (a margin of {1 / used:.3g}x)" if used > 0 else ""))
+    if no_floor:
+        text += (f"; {no_floor} of them have no measured floor and resolve only their dtype line: a repeat of the "
+                 "baseline at the candidate's precision (--repeat, without determinism) would measure their noise")
+    return {"detectable": detect, "most_sensitive": finite[0] if finite else None, "margin": used,
+            "judged": len(js), "without_floor": no_floor, "text": text}
+
+
+# -- a repeat that measures no noise ---------------------------------------------------------------------------
+SILENT_ULPS = 1.0            # a repeat never more than this many float32 ulps (relative) from the baseline ...
+SILENT_DTYPE_FRACTION = 1e-4  # ... or than this share of its precision's ulp (bf16: ~6.5 float32 ulps)
+
+
+def silent_repeat(series: Iterable[tuple[str, np.ndarray, np.ndarray]], dtype: str = "float32") -> str | None:
+    """Why a repeat measures no noise, or None when it does (or cannot be told: no common finite value).
+
+    ``series``: (quantity, baseline values, repeat values) at the steps both hold. A repeat bit-identical to
+    the baseline over every judged step (any CPU run; on a cluster, determinism left on) gives floors of 0 and
+    a band of 0: every cross-framework rounding would read as a fault. One whose largest difference stays
+    below ``SILENT_ULPS`` float32 ulps, or far below its precision's ulp (``SILENT_DTYPE_FRACTION``: a bf16
+    run that never leaves a few float32 ulps of its baseline did not run without determinism), measures no
+    more. Such a repeat is named in a warning and not used: judging falls back to the dtype line."""
+    limit = max(SILENT_ULPS * EPS["float32"], SILENT_DTYPE_FRACTION * EPS.get(dtype, EPS["float32"]))
+    worst_rel, n, what = 0.0, 0, []
+    for name, b, r in series:
+        b, r = np.asarray(b, dtype=np.float64), np.asarray(r, dtype=np.float64)
+        ok = np.isfinite(b) & np.isfinite(r)
+        if not ok.any():
+            continue
+        rel = np.abs(r[ok] - b[ok]) / np.maximum(np.abs(b[ok]), 1e-30)
+        worst_rel = max(worst_rel, float(rel.max()))
+        n = max(n, int(ok.sum()))
+        what.append(name)
+    if not what or worst_rel > limit:
+        return None
+    over = f"{' and '.join(what)} over {n} common step{'s' if n != 1 else ''}"
+    if worst_rel == 0.0:
+        return f"bit-identical to the baseline ({over}): it measures no noise (run it without determinism)"
+    return (f"at most {worst_rel:.3g} relative from the baseline ({over}), below {limit:.3g} "
+            f"({SILENT_ULPS:g} float32 ulp or {SILENT_DTYPE_FRACTION:g} of a {dtype} ulp): it measures no noise")

@@ -26,6 +26,9 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--lr0", nargs=2, metavar=("BASELINE_LR0", "CANDIDATE_LR0"),
                    help="the lr = 0 pair (both runs again at learning rate 0): loss and grad norm must agree at "
                         "every step")
+    e.add_argument("--lr0-repeat", action="append", default=[], metavar="RUN",
+                   help="the baseline's repeat run again at learning rate 0 over the lr = 0 pair's steps: the noise "
+                        "floor of every lr = 0 step (repeatable; default: the --repeat run's own steps)")
     e.add_argument("--baseline-config", metavar="FILE",
                    help="Megatron arguments: a training log, a launch script or JSON (default: the run's meta)")
     e.add_argument("--candidate-config", metavar="FILE", help="the MindFormers YAML (default: the run's meta)")
@@ -69,6 +72,11 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="allowed share of steps outside the band (default: %(default)s)")
     g.add_argument("--max-bias", type=float, default=0.5,
                    help="allowed |mean delta| / std(delta) (default: %(default)s)")
+    g.add_argument("--fail-rate", type=float, default=1e-3,
+                   help="with a repeat: the false-alarm rate a clean pair fails a long-run test at (default: "
+                        "%(default)s)")
+    g.add_argument("--warn-rate", type=float, default=1e-2,
+                   help="with a repeat: the false-alarm rate a clean pair is warned at (default: %(default)s)")
     g.add_argument("--sustain", type=int, default=10,
                    help="consecutive out-of-band steps that make a divergence (default: %(default)s)")
     g.add_argument("--tail", type=float, default=0.2,
@@ -127,7 +135,8 @@ def report_inputs(args: argparse.Namespace) -> Inputs:
                         band_window=args.band_window, band_floor=args.band_floor,
                         band_floor_ulps=args.band_floor_ulps,
                         max_outside=args.max_outside, max_bias=args.max_bias, sustain=args.sustain,
-                        tail=args.tail)
+                        tail=args.tail, fail_rate=getattr(args, "fail_rate", 1e-3),
+                        warn_rate=getattr(args, "warn_rate", 1e-2))
     options = Options(scalar=opt, layer_tolerance=_layer_tolerance(args.layer_tolerance), dtype=args.dtype,
                       vocab_size=args.vocab_size, eos_id=args.eos_id, pad_id=args.pad_id, jobs=args.jobs,
                       scheduler=args.scheduler,
@@ -138,7 +147,8 @@ def report_inputs(args: argparse.Namespace) -> Inputs:
                   optimizer_check=args.optimizer_check, conversion=args.conversion, mapping=args.mapping,
                   rerun=getattr(args, "rerun", None), baseline_env=getattr(args, "baseline_env", None),
                   candidate_env=getattr(args, "candidate_env", None),
-                  isolation=getattr(args, "isolation", None), options=options)
+                  isolation=getattr(args, "isolation", None), lr0_repeats=getattr(args, "lr0_repeat", []),
+                  options=options)
 
 
 def parse_report_args(argv: list[str]) -> argparse.Namespace:

@@ -11,12 +11,20 @@ from core.findings import Finding, StageResult, skipped
 
 
 def run(ev: Evidence) -> StageResult:
-    if not ev.repeats:
+    silent = getattr(ev, "silent_repeats", [])
+    if not ev.repeats and not silent:
         return skipped("band", "no baseline repeat (the long run falls back to a relative tolerance)")
     opt = ev.options.scalar
     b = ev.baseline.series("loss")
     floor = band_floor(opt, b.to_numpy(dtype=float))
-    res = StageResult("band", details={"band_k": opt.band_k, "band_floor": floor, "repeats": []})
+    res = StageResult("band", details={"band_k": opt.band_k, "band_floor": floor, "repeats": [],
+                                       "silent_repeats": [{"run": r.path, "reason": why} for r, why in silent]})
+    for rep, why in silent:
+        fallback = ("the other repeat(s) set the band and the floors" if ev.repeats else
+                    f"the long run falls back to the no-repeat band (rtol {opt.rtol:g} x |baseline|) and every "
+                    "noise floor to its dtype line")
+        res.add(Finding("band", "warn", rep.path, "repeat_measures_no_noise", 0.0, None,
+                        f"repeat {rep.label} is not used: {why}; {fallback}"))
     for rep in ev.repeats:
         r = rep.series("loss")
         common = b.index.intersection(r.index)

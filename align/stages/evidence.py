@@ -59,6 +59,7 @@ class Inputs:
     baseline_env: str | None = None     # environment captures (align capture-env); default: the runs' meta
     candidate_env: str | None = None
     isolation: str | None = None        # single-module isolation evidence (align isolate): npz or its run
+    lr0_repeats: list[str] = field(default_factory=list)   # the baseline's repeat at lr = 0: lr = 0 floors per step
     options: Options = field(default_factory=Options)
 
 
@@ -97,12 +98,23 @@ class Evidence:
         self.runs = runs
         self.baseline: Run = runs["baseline"]
         self.candidate: Run = runs["candidate"]
-        self.repeats: list[Run] = [r for k, r in runs.items() if k.startswith("repeat")]
         self.lr0: tuple[Run, Run] | None = ((runs["lr0_baseline"], runs["lr0_candidate"])
                                             if "lr0_baseline" in runs else None)
         self.rerun: Run | None = runs.get("rerun")
+        self.lr0_repeats: list[Run] = [r for k, r in runs.items() if k.startswith("lr0_repeat")]
         self._configs: dict[str, tuple[str, dict[str, Any]] | None] = {}
         self.environments: dict[str, dict[str, Any]] = {}   # role -> environment capture (the cluster diff)
+        # A repeat that measures no noise (bit-identical to the baseline) is kept aside, named by the band
+        # stage, and used for no floor and no band: the stages see only the repeats that measured noise.
+        self.all_repeats: list[Run] = [r for k, r in runs.items() if k.startswith("repeat")]
+        self.silent_repeats: list[tuple[Run, str]] = []
+        self.repeats: list[Run] = []
+        for rep in self.all_repeats:
+            why = self._silent(rep)
+            if why is None:
+                self.repeats.append(rep)
+            else:
+                self.silent_repeats.append((rep, why))
 
     @classmethod
     def load(cls, inputs: Inputs, progress: Callable[[str], None] | None = None) -> Evidence:
@@ -111,6 +123,7 @@ class Evidence:
         items += [(f"repeat{i + 1}", r) for i, r in enumerate(inputs.repeats)]
         if inputs.lr0:
             items += [("lr0_baseline", inputs.lr0[0]), ("lr0_candidate", inputs.lr0[1])]
+        items += [(f"lr0_repeat{i + 1}", r) for i, r in enumerate(inputs.lr0_repeats)]
         if inputs.rerun:
             items.append(("rerun", inputs.rerun))
         for extra in (inputs.baseline_config, inputs.candidate_config, inputs.optimizer_check,
@@ -146,6 +159,23 @@ class Evidence:
                 env_files[role] = check_capture(meta_env, f"{runs[role].path}/meta.json (environment)")
         ev.environments = env_files
         return ev
+
+    def _silent(self, rep: Run) -> str | None:
+        """Why ``rep`` measures no noise (comparators.noise_floor.silent_repeat), or None. Judged on the loss
+        and grad norm at every step it shares with the baseline, at the precision the runs computed in."""
+        from comparators.noise_floor import silent_repeat
+
+        series = []
+        for key in ("loss", "grad_norm"):
+            b, r = self.baseline.series(key), rep.series(key)
+            common = b.index.intersection(r.index)
+            if len(common):
+                series.append((key, b.reindex(common).to_numpy(), r.reindex(common).to_numpy()))
+        try:
+            dtype = self.dtype[0]
+        except BadInput:          # an unreadable config is reported by the stages that read it
+            dtype = "float32"
+        return silent_repeat(series, dtype)
 
     # -- evidence by meaning ------------------------------------------------------------------------------
     def evidence_file(self, run: Run, name: str) -> Path | None:
