@@ -31,6 +31,7 @@ from align.stages import Inputs
 from core.errors import BadInput
 from core.findings import EXIT
 from demo.spec import DEFAULT_SEED, FAULTS, MODEL_KINDS, Spec, fault, repeat_layout, trains_in_graph, write_spec
+from reports.terminal import lines as terminal_lines
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 300
@@ -358,10 +359,8 @@ def run_demo(args: argparse.Namespace) -> int:
     data = paired_demo(args.out, steps=args.steps, lr0_steps=args.lr0_steps, inject=args.inject,
                        reuse_baseline=args.reuse_baseline, model_kind=model_kind,
                        seed=getattr(args, "seed", DEFAULT_SEED))
-    failing = sorted({f["stage"] for f in data["findings"] if f["verdict"] == "fail"})
-    print(f"verdict: {data['verdict']}" + (f" (failing stages: {', '.join(failing)})" if failing else ""))
+    print("\n".join(terminal_lines(data, Path(args.out).resolve())))
     print(f"took: {time.perf_counter() - t0:.0f} s")
-    print(f"report: {(Path(args.out) / 'report.html').resolve()}")
     return EXIT[data["verdict"]]
 
 
@@ -373,7 +372,6 @@ def run_example_logs(args: argparse.Namespace) -> int:
     paths = write_examples(out / "inputs")
     data = report(Inputs(str(paths["baseline"]), str(paths["candidate"]), repeats=[str(paths["repeat"])]),
                   str(out), progress=stderr_progress)
-    print(f"verdict: {data['verdict']}")
+    print("\n".join(terminal_lines(data, out.resolve())))
     print(f"inputs: {out / 'inputs'}")
-    print(f"report: {(out / 'report.html').resolve()}")
     return EXIT[data["verdict"]]

@@ -24,6 +24,7 @@ import pandas as pd
 
 from core.errors import BadInput
 from core.findings import StageResult, worst
+from core.interrupts import committing
 from core.outputs import check_no_symlinks, check_out_dir
 from reports import html
 from reports.render import Figure, render
@@ -40,6 +41,11 @@ class ReportInput:
     contract: dict[str, tuple[str, ...]] = field(default_factory=dict)
     extra_sections: list[tuple[str, str]] = field(default_factory=list)         # (title, html body)
     extra_tables: dict[str, pd.DataFrame] = field(default_factory=dict)         # file name -> table
+    # the procedure's reading of the stages (align.procedure.diagnosis): root causes first, and what ran
+    diagnosis: list[dict[str, Any]] = field(default_factory=list)
+    coverage: dict[str, Any] = field(default_factory=dict)
+    titles: dict[str, str] = field(default_factory=dict)          # stage name -> the title of its section
+    stage_sections: dict[str, str] = field(default_factory=dict)  # stage name -> its own html (tables)
 
 
 def overall_verdict(stages: dict[str, StageResult]) -> str:
@@ -88,6 +94,8 @@ def summary(inp: ReportInput) -> dict[str, Any]:
             out_stages[name].setdefault(key, None)
     return _clean({
         "verdict": overall_verdict(inp.stages),
+        "diagnosis": inp.diagnosis,
+        "coverage": inp.coverage,
         "stages": out_stages,
         "findings": [f.to_json() for st in stages.values() for f in st.findings],
         "runs": [{k: r[k] for k in ("role", "path", "kind", "steps", "notes") if k in r} for r in inp.runs],
@@ -114,19 +122,22 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
         figs = [(f.title, png) for f, png in zip(inp.figures, pngs, strict=True) if png]
         for fname, table in inp.extra_tables.items():
             table.to_csv(tmp / fname, index=False)
-        page = html.render(data["verdict"], inp.runs, inp.stages, figs, inp.step_rows, inp.extra_sections)
+        page = html.render(data["verdict"], inp.runs, inp.stages, figs, inp.step_rows, inp.extra_sections,
+                           diagnosis=data["diagnosis"], coverage=data["coverage"], titles=inp.titles,
+                           stage_sections=inp.stage_sections)
         (tmp / "report.html").write_text(page, encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
         files = sorted(tmp.rglob("*"))
         check_no_symlinks(out, [src.relative_to(tmp) / "x" if src.is_dir() else src.relative_to(tmp)
                                 for src in files])
-        out.mkdir(exist_ok=True)
-        for src in files:
-            dst = out / src.relative_to(tmp)
-            if src.is_dir():
-                dst.mkdir(exist_ok=True)
-            else:
-                os.replace(src, dst)   # replaces a symlink named like the file; never writes through it
+        with committing():     # no Ctrl-C half-way: the report is all there, or not there (core.interrupts)
+            out.mkdir(exist_ok=True)
+            for src in files:
+                dst = out / src.relative_to(tmp)
+                if src.is_dir():
+                    dst.mkdir(exist_ok=True)
+                else:
+                    os.replace(src, dst)   # replaces a symlink named like the file; never writes through it
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return data

@@ -95,6 +95,7 @@ def test_clean_pair_passes_every_stage(clean: tuple[Path, dict]) -> None:
         assert data["stages"][stage]["verdict"] == "pass", (stage, data["stages"][stage])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verdict"] == "pass"
+    assert summary["diagnosis"] == [] and summary["coverage"]["banner"] == "PASS on every part of the procedure"
     assert summary["stages"]["long_run"]["steps"] == STEPS
     # every parameter of the mcore model compared by name (Megatron's own names: identity but fc1)
     ln = summary["stages"]["step1_local_norm"]

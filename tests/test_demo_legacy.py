@@ -22,7 +22,7 @@ pytest.importorskip("mindformers")
 
 from demo.pair import paired_demo  # noqa: E402
 from demo.spec import FAULTS  # noqa: E402
-from tests.helpers.demo_checks import verdicts  # noqa: E402
+from tests.helpers.demo_checks import culprit_is, verdicts  # noqa: E402
 
 STEPS = 12
 LR0_STEPS = 3
@@ -40,6 +40,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 def test_legacy_clean_pair_passes_every_stage(clean: tuple[Path, dict], tmp_path: Path) -> None:
     out, data = clean
     assert data["verdict"] == "pass", [f for f in data["findings"] if f["verdict"] != "pass"]
+    assert data["diagnosis"] == []
     for stage in ALL_STAGES:
         assert data["stages"][stage]["verdict"] == "pass", (stage, data["stages"][stage])
     assert data["stages"]["step1_local_norm"]["compared"] >= 9        # every parameter group, by name
@@ -72,6 +73,7 @@ def test_legacy_fault_fails_at_its_stage_naming_its_component(name: str, clean: 
     hits = [x for x in data["findings"] if x["stage"] == f.stage and x["verdict"] == "fail"
             and component in str(x["component"])]
     assert hits, (component, [x for x in data["findings"] if x["stage"] == f.stage])
+    culprit_is(data, f.stage, component)
 
 
 def test_reuse_of_a_baseline_of_another_model_is_refused(clean: tuple[Path, dict], tmp_path: Path) -> None:

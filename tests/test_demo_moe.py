@@ -24,6 +24,7 @@ pytest.importorskip("mindformers")
 
 from demo.pair import paired_demo  # noqa: E402
 from demo.spec import FAULTS, SWAP_LAYER  # noqa: E402
+from tests.helpers.demo_checks import culprit_is  # noqa: E402
 
 STEPS = 6
 LR0_STEPS = 2
@@ -66,6 +67,7 @@ def clean(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_clean_pair_passes_every_judged_stage(clean: tuple[str, bool, Path, dict]) -> None:
     kind, repeat, out, data = clean
     assert data["verdict"] == "pass", [f for f in data["findings"] if f["verdict"] != "pass"]
+    assert data["diagnosis"] == []
     for stage in JUDGED + (("band",) if repeat else ()):
         assert data["stages"][stage]["verdict"] == "pass", (stage, data["stages"][stage])
     assert data["stages"]["step1_loss"]["rel_delta"] < 1e-5
@@ -130,6 +132,7 @@ def test_router_fault_is_named_at_the_router(inject: str, moe_pair: tuple[Path, 
     assert fault.stage == "moe_routing" and routing["verdict"] == "fail"
     failing = [f for f in data["findings"] if f["stage"] == "moe_routing" and f["verdict"] == "fail"]
     assert failing and all(fault.component in f["component"] for f in failing), failing
+    culprit_is(data, "moe_routing", fault.component)
     if inject == "router_fp16":        # every router, by its precision
         assert routing["failing_routers"] == routing["routers"]
         assert {f["metric"] for f in failing} >= {"router_precision"}

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from align.procedure.arguments import add_report_arguments
     parser.description = description()
     add_report_arguments(parser)
+    parser.add_argument("--explain", action="store_true",
+                        help="print every skipped stage with what to capture to run it (default: one line "
+                             "listing them; the report always shows them)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,22 +31,15 @@ def run(args: argparse.Namespace) -> int:
     from align.procedure.arguments import report_inputs
     from core.findings import EXIT
     data = report(report_inputs(args), args.out, None if args.quiet else stderr_progress)
-    _print_verdict(data, Path(args.out))
+    _print_verdict(data, Path(args.out), args.explain)
     if args.strict and data["verdict"] == "warn":
         return 1
     return EXIT[data["verdict"]]
 
 
-def _print_verdict(data: dict, out: Path) -> None:
-    lines = [f"verdict: {data['verdict']}"]
-    for name, st in data["stages"].items():
-        lines.append(f"  {name:<18} {st['verdict']}")
-        if st["verdict"] == "skipped" and st.get("capture"):
-            lines.append(f"  {'':<18} to run it: {st['capture']}")
-    lines += [f"  - [{f['verdict']}] {f['stage']}: {f['message']}" for f in data["findings"]
-              if f["verdict"] != "pass"]
-    lines.append(f"report: {out / 'report.html'}")
+def _print_verdict(data: dict, out: Path, explain: bool = False) -> None:
+    from reports.terminal import lines
     try:
-        print("\n".join(lines), flush=True)
+        print("\n".join(lines(data, out, explain)), flush=True)
     except BrokenPipeError:  # `align report ... | head`: the reader left early; the exit status still counts
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from align.procedure.diagnosis import coverage, diagnose
 from align.stages import Evidence, FigureContext, Inputs, registry, run_stages
 from comparators.scalars import require_common_steps
 from core.errors import BadInput
-from reports.writer import ReportInput, write_report
+from reports.writer import ReportInput, overall_verdict, write_report
 
 
 def check_comparable(ev: Evidence) -> None:
@@ -44,6 +45,9 @@ def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = No
 
     ``preface``: (title, html) sections shown before the stages' own (the demo describes its pair there).
     """
+    from core.outputs import check_out_dir
+
+    check_out_dir(out)      # an --out that cannot be written is refused before any loading
     t0 = time.perf_counter()
     ev = Evidence.load(inputs, progress)
     check_comparable(ev)
@@ -54,7 +58,7 @@ def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = No
             for role, r in ev.runs.items()]
     ctx = FigureContext(ev.scalars.table, {r["role"]: f"{r['role']}: {Path(r['path']).name}" for r in runs},
                         stages)
-    figures, sections, step_rows = [], list(preface or []), []
+    figures, sections, step_rows, stage_sections = [], list(preface or []), [], {}
     for stage in sorted(registry(), key=lambda s: s.order if s.figure_order is None else s.figure_order):
         res = stages.get(stage.name)
         if res is not None and stage.figures is not None:
@@ -66,14 +70,16 @@ def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = No
         if stage.step_row is not None:
             step_rows.append(stage.step_row(res))
         if stage.section is not None:
-            body = stage.section(res)
-            if body:
-                sections.append((stage.title, body))
+            stage_sections[stage.name] = stage.section(res) or ""
     contract = {s.name: s.summary_keys for s in registry() if s.summary_keys is not None}
+    diagnosis = diagnose(stages)
     if progress:
         progress(f"compared in {time.perf_counter() - t0:.2f} s; writing {out}")
     data = write_report(ReportInput(runs, stages, ev.scalars.table, figures=figures, step_rows=step_rows,
-                                    contract=contract, extra_sections=sections), out)
+                                    contract=contract, extra_sections=sections, diagnosis=diagnosis,
+                                    coverage=coverage(stages, overall_verdict(stages)),
+                                    titles={s.name: s.title for s in registry()}, stage_sections=stage_sections),
+                        out)
     if progress:
         progress(f"done in {time.perf_counter() - t0:.2f} s")
     return data

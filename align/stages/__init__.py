@@ -15,11 +15,20 @@ from typing import Any
 import pandas as pd
 
 from align.stages.evidence import Evidence, Inputs, Options
-from core.findings import StageResult
+from core.findings import Finding, StageResult
 from core.registry import collect
 from reports.render import Figure
 
-__all__ = ["Evidence", "Figure", "FigureContext", "Inputs", "Options", "Stage", "registry", "run_stages"]
+__all__ = ["AFTER_STEP1", "LATER", "LONG_RUN", "PARTS", "Evidence", "Figure", "FigureContext", "Inputs", "Options",
+           "Stage", "registry", "run_stages"]
+
+# The procedure's parts, in the accuracy guide's order (a stage's ``part``): what a verdict covers is said per part.
+PARTS = ("inputs", "checklist", "same start", "step 1 and 2", "long run")
+# What a failure explains (``Stage.explains``), shared by the stages that name the same consequences: a drift
+# over the run, and everything that follows from a wrong step 1. "*": every stage of a later part.
+LATER = ("*",)
+LONG_RUN = ("long_run", "grad_norm", "norm_trajectories", "spikes", "divergence_data", "aux_losses")
+AFTER_STEP1 = ("step1_loss", "step1_local_norm", "step2_loss", "lr0_run", "nonfinite", *LONG_RUN)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,16 @@ class Stage:
     figure_order: int | None = None
     step_row: Callable[[StageResult], dict[str, Any]] | None = None
     summary_keys: tuple[str, ...] | None = None
+    # The diagnosis (align/procedure/diagnosis.py): the part of the procedure the stage belongs to (PARTS),
+    # the stages whose failure a failure of this one explains (a forward departure explains the step-1 loss
+    # that follows from it), what such a failure usually means (the accuracy guide) and what to run next
+    # ("{component}" is filled with the finding's component); ``culprit`` orders a result's findings when the
+    # strongest is not the largest ratio (the first departing layer, not the one furthest off).
+    part: str = "long run"
+    explains: tuple[str, ...] = ()
+    why: str = ""
+    next: str = ""
+    culprit: Callable[[StageResult], list[Finding]] | None = None
 
 
 _REGISTRY: list[Stage] | None = None

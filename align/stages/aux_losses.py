@@ -123,4 +123,9 @@ STAGE = Stage(
             "trackers, and its log prints them for MoE / --mtp-num-layers models; MindFormers 2.x: MFLossMonitor "
             "prints load_balancing_loss and mtp_loss with print_separate_loss: True (mcore MoE / MTP models); "
             "with MTP pass --candidate-config YAML so MindFormers' mtp_loss scaling is known",
-    run=run, section=section, summary_keys=("compared", "losses"))
+    run=run, section=section, summary_keys=("compared", "losses"),
+    part="long run", explains=("long_run", "grad_norm", "norm_trajectories", "spikes", "divergence_data"),
+    why=("An auxiliary loss (MoE load balancing, z-loss, MTP) differs: its coefficient, its scaling or the "
+         "routing it measures differs, and it changes every gradient after it."),
+    next=("compare the aux-loss settings behind {component} (Megatron --moe-aux-loss-coeff, --mtp-loss-scaling- "
+          "factor; MindFormers moe_config / mtp settings) with align check-config"))

@@ -51,4 +51,8 @@ STAGE = Stage(
     needs="at least one repeat of the baseline (same settings, run again without determinism)",
     capture="run the baseline again with the same settings and seeds but without deterministic flags (or "
             "another TP layout) and pass it with --repeat",
-    run=run)
+    run=run,
+    part="long run",
+    why=("The baseline's repeat cannot give a benchmark error band for these steps."),
+    next=("repeat the baseline over the same steps without determinism (or at another TP layout) and pass it "
+          "with --repeat"))

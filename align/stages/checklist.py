@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from align.checks.config import compare_configs
-from align.stages import Stage
+from align.stages import LATER, Stage
 from align.stages.cluster_diff import CAPTURE, with_environment
 from align.stages.cluster_diff import section as environment_section
 from align.stages.evidence import Evidence
@@ -44,4 +44,10 @@ STAGE = Stage(
     capture="dumpers record them in meta.json (MegatronDumper(meta={'config': ...}), MindSporeDumper "
             "DumpConfig(meta={'config': ...})); or pass --baseline-config (Megatron log, launch script or "
             f"arguments JSON) and --candidate-config (the MindFormers YAML); {CAPTURE}",
-    run=run, section=section)
+    run=run, section=section,
+    part="checklist", explains=LATER,
+    why=("The two runs are not set up alike: a setting that differs (model, precision, optimizer, parallel "
+         "layout, data, environment) changes the numerics before step 1, so every later difference may follow "
+         "from it."),
+    next=("make {component} the same on both sides (align check-config BASELINE_ARGS CANDIDATE_YAML shows both "
+          "values), run both again, then align report"))

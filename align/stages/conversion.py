@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from align.stages import Stage
+from align.stages import LATER, Stage
 from align.stages.evidence import Evidence
 from core.errors import BadInput
 from core.findings import Finding, StageResult, skipped
@@ -47,4 +47,9 @@ STAGE = Stage(
     needs="the report of the baseline weights' conversion (align convert-weights --json)",
     capture="align convert-weights ... --json > conversion.json, then --conversion conversion.json (or copy "
             "it to CANDIDATE_RUN/evidence/conversion.json)",
-    run=run)
+    run=run,
+    part="same start", explains=LATER,
+    why=("The candidate did not start from the baseline's weights: a converted tensor differs, so every step-1 "
+         "difference may follow from it."),
+    next=("align compare-weights BASELINE_CKPT CANDIDATE_CKPT --out DIR lists every tensor; check the mapping "
+          "rule and transform of {component} (align mapping)"))

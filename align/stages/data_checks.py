@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from align.checks.data import check_batches, compare_batches, iter_batches, megatron_vocabulary
-from align.stages import Stage
+from align.stages import LATER, Stage
 from align.stages.evidence import Evidence
 from core.errors import BadInput
 from core.findings import StageResult, skipped
@@ -94,4 +94,9 @@ STAGE = Stage(
     capture="the dumpers record every step's batch by default (MegatronDumper / MindSporeDumper, "
             "DumpConfig(batch=True)); the candidate should replay the baseline's batches "
             "(dumpers.mindformers_replay.MegatronReplayDataset)",
-    run=run)
+    run=run,
+    part="same start", explains=LATER,
+    why=("The runs did not train on the same valid tokens and masks: a loss difference may come from the data, "
+         "not the model."),
+    next=("align check-data on each run's batches, and fix the loader or the tokenizer setting behind "
+          "{component} (the candidate replays the baseline's batches: dumpers.mindformers_replay)"))

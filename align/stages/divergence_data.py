@@ -87,4 +87,8 @@ STAGE = Stage(
     needs="a divergence in the long run; batches recorded in both run stores to show them",
     capture="record batches every step with the dumpers (the default) so the steps around a divergence "
             "can be shown and compared",
-    run=run, section=section)
+    run=run, section=section,
+    part="long run",
+    why=("At the step where the runs part, the data the two runs saw differs."),
+    next=("compare the batches of that step on both sides (align check-data) and the data order (seed, shuffle, "
+          "blending)"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from align.stages import Figure, FigureContext, Stage
+from align.stages import AFTER_STEP1, Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.isolation import compare_isolation, read_isolation
 from core.errors import BadInput
@@ -83,4 +83,9 @@ STAGE = Stage(
     capture="baseline: DumpConfig(tensors='full', tensor_steps=[N], modules=['decoder.layers.?', "
             "'decoder.layers.?.self_attention', 'decoder.layers.?.mlp']); candidate: `align isolate BASELINE "
             "--candidate-yaml Y --candidate-ckpt CKPT --out RUN`, then --isolation RUN (docs/workflow.md)",
-    run=run, section=section, figures=figures)
+    run=run, section=section, figures=figures,
+    part="step 1 and 2", explains=("layer_tensors", *AFTER_STEP1),
+    why=("Run on the baseline's own input, this module's output still departs: its own computation differs (a "
+         "kernel, a precision, an epsilon, a weight layout), not what it inherits."),
+    next=("compare {component}'s implementation and settings on both sides (compute dtype, epsilon, weight "
+          "layout)"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.stages import Figure, FigureContext, Stage
+from align.stages import AFTER_STEP1, Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.layer_tensors import ONE_SIDED_KINDS, compare_layer_tensors
 from core.findings import Finding, StageResult, skipped
@@ -128,10 +128,21 @@ def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
                    lambda p: layer_profile(rows, res.verdict, p))]
 
 
+def culprit(res: StageResult) -> list[Finding]:
+    """The stage's own order: the first departing tensor forward, then backward (a later layer's larger
+    difference is the inherited one)."""
+    return list(res.findings)
+
+
 STAGE = Stage(
     name="layer_tensors", order=60, title="Layer profile (step 1, forward then backward)",
     needs="layer tensor statistics or full tensors of the same step in both run stores",
     capture="MegatronDumper / TorchDumper DumpConfig(tensor_steps=[1, 2], modules=[...]); MindSporeDumper "
             "DumpConfig(tensor_steps=[1, 2], cells=[...]) in PYNATIVE (re-run steps 1-2 in PYNATIVE when "
             "training runs in GRAPH mode, and pass the re-run as --rerun RUN)",
-    run=run, section=section, figures=figures, figure_order=4)
+    run=run, section=section, figures=figures, figure_order=4,
+    part="step 1 and 2", explains=(*AFTER_STEP1, "moe_routing"), culprit=culprit,
+    why=("The first module whose tensor departs beyond its noise at step 1: the difference starts here; the "
+         "modules after it (and the loss, the gradients, the long run) inherit it."),
+    next=("align isolate BASELINE --candidate-yaml YAML --candidate-ckpt CKPT --modules '{component}' --out "
+          "RUN, then align report ... --isolation RUN: its own error or an inherited one"))

@@ -3,7 +3,7 @@ against its noise floor (the baseline's repeat at the same step, comparators.noi
 
 from __future__ import annotations
 
-from align.stages import Figure, FigureContext, Stage
+from align.stages import LONG_RUN, Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.local_norms import compare_local_norms
 from core.findings import StageResult, skipped
@@ -65,4 +65,11 @@ STAGE = Stage(
     capture="MegatronDumper / MindSporeDumper record them every step; from MindFormers alone, "
             "monitor_config: {monitor_on: True, local_norm_format: [log]} logs them by name "
             "(TrainingStateMonitor); MFLossMonitor's unnamed local_norm arrays need the dumper's names",
-    run=run, section=section, figures=figures, figure_order=3, summary_keys=())
+    run=run, section=section, figures=figures, figure_order=3, summary_keys=(),
+    part="step 1 and 2", explains=("step2_loss", "lr0_run", *LONG_RUN),
+    why=("Same weights and batch, and this parameter's gradient differs at step 1: the backward pass (or a "
+         "loss scale, or a reduction over ranks) differs for it; a forward departure would show in the layer "
+         "profile."),
+    next=("capture layer tensors at step 1 on both sides (DumpConfig(tensor_steps=[1], modules=[...])) and run "
+          "align report again: the layer profile names the first module whose output or gradient departs "
+          "({component})"))

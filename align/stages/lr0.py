@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from align.stages import Figure, FigureContext, Stage
+from align.stages import LONG_RUN, Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from comparators.noise_floor import Floor, judge, missing, rel_diff, spread
 from comparators.noise_floor import power as nf_power
@@ -180,4 +180,9 @@ STAGE = Stage(
     needs="a baseline and a candidate run with learning rate 0 (loss and grad norm per step)",
     capture="run both sides again with lr 0 (Megatron --lr 0 --min-lr 0; MindFormers lr_schedule "
             "learning_rate: 0) for ~20 steps on the same batches, then --lr0 BASELINE_LR0 CANDIDATE_LR0",
-    run=run, section=section, figures=figures)
+    run=run, section=section, figures=figures,
+    part="long run", explains=LONG_RUN,
+    why=("With lr = 0 the weights never change, so every step measures the forward and backward again on a new "
+         "batch: a difference here is the model's numerics (a precision, the loss), not the optimizer."),
+    next=("capture layer tensors at the lr = 0 step with the largest delta on both sides and run align report "
+          "again; compare the compute dtype of the loss (log-softmax, cross-entropy) on both sides"))

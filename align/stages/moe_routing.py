@@ -7,7 +7,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from align.stages import Stage
+from align.stages import AFTER_STEP1, Stage
 from align.stages.evidence import Evidence
 from comparators.routing import STAGE as NAME
 from comparators.routing import RoutingTolerance, compare_routing, counts_by_step
@@ -142,4 +142,9 @@ STAGE = Stage(
             "(Megatron-core TopKRouter hook; MindFormers TopKRouter wrapped in GRAPH or PYNATIVE)",
     run=run, section=section,
     summary_keys=("step", "compared", "routers", "failing_routers", "first_failing", "dtype",
-                  "first_step_counts_differ"))
+                  "first_step_counts_differ"),
+    part="step 1 and 2", explains=("layer_tensors", "isolation", *AFTER_STEP1),
+    why=("The router picks other experts for the same tokens: its precision, or the expert order of its "
+         "weights, differs; every MoE layer from there computes on other experts."),
+    next=("compare {component}'s compute dtype (Megatron --moe-router-dtype, MindFormers router_dense_type) and "
+          "its expert order in the conversion (align compare-weights)"))

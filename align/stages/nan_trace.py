@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from align.stages import Stage
+from align.stages import LONG_RUN, Stage
 from align.stages.evidence import Evidence
 from core.findings import Finding, StageResult, skipped
 from models import load_mapping
@@ -48,4 +48,9 @@ STAGE = Stage(
     needs="per-step non-finite gradient counts and the nan_trace table from the dumpers",
     capture="MegatronDumper / MindSporeDumper with DumpConfig(nan_trace='grads') (the default) record the "
             "first non-finite gradient with its module and rank",
-    run=run)
+    run=run,
+    part="long run", explains=("nonfinite", "step1_local_norm", "step2_loss", "lr0_run", *LONG_RUN),
+    why=("This parameter's gradient is the first to turn NaN/Inf: the overflow starts in it (a precision, a "
+         "loss scale, a division or a log)."),
+    next=("capture the inputs and outputs of {component}'s module at that step on the side that overflowed "
+          "(DumpConfig(tensor_steps=[STEP], modules=[...])) and check its compute dtype"))

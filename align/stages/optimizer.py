@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from align.checks.config import megatron_common, mindformers_common
-from align.stages import Stage
+from align.stages import LONG_RUN, Stage
 from align.stages.evidence import Evidence
 from comparators.optimizer_check import compare_clipping, compare_updates, read_step1_file, to_candidate_names
 from core.errors import BadInput
@@ -145,4 +145,9 @@ STAGE = Stage(
             "optimizer.step() writes RUN/evidence/optimizer_step1.npz; candidate: "
             "dumpers.mindspore_optimizer_check.run_optimizer_check(optimizer, RUN, OUT, train_cell=cell), then "
             "--optimizer-check OUT (docs/workflow.md); both also write the clipping probe (one process)",
-    run=run, section=section)
+    run=run, section=section,
+    part="step 1 and 2", explains=("step2_loss", *LONG_RUN),
+    why=("From the same gradients and weights the candidate's optimizer updates differently: its settings "
+         "differ (lr, betas, eps, which parameters it decays, gradient clipping)."),
+    next=("make the optimizer settings behind {component} the same (align check-config; MindFormers "
+          "runner_wrapper / optimizer blocks in the YAML), then run the optimizer check again"))

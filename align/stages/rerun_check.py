@@ -18,4 +18,9 @@ STAGE = Stage(
     needs="a re-run of the candidate's first steps (--rerun), when its layer tensors come from there",
     capture="re-run the candidate's steps 1-2 with layer capture (MindSporeDumper DumpConfig(tensor_steps=[1, 2], "
             "cells=[...]) in PYNATIVE) and pass it as --rerun RUN",
-    run=run)
+    run=run,
+    part="step 1 and 2",
+    why=("The re-run does not reproduce the run it stands in for: its layer tensors may not be the "
+         "candidate's."),
+    next=("re-run with the same weights, batches, seed and precision as the run it re-runs, then align report "
+          "again"))

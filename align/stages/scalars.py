@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.stages import Figure, FigureContext, Stage
+from align.stages import LONG_RUN, Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
 from core.findings import StageResult
 from reports import figures
@@ -52,19 +52,47 @@ LOSS = ("a loss per step in both runs (a run store, a Megatron-LM or MindFormers
 STAGES = [
     Stage("step1_loss", 40, "Step-1 loss (forward)", LOSS,
           "log or dump step 1 of both runs from the same weights and the same batch", _from_scalars("step1_loss"),
-          step_row=step_row, summary_keys=()),
+          step_row=step_row, summary_keys=(), part="step 1 and 2",
+          explains=("step1_local_norm", "step2_loss", "lr0_run", "nonfinite", *LONG_RUN),
+          why="Same weights and same batch, and the loss differs: the forward pass differs (a layer, a precision, "
+              "the loss reduction or its mask).",
+          next="capture layer tensors at step 1 on both sides (DumpConfig(tensor_steps=[1], modules=[...])) and "
+               "run align report again: the layer profile names the first departing module"),
     Stage("step2_loss", 70, "Step-2 loss (first optimizer update)", LOSS,
-          "run at least 2 steps on both sides", _from_scalars("step2_loss"), step_row=step_row, summary_keys=()),
+          "run at least 2 steps on both sides", _from_scalars("step2_loss"), step_row=step_row, summary_keys=(),
+          part="step 1 and 2", explains=LONG_RUN,
+          why="Step 1 agrees and step 2 does not: the first optimizer update differs (learning rate, Adam's "
+              "settings, weight decay, clipping, loss scale).",
+          next="run the optimizer check (--optimizer-check, docs/workflow.md): the baseline's step-1 gradients "
+               "through the candidate's optimizer name the parameter and the setting"),
     Stage("long_run", 110, "Long run against the error band", LOSS + "; the band needs --repeat",
           "train both runs for the same steps; repeat the baseline without determinism and pass it with "
           "--repeat", _from_scalars("long_run"), figures=_curves("Loss", "loss"), figure_order=1,
-          summary_keys=("steps", "outside_band_fraction", "mean_delta", "divergence_step")),
+          summary_keys=("steps", "outside_band_fraction", "mean_delta", "divergence_step"),
+          explains=("spikes", "divergence_data"),
+          why="Steps 1 and 2 agree but the runs drift apart later, beyond how far the baseline drifts from "
+              "itself: an accumulated precision difference, the data order or a schedule.",
+          next="see 'Data near the divergence'; record named gradient norms on both runs and a repeat "
+               "(norm_trajectories names the first parameter that leaves its band)"),
     Stage("grad_norm", 120, "Global grad norm", "the grad norm per step in both runs",
           "Megatron logs 'grad norm' by default (--log-num-zeros-in-grad not needed); MindFormers logs "
           "global_norm", _from_scalars("grad_norm"), figures=_curves("Grad norm", "grad_norm", "grad_norm_"),
-          figure_order=2),
+          figure_order=2, explains=("spikes",),
+          why="The global gradient norm differs beyond the band: the backward pass, or how the norm is reduced "
+              "over ranks (or clipped), differs.",
+          next="compare named gradient norms (step-1 local norms; norm trajectories over the run) to find the "
+               "parameter"),
     Stage("lr_schedule", 130, "Learning-rate schedule", "the learning rate per step in both runs",
-          "Megatron logs 'learning rate'; MindFormers logs 'lr'", _from_scalars("lr_schedule")),
+          "Megatron logs 'learning rate'; MindFormers logs 'lr'", _from_scalars("lr_schedule"),
+          explains=("step2_loss", *LONG_RUN),
+          why="The learning rates differ: the schedule (warm-up, decay style, minimum lr, iteration count) is "
+              "not the same, and every update after it differs.",
+          next="make the schedule the same: Megatron --lr-decay-style / --lr-warmup-iters / --min-lr against the "
+               "YAML's lr_schedule (align check-config)"),
     Stage("nonfinite", 140, "Non-finite loss or grad norm", "loss or grad norm per step",
-          "log loss and grad norm every step (--log-interval 1)", _from_scalars("nonfinite")),
+          "log loss and grad norm every step (--log-interval 1)", _from_scalars("nonfinite"),
+          explains=("step1_local_norm", "step2_loss", "lr0_run", *LONG_RUN),
+          why="The loss or the gradient norm turned NaN/Inf: everything after that step is undefined.",
+          next="record named gradient norms every step (the dumpers do) so the NaN trace names the first "
+               "parameter, its module and its rank"),
 ]

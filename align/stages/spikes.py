@@ -154,4 +154,9 @@ STAGE = Stage(
     capture="log loss and grad norm every step; the dumpers record each step's batch and named gradient "
             "norms (the default), which become the evidence of a spike's step; pass a repeat of the baseline "
             "with --repeat",
-    run=run, section=section)
+    run=run, section=section,
+    part="long run",
+    why=("One run jumps for a few steps and comes back: a batch one side read differently, or a rare kernel "
+         "event."),
+    next=("see the spike's step in the report: both batch hashes and the parameters whose norms jumped on one "
+          "side"))

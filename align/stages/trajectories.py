@@ -112,4 +112,8 @@ STAGE = Stage(
             "MindFormers' monitor_config local_norm_format: [log]); run the baseline again without determinism "
             "(or with another TP layout) with the dumper on and pass it with --repeat",
     run=run, section=section, figures=figures, figure_order=5,
-    summary_keys=("steps", "parameters", "first_departure"))
+    summary_keys=("steps", "parameters", "first_departure"),
+    part="long run", explains=("long_run", "grad_norm", "spikes", "divergence_data"),
+    why=("This parameter's gradient norm leaves its band first over the run: the drift starts in it."),
+    next=("capture layer tensors on both sides at the step named and run align report again; compare "
+          "{component}'s precision and its optimizer settings"))

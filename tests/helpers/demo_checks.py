@@ -37,6 +37,15 @@ def report_again(out: Path, dest: Path) -> dict:
     return json.loads((dest / "summary.json").read_text())
 
 
+def culprit_is(data: dict, stage: str, component: str) -> None:
+    """The diagnosis names the planted fault first: its stage and component, the root of the failures it
+    explains (summary.json's ``diagnosis[0]``; the report's first screen and the terminal show the same)."""
+    first = data["diagnosis"][0]
+    assert (first["stage"], first["consequence_of"]) == (stage, None), data["diagnosis"]
+    assert component in str(first["component"]), data["diagnosis"]
+    assert first["why"] and first["next"]
+
+
 def dense_fault_fails_at_its_stage(name: str, out: Path, reuse: Path | None) -> None:
     """The dense pair with fault ``name`` fails at the fault's stage naming its component. Only the runs that
     stage judges: an lr = 0 pair for lr0_run, the optimizer check for optimizer (each is one more framework
@@ -52,6 +61,7 @@ def dense_fault_fails_at_its_stage(name: str, out: Path, reuse: Path | None) -> 
     hits = [x for x in data["findings"] if x["stage"] == f.stage and x["verdict"] == "fail"
             and component in str(x["component"])]
     assert hits, (component, [x for x in data["findings"] if x["stage"] == f.stage])
+    culprit_is(data, f.stage, component)
     if name == "log_softmax_bf16":   # under float16's line: only the measured floor fails it
         (row,) = [r for r in stage["floors"] if r["quantity"] == "loss"]
         assert (row["dtype_verdict"], row["decided_by"], row["verdict"]) == ("pass", "floor", "fail")

@@ -1,0 +1,154 @@
+"""The diagnosis: which failure explains the others, and what the verdict covers, computed once and shown
+everywhere (summary.json, the report's first screen, the terminal).
+
+Why: a wrong step 1 also fails the lr = 0 pair, the long run and the grad norm; a user who reads the failing
+stages in the order they are printed fixes a consequence. Each stage says which stages its failure explains
+(``Stage.explains``: a forward departure explains the step-1 loss and everything after it), so the root causes
+are the failing stages no other failing stage explains, in the accuracy guide's order; within a stage its
+strongest failing finding names the component. A cause in a later layer never explains an effect in an
+earlier one (a router departing in layer 1 does not explain attention departing in layer 0).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from align.stages import PARTS, Stage, registry
+from core.findings import Finding, StageResult
+
+_RANK = {"fail": 0, "warn": 1, "pass": 2}
+_LAYER = re.compile(r"layers\.(\d+)\.")
+ANY_LATER = "*"     # in ``explains``: every stage of a later part of the procedure
+
+
+def _ratio(f: Finding) -> float:
+    """How far past its line a finding is (0 when it does not say): orders findings of one metric."""
+    v, t = f.value, f.threshold
+    if isinstance(v, (int, float)) and isinstance(t, (int, float)) and not isinstance(v, bool) and t:
+        r = abs(float(v)) / abs(float(t))
+        return r if math.isfinite(r) else math.inf
+    return 0.0
+
+
+def ranked(stage: Stage, res: StageResult) -> list[Finding]:
+    """A result's non-pass findings, strongest first: fail before warn; then the stage's own order
+    (``Stage.culprit``), else grouped by metric in the order the stage reported them, the largest ratio to its
+    threshold first (a parameter 80x its floor before one 12x)."""
+    bad = [f for f in res.findings if f.verdict != "pass"]
+    if stage.culprit is not None:
+        order = {id(f): i for i, f in enumerate(stage.culprit(res))}
+        return sorted(bad, key=lambda f: (_RANK[f.verdict], order.get(id(f), len(order))))
+    first_metric: dict[str, int] = {}
+    for f in bad:
+        first_metric.setdefault(f.metric, len(first_metric))
+    return sorted(bad, key=lambda f: (_RANK[f.verdict], first_metric[f.metric], -_ratio(f)))
+
+
+def _reach(stages: dict[str, Stage]) -> dict[str, set[str]]:
+    """Every stage each stage explains, directly or through others (``*`` expanded to the later parts)."""
+    part = {n: PARTS.index(s.part) for n, s in stages.items()}
+    direct = {n: ({m for m in stages if part[m] > part[n]} if ANY_LATER in s.explains else set())
+              | {m for m in s.explains if m in stages} for n, s in stages.items()}
+    reach: dict[str, set[str]] = {}
+    for n in stages:
+        seen, todo = set(), list(direct[n])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(direct[m])
+        reach[n] = seen - {n}
+    return reach
+
+
+def _layer(component: str | None) -> int | None:
+    m = _LAYER.search(str(component or ""))
+    return int(m.group(1)) if m else None
+
+
+def _explains(cause: tuple[Stage, Finding], effect: tuple[Stage, Finding], mutual: bool) -> bool:
+    """A cause in a later layer than its effect explains nothing there (checked when both name a layer). Two
+    stages that explain each other (a layer departing before a router, or a router before a layer) settle it
+    by layer: the earlier layer is the cause; in one layer, the later stage of the guide (it looks closer)."""
+    a, b = _layer(cause[1].component), _layer(effect[1].component)
+    if a is not None and b is not None and a != b:
+        return a < b
+    return not mutual or cause[0].order > effect[0].order
+
+
+def _entry(stage: Stage, f: Finding, consequence_of: str | None) -> dict[str, Any]:
+    component = "" if f.component is None else str(f.component)
+    return {"stage": stage.name, "component": f.component, "metric": f.metric, "value": f.value,
+            "threshold": f.threshold, "verdict": f.verdict, "message": f.message, "why": stage.why,
+            "next": stage.next.replace("{component}", component or "the component named"),
+            "consequence_of": consequence_of}
+
+
+def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None) -> list[dict[str, Any]]:
+    """Root-cause candidates, strongest first, then the failures they explain (each with ``consequence_of``).
+
+    Only failing stages: a warning is not a culprit (it is shown with the stages). Empty when nothing fails.
+    """
+    by_name = {s.name: s for s in (stages or registry())}
+    failing = [(by_name[n], r) for n, r in results.items() if r.verdict == "fail" and n in by_name]
+    failing.sort(key=lambda sr: sr[0].order)
+    head = {s.name: (ranked(s, r) or [Finding(s.name, "fail", None, "verdict", None, None,
+                                              f"{s.title}: failed")])[0] for s, r in failing}
+    reach = _reach(by_name)
+    sf = {s.name: (s, head[s.name]) for s, _ in failing}
+    causes = {s: [t for t in head if t != s and s in reach[t] and _explains(sf[t], sf[s], t in reach[s])]
+              for s in head}
+    roots = [s.name for s, _ in failing if not causes[s.name]]
+    out = []
+    for s, _ in failing:
+        cause = None
+        if causes[s.name]:   # the earliest root behind it, else the stage that explains it directly
+            cause = next((r for r in roots if r in causes[s.name] or (
+                s.name in reach[r] and _explains(sf[r], sf[s.name], r in reach[s.name]))), causes[s.name][0])
+        out.append(_entry(s, head[s.name], cause))
+    # roots first in the guide's order; then the consequences in the guide's order
+    return [e for e in out if e["consequence_of"] is None] + [e for e in out if e["consequence_of"] is not None]
+
+
+def _short(stage: Stage) -> str:
+    return re.split(r" \(|: ", stage.title)[0]
+
+
+def coverage(results: dict[str, StageResult], verdict: str, stages: list[Stage] | None = None) -> dict[str, Any]:
+    """What the verdict rests on: the stages that ran and were skipped, per part of the procedure, and one
+    sentence for the banner (a PASS on the long run alone must not read like a PASS on the whole procedure)."""
+    reg = [s for s in (stages or registry()) if s.name in results]
+    ran = [s.name for s in reg if results[s.name].verdict != "skipped"]
+    skipped = [s.name for s in reg if results[s.name].verdict == "skipped"]
+    parts: dict[str, dict[str, list[str]]] = {}
+    for s in reg:
+        if s.part == "inputs":   # the inputs' own sanity is not a part of the procedure a verdict covers
+            continue
+        p = parts.setdefault(s.part, {"ran": [], "skipped": []})
+        p["ran" if results[s.name].verdict != "skipped" else "skipped"].append(s.name)
+    compared = [p for p in PARTS if p in parts and parts[p]["ran"]]
+    missing = [p for p in PARTS if p in parts and not parts[p]["ran"]]
+    titles = {s.name: _short(s) for s in reg}
+    v = verdict.upper()
+    n_all = sum(len(p["ran"]) + len(p["skipped"]) for p in parts.values())
+    n_ran = sum(len(p["ran"]) for p in parts.values())
+    if not compared:
+        banner = f"{v}: nothing of the procedure was compared"
+        statement = f"{banner}."
+    elif not missing:
+        banner = f"{v} on every part of the procedure"
+        left = [titles[n] for p in compared for n in parts[p]["skipped"]]
+        statement = (f"{banner} ({n_ran} of {n_all} stages compared"
+                     + (f"; not compared for want of evidence: {', '.join(left)})." if left else ")."))
+    else:
+        banner = f"{v} on {n_ran} of {n_all} stages ({_and(compared)}): {_and(missing)} not compared"
+        statement = (f"{v} rests on {n_ran} of {n_all} stages ({_and(compared)}); it says nothing about "
+                     + "; ".join(f"{p} ({', '.join(titles[n] for n in parts[p]['skipped'])})" for p in missing)
+                     + ": each skipped stage says what to capture.")
+    return {"ran": ran, "skipped": skipped, "parts": parts, "banner": banner, "statement": statement}
+
+
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
