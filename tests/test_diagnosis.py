@@ -19,7 +19,8 @@ def result(stage: str, *findings: tuple[str, str | None, str, float | None, floa
 def results(*stage_results: StageResult) -> dict[str, StageResult]:
     """Every registered stage, skipped unless given (as run_stages returns them), in the guide's order."""
     given = {r.name: r for r in stage_results}
-    return {s.name: given.get(s.name, StageResult(s.name, "skipped", {"reason": "no data"})) for s in registry()}
+    return {s.name: given.get(s.name, StageResult(s.name, "skipped", {"reason": "no data", "capture": s.capture}))
+            for s in registry()}
 
 
 def test_every_stage_has_a_part_a_why_and_a_next_and_only_layer_stages_explain_each_other():
@@ -47,14 +48,15 @@ def test_a_forward_departure_is_the_culprit_and_the_loss_it_moves_its_consequenc
                ("fail", "decoder.layers.1.mlp", "rel_l2", 0.9, 2e-3)),
         result("lr0_run", ("fail", "loss", "max_rel_loss", 0.02, 1e-3)),
         result("long_run", ("fail", "loss", "outside_band_fraction", 0.9, 0.05)),
-        result("grad_norm", ("pass", None, "x", None, None))))
+        result("grad_norm", ("warn", "grad_norm", "outside_band_fraction", 0.1, 0.05)),
+        result("band", ("warn", "repeat", "silent_repeat", None, None))))
     assert [e["stage"] for e in got][0] == "layer_tensors"
     assert got[0]["component"] == "decoder.layers.0.self_attention.core_attention"   # the first, not the largest
     assert got[0]["consequence_of"] is None and "isolate" in got[0]["next"]
     assert "decoder.layers.0.self_attention.core_attention" in got[0]["next"]
     assert {e["stage"]: e["consequence_of"] for e in got[1:]} == {
         "step1_loss": "layer_tensors", "step1_local_norm": "layer_tensors", "lr0_run": "layer_tensors",
-        "long_run": "layer_tensors"}
+        "long_run": "layer_tensors", "grad_norm": "layer_tensors"}   # a warning it explains; the band's is not
     # within a stage, the largest ratio of one metric names the component (local norms alone)
     alone = diagnose(results(result("step1_local_norm",
                                     ("fail", "a.weight", "local_norm_rel_diff", 0.01, 1e-4),
@@ -114,3 +116,52 @@ def test_nothing_failing_is_no_diagnosis_and_a_partial_pass_says_what_it_covers(
     assert "Weight conversion" in cov["statement"] and "Checklist" in cov["statement"]
     every = results(*[result(s.name, ("pass", None, "x", None, None)) for s in registry()])
     assert coverage(every, "pass")["banner"] == "PASS on every part of the procedure"
+
+
+def _report(tmp_path, res: dict[str, StageResult]) -> tuple[dict, str]:
+    from align.procedure.diagnosis import coverage as cover
+    from reports.writer import ReportInput, overall_verdict, write_report
+
+    data = write_report(ReportInput([], res, diagnosis=diagnose(res), coverage=cover(res, overall_verdict(res)),
+                                    titles={s.name: s.title for s in registry()}), tmp_path / "r")
+    return data, (tmp_path / "r" / "report.html").read_text()
+
+
+def test_the_first_screen_and_the_terminal_lead_with_the_culprit(tmp_path):
+    from reports.terminal import lines
+
+    warns = [("warn", f"decoder.layers.{i}.mlp.linear_fc1.weight", "update_rel_diff", 5e-3, 1e-3) for i in range(8)]
+    res = results(result("step1_loss", ("pass", "loss", "rel_delta", 0.0, 0.005)),
+                  result("optimizer", *warns, ("fail", "clipping (candidate training cell)", "clip_coefficient",
+                                               1.0, 0.1)),
+                  result("step2_loss", ("fail", "loss", "rel_delta", 0.01, 0.005)),
+                  result("long_run", ("fail", "loss", "outside_band_fraction", 0.9, 0.05)))
+    data, page = _report(tmp_path, res)
+    assert data["diagnosis"][0]["component"] == "clipping (candidate training cell)"
+    assert data["coverage"]["banner"].startswith("FAIL, with 4 of ")
+    # the banner, the culprit with why and next, what the verdict covers; then the stages; no findings table
+    at = [page.index(s) for s in ("Verdict: FAIL", "Culprit:", "clipping (candidate training cell)",
+                                  "Why it matters:", "Next:", "What this verdict covers", "<h2>Stages</h2>")]
+    assert at == sorted(at) and "<h2>Findings" not in page
+    # the stage row puts the failure before the eight warnings; the name links to the stage's section
+    row = page[page.index('<a href="#stage-optimizer">optimizer</a></td>'):]
+    assert row.index("clipping (candidate training cell) fail") < row.index("linear_fc1.weight warn")
+    assert "id='stage-optimizer'" in page
+    text = lines(data, tmp_path / "r")
+    head = text[:text.index("stages:")]
+    assert head[0].startswith("verdict: fail (with 4 of ") and len(head) <= 6      # verdict + <= 5 lines
+    assert head[1] == "culprit: optimizer: clipping (candidate training cell)"
+    assert "  consequences (fix the culprit first): step2_loss, long_run" in head
+    assert any(line.startswith("  step2_loss") and "follows from optimizer" in line for line in text)
+    skipped = [line for line in text if "skipped for want of evidence" in line]
+    assert len(skipped) == 1 and "checklist" in skipped[0]
+    assert sum("to run it:" in line for line in lines(data, None, explain=True)) >= 10
+
+
+def test_a_clean_pass_says_so_on_the_first_screen(tmp_path):
+    res = results(result("step1_loss", ("pass", "loss", "rel_delta", 0.0, 0.005)))
+    res["step1_loss"].details["power"] = {"text": "a 0.3% loss offset would have failed"}
+    data, page = _report(tmp_path, res)
+    assert data["diagnosis"] == [] and "No stage failed or warned" in page
+    assert "a 0.3% loss offset would have failed" in page
+    assert page.index("PASS on 1 of") < page.index("<h2>Stages</h2>")

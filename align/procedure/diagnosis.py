@@ -89,7 +89,8 @@ def _entry(stage: Stage, f: Finding, consequence_of: str | None) -> dict[str, An
 def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None) -> list[dict[str, Any]]:
     """Root-cause candidates, strongest first, then the failures they explain (each with ``consequence_of``).
 
-    Only failing stages: a warning is not a culprit (it is shown with the stages). Empty when nothing fails.
+    Only failing stages are candidates; a warning is not a culprit, but a warning a candidate explains is listed
+    as its consequence. Empty when nothing fails.
     """
     by_name = {s.name: s for s in (stages or registry())}
     failing = [(by_name[n], r) for n, r in results.items() if r.verdict == "fail" and n in by_name]
@@ -108,6 +109,18 @@ def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None)
             cause = next((r for r in roots if r in causes[s.name] or (
                 s.name in reach[r] and _explains(sf[r], sf[s.name], r in reach[s.name]))), causes[s.name][0])
         out.append(_entry(s, head[s.name], cause))
+    # warnings a root explains are its consequences too (a warning no failure explains is no culprit: it is
+    # shown with its stage)
+    for s, r in sorted(((by_name[n], r) for n, r in results.items() if r.verdict == "warn" and n in by_name),
+                       key=lambda sr: sr[0].order):
+        found = ranked(s, r)
+        if not found:
+            continue
+        cause = next((c for c in roots if s.name in reach[c]
+                      and _explains(sf[c], (s, found[0]), c in reach[s.name])), None)
+        if cause is not None:
+            out.append(_entry(s, found[0], cause))
+    out.sort(key=lambda e: by_name[e["stage"]].order)
     # roots first in the guide's order; then the consequences in the guide's order
     return [e for e in out if e["consequence_of"] is None] + [e for e in out if e["consequence_of"] is not None]
 
@@ -138,12 +151,14 @@ def coverage(results: dict[str, StageResult], verdict: str, stages: list[Stage] 
         banner = f"{v}: nothing of the procedure was compared"
         statement = f"{banner}."
     elif not missing:
-        banner = f"{v} on every part of the procedure"
+        banner = f"{v}, with every part of the procedure compared" if verdict == "fail" else \
+            f"{v} on every part of the procedure"
         left = [titles[n] for p in compared for n in parts[p]["skipped"]]
         statement = (f"{banner} ({n_ran} of {n_all} stages compared"
                      + (f"; not compared for want of evidence: {', '.join(left)})." if left else ")."))
     else:
-        banner = f"{v} on {n_ran} of {n_all} stages ({_and(compared)}): {_and(missing)} not compared"
+        banner = (f"{v}, with {n_ran} of {n_all} stages compared" if verdict == "fail" else
+                  f"{v} on {n_ran} of {n_all} stages ({_and(compared)})") + f": {_and(missing)} not compared"
         statement = (f"{v} rests on {n_ran} of {n_all} stages ({_and(compared)}); it says nothing about "
                      + "; ".join(f"{p} ({', '.join(titles[n] for n in parts[p]['skipped'])})" for p in missing)
                      + ": each skipped stage says what to capture.")
