@@ -44,7 +44,7 @@ def bash_blocks(page: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def tested_blocks(page: str) -> list[tuple[list[str], str]]:
+def blocks_to_run(page: str) -> list[tuple[list[str], str]]:
     """(modules needed, block) for the page's blocks this file runs, in page order."""
     out = []
     for before, body, _ in bash_blocks(page):
@@ -63,7 +63,7 @@ def test_every_bash_block_is_tested_or_says_why() -> None:
 
 def run_page(page: str, tmp_path: Path) -> list[str]:
     """Run the page's tested blocks in order; returns each block's stdout."""
-    blocks = tested_blocks(page)
+    blocks = blocks_to_run(page)
     assert blocks, f"{page} lost its tested blocks"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -93,7 +93,7 @@ def test_readme_examples_run(tmp_path: Path) -> None:
     assert (tmp_path / "ex" / "report" / "report.html").is_file()
 
 
-DOC_PAGES = [p for p in PAGES if p != "README.md" and tested_blocks(p)]
+DOC_PAGES = [p for p in PAGES if p != "README.md" and blocks_to_run(p)]
 
 
 @pytest.mark.parametrize("page", DOC_PAGES)
