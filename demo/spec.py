@@ -102,6 +102,13 @@ class Fault:
     what: str
     mcore_component: str | None = None   # the component with the mcore candidate, where names differ
     kinds: tuple[str, ...] = MODEL_KINDS   # the model kinds (--model) the fault applies to
+    # where the diagnosis names it first, when a stage earlier in the guide's order than ``stage`` sees its cause
+    # (the checklist reads the very setting from both configs): (stage, component substrings joined by "|")
+    culprit: tuple[str, str] | None = None
+
+    def culprit_for(self, model_kind: str) -> tuple[str, str]:
+        """The stage and component substring(s) ``diagnosis[0]`` must name."""
+        return self.culprit or (self.stage, self.component_for(model_kind))
 
     def component_for(self, model_kind: str) -> str:
         """The failing component's substring for a candidate model kind (mcore names are Megatron's)."""
@@ -114,11 +121,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("weight_decay_all", "baseline", "optimizer", "layernorm",
           "baseline decays every parameter, norms and biases included (Megatron config_overrides={})"),
     Fault("norm_eps", "candidate", "layer_tensors", "input_layernorm",
-          "candidate RMSNorm epsilon 1e-2 instead of 1e-5"),
+          "candidate RMSNorm epsilon 1e-2 instead of 1e-5", culprit=("checklist", "norm_eps")),
     Fault("dropout_on", "baseline", "checklist", "dropout",
           "baseline leaves hidden/attention dropout at Megatron's default 0.1"),
     Fault("lr_schedule", "candidate", "lr_schedule", "learning_rate",
-          "candidate uses cosine decay with warm-up while the baseline keeps a constant lr"),
+          "candidate uses cosine decay with warm-up while the baseline keeps a constant lr",
+          culprit=("checklist", "warmup_ratio|decay_style")),
     Fault("qk_swap", "conversion", "layer_tensors", "self_attention",
           "weight conversion permutes the q/k rows of every head (interleaved vs half RoPE layout)"),
     Fault("pad_eos", "both", "data_checks", "loss_mask",

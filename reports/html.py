@@ -96,6 +96,10 @@ def diagnosis_box(diagnosis: list[dict[str, Any]], linked: set[str]) -> str:
     parts = [f'<div class="box" id="diagnosis" style="border-left-color:{COLOURS["fail"]}"><h3>Diagnosis</h3>',
              f"<p class='culprit'><b>Culprit:</b> {stage_link(first['stage'], linked)}{comp}</p>",
              f"<p>{escape(first['message'])}</p>", _value_line(first)]
+    if first.get("seen_at"):
+        parts.append("<p><b>Where it shows:</b> " + "; ".join(
+            f"{stage_link(e['stage'], linked)} <code>{fmt(e['component'])}</code>" for e in first["seen_at"])
+            + "</p>")
     if first.get("why"):
         parts.append(f"<p><b>Why it matters:</b> {escape(first['why'])}</p>")
     if first.get("next"):

@@ -21,6 +21,7 @@ from core.findings import Finding, StageResult
 _RANK = {"fail": 0, "warn": 1, "pass": 2}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 ANY_LATER = "*"     # in ``explains``: every stage of a later part of the procedure
+GENERIC = (None, "loss", "grad_norm", "learning_rate")   # components that locate nothing in the model
 
 
 def _ratio(f: Finding) -> float:
@@ -121,6 +122,10 @@ def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None)
         if cause is not None:
             out.append(_entry(s, found[0], cause))
     out.sort(key=lambda e: by_name[e["stage"]].order)
+    for e in out:   # where a root cause shows in the numbers: its consequences that name a component
+        e["seen_at"] = [{k: c[k] for k in ("stage", "component", "message")} for c in out
+                        if c["consequence_of"] == e["stage"] and c["component"] not in GENERIC][:3] \
+            if e["consequence_of"] is None else []
     # roots first in the guide's order; then the consequences in the guide's order
     return [e for e in out if e["consequence_of"] is None] + [e for e in out if e["consequence_of"] is not None]
 
