@@ -11,7 +11,6 @@ report is the same either way (a test compares the bytes).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from core.forking import fork_child, kill_child
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def _start_child(theirs: list[Job]) -> int | None:
     for path, _ in theirs:
         path.unlink(missing_ok=True)
     try:
-        pid = os.fork()
+        pid = fork_child()     # SIGINT at its default in the child: a Ctrl-C is the parent's to handle
     except OSError:
         return None
     if pid == 0:   # the child: draw, then leave without running the parent's exit handlers
@@ -96,13 +97,18 @@ def _start_child(theirs: list[Job]) -> int | None:
 
 
 def _wait(pid: int, deadline: float) -> bool:
-    """Whether the child exited cleanly before the deadline; one that did not is killed."""
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status) == 0
-        if time.perf_counter() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return False
-        time.sleep(0.002)
+    """Whether the child exited cleanly before the deadline; one that did not (or a Ctrl-C meanwhile) is
+    killed."""
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status) == 0
+            if time.perf_counter() > deadline:
+                break
+            time.sleep(0.002)
+    except BaseException:
+        kill_child(pid)
+        raise
+    kill_child(pid)
+    return False

@@ -59,9 +59,25 @@ def kinds() -> list[str]:
     return list(dict.fromkeys(s.kind for s in sources()))
 
 
+def unreadable(path: str | Path, exc: OSError) -> BadInput:
+    """One line for a file the tool cannot read (permission denied, a folder where a file belongs, an I/O
+    error): the file that failed (the input itself, or a file inside it) and the system's reason."""
+    where = str(path)
+    if exc.filename is not None and str(exc.filename) != where:
+        where = f"{path}: {exc.filename}"
+    return BadInput(f"{where}: cannot read ({exc.strerror or exc.__class__.__name__})")
+
+
 def detect(path: str | Path) -> str:
-    """The source kind of ``path``; BadInput for anything else, FIFOs and devices included."""
-    p = Path(path)
+    """The source kind of ``path``; BadInput for anything else, FIFOs and devices included (and for an
+    unreadable file or folder: one line naming it, never a traceback)."""
+    try:
+        return _detect(Path(path))
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+
+
+def _detect(p: Path) -> str:
     if not p.exists():
         raise BadInput(f"{p}: no such file or directory")
     if p.is_dir():
@@ -94,5 +110,8 @@ def load_run(path: str | Path, kind: str | None = None) -> Run:
     kind = kind or detect(path)
     for s in sources():
         if s.kind == kind:
-            return s.load(Path(path))
+            try:
+                return s.load(Path(path))
+            except OSError as exc:     # a reader met a file it cannot read: bad input, not a bug of ours
+                raise unreadable(path, exc) from None
     raise BadInput(f"{path}: unknown source kind {kind!r} (one of {', '.join(kinds())})")

@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
+from align import _interrupted_while_starting
+from core import interrupts
 from core.errors import BadInput
 
 # verb -> module in this folder, in the order `align --help` lists them
@@ -49,24 +53,75 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    cli = False
+    try:
+        # from here on Ctrl-C is a KeyboardInterrupt that is remembered (align/__init__.py answered it while
+        # `align` imported); a library that turns it into another error (pandas: an ImportError) or swallows
+        # it does not change the outcome: interrupted, exit 130
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is _interrupted_while_starting):
+            interrupts.install()
+            cli = True
+        args = build_parser().parse_args(argv)
+    except BaseException as exc:
+        if interrupts.seen() or isinstance(exc, KeyboardInterrupt):
+            return interrupted()
+        raise
+    try:
+        code = _run(args)
+        # Ctrl-C that a library swallowed (the run went on): still interrupted (its outputs were not moved
+        # into place: core.interrupts.committing)
+        return interrupted() if interrupts.seen() and code != 130 else code
+    finally:
+        if cli:     # the run is over (its outputs in place, or none): a late Ctrl-C must not change its status
+            interrupts.ignore()
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args))
-    except BadInput as exc:
+    except BaseException as exc:
+        if interrupts.seen() or isinstance(exc, KeyboardInterrupt):   # whatever a library made of Ctrl-C
+            return interrupted()
+        return _failed(args.command, exc)
+
+
+def _failed(command: str, exc: BaseException) -> int:
+    """Exit status 2 (bad input: one line) or 3 (a bug of ours: the traceback saved), for ``exc``."""
+    if isinstance(exc, BadInput):
         print(f"align: error: {exc}", file=sys.stderr)
         return 2
-    except ModuleNotFoundError as exc:
-        extra = EXTRAS.get((exc.name or "").split(".")[0])
-        if extra is None:
-            raise
-        print(f"align: error: `align {args.command}` needs the '{extra}' extra: pip install 'xf-align[{extra}]' "
+    if isinstance(exc, OSError):    # a file the system would not let us read or write: the user's to fix
+        print(f"align: error: {_os_error(exc)}", file=sys.stderr)
+        return 2
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EXTRAS:
+        extra = EXTRAS[(exc.name or "").split(".")[0]]
+        print(f"align: error: `align {command}` needs the '{extra}' extra: pip install 'xf-align[{extra}]' "
               f"({exc})", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("align: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:      # a bug of ours, not the user's input: exit 3, the traceback kept in a file
-        return _internal_error(args.command, exc)
+    if not isinstance(exc, Exception):     # SystemExit and the like: not ours to translate
+        raise exc
+    return _internal_error(command, exc)   # a bug of ours, not the user's input: exit 3, traceback in a file
+
+
+def interrupted() -> int:
+    """Ctrl-C: one line, exit 130 (128 + SIGINT, what a shell reports for a killed command). Outputs are
+    assembled in a temporary folder and moved into place at the end (core.interrupts), so nothing
+    half-written is left."""
+    try:
+        print("align: interrupted", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    return 130
+
+
+def _os_error(exc: OSError) -> str:
+    """One line for an OSError: the file it names and the system's reason."""
+    reason = exc.strerror or " ".join(str(exc).split()) or exc.__class__.__name__
+    if exc.filename is None:
+        return reason
+    where = str(exc.filename) + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    return f"{where}: {reason}"
 
 
 def _internal_error(command: str, exc: Exception) -> int:

@@ -1,0 +1,76 @@
+"""Ctrl-C in the ``align`` command: it always ends as "interrupted" (exit 130), and nothing half-written stays.
+
+Two things make that hard. Libraries turn a KeyboardInterrupt into something else (pandas re-raises one that
+hits its `import numpy` as an ImportError; a reader's ``except`` may swallow it), so the command installs
+``handler``, which notes that Ctrl-C came (``seen()``) before it raises: whatever the exception, or none,
+the command then ends as interrupted. And outputs are assembled in a temporary folder and moved into place at
+the end (reports/writer.py): ``committing()`` refuses to move them once Ctrl-C has been seen, and ignores SIGINT
+while they move; in the command (``install()``) SIGINT then stays ignored, so a Ctrl-C that comes after the
+report is in place does nothing and the run ends with its verdict. As a library (tests, notebooks) nothing
+is installed: Python's own KeyboardInterrupt, restored after the move.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+_SEEN = False
+_INSTALLED = False
+
+
+def handler(signum: int, frame: FrameType | None) -> None:
+    """SIGINT in the command: remember it, then raise KeyboardInterrupt as Python would."""
+    global _SEEN
+    _SEEN = True
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """The command line: Ctrl-C through ``handler``; once outputs are in place it is no longer delivered."""
+    global _INSTALLED
+    signal.signal(signal.SIGINT, handler)
+    _INSTALLED = True
+
+
+def seen() -> bool:
+    """Whether Ctrl-C came since ``install()`` (whatever became of its KeyboardInterrupt)."""
+    return _SEEN
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _settle() -> None:
+    """A Python call: a Ctrl-C whose signal came before SIGINT was ignored has its handler run here."""
+
+
+def ignore() -> None:
+    """Ctrl-C does nothing from here on (process-wide: a signal mask would cover one thread only, and the
+    kernel hands SIGINT to any thread that does not block it, a reader's C++ pool thread too)."""
+    if _main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextmanager
+def committing() -> Iterator[None]:
+    """Move outputs into place: not at all once Ctrl-C was seen (KeyboardInterrupt), and without a Ctrl-C in
+    the middle (see the module doc)."""
+    if not _main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ok = False
+    try:
+        _settle()
+        if _SEEN:
+            raise KeyboardInterrupt
+        yield
+        ok = True
+    finally:
+        if not (ok and _INSTALLED):
+            signal.signal(signal.SIGINT, old)

@@ -1,0 +1,118 @@
+"""Ctrl-C always ends with `align: interrupted`, exit 130 and nothing written (issue 36, item 4): while `align`
+imports, while it builds its parser, and at several moments of a compare, sent to the process alone or to its
+whole process group as a terminal does (the forked figure child gets it too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from demo.example_logs import write_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(signal, "SIGINT"), reason="POSIX signals")
+
+
+def _default_sigint() -> None:
+    # a test runner started in the background (`pytest &`) ignores SIGINT, and its children inherit that
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _python(code: str, argv0: str = "align") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", f"import sys; sys.argv[0] = {argv0!r}\n{code}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, preexec_fn=_default_sigint)
+
+
+def test_ctrl_c_while_align_imports_is_one_line_exit_130() -> None:
+    """From align/__init__.py on (the console script's `from align.cli import main`), before main() runs."""
+    r = _python("import align, os, signal\nos.kill(os.getpid(), signal.SIGINT)\nimport align.cli\n"
+                "print('not interrupted')")
+    assert r.returncode == 130 and r.stderr == "align: interrupted\n" and not r.stdout, r
+
+
+def test_importing_align_as_a_library_leaves_sigint_alone() -> None:
+    r = _python("import signal, align\nassert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+                "import align.cli\nassert signal.getsignal(signal.SIGINT) is signal.default_int_handler\nprint('ok')",
+                argv0="-c")
+    assert r.returncode == 0 and r.stdout == "ok\n", r
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line_exit_130(monkeypatch, capsys) -> None:
+    import align.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["report", "a", "b", "--out", "o"]) == 130
+    assert capsys.readouterr().err == "align: interrupted\n"
+
+
+def test_ctrl_c_in_main_after_import_becomes_keyboard_interrupt() -> None:
+    """main() hands Ctrl-C back to a KeyboardInterrupt (outputs clean up on the way out), one it remembers."""
+    r = _python("import contextlib, signal\nimport align.cli as c\nfrom core import interrupts\n"
+                "assert signal.getsignal(signal.SIGINT) is c._interrupted_while_starting\n"
+                "with contextlib.suppress(SystemExit):\n    c.main(['--no-such-flag'])\n"
+                "assert signal.getsignal(signal.SIGINT) is interrupts.handler\n"
+                "try:\n    signal.raise_signal(signal.SIGINT)\nexcept KeyboardInterrupt:\n"
+                "    assert interrupts.seen()\n    print('ok')")
+    assert r.returncode == 0 and "ok" in r.stdout, r
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_examples(tmp_path_factory.mktemp("runs"), 2000, "none", None)
+
+
+def _report(runs: dict[str, Path], out: Path, delay: float | None, group: bool) -> tuple[int, str, bool, float]:
+    """Run `align report`; ``delay`` seconds after its first progress line (the runs are being read: past
+    Python's own start-up, which is not ours to answer), send SIGINT to it or to its process group.
+    Returns (status, stderr, whether the signal went, seconds from the first progress line to the end)."""
+    cmd = [sys.executable, "-m", "align", "report", str(runs["baseline"]), str(runs["candidate"]),
+           "--repeat", str(runs["repeat"]), "--out", str(out)]
+    log = out.parent / f"{out.name}.stderr"
+    with open(log, "w") as err_fh:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err_fh, text=True,
+                             start_new_session=True, preexec_fn=_default_sigint)
+    sent = False
+    try:
+        deadline = time.monotonic() + 120
+        while p.poll() is None and not log.read_text().startswith("align: ") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        t0 = time.perf_counter()
+        if delay is not None:
+            time.sleep(delay)
+            if p.poll() is None:
+                (os.killpg if group else os.kill)(p.pid, signal.SIGINT)
+                sent = True
+        p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return p.returncode, log.read_text(), sent, time.perf_counter() - t0
+
+
+def test_ctrl_c_during_a_compare_always_exits_130_and_writes_nothing(runs, tmp_path) -> None:
+    rc, err, _, took = _report(runs, tmp_path / "whole", None, False)
+    assert rc == 0 and (tmp_path / "whole" / "summary.json").is_file(), err
+    interrupted = 0
+    for i, share in enumerate((0.0, 0.15, 0.35, 0.55, 0.75, 0.95)):
+        for group in (False, True):
+            out = tmp_path / f"r{i}{'g' if group else ''}"
+            rc, err, sent, _ = _report(runs, out, share * took, group)
+            if not sent or rc == 0:      # the compare ended first: a complete report, never half of one
+                assert rc == 0 and (out / "summary.json").is_file(), (share, group, rc, err)
+                continue
+            interrupted += 1
+            assert rc == 130, (share, group, rc, err)
+            assert err.strip().splitlines()[-1] == "align: interrupted" and "Traceback" not in err, (share, err)
+            assert not out.exists(), (share, group, sorted(out.rglob("*")))
+            # nor the temporary folder the report is assembled in
+            assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")], (share, group)
+    assert interrupted >= 6, interrupted
