@@ -13,6 +13,7 @@ Megatron-LM's defaults (marked as such).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -601,6 +602,31 @@ def replay_dir(cfg: dict[str, Any]) -> tuple[str | None, Any, Any] | None:
     return (str(data_dir) if data_dir is not None else None), steps, rank
 
 
+#: How many folders above a config (or a run store) a relative path in it is looked for.
+_UP = 3
+
+
+def config_bases(where: str | Path, is_file: bool) -> list[Path]:
+    """Folders a relative path inside a config resolves against, nearest first: the config file's folder
+    (``is_file``) or the run store that recorded it, then the folders above (MindFormers resolves paths
+    from the folder it was launched in, which holds the YAML's folder or the run's output)."""
+    start = Path(where).resolve()
+    start = start.parent if is_file else start
+    return [start, *list(start.parents)[:_UP]]
+
+
+def resolve_relative(value: str, bases: list[Path] | None) -> str:
+    """``value`` (a path a config names) as the path to read: absolute as it is; relative, against the first
+    of ``bases`` where it exists (else the first of them), never against the working folder."""
+    p = Path(value).expanduser()
+    if p.is_absolute() or not bases:
+        return str(p)
+    for base in bases:
+        if (base / p).exists():
+            return os.path.normpath(base / p)
+    return os.path.normpath(bases[0] / p)
+
+
 def replay_shape(data_dir: str, steps: Any = None, rank: Any = None) -> dict[str, Any]:
     """What a replay of ``data_dir`` feeds one MindFormers rank per step: ``rows`` (samples: Megatron's
     micro-batches of that DP rank, concatenated), ``seq_length``, ``micro_batches`` (when the run store says),
@@ -662,16 +688,20 @@ def replay_shape(data_dir: str, steps: Any = None, rank: Any = None) -> dict[str
     return out
 
 
-def _replay_rows(cfg: dict[str, Any], mg: dict[str, Any], mf: dict[str, Any]) -> dict[str, tuple[str, str]]:
+def _replay_rows(cfg: dict[str, Any], mg: dict[str, Any], mf: dict[str, Any],
+                 bases: list[Path] | None = None) -> dict[str, tuple[str, str]]:
     """A replay YAML's batch keys from the replayed store: one dataset row is a whole Megatron step of
     ``rows`` samples, so the YAML's batch_size counts steps, not samples. Returns {key: (status or "",
-    note)} for the rows it set (status "" keeps the usual comparison)."""
+    note)} for the rows it set (status "" keeps the usual comparison). A relative ``data_dir`` resolves
+    against ``bases`` (config_bases: the YAML's folder or the store that recorded it)."""
     from core.errors import BadInput
 
     found = replay_dir(cfg)
     if found is None:
         return {}
     data_dir, steps, rank = found
+    if data_dir is not None:
+        data_dir = resolve_relative(data_dir, bases)
     mbs = mf.get("micro_batch_size")
     try:
         if data_dir is None:
@@ -730,11 +760,13 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any]) -> tuple[list[Row], StageResult]:
-    """Rows for every common key, and the findings: mismatch -> fail, check by hand -> warn."""
+def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any],
+                    base: list[Path] | None = None) -> tuple[list[Row], StageResult]:
+    """Rows for every common key, and the findings: mismatch -> fail, check by hand -> warn. ``base``: the
+    folders relative paths in the MindFormers config resolve against (config_bases), not the working folder."""
     mg, defaulted = megatron_common(mg_args)
     mf = mindformers_common(mf_cfg)
-    replay = _replay_rows(mf_cfg, mg, mf)     # a replay YAML: the batch keys come from the replayed store
+    replay = _replay_rows(mf_cfg, mg, mf, base)     # a replay YAML: the batch keys come from the replayed store
     rows: list[Row] = []
     for key in mg:
         a, b = mg[key], mf.get(key, NOT_READ)

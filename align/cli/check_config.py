@@ -18,14 +18,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from align.checks.config import compare_configs, format_table
+    from align.checks.config import compare_configs, config_bases, format_table
     from core.outputs import check_out_file, write_text_output
     from sources.configs import read_megatron, read_mindformers
 
     if args.json:
         check_out_file(args.json, "--json")   # before the configs are read
     mg_args, kind = read_megatron(args.megatron)
-    rows, res = compare_configs(mg_args, read_mindformers(args.mindformers))
+    rows, res = compare_configs(mg_args, read_mindformers(args.mindformers),
+                                base=config_bases(args.mindformers, is_file=True))
     payload = {"verdict": res.verdict, "megatron_source": kind, **res.details,
                "findings": [f.to_json() for f in res.findings]}
     if args.json == "-":

@@ -23,12 +23,20 @@ def _config(ev: Evidence) -> StageResult:
     if b[0] != "megatron_args" or c[0] != "mindformers_yaml":
         return skipped("checklist", f"the checklist compares Megatron arguments (baseline) with a MindFormers "
                        f"config (candidate); got {b[0]} and {c[0]}")
-    rows, res = compare_configs(b[1], c[1])
+    rows, res = compare_configs(b[1], c[1], base=ev.config_base("candidate"))
     if not res.findings:
-        res.add(Finding("checklist", "pass", None, "settings_match", len(rows), None,
-                        f"all {len(rows)} compared settings match (model, optimizer, schedule, precision, "
-                        "parallel layout, dropout, weight-decay rules)"))
+        res.add(Finding("checklist", "pass", None, "settings_match", len(rows), None, match_message(rows)))
     return res
+
+
+def match_message(rows: list) -> str:
+    """What a checklist without mismatches says: never "all" while some settings were not read."""
+    matched = sum(r.status == "match" for r in rows)
+    unread = [r.key for r in rows if r.status == "not read"]
+    what = " (model, optimizer, schedule, precision, parallel layout, dropout, weight-decay rules)"
+    if not unread:
+        return f"all {matched} compared settings match{what}"
+    return f"{matched} compared settings match{what}; {len(unread)} not read: check by hand: {', '.join(unread)}"
 
 
 def section(res: StageResult) -> str:

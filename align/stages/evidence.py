@@ -197,6 +197,18 @@ class Evidence:
             self._configs[role] = self._read_config(role)
         return self._configs[role]
 
+    def config_base(self, role: str) -> list[Path]:
+        """The folders relative paths inside a run's config resolve against (a MindFormers YAML's data_dir):
+        the config file's folder when named on the command line, else the run store (or the log's folder)
+        that recorded it, then the folders above; never the working folder."""
+        from align.checks.config import config_bases
+
+        path = self.inputs.baseline_config if role == "baseline" else self.inputs.candidate_config
+        if path is not None:
+            return config_bases(path, is_file=True)
+        run = self.baseline if role == "baseline" else self.candidate
+        return config_bases(run.path, is_file=not Path(run.path).is_dir())
+
     def _read_config(self, role: str) -> tuple[str, dict[str, Any]] | None:
         from sources.configs import read_megatron, read_mindformers
 
