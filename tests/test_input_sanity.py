@@ -221,3 +221,24 @@ def test_an_os_error_anywhere_in_a_verb_is_one_line_exit_2(tmp_path, monkeypatch
     rc = main(["check-data", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == [f"align: error: {tmp_path / 'secret.npy'}: Permission denied"], err
+
+
+@pytest.mark.parametrize("verb", ["convert-weights", "demo", "isolate"])
+def test_verbs_that_work_for_minutes_refuse_a_bad_out_first(verb, tmp_path, capsys) -> None:
+    """A dangling symlink (convert-weights) or a file (demo, isolate) as --out: refused before any input is
+    read, any framework imported or any model built."""
+    out = tmp_path / "out"
+    if verb == "convert-weights":
+        out.symlink_to(tmp_path / "nowhere" / "x.safetensors")
+        argv = ["convert-weights", "--to", "mindformers", str(tmp_path / "missing.pt"), "--out", str(out),
+                "--num-heads", "2"]
+    elif verb == "demo":
+        out.write_text("x")
+        argv = ["demo", "--example-logs", "--out", str(out)]
+    else:
+        out.write_text("x")
+        argv = ["isolate", str(tmp_path / "missing"), "--candidate-yaml", str(tmp_path / "missing.yaml"),
+                "--candidate-ckpt", str(tmp_path / "missing.ckpt"), "--out", str(out)]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and str(out) in err[0] and "missing" not in err[0], err
