@@ -116,3 +116,24 @@ def test_ctrl_c_during_a_compare_always_exits_130_and_writes_nothing(runs, tmp_p
             # nor the temporary folder the report is assembled in
             assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")], (share, group)
     assert interrupted >= 6, interrupted
+
+
+def test_an_interrupted_import_leaves_no_half_store(tmp_path, monkeypatch, capsys) -> None:
+    import runstore.run
+    from align.cli import main
+
+    logs = write_examples(tmp_path / "in", 20, "none", None)
+    real = runstore.run.save_run
+
+    def half(run, out):
+        real(run, out)          # everything written into the temporary folder, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runstore.run, "save_run", half)
+    assert main(["import", str(logs["baseline"]), "--out", str(tmp_path / "store")]) == 130
+    assert capsys.readouterr().err == "align: interrupted\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+    monkeypatch.setattr(runstore.run, "save_run", real)
+    assert main(["import", str(logs["baseline"]), "--out", str(tmp_path / "store")]) == 0
+    assert (tmp_path / "store" / "meta.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "store"]

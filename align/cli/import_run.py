@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 from core.errors import BadInput
 
@@ -27,8 +32,29 @@ def run(args: argparse.Namespace) -> int:
     if kind == "runstore":
         raise BadInput(f"{args.source}: already a run store")
     loaded = load_run(args.source, kind)
-    save_run(loaded, out)
+    _save_atomically(loaded, out, save_run)
     print(f"{args.source} ({kind}): {len(loaded.steps)} steps -> {out}")
     for note in loaded.notes:
         print(f"  note: {note}")
     return 0
+
+
+def _save_atomically(loaded: object, out: Path, save_run: Callable[[object, Path], object]) -> None:
+    """Write the store in a temporary folder beside ``out`` and rename it into place: a Ctrl-C or an error
+    half-way leaves no half store (core.interrupts)."""
+    from core.interrupts import committing
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise BadInput(f"{out}: cannot write there ({exc.strerror or exc.__class__.__name__})") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)          # a folder as mkdir would make it, not mkdtemp's 0700
+        save_run(loaded, tmp)
+        with committing():
+            os.replace(tmp, out)           # an empty folder named out is replaced
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
