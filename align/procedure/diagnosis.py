@@ -99,28 +99,28 @@ def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None)
     head = {s.name: (ranked(s, r) or [Finding(s.name, "fail", None, "verdict", None, None,
                                               f"{s.title}: failed")])[0] for s, r in failing}
     reach = _reach(by_name)
+
+    def explains(cause: tuple[Stage, Finding], effect: tuple[Stage, Finding]) -> bool:
+        c, e = cause[0].name, effect[0].name
+        return c != e and e in reach[c] and _explains(cause, effect, c in reach[e])
+
     sf = {s.name: (s, head[s.name]) for s, _ in failing}
-    causes = {s: [t for t in head if t != s and s in reach[t] and _explains(sf[t], sf[s], t in reach[s])]
-              for s in head}
-    roots = [s.name for s, _ in failing if not causes[s.name]]
+    roots = [s for s in head if not any(explains(sf[t], sf[s]) for t in head)]
     out = []
     for s, _ in failing:
-        cause = None
-        if causes[s.name]:   # the earliest root behind it, else the stage that explains it directly
-            cause = next((r for r in roots if r in causes[s.name] or (
-                s.name in reach[r] and _explains(sf[r], sf[s.name], r in reach[s.name]))), causes[s.name][0])
-        out.append(_entry(s, head[s.name], cause))
+        if s.name in roots:
+            out.append(_entry(s, head[s.name], None))
+        else:   # the earliest root behind it, else a failure that explains it directly
+            cause = next((r for r in roots if explains(sf[r], sf[s.name])), None) or \
+                next(t for t in head if explains(sf[t], sf[s.name]))
+            out.append(_entry(s, head[s.name], cause))
     # warnings a root explains are its consequences too (a warning no failure explains is no culprit: it is
     # shown with its stage)
-    for s, r in sorted(((by_name[n], r) for n, r in results.items() if r.verdict == "warn" and n in by_name),
-                       key=lambda sr: sr[0].order):
-        found = ranked(s, r)
-        if not found:
-            continue
-        cause = next((c for c in roots if s.name in reach[c]
-                      and _explains(sf[c], (s, found[0]), c in reach[s.name])), None)
+    for n, r in results.items():
+        found = ranked(by_name[n], r) if r.verdict == "warn" and n in by_name else []
+        cause = next((c for c in roots if found and explains(sf[c], (by_name[n], found[0]))), None)
         if cause is not None:
-            out.append(_entry(s, found[0], cause))
+            out.append(_entry(by_name[n], found[0], cause))
     out.sort(key=lambda e: by_name[e["stage"]].order)
     for e in out:   # where a root cause shows in the numbers: its consequences that name a component
         e["seen_at"] = [{k: c[k] for k in ("stage", "component", "message")} for c in out
