@@ -144,7 +144,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     # moe / mla pairs only (demo --model moe): routing evidence (runstore.routing, stage moe_routing)
     Fault("router_fp16", "candidate", "moe_routing", "mlp.router",
           "candidate computes the MoE router (gating matmul, score function, top-k) in float16 "
-          "(router_dense_type: float16 in its YAML) while the baseline routes in float32", kinds=MOE_KINDS),
+          "(router_dense_type: float16 in its YAML) while the baseline routes in float32", kinds=MOE_KINDS,
+          culprit=("checklist", "moe_router_dtype")),
     Fault("expert_swap", "conversion", "moe_routing", "decoder.layers.1.mlp.router",
           "weight conversion writes layer 1's router rows of experts 0 and 1 swapped: the router's expert order "
           "no longer matches the stacked experts', so each token of expert 0 goes to expert 1 and back",

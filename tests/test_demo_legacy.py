@@ -73,7 +73,7 @@ def test_legacy_fault_fails_at_its_stage_naming_its_component(name: str, clean: 
     hits = [x for x in data["findings"] if x["stage"] == f.stage and x["verdict"] == "fail"
             and component in str(x["component"])]
     assert hits, (component, [x for x in data["findings"] if x["stage"] == f.stage])
-    culprit_is(data, *f.culprit_for("llama"))
+    culprit_is(data, f, "llama")
 
 
 def test_reuse_of_a_baseline_of_another_model_is_refused(clean: tuple[Path, dict], tmp_path: Path) -> None:

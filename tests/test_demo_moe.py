@@ -132,7 +132,7 @@ def test_router_fault_is_named_at_the_router(inject: str, moe_pair: tuple[Path, 
     assert fault.stage == "moe_routing" and routing["verdict"] == "fail"
     failing = [f for f in data["findings"] if f["stage"] == "moe_routing" and f["verdict"] == "fail"]
     assert failing and all(fault.component in f["component"] for f in failing), failing
-    culprit_is(data, "moe_routing", fault.component)
+    culprit_is(data, fault, "moe")
     if inject == "router_fp16":        # every router, by its precision
         assert routing["failing_routers"] == routing["routers"]
         assert {f["metric"] for f in failing} >= {"router_precision"}
