@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import struct
 import threading
 import zlib
@@ -13,15 +12,21 @@ import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.legend import Legend
+from matplotlib.patches import Patch
 from matplotlib.ticker import NullLocator
 
 COLOURS = {"pass": "#1a7f37", "warn": "#b35900", "fail": "#c62828", "skipped": "#666666"}
 DPI = 100
-#: fixed margins instead of bbox_inches="tight" (which draws every figure twice to measure it)
+#: the curve figure's widest axes: margins are measured from its texts (:func:`_fit_grid`), never narrower than
+#: these (not bbox_inches="tight", which draws every figure twice to measure it)
 MARGINS = {"left": 0.08, "right": 0.98, "bottom": 0.14, "top": 0.9}
 CURVE_SIZE = (9, 3.6)   # inches: the curve figure every loss / delta plot reuses
-#: pixel columns of that figure's axes (810): a long curve is drawn from each column's min and max (envelope)
+#: pixel columns of that figure's axes at most (810): a long curve is drawn from each column's min and max
+#: (envelope)
 COLUMNS = round(CURVE_SIZE[0] * DPI * (MARGINS["right"] - MARGINS["left"]))
+PAD = 4                 # pixels between a figure's outermost text and its edge
 
 
 def _figure(figsize: tuple[float, float], ncols: int = 1, sharey: bool = False) -> tuple[Figure, Any]:
@@ -45,7 +50,7 @@ def _curve_axes() -> tuple[Figure, Any]:
         _LOCAL.curves = got = (fig, ax)
         return got
     fig, ax = got
-    for artist in [*ax.lines, *ax.collections, *ax.texts, *ax.patches]:
+    for artist in [*ax.lines, *ax.collections, *ax.texts, *ax.patches, *fig.legends]:
         artist.remove()
     if ax.get_legend() is not None:
         ax.get_legend().remove()
@@ -64,6 +69,135 @@ def warm() -> None:
 def pixel_columns(ax: Any) -> int:
     """The axes' width in pixels at the figure's DPI: the pixel columns a curve is drawn on."""
     return max(1, round(ax.get_position().width * ax.get_figure().get_figwidth() * DPI))
+
+
+#: the figure legend's spacing, in font sizes (handletextpad and borderpad are matplotlib's defaults)
+LEGEND = {"handlelength": 1.8, "handletextpad": 0.8, "columnspacing": 1.5, "borderpad": 0.4}
+
+
+def _legend_below(fig: Figure, handles: list, fontsize: float = 8) -> Legend | None:
+    """One legend for the whole figure, centred under everything (off the data), in as many columns as
+    the figure's width holds (one row when it fits: its width is reckoned from the labels' widths, as the
+    legend lays them out, so it is made once); handles with the same label are named once."""
+    seen: dict[str, Any] = {}
+    for h in handles:
+        label = h.get_label()
+        if label and not label.startswith("_"):
+            seen.setdefault(label, h)
+    if not seen:
+        return None
+    em = fontsize * DPI / 72
+    widths = np.array([_text_px(fig, label, fontsize)[0] for label in seen])
+    entry = (LEGEND["handlelength"] + LEGEND["handletextpad"]) * em
+
+    def width(ncols: int) -> float:      # matplotlib splits the entries into ncols columns as array_split does
+        cols = [c for c in np.array_split(widths, ncols) if len(c)]
+        return sum(c.max() + entry for c in cols) + ((len(cols) - 1) * LEGEND["columnspacing"]
+                                                     + 2 * LEGEND["borderpad"]) * em
+
+    n = ncols = len(seen)
+    while ncols > 1 and width(ncols) > 0.97 * (fig.bbox.width - 2 * PAD):
+        ncols = -(-n // (-(-n // ncols) + 1))      # one row more
+    # _fit_grid makes room for it under the axes
+    return fig.legend(list(seen.values()), list(seen), loc="lower center", bbox_to_anchor=(0.5, 0), ncols=ncols,
+                      fontsize=fontsize, frameon=False, borderaxespad=0.2, **LEGEND)
+
+
+#: a tick's length plus its label's pad (matplotlib's defaults: 3.5 pt each), in pixels
+TICK_PX = 7 * DPI / 72
+
+
+def _text_px(fig: Figure, text: str, points: float | FontProperties) -> tuple[float, float]:
+    """Width and height in pixels of one line of ``text`` (mathtext when in $...$) at ``points`` (or in a
+    font): a tick label measured without making its tick."""
+    font = points if isinstance(points, FontProperties) else FontProperties(size=points)
+    math = len(text) > 1 and text[0] == text[-1] == "$"
+    w, h, _ = fig.canvas.get_renderer().get_text_width_height_descent(text, font, ismath=math)
+    return w, h
+
+
+def _xaxis_px(fig: Figure, ax: Any) -> tuple[float, float]:
+    """How deep an axes' x decorations reach under it (tick, tick label, axis label) and how far its last tick
+    label reaches past its right edge, in pixels, from the major tick labels in view measured one by one:
+    Axis.get_tightbbox would lay out every minor tick of a log axis as well."""
+    axis = ax.xaxis
+    lo, hi = sorted(axis.get_view_interval())
+    locs = [v for v in axis.get_majorticklocs() if lo <= v <= hi]
+    font = axis.get_major_ticks(1)[0].label1.get_fontproperties()
+    sizes = [_text_px(fig, t, font) for t in axis.get_major_formatter().format_ticks(locs) if t] if locs else []
+    depth = TICK_PX + max((h for _, h in sizes), default=0.0)
+    if axis.label.get_text():
+        depth += axis.labelpad * DPI / 72 + axis.label.get_window_extent(fig.canvas.get_renderer()).height
+    over = 0.0
+    if sizes:
+        right = max(range(len(locs)), key=lambda i: locs[i])
+        over = ax.transData.transform((locs[right], 0))[0] + sizes[right][0] / 2 - ax.bbox.x1
+    return depth, over
+
+
+def _top(ax: Any, renderer: Any) -> float:
+    """How far an axes' titles and its y offset text ("1e-5", placed 3 pt above the axes when drawn; a title
+    in its way is raised above it) reach above the axes, in pixels."""
+    tops = [t.get_window_extent(renderer).y1 for t in (ax.title, ax._left_title, ax._right_title)
+            if t.get_visible() and t.get_text()]
+    top = max(max(tops) - ax.bbox.y1, 0.0) if tops else 0.0
+    off = ax.yaxis.offsetText
+    if off.get_visible() and off.get_text():
+        top += off.get_window_extent(renderer).height + 3 * DPI / 72
+    return top
+
+
+def _fit_grid(fig: Figure, grid: Any, legend: Legend | None, *, names: dict[str, float] | None = None) -> None:
+    """Margins and gaps of a grid of equal axes from what their texts measure (tick labels, axis labels,
+    titles, the suptitle, the legend under everything), so every text lies inside the canvas and off its
+    neighbour: the texts are laid out once here (matplotlib keeps each layout for the draw) instead of the
+    figure being drawn twice (bbox_inches="tight") or measured twice per draw (constrained layout).
+    ``names``: {"x" or "y": pixels} for an axis whose tick labels are names the caller measured itself (a
+    long list of labels is the costly part to lay out); "left": the least left margin (rotated names). The
+    curve figure never gets axes wider than ``COLUMNS``, the envelope's columns."""
+    renderer = fig.canvas.get_renderer()
+    names = names or {}
+    grid = np.atleast_2d(np.asarray(grid, dtype=object))
+    nrows, ncols = grid.shape
+    shown = [(i, k, ax) for (i, k), ax in np.ndenumerate(grid) if ax.get_visible()]
+    dec = np.zeros((nrows, ncols, 4))                      # per axes: left, right, bottom, top, in pixels
+    for i, k, ax in shown:                                 # heights first: the y ticks depend on them
+        if "x" in names:
+            dec[i, k, 2] = names["x"]
+        elif ax.xaxis.get_visible():
+            dec[i, k, 2], dec[i, k, 1] = _xaxis_px(fig, ax)
+        dec[i, k, 3] = _top(ax, renderer)
+    w, h = fig.bbox.width, fig.bbox.height
+    sup = h - fig._suptitle.get_window_extent(renderer).y0 + PAD if fig._suptitle is not None else 0.0
+    below = legend.get_window_extent(renderer).height + PAD if legend is not None else 0.0
+    dec = np.maximum(dec, 0.0)
+    bottom = PAD + below + dec[-1, :, 2].max()
+
+    def heights() -> None:
+        top = PAD + sup + dec[0, :, 3].max()
+        hgap = max((dec[i, :, 2].max() + dec[i + 1, :, 3].max() for i in range(nrows - 1)), default=0.0) + 2 * PAD
+        ah = (h - top - bottom - (nrows - 1) * hgap) / nrows
+        fig.subplots_adjust(bottom=bottom / h, top=1 - top / h, hspace=hgap / max(ah, 1.0))
+
+    heights()
+    for i, k, ax in shown:
+        if "y" in names:
+            dec[i, k, 0] = names["y"]
+        else:
+            yb = ax.yaxis.get_tightbbox(renderer)
+            dec[i, k, 0] = max(ax.bbox.x0 - yb.x0, 0.0) if yb is not None else 0.0
+    # the y ticks, now computed, may have put an offset or exponent ("1e-5") above an axes: room for it too
+    tops = np.array([[_top(ax, renderer) if ax.get_visible() else 0.0 for ax in row] for row in grid])
+    if (tops > dec[:, :, 3] + 0.5).any():
+        dec[:, :, 3] = np.maximum(dec[:, :, 3], tops)
+        heights()
+    left = PAD + max(dec[:, 0, 0].max(), names.get("left", 0.0))
+    right = PAD + dec[:, -1, 1].max()
+    wgap = max((dec[:, k, 1].max() + dec[:, k + 1, 0].max() for k in range(ncols - 1)), default=0.0) + 2 * PAD
+    if nrows == ncols == 1 and fig.get_size_inches()[0] == CURVE_SIZE[0]:
+        left, right = max(left, MARGINS["left"] * w), max(right, (1 - MARGINS["right"]) * w)
+    aw = (w - left - right - (ncols - 1) * wgap) / ncols
+    fig.subplots_adjust(left=left / w, right=1 - right / w, wspace=wgap / max(aw, 1.0))
 
 
 def envelope(x: np.ndarray, y: np.ndarray, columns: int = COLUMNS) -> tuple[np.ndarray, np.ndarray]:
@@ -152,9 +286,10 @@ def loss_curves(table: pd.DataFrame, labels: dict[str, str], verdict: str, path:
             label=labels.get("candidate", "candidate"))
     ax.set_xlabel("step")
     ax.set_ylabel(title.lower())
-    ax.set_title(f"{title}: baseline vs candidate  [{verdict.upper()}]", color=COLOURS.get(verdict, "k"))
+    ax.set_title(f"{title}: baseline vs candidate  [{verdict.upper()}]", color=COLOURS.get(verdict, "k"),
+                 y=1)   # placed, not auto-placed: that measures the y axis once more at every draw
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    _fit_grid(fig, ax, _legend_below(fig, ax.get_legend_handles_labels()[0]))
     return _save(fig, path)
 
 
@@ -187,20 +322,17 @@ def delta_band(table: pd.DataFrame, verdict: str, path: Path, divergence_step: i
                    label=f"outside band ({n_out} steps)" if len(ox) == n_out else
                    f"outside band ({n_out} steps, extremes of {len(ox)} shown)")
     ax.axhline(0, color="k", lw=0.6)
+    # the marked steps are named in the legend (a label on the axes would sit on the curve)
     if divergence_step is not None:
-        ax.axvline(divergence_step, color=COLOURS["fail"], ls="--", lw=1.2)
-        ax.annotate(f"divergence from step {divergence_step}", (divergence_step, ax.get_ylim()[1]),
-                    color=COLOURS["fail"], fontsize=8, va="top", ha="left", xytext=(4, -4),
-                    textcoords="offset points")
+        ax.axvline(divergence_step, color=COLOURS["fail"], ls="--", lw=1.2,
+                   label=f"divergence from step {divergence_step}")
     if nonfinite_step is not None:
-        ax.axvline(nonfinite_step, color="#6a1b9a", ls=":", lw=1.5)
-        ax.annotate(f"NaN/Inf at step {nonfinite_step}", (nonfinite_step, ax.get_ylim()[0]),
-                    color="#6a1b9a", fontsize=8, va="bottom", xytext=(4, 4), textcoords="offset points")
+        ax.axvline(nonfinite_step, color="#6a1b9a", ls=":", lw=1.5, label=f"first NaN/Inf at step {nonfinite_step}")
     ax.set_xlabel("step")
     ax.set_ylabel("candidate - baseline")
-    ax.set_title(f"{title} against the benchmark band  [{verdict.upper()}]", color=COLOURS.get(verdict, "k"))
+    ax.set_title(f"{title} against the benchmark band  [{verdict.upper()}]", color=COLOURS.get(verdict, "k"), y=1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    _fit_grid(fig, ax, _legend_below(fig, ax.get_legend_handles_labels()[0]))
     return _save(fig, path)
 
 
@@ -271,11 +403,19 @@ def weights_chart(rows: list[dict], verdict: str, path: Path) -> bytes | None:
                            title="Weights", own_verdicts=True)
 
 
+def _verdict_patches(colours: list[str], labels: dict[str, str]) -> list[Patch]:
+    """A legend patch for each verdict colour the bars use, in pass / warn / fail order."""
+    used = set(colours)
+    return [Patch(color=COLOURS[v], label=labels[v]) for v in ("pass", "warn", "fail", "skipped")
+            if COLOURS[v] in used and v in labels]
+
+
 def _parameter_bars(parameters: list[dict], rtol: float | None, warn_tol: float | None, verdict: str, path: Path, *,
                     xlabel: str, title: str, own_verdicts: bool = False) -> bytes | None:
     """Horizontal bars, one per parameter (log scale), names on the axis. ``own_verdicts``: each parameter's
     ``verdict`` colours its bar and its ``tol`` is ticked on it (tolerances differ per parameter); else the
-    bars are coloured against ``rtol`` / ``warn_tol``, drawn as lines."""
+    bars are coloured against ``rtol`` / ``warn_tol``, drawn as lines. The legend, under the axes, names each
+    colour used and each line."""
     if not parameters:
         return None
     shown_of = len(parameters)
@@ -287,20 +427,24 @@ def _parameter_bars(parameters: list[dict], rtol: float | None, warn_tol: float 
     height = max(2.5, 0.22 * len(rows) + 1)
     width = 6.5 + names_in
     fig, ax = _figure((width, height))
-    fig.subplots_adjust(left=names_in / width, right=0.98, top=1 - 0.45 / height, bottom=0.55 / height)
     y = np.arange(len(rows))
     colours = [COLOURS.get(p.get("verdict") or "fail", COLOURS["fail"]) for p in rows] if own_verdicts else \
         _bar_colours(vals, rtol if rtol is not None else 0.0, warn_tol)
     ax.barh(y, shown, color=colours)
+    missing = " (missing or not finite: drawn at 1e3)" if not all(np.isfinite(vals)) else ""
+    fails = warn_tol if warn_tol is not None else 10 * (rtol or 0.0)     # _bar_colours' line
+    handles: list[Any] = _verdict_patches(colours, {
+        "pass": "pass", "warn": "warn", "fail": "fail" + missing} if own_verdicts else {
+        "pass": "within tolerance", "warn": "above tolerance (warn)", "fail": f"above {fails:g} (fail){missing}"})
     if rtol is not None:
-        ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}")
+        handles.append(ax.axvline(rtol, color="grey", ls="--", lw=0.8, label=f"tolerance {rtol:g}"))
     else:
         ticks = [(i, p["tol"]) for i, p in enumerate(rows) if p.get("tol")]
         if ticks:
-            ax.scatter([t for _, t in ticks], [i for i, _ in ticks], marker="|", s=120, color="k", zorder=3,
-                       label="each parameter's tolerance")
+            handles.append(ax.scatter([t for _, t in ticks], [i for i, _ in ticks], marker="|", s=120, color="k",
+                                      zorder=3, label="each parameter's tolerance"))
     if rtol is not None and warn_tol is not None:
-        ax.axvline(warn_tol, color=COLOURS["fail"], ls=":", lw=0.8, label=f"fails above {warn_tol:g}")
+        handles.append(ax.axvline(warn_tol, color=COLOURS["fail"], ls=":", lw=0.8, label=f"fails above {warn_tol:g}"))
     ax.set_yticks(y)
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
@@ -311,11 +455,21 @@ def _parameter_bars(parameters: list[dict], rtol: float | None, warn_tol: float 
         if layers[i] != layers[i - 1]:
             ax.axhline(i - 0.5, color="#bbbbbb", lw=0.6)
     what = "per parameter" if shown_of == len(rows) else f"of the {len(rows)} largest of {shown_of} parameters"
-    fig.suptitle(f"{title} {what}, grouped by layer  [{verdict.upper()}]",
-                 color=COLOURS.get(verdict, "k"), y=1 - 0.08 / height, va="top")
-    ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{title} {what}, grouped by layer  [{verdict.upper()}]", color=COLOURS.get(verdict, "k"))
     ax.grid(axis="x", alpha=0.3)
+    _fit_grid(fig, ax, _legend_below(fig, handles, fontsize=7),
+              names={"y": TICK_PX + max(_text_px(fig, n, 7)[0] for n in names)})
     return _save(fig, path)
+
+
+def _rotated_names(fig: Figure, panels: list[list[str]], points: float = 7, degrees: float = 70) -> dict[str, float]:
+    """What names rotated under bars (anchored at their right end) take: their depth under the axes
+    ({"x": pixels}) and how far the first panel's first name reaches left of its tick ({"left": pixels})."""
+    sin, cos = np.sin(np.radians(degrees)), np.cos(np.radians(degrees))
+    sizes = [[_text_px(fig, n, points) for n in names] for names in panels]
+    depth = max((w * sin + h * cos / 2 for ws in sizes for w, h in ws), default=0.0)
+    first = sizes[0][0] if sizes and sizes[0] else (0.0, 0.0)
+    return {"x": TICK_PX + depth, "left": first[0] * cos + first[1] * sin / 2}
 
 
 def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
@@ -329,26 +483,26 @@ def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
         panels.append((direction, sel, named_bars(len(sel)), names))
     longest = max((len(names[i]) for _, _, ticks, names in panels for i in ticks), default=0)
     labels_in = _text_inches(longest) * 0.94 + 0.15    # names rotated 70 degrees
-    height = 2.9 + labels_in
+    height = 3.2 + labels_in
     fig, axes = _figure((11, height), ncols=2, sharey=True)
-    fig.subplots_adjust(left=0.07, right=0.99, top=1 - 0.6 / height, bottom=(0.3 + labels_in) / height,
-                        wspace=0.06)
     fig.suptitle(f"Layer profile: relative error per module (log scale), forward then backward  "
                  f"[{verdict.upper()}]", fontsize=10, color=COLOURS.get(verdict, "k"))
+    handles: list[Any] = []
+    colours: list[str] = []
     for ax, (direction, sel, ticks, names) in zip(axes, panels, strict=True):
         if not sel:
             ax.set_visible(False)
             continue
         vals = [max(float(r["value"]), 1e-12) if np.isfinite(float(r["value"])) else 1e3 for r in sel]
-        colours = [COLOURS.get(r.get("verdict"), "#666666") for r in sel]
-        ax.bar(range(len(sel)), vals, color=colours)
+        colours += [COLOURS.get(r.get("verdict"), COLOURS["skipped"]) for r in sel]
+        ax.bar(range(len(sel)), vals, color=colours[-len(sel):])
         limits = [float(r["threshold"]) for r in sel]    # each module judged at its own dtype's line
         if len(set(limits)) == 1:
-            ax.axhline(limits[0], color="grey", ls="--", lw=0.8, label="tolerance")
+            handles.append(ax.axhline(limits[0], color="grey", ls="--", lw=0.8, label="tolerance"))
         else:
             x = np.arange(len(sel))
-            ax.hlines(limits, x - 0.45, x + 0.45, colors="grey", linestyles="--", lw=0.8,
-                      label="tolerance (each module's dtype)")
+            handles.append(ax.hlines(limits, x - 0.45, x + 0.45, colors="grey", linestyles="--", lw=0.8,
+                                     label="tolerance (each module's dtype)"))
         ax.set_yscale("log")
         ax.set_xticks(ticks)
         ax.set_xticklabels([names[i] for i in ticks], rotation=70, fontsize=7, rotation_mode="anchor",
@@ -358,7 +512,11 @@ def layer_profile(rows: list[dict], verdict: str, path: Path) -> bytes | None:
         ax.set_title(f"{direction} ({sel[0].get('metric', '')})" + (f", one bar in {every} named" if every > 1 else ""),
                      fontsize=9, y=1)   # placed, not auto-placed: that measures the axes once more
         ax.yaxis.set_minor_locator(NullLocator())   # a log axis' minor ticks: ~100 tick objects, not drawn usefully
-        ax.legend(fontsize=7)
+    legend = _legend_below(fig, _verdict_patches(colours, {"pass": "pass", "warn": "warn",
+                                                           "fail": "beyond tolerance (fail)",
+                                                           "skipped": "not judged"}) + handles, fontsize=7)
+    named = [[names[i] for i in ticks] for _, _, ticks, names in panels]
+    _fit_grid(fig, [axes], legend, names=_rotated_names(fig, named))
     return _save(fig, path)
 
 
@@ -367,60 +525,58 @@ def lr0_pair(rows: list[dict]) -> bytes | None:
     if not rows:
         return None
     steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = _figure((10, 3.4), ncols=2)
+    fig, (ax1, ax2) = _figure((10, 3.6), ncols=2)
     fig.suptitle("lr = 0 pair: loss per step (weights never move) and its delta", fontsize=10)
-    ax1.plot(steps, [r["loss_baseline"] for r in rows], "o-", label="baseline")
-    ax1.plot(steps, [r["loss_candidate"] for r in rows], "x--", label="candidate")
+    handles = ax1.plot(steps, [r["loss_baseline"] for r in rows], "o-", label="baseline")
+    handles += ax1.plot(steps, [r["loss_candidate"] for r in rows], "x--", label="candidate")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss (lr = 0)")
-    ax1.legend(fontsize=8)
-    ax2.plot(steps, [r["loss_candidate"] - r["loss_baseline"] for r in rows], ".-")
+    handles += ax2.plot(steps, [r["loss_candidate"] - r["loss_baseline"] for r in rows], ".-", color="#2ca02c",
+                        label="candidate - baseline (right)")
     ax2.axhline(0, color="grey", lw=0.5)
     ax2.set_xlabel("step")
     ax2.set_ylabel("loss delta (candidate - baseline)")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    return buf.getvalue()
+    _fit_grid(fig, [[ax1, ax2]], _legend_below(fig, handles))
+    return _save(fig, None)
 
 
 def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -> bytes | None:
     """A few parameters' named-norm trajectories, one panel each: the candidate's relative difference from
     the baseline per step inside the parameter's own band (shaded; the repeats' own differences in grey),
-    steps outside it in red, the step the parameter leaves its band marked. ``curves``: ``steps``,
-    ``rel_delta``, ``rel_band``, ``outside``, ``repeats``, ``departure_step`` and ``name`` each."""
+    steps outside it in red, the step the parameter leaves its band marked; one legend under the panels.
+    ``curves``: ``steps``, ``rel_delta``, ``rel_band``, ``outside``, ``repeats``, ``departure_step`` and
+    ``name`` each."""
     if not curves:
         return None
     ncols = 2 if len(curves) > 1 else 1
     nrows = -(-len(curves) // ncols)
-    fig = Figure(figsize=(5.2 * ncols, 2.3 * nrows + 0.5), dpi=DPI)
+    fig = Figure(figsize=(5.2 * ncols, 2.3 * nrows + 0.8), dpi=DPI)
     FigureCanvasAgg(fig)
-    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.5 / (2.3 * nrows + 0.5) + 0.04,
-                        top=1 - 0.55 / (2.3 * nrows + 0.5), hspace=0.55, wspace=0.22)
+    grid = fig.subplots(nrows, ncols, squeeze=False)
+    axes = grid.ravel()
     fig.suptitle(f"Per-parameter {what} over the run: (candidate - baseline) / |baseline| in its band  "
                  f"[{verdict.upper()}]", fontsize=10, color=COLOURS.get(verdict, "k"))
+    # the envelope's columns: a panel is never wider than its share of the figure
+    cols = max(1, round(fig.get_figwidth() * DPI / ncols))
+    handles: list[Any] = []
     for ax, c in zip(axes, curves, strict=False):
         x = np.asarray(c["steps"])
         band = np.nan_to_num(np.asarray(c["rel_band"], dtype=np.float64), nan=0.0, posinf=0.0)
-        cols = pixel_columns(ax)
         bx, by = envelope(x, band, cols)
-        handles = [ax.fill_between(bx, -by, by, color="#90caf9", alpha=0.5, step="mid", label="band")]
-        for k, r in enumerate(c.get("repeats", [])):
-            (line,) = ax.plot(*envelope(x, np.asarray(r, dtype=np.float64), cols), color="#9e9e9e", lw=0.6,
-                              label="repeat - baseline")
-            handles += [line] if k == 0 else []
+        handles.append(ax.fill_between(bx, -by, by, color="#90caf9", alpha=0.5, step="mid", label="band"))
+        for r in c.get("repeats", []):
+            handles += ax.plot(*envelope(x, np.asarray(r, dtype=np.float64), cols), color="#9e9e9e", lw=0.6,
+                               label="repeat - baseline")
         d = np.asarray(c["rel_delta"], dtype=np.float64)
         handles += ax.plot(*envelope(x, d, cols), color="#e07b00", lw=0.9, label="candidate - baseline")
         out = np.asarray(c["outside"], dtype=bool)
         if out.any():
-            ax.scatter(*envelope(x[out], np.clip(d[out], -1e30, 1e30), cols), s=5, color=COLOURS["fail"],
-                       zorder=3)
+            handles.append(ax.scatter(*envelope(x[out], np.clip(d[out], -1e30, 1e30), cols), s=5,
+                                      color=COLOURS["fail"], zorder=3, label="outside its band"))
         if c.get("departure_step") is not None:
-            ax.axvline(c["departure_step"], color=COLOURS["fail"], ls="--", lw=1.0)
+            handles.append(ax.axvline(c["departure_step"], color=COLOURS["fail"], ls="--", lw=1.0,
+                                      label="leaves its band (step in the panel's title)"))
         ax.axhline(0, color="k", lw=0.5)
-        if ax is axes[0]:
-            ax.legend(handles=handles, fontsize=7, loc="upper left")
         ax.set_title(f"{c['name']}" + (f"  (leaves at step {c['departure_step']})"
                                         if c.get("departure_step") is not None else ""),
                      fontsize=8, color=COLOURS["fail"] if c.get("departure_step") is not None else "k")
@@ -429,6 +585,7 @@ def norm_trajectories(curves: list[dict], what: str, verdict: str, path: Path) -
     for ax in axes[len(curves):]:
         ax.set_visible(False)
     axes[(nrows - 1) * ncols].set_xlabel("step", fontsize=8)
+    _fit_grid(fig, grid, _legend_below(fig, handles, fontsize=7))
     return _save(fig, path)
 
 
@@ -440,9 +597,8 @@ def isolation_profile(rows: list[dict], named: list[str], verdict: str, path: Pa
     names = [str(r["module"]).replace("decoder.layers.", "L").replace("self_attention", "attn") for r in rows]
     ticks = named_bars(len(rows))
     labels_in = _text_inches(max((len(names[i]) for i in ticks), default=0)) * 0.94 + 0.15
-    height = 2.9 + labels_in
+    height = 3.2 + labels_in
     fig, ax = _figure((11, height))
-    fig.subplots_adjust(left=0.07, right=0.99, top=1 - 0.6 / height, bottom=(0.3 + labels_in) / height)
     fig.suptitle(f"Single-module isolation: own vs inherited relative error per module (log scale)  "
                  f"[{verdict.upper()}]", fontsize=10, color=COLOURS.get(verdict, "k"))
 
@@ -451,18 +607,21 @@ def isolation_profile(rows: list[dict], named: list[str], verdict: str, path: Pa
         return max(v, 1e-12) if np.isfinite(v) else 1e3
 
     x = np.arange(len(rows))
-    ax.bar(x, [val(r["own_rel_l2"]) for r in rows], label="own (baseline's input)",
-           color=[COLOURS["fail"] if r["module"] in named else "#4c72b0" for r in rows])
+    is_named = [r["module"] in named for r in rows]
+    ax.bar(x, [val(r["own_rel_l2"]) for r in rows], color=[COLOURS["fail"] if n else "#4c72b0" for n in is_named])
+    handles: list[Any] = [Patch(color="#4c72b0", label="own error (the candidate's module on the baseline's input)")]
+    if any(is_named):
+        handles.append(Patch(color=COLOURS["fail"], label="own error of the named module"))
     inh = [val(r.get("inherited_rel_l2")) for r in rows]
     if any(r.get("inherited_rel_l2") is not None for r in rows):
-        ax.plot(x, inh, "o-", color="#dd8452", ms=3, lw=1, label="inherited (candidate's own forward)")
-    ax.hlines([float(r["pass_tol"]) for r in rows], x - 0.45, x + 0.45, colors="grey", linestyles="--", lw=0.8,
-              label="tolerance")
+        handles += ax.plot(x, inh, "o-", color="#dd8452", ms=3, lw=1, label="inherited (candidate's own forward)")
+    handles.append(ax.hlines([float(r["pass_tol"]) for r in rows], x - 0.45, x + 0.45, colors="grey",
+                             linestyles="--", lw=0.8, label="tolerance"))
     ax.set_yscale("log")
     ax.set_xticks(ticks)
     ax.set_xticklabels([names[i] for i in ticks], rotation=70, fontsize=7, rotation_mode="anchor", ha="right",
                        va="center")
     ax.set_xlim(-0.6, len(rows) - 0.4)
     ax.yaxis.set_minor_locator(NullLocator())
-    ax.legend(fontsize=7)
+    _fit_grid(fig, ax, _legend_below(fig, handles, fontsize=7), names=_rotated_names(fig, [[names[i] for i in ticks]]))
     return _save(fig, path)
