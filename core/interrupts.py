@@ -23,10 +23,44 @@ _INSTALLED = False
 
 
 def handler(signum: int, frame: FrameType | None) -> None:
-    """SIGINT in the command: remember it, then raise KeyboardInterrupt as Python would."""
+    """SIGINT in the command: remember it, then raise KeyboardInterrupt as Python would; but not inside an
+    import (a C extension's import may print it as a traceback, or a package turn it into an ImportError):
+    there it is raised again 10 ms later, until the import is over."""
     global _SEEN
     _SEEN = True
+    if _importing(frame) and _retry_soon():
+        return
     raise KeyboardInterrupt
+
+
+def _importing(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _retry_soon() -> bool:
+    """Call ``_retry`` in 10 ms (SIGALRM); False where there is no interval timer."""
+    if not hasattr(signal, "setitimer") or not _main_thread():
+        return False
+    signal.signal(signal.SIGALRM, _retry)
+    signal.setitimer(signal.ITIMER_REAL, 0.01)
+    return True
+
+
+def _retry(signum: int, frame: FrameType | None) -> None:
+    if not _SEEN or signal.getsignal(signal.SIGINT) is not handler:   # outputs in place: too late to stop
+        return
+    if _importing(frame) and _retry_soon():
+        return
+    raise KeyboardInterrupt
+
+
+def _disarm() -> None:
+    if hasattr(signal, "setitimer") and signal.getsignal(signal.SIGALRM) is _retry:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def install() -> None:
@@ -54,6 +88,7 @@ def ignore() -> None:
     kernel hands SIGINT to any thread that does not block it, a reader's C++ pool thread too)."""
     if _main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _disarm()
 
 
 @contextmanager
@@ -67,6 +102,7 @@ def committing() -> Iterator[None]:
     ok = False
     try:
         _settle()
+        _disarm()
         if _SEEN:
             raise KeyboardInterrupt
         yield

@@ -137,3 +137,15 @@ def test_an_interrupted_import_leaves_no_half_store(tmp_path, monkeypatch, capsy
     assert main(["import", str(logs["baseline"]), "--out", str(tmp_path / "store")]) == 0
     assert (tmp_path / "store" / "meta.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "store"]
+
+
+def test_ctrl_c_inside_an_import_is_raised_once_the_import_is_over(tmp_path) -> None:
+    """A KeyboardInterrupt raised inside an import can be printed by a C extension or turned into an
+    ImportError by a package (pandas' `import numpy`): the command's handler raises it after the import."""
+    (tmp_path / "slowmod.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                         "t = time.time()\nwhile time.time() - t < 0.1:\n    pass\n")
+    r = _python(f"sys.path.insert(0, {str(tmp_path)!r})\nfrom core import interrupts\ninterrupts.install()\n"
+                "try:\n    try:\n        import slowmod\n    except ImportError:\n        print('converted')\n"
+                "    import time\n    time.sleep(2)\n    print('not raised')\nexcept KeyboardInterrupt:\n"
+                "    print('after the import', 'slowmod' in sys.modules, interrupts.seen())\n")
+    assert r.returncode == 0 and r.stdout == "after the import True True\n" and not r.stderr, r
