@@ -27,10 +27,12 @@ def _interrupted_while_starting(signum, frame):    # noqa: ANN001 - a signal han
 
 
 if _started_as_cli():
-    import signal as _signal
-    import threading as _threading
+    import _signal  # the built-in module itself: `signal` would import enum first, a window of its own
 
-    # only where Ctrl-C would raise KeyboardInterrupt (not where the shell ignores it: `align ... &`)
-    if (_threading.current_thread() is _threading.main_thread()
-            and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler):
-        _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+    # only where Ctrl-C would raise KeyboardInterrupt (not where the shell ignores it: `align ... &`); a
+    # thread other than the main one cannot set a handler (ValueError): nothing to do there
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        try:
+            _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+        except ValueError:
+            pass

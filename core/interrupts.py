@@ -33,8 +33,16 @@ def handler(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+#: How many of the innermost frames are looked at for importlib's: a module's body, or a function it calls,
+#: run by the import system (the outer frames of a long chain of imports are not: Ctrl-C is raised in the
+#: next module body that is not at an import's edge, not after the whole chain).
+_IMPORT_DEPTH = 4
+
+
 def _importing(frame: FrameType | None) -> bool:
-    while frame is not None:
+    for _ in range(_IMPORT_DEPTH):
+        if frame is None:
+            return False
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
         frame = frame.f_back
