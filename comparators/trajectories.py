@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import h5py
 import numpy as np
 import pandas as pd
 
+from comparators import stats
 from comparators.local_norms import NormPairing, ShardNorm, add_rank_table, pair_norms
 from core.errors import BadInput
 from core.findings import Finding, StageResult
@@ -435,6 +437,8 @@ class TrajectoryOptions:
 @dataclass
 class TrajectoryResult(StageResult):
     """A stage result that also carries the curves of the parameters worth drawing (not in summary.json)."""
+    fail_rate: float = 1e-3     # a clean pair fails this stage at most this often (all parameters together)
+    warn_rate: float = 1e-2     # ... and is warned about at most this often
 
     curves: list[dict[str, Any]] = field(default_factory=list)
 
@@ -477,10 +481,39 @@ def _band(paired: Paired, repeats: list[np.ndarray], cols: np.ndarray, opt: Traj
         ratio = np.abs(delta) / band
     ratio = np.where(compared, np.where(np.isnan(ratio), np.inf, ratio), 0.0)
     return {"b": b, "delta": delta, "band": band, "outside": outside, "ratio": ratio, "compared": compared,
-            "judged": judged, "at_floor": compared & (spread <= floor)}
+            "judged": judged, "at_floor": compared & (spread <= floor), "loo_outside": loo_out, "loo_steps": loo_n,
+            "rho_sum": rho_sum, "rho_n": rho_n}
 
 
 def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kind: str = "local_norm"
+    # what a clean run does against such a band: each repeat's own steps against the band its window makes
+    # without them (leave-one-out), and how slowly its deltas wander (lag-1 autocorrelation, standardized)
+    win = pd.DataFrame(total).rolling(opt.band_window, center=True, min_periods=1)
+    wsum = win.sum().to_numpy()
+    wcount = pd.DataFrame(count.astype(np.float64)).rolling(opt.band_window, center=True,
+                                                             min_periods=1).sum().to_numpy()
+    loo_out = np.zeros(len(cols))
+    loo_n = np.zeros(len(cols))
+    rho_sum, rho_n = 0.0, 0
+    sigma = np.sqrt(np.nan_to_num(rolled, nan=0.0))
+    for r in repeats:
+        d = r[:, cols] - b
+        d2 = np.square(d)
+        ok = np.isfinite(d2)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            loo = np.sqrt(np.maximum(wsum - np.where(ok, d2, 0.0), 0.0) / np.maximum(wcount - 1.0, 1.0))
+            z = np.where(ok & (sigma > 0), d / np.where(sigma > 0, sigma, 1.0), np.nan)
+        lb = np.maximum(opt.band_k * loo, floor)
+        loo_out += (ok & (np.abs(np.nan_to_num(d)) > lb)).sum(axis=0)
+        loo_n += ok.sum(axis=0)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)        # a column with no value: NaN, skipped
+            zc = np.nan_to_num(z - np.nanmean(z, axis=0))
+        den = np.sum(zc * zc, axis=0)
+        num = np.sum(zc[:-1] * zc[1:], axis=0) if len(zc) > 1 else np.zeros(len(cols))
+        good = den > 0
+        rho_sum += float(np.sum(np.clip(num[good] / den[good], 0.0, stats.RHO_MAX)))
+        rho_n += int(good.sum())
           ) -> TrajectoryResult:
     """Each unit against its own band from the repeats (a block of units at a time: the float64 work stays
     ~10 MB per array whatever the run's length); names the first to leave it."""
@@ -502,6 +535,9 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         cols = np.arange(lo, min(n_par, lo + block))
         g = _band(paired, repeats, cols, opt)
         st = _first_sustained(g["outside"], opt.sustain)
+    loo_out = loo_n = 0.0
+    rho_sum, rho_n = 0.0, 0
+    rel_band = np.full(n_par, np.nan)
         pk = g["ratio"].argmax(axis=0) if n_steps else np.zeros(len(cols), dtype=np.int64)
         start[cols], peak[cols], judged[cols] = st, pk, g["judged"]
         counted[cols] = g["compared"].sum(axis=0)
@@ -516,6 +552,15 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         i, band = (int(start[j]), at["band_start"][j]) if start[j] >= 0 else (int(peak[j]), at["band_peak"][j])
         p = paired.pairing.pairs[j]
         bv, cv = float(paired.baseline[i, j]), float(paired.candidate[i, j])
+        loo_out += float(g["loo_outside"].sum())
+        loo_n += float(g["loo_steps"].sum())
+        rho_sum, rho_n = rho_sum + g["rho_sum"], rho_n + g["rho_n"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rb = np.where(g["compared"] & (np.abs(g["b"]) > 0), g["band"] / np.abs(g["b"]), np.nan)
+        if rb.size and np.isfinite(rb).any():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                rel_band[cols] = np.nanmedian(rb, axis=0)
         return {"name": names[j], "candidate": ",".join(p.candidate), "layer": p.layer, "kind": p.kind,
                 "departure_step": int(steps[start[j]]) if start[j] >= 0 else None,
                 "outside_fraction": float(frac[j]), "max_ratio": float(at["ratio_peak"][j]),
@@ -523,9 +568,42 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
                 "delta": cv - bv, "band": float(band), "rel_delta": (cv - bv) / bv if bv else math.inf}
 
     judged_idx = np.flatnonzero(judged)
-    departed = sorted((int(j) for j in judged_idx if start[j] >= 0),
+    # The null: a clean candidate is one more repeat. How often its norm leaves a band at a step is what the
+    # repeats' own steps do against bands made without them (pooled over parameters, Beta with a Jeffreys
+    # prior), over the run's independent steps (n (1 - rho) / (1 + rho)); each parameter's count of steps
+    # outside is judged against the beta-binomial that implies, the rates divided among the parameters
+    # judged together (Bonferroni): the stage as a whole fails a clean pair at most ``fail_rate`` of the time.
+    n_judged = max(len(judged_idx), 1)
+    rho = min(max(rho_sum / rho_n, 0.0), stats.RHO_MAX) if rho_n else 0.0
+    n_eff = stats.effective_n(n_steps, rho) if n_steps else 0.0
+    scale_eff = n_eff / n_steps if n_steps else 1.0
+    alpha = loo_out * scale_eff + 0.5
+    beta = max(loo_n - loo_out, 0.0) * scale_eff + 0.5
+    trials = max(int(round(n_eff)), 1)
+    tail = stats.betabinom_tail(trials, alpha, beta)
+    fail_line, warn_line = opt.fail_rate / n_judged, opt.warn_rate / n_judged
+    with np.errstate(invalid="ignore"):
+        x = np.ceil(frac * counted * trials / np.maximum(counted, 1) - 1e-9).astype(np.int64)
+    p_par = np.where(x > 0, tail[np.clip(x, 0, trials)], 1.0)
+    sustained = [int(j) for j in judged_idx if start[j] >= 0]
+    departed = sorted((j for j in sustained if p_par[j] < fail_line),
                       key=lambda j: (int(start[j]), -float(at["ratio_start"][j])))
-    rest = sorted((int(j) for j in judged_idx if start[j] < 0), key=lambda j: (-frac[j], -at["ratio_peak"][j]))
+    rest = sorted((int(j) for j in judged_idx if int(j) not in departed),
+                  key=lambda j: (p_par[j], -frac[j], -at["ratio_peak"][j]))
+    need = np.flatnonzero(tail < fail_line)
+    finite_rb = rel_band[judged_idx][np.isfinite(rel_band[judged_idx])] if len(judged_idx) else np.array([])
+    detect = float(np.median(finite_rb)) if len(finite_rb) else math.nan
+    if not len(need):
+        power_text = (f"with {len(repeats)} repeat(s) and {n_steps} steps ({n_eff:.3g} independent) even a "
+                      f"parameter outside its band at every step would not fail at {opt.fail_rate:g} among "
+                      f"{n_judged} parameters: run more steps")
+        detect = math.inf
+    else:
+        power_text = (f"with {len(repeats)} repeat(s) and {n_steps} steps, one parameter's {what} shifted by about "
+                      f"{detect:.3g} relative (its band, median over {n_judged} parameters; the most sensitive "
+                      f"{float(np.min(finite_rb)) if len(finite_rb) else math.nan:.3g}) for "
+                      f"{int(need[0]) * n_steps / trials:.0f} of the steps fails this stage (at a false-alarm rate "
+                      f"of {opt.fail_rate:g} for all parameters together)")
     ranked = departed + rest
     not_judged = [names[j] for j in range(n_par) if not judged[j]]
     res.details = {
@@ -542,6 +620,11 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         "unmapped": {s: len(v) for s, v in paired.pairing.unmapped.items()},
         "incomplete": len(paired.pairing.incomplete),
     }
+        "fail_rate": opt.fail_rate, "warn_rate": opt.warn_rate, "effective_steps": n_eff,
+        "lag1_autocorrelation": rho, "repeat_outside_steps": int(loo_out), "p_step_outside": alpha / (alpha + beta),
+        "p_value": float(p_par[judged_idx].min()) if len(judged_idx) else 1.0,
+        "sustained_within_noise": [names[j] for j in sustained if j not in departed][:opt.top],
+        "power": {"detectable": detect, "text": power_text, "effective_steps": n_eff, "judged": n_judged},
     if not n_par or not n_steps:
         res.verdict = "skipped"
         res.details["reason"] = f"no {what} of a parameter both runs recorded at a common step"
@@ -554,15 +637,18 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         res.add(Finding(STAGE, "fail", f["name"], f"{kind}_departure_step", f["departure_step"], opt.sustain,
                         f"{f['name']}: its {what} leaves its band at step {f['departure_step']} (>= {opt.sustain} "
                         f"recorded steps outside): candidate {f['candidate_value']:.6g} vs baseline "
-                        f"{f['baseline']:.6g} (delta {f['delta']:+.3g}, band {f['band']:.3g}); the first of "
-                        f"{len(departed)} parameter(s) to leave{more}"))
-    loose = [j for j in rest if frac[j] > opt.max_outside]
+                        f"{f['baseline']:.6g} (delta {f['delta']:+.3g}, band {f['band']:.3g}), outside at "
+                        f"{f['outside_fraction']:.1%} of the steps: a clean pair's parameter does that in "
+                        f"{p_par[departed[0]]:.2g} of runs ({n_judged} parameters judged together fail below "
+                        f"{fail_line:.2g} each); the first of {len(departed)} parameter(s) to leave{more}"))
+    loose = [j for j in rest if p_par[j] < warn_line]
     if loose:
         j = loose[0]
         res.add(Finding(STAGE, "warn", names[j], f"{kind}_outside_fraction", float(frac[j]), opt.max_outside,
                         f"{names[j]}: its {what} is outside its band at {frac[j]:.1%} of {int(counted[j])} steps "
-                        f"without staying out (largest {at['ratio_peak'][j]:.3g} x the band at step "
-                        f"{int(steps[peak[j]])}); {len(loose)} parameter(s) like it"))
+                        f"(largest {at['ratio_peak'][j]:.3g} x the band at step {int(steps[peak[j]])}): a clean "
+                        f"pair's parameter does that in {p_par[j]:.2g} of runs ({n_judged} parameters judged "
+                        f"together warn below {warn_line:.2g} each); {len(loose)} parameter(s) like it"))
     floor_note = ""
     if res.details["band_at_floor_fraction"] > 0.5:
         floor_note = (f"; the band is its floor ({opt.rtol:g} x |baseline|) at "
@@ -573,8 +659,9 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         j = ranked[0]
         res.add(Finding(STAGE, "pass", names[j], f"{kind}_max_ratio", float(at["ratio_peak"][j]), 1.0,
                         f"every one of {len(judged_idx)} parameters' {what}s stays inside its band over {n_steps} "
-                        f"steps; closest: {names[j]} at {at['ratio_peak'][j]:.3g} x its band (step "
-                        f"{int(steps[peak[j]])}){floor_note}"))
+                        f"steps, or leaves it no more often than a clean pair's does; closest: {names[j]} at "
+                        f"{at['ratio_peak'][j]:.3g} x its band (step {int(steps[peak[j]])}); {power_text}"
+                        f"{floor_note}"))
     elif floor_note and res.findings:
         res.findings[0].message += floor_note
     if not_judged:

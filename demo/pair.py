@@ -96,8 +96,12 @@ def make_specs(work: Path, steps: int, lr0_steps: int, inject: str | None,
                        tensor_steps="", init_weights=None, replay_dir=lr0_base.out, result_file=None)
     if lr0_cand.lr_schedule == "cosine":
         lr0_cand.lr_schedule = "constant"     # lr = 0 is lr = 0 whatever the schedule
+    # the repeat at lr = 0 over the lr = 0 pair's steps: each lr = 0 step's noise floor (--lr0-repeat), measured
+    # on the steps it judges, not step 1 alone
+    lr0_rep = replace(repeat, out=str(work / "lr0_repeat"), steps=lr0_steps, lr=0.0, tensor_steps="",
+                      result_file=None)
     return {"baseline": base, "repeat": repeat, "candidate": cand, "optimizer_check": optcheck,
-            "lr0_baseline": lr0_base, "lr0_candidate": lr0_cand}
+            "lr0_baseline": lr0_base, "lr0_candidate": lr0_cand, "lr0_repeat": lr0_rep}
 
 
 def _command(specs: list[Spec], paths: list[Path]) -> list[str]:
@@ -292,7 +296,7 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
         if prev_seed != seed:
             raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline was drawn with --seed {prev_seed}, "
                            f"not {seed}")
-        for name in ("baseline", "lr0_baseline", "repeat_tp2", "repeat_dp2"):
+        for name in ("baseline", "lr0_baseline", "repeat_tp2", "repeat_dp2", "lr0_repeat"):
             if (src / name).is_dir():
                 shutil.copytree(src / name, work / name, dirs_exist_ok=True)
         for name in ("megatron_init.pt", "baseline.json", "repeat.json"):
@@ -309,6 +313,8 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
              + ([specs["lr0_candidate"]] if lr0 else []))]
     if not reused and repeat:
         jobs.append(("repeat", [specs["repeat"]]))
+        if lr0:
+            jobs.append(("lr0_repeat", [specs["lr0_repeat"]]))
     took.update(run_jobs(jobs, work, parallel))
     _log(f"runs done in {time.perf_counter() - t0:.1f} s{' (baseline side reused)' if reused else ''}")
     data = compare_pair(out, specs, took, inject)
@@ -328,6 +334,8 @@ def report_argv(specs: dict[str, Spec], out: Path) -> list[str]:
             "--layer-tolerance", "float32={},{},{}".format(*LAYER_TOLERANCE)]
     if Path(specs["repeat"].out, "meta.json").is_file():
         argv += ["--repeat", specs["repeat"].out]
+        if "--lr0" in argv and Path(specs["lr0_repeat"].out, "meta.json").is_file():
+            argv += ["--lr0-repeat", specs["lr0_repeat"].out]
     return argv
 
 

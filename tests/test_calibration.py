@@ -132,6 +132,14 @@ def test_lr0_floors_come_from_the_repeat_over_the_same_steps() -> None:
     res = run_stages(ev, only=["lr0_run"])["lr0_run"]
     (row,) = [r for r in res.details["floors"] if r["quantity"] == "loss"]
     assert res.verdict == "fail" and row["step"] == 7 and row["decided_by"] == "floor"
+    # an lr = 0 repeat bit-identical to the lr = 0 baseline is named and not used
+    ev.lr0_repeats = [_run("lr0_rep_same", loss=lr0_b.copy())]
+    ev.lr0 = (ev.lr0[0], _run("lr0_cand", loss=clean))
+    res = run_stages(ev, only=["lr0_run"])["lr0_run"]
+    (w,) = [f for f in res.findings if f.metric == "repeat_measures_no_noise"]
+    assert w.verdict == "warn" and w.component == "lr0_rep_same" and "bit-identical" in w.message
+    (row,) = [r for r in res.details["floors"] if r["quantity"] == "loss"]
+    assert "step 1 (same weights and batch" in row["floor_source"]
 
 
 # -- the long run: a stated false-alarm rate and a stated power ------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 from align.stages import LONG_RUN, Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
-from comparators.noise_floor import Floor, judge, missing, rel_diff, spread
+from comparators.noise_floor import Floor, judge, missing, rel_diff, silent_repeat, spread
 from comparators.noise_floor import power as nf_power
 from core.dtypes import EPS
 from core.findings import Finding, StageResult, skipped
@@ -69,16 +69,26 @@ def _per_step(own: dict[int, float], what: str) -> dict[int, Floor]:
     return out
 
 
-def step_floors(ev: Evidence, lr0_baseline: Run, key: str, steps: list[int]) -> dict[int, Floor]:
-    """The floor of ``key`` at every judged lr = 0 step, measured over those same steps (not step 1 alone: a
-    floor measured once and applied to 20 steps turns one small draw into a warning).
+def silent_lr0(lr0_baseline: Run, rep: Run) -> str | None:
+    """Why an lr = 0 repeat measures no noise (bit-identical to the lr = 0 baseline), or None."""
+    series = []
+    for key in ("loss", "grad_norm"):
+        b, r = lr0_baseline.series(key), rep.series(key)
+        common = b.index.intersection(r.index)
+        if len(common):
+            series.append((key, b.reindex(common).to_numpy(), r.reindex(common).to_numpy()))
+    return silent_repeat(series)
 
-    Best: the baseline's repeat at lr = 0 (``--lr0-repeat``) against the lr = 0 baseline, step by step. Else the
-    long run's repeat against the baseline over the same step numbers: step 1 has the same weights and batch as
-    lr = 0 step 1 (checked), later steps the same batches after a few updates, whose own divergence makes
-    them an upper bound of the forward/backward noise (fewer false alarms, less power: the power says how
-    much). Else step 1 alone, and without a repeat no floor."""
-    reps = [r for r in getattr(ev, "lr0_repeats", []) if r.has(key)]
+
+def step_floors(ev: Evidence, lr0_baseline: Run, key: str, steps: list[int]) -> dict[int, Floor]:
+    """The floor of ``key`` at every judged lr = 0 step, measured over those same steps when there is a repeat
+    of the lr = 0 baseline (``--lr0-repeat``): its difference from the lr = 0 baseline step by step, each step's
+    floor at least the RMS over the steps (one draw of the noise can come out small by chance; the steps are
+    judged together). Without one, the long run's repeat at step 1 (the same weights and batch as lr = 0 step 1)
+    is the floor of every step, and the judged steps' number widens the lines (noise_floor.ratios). Its later
+    steps are no floor: after a few Adam updates the repeat's own divergence (measured on the dense demo:
+    1e-6 at step 1, 3e-5 by step 3) would hide a loss computed in bfloat16 (4e-4)."""
+    reps = [r for r in getattr(ev, "lr0_repeats", []) if r.has(key) and not silent_lr0(lr0_baseline, r)]
     if reps:
         lb = lr0_baseline.series(key)
         own: dict[int, float] = {}
@@ -86,26 +96,13 @@ def step_floors(ev: Evidence, lr0_baseline: Run, key: str, steps: list[int]) -> 
             vals = [rel_diff(float(lb[s]), float(r.series(key)[s])) for r in reps if s in r.series(key).index]
             if vals:
                 own[s] = max(vals)
-        if own and any(v > 0 for v in own.values()):
+        if own:
             labels = ", ".join(r.label for r in reps)
-            floors = _per_step(own, f"lr = 0 repeat {labels} vs lr = 0 baseline")
+            floors = _per_step(own, f"lr = 0 repeat {labels} vs lr = 0 baseline from step {steps[0]} to step "
+                                    f"{steps[-1]} (the same weights and batches)")
             return {s: floors.get(s, missing(f"the lr = 0 repeat has no step-{s} {key}")) for s in steps}
     first = step1_floor(ev, lr0_baseline, key)
-    if first.value is None:
-        return {s: first for s in steps}
-    base = ev.baseline.series(key)
-    own = {}
-    for s in steps:
-        vals = [rel_diff(float(base[s]), float(r.series(key)[s])) for r in ev.repeats
-                if s in base.index and s in r.series(key).index]
-        if vals:
-            own[s] = max(vals)
-    if len(own) < len(steps):       # the long run does not cover the lr = 0 steps: step 1 alone
-        return {s: first for s in steps}
-    labels = ", ".join(r.label for r in ev.repeats)
-    return _per_step(own, f"repeat {labels} vs baseline over steps {steps[0]}-{steps[-1]} of the long run (step 1: "
-                          f"the same weights and batch as lr = 0 step 1; later steps: the same batches after updates, "
-                          "an upper bound of the noise)")
+    return {s: first for s in steps}
 
 
 def run(ev: Evidence) -> StageResult:
@@ -120,6 +117,12 @@ def run(ev: Evidence) -> StageResult:
     if not len(common):
         return skipped("lr0_run", "the lr=0 runs logged no loss at a common step")
     powers = []
+    for rep in getattr(ev, "lr0_repeats", []):
+        why = silent_lr0(b, rep)
+        if why is not None:
+            res.add(Finding("lr0_run", "warn", rep.path, "repeat_measures_no_noise", 0.0, None,
+                            f"lr = 0 repeat {rep.label} is not used: {why}; the lr = 0 floors come from the long "
+                            "run's repeat (or the dtype line)"))
     for key in ("loss", "grad_norm"):
         sb, sc = b.series(key), c.series(key)
         steps = [int(s) for s in sb.index.intersection(sc.index)]

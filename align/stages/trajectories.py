@@ -50,7 +50,8 @@ def run(ev: Evidence) -> StageResult:
     rtol = (ev.options.local_norm_rtol or RTOL.get(dtype, RTOL["float32"]))[0]
     sc = ev.options.scalar
     opt = TrajectoryOptions(band_k=sc.band_k, band_window=sc.band_window, band_floor_ulps=sc.band_floor_ulps,
-                            sustain=sc.sustain, max_outside=sc.max_outside, rtol=rtol)
+                            sustain=sc.sustain, max_outside=sc.max_outside, rtol=rtol,
+                            fail_rate=sc.fail_rate, warn_rate=sc.warn_rate)
     from models import load_mapping
     mapping = load_mapping(ev.mapping)
     out = TrajectoryResult(NAME, details={"dtype": dtype, "dtype_source": source, "mapping": ev.mapping,
@@ -79,7 +80,8 @@ def run(ev: Evidence) -> StageResult:
     main = out.details["kinds"].get("local_norm") or next(iter(out.details["kinds"].values()), None)
     if main is None or main.get("reason"):
         return skipped(NAME, (main or {}).get("reason") or "no named norms at a step both runs recorded")
-    out.details.update(steps=main["steps"], parameters=main["parameters"], repeats=len(ev.repeats))
+    out.details.update(steps=main["steps"], parameters=main["parameters"], repeats=len(ev.repeats),
+                       power=main.get("power"))
     return out
 
 
