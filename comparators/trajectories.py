@@ -432,13 +432,13 @@ class TrajectoryOptions:
     rtol: float = 1e-4          # the band's floor relative to |baseline|: the precision's step-1 tolerance
     top: int = 20               # parameters listed in summary.json
     shown: int = 6              # parameters drawn
+    fail_rate: float = 1e-3     # a clean pair fails this stage at most this often (all parameters together)
+    warn_rate: float = 1e-2     # ... and is warned about at most this often
 
 
 @dataclass
 class TrajectoryResult(StageResult):
     """A stage result that also carries the curves of the parameters worth drawing (not in summary.json)."""
-    fail_rate: float = 1e-3     # a clean pair fails this stage at most this often (all parameters together)
-    warn_rate: float = 1e-2     # ... and is warned about at most this often
 
     curves: list[dict[str, Any]] = field(default_factory=list)
 
@@ -480,12 +480,6 @@ def _band(paired: Paired, repeats: list[np.ndarray], cols: np.ndarray, opt: Traj
         outside = compared & (~np.isfinite(delta) | (np.abs(delta) > band))
         ratio = np.abs(delta) / band
     ratio = np.where(compared, np.where(np.isnan(ratio), np.inf, ratio), 0.0)
-    return {"b": b, "delta": delta, "band": band, "outside": outside, "ratio": ratio, "compared": compared,
-            "judged": judged, "at_floor": compared & (spread <= floor), "loo_outside": loo_out, "loo_steps": loo_n,
-            "rho_sum": rho_sum, "rho_n": rho_n}
-
-
-def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kind: str = "local_norm"
     # what a clean run does against such a band: each repeat's own steps against the band its window makes
     # without them (leave-one-out), and how slowly its deltas wander (lag-1 autocorrelation, standardized)
     win = pd.DataFrame(total).rolling(opt.band_window, center=True, min_periods=1)
@@ -514,6 +508,12 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         good = den > 0
         rho_sum += float(np.sum(np.clip(num[good] / den[good], 0.0, stats.RHO_MAX)))
         rho_n += int(good.sum())
+    return {"b": b, "delta": delta, "band": band, "outside": outside, "ratio": ratio, "compared": compared,
+            "judged": judged, "at_floor": compared & (spread <= floor), "loo_outside": loo_out, "loo_steps": loo_n,
+            "rho_sum": rho_sum, "rho_n": rho_n}
+
+
+def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kind: str = "local_norm"
           ) -> TrajectoryResult:
     """Each unit against its own band from the repeats (a block of units at a time: the float64 work stays
     ~10 MB per array whatever the run's length); names the first to leave it."""
@@ -530,14 +530,14 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
     at: dict[str, np.ndarray] = {k: np.full(n_par, np.nan) for k in ("band_start", "band_peak", "ratio_peak",
                                                                       "ratio_start")}
     at_floor = 0
+    loo_out = loo_n = 0.0
+    rho_sum, rho_n = 0.0, 0
+    rel_band = np.full(n_par, np.nan)
     block = max(1, 1_250_000 // max(n_steps, 1))
     for lo in range(0, n_par, block):
         cols = np.arange(lo, min(n_par, lo + block))
         g = _band(paired, repeats, cols, opt)
         st = _first_sustained(g["outside"], opt.sustain)
-    loo_out = loo_n = 0.0
-    rho_sum, rho_n = 0.0, 0
-    rel_band = np.full(n_par, np.nan)
         pk = g["ratio"].argmax(axis=0) if n_steps else np.zeros(len(cols), dtype=np.int64)
         start[cols], peak[cols], judged[cols] = st, pk, g["judged"]
         counted[cols] = g["compared"].sum(axis=0)
@@ -547,11 +547,6 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         at["band_peak"][cols], at["ratio_peak"][cols] = g["band"][pk, k], g["ratio"][pk, k]
         si = np.maximum(st, 0)
         at["band_start"][cols], at["ratio_start"][cols] = g["band"][si, k], g["ratio"][si, k]
-
-    def row(j: int) -> dict[str, Any]:
-        i, band = (int(start[j]), at["band_start"][j]) if start[j] >= 0 else (int(peak[j]), at["band_peak"][j])
-        p = paired.pairing.pairs[j]
-        bv, cv = float(paired.baseline[i, j]), float(paired.candidate[i, j])
         loo_out += float(g["loo_outside"].sum())
         loo_n += float(g["loo_steps"].sum())
         rho_sum, rho_n = rho_sum + g["rho_sum"], rho_n + g["rho_n"]
@@ -561,6 +556,11 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
                 rel_band[cols] = np.nanmedian(rb, axis=0)
+
+    def row(j: int) -> dict[str, Any]:
+        i, band = (int(start[j]), at["band_start"][j]) if start[j] >= 0 else (int(peak[j]), at["band_peak"][j])
+        p = paired.pairing.pairs[j]
+        bv, cv = float(paired.baseline[i, j]), float(paired.candidate[i, j])
         return {"name": names[j], "candidate": ",".join(p.candidate), "layer": p.layer, "kind": p.kind,
                 "departure_step": int(steps[start[j]]) if start[j] >= 0 else None,
                 "outside_fraction": float(frac[j]), "max_ratio": float(at["ratio_peak"][j]),
@@ -615,16 +615,16 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         "rtol": opt.rtol, "sustain": opt.sustain, "departed": len(departed),
         "band_at_floor_fraction": at_floor / max(int(counted.sum()), 1),
         "first_departure": row(departed[0]) if departed else None,
-        "worst": [row(j) for j in ranked[:opt.top]],
-        "not_judged": not_judged[:opt.top],
-        "unmapped": {s: len(v) for s, v in paired.pairing.unmapped.items()},
-        "incomplete": len(paired.pairing.incomplete),
-    }
         "fail_rate": opt.fail_rate, "warn_rate": opt.warn_rate, "effective_steps": n_eff,
         "lag1_autocorrelation": rho, "repeat_outside_steps": int(loo_out), "p_step_outside": alpha / (alpha + beta),
         "p_value": float(p_par[judged_idx].min()) if len(judged_idx) else 1.0,
         "sustained_within_noise": [names[j] for j in sustained if j not in departed][:opt.top],
         "power": {"detectable": detect, "text": power_text, "effective_steps": n_eff, "judged": n_judged},
+        "worst": [row(j) for j in ranked[:opt.top]],
+        "not_judged": not_judged[:opt.top],
+        "unmapped": {s: len(v) for s, v in paired.pairing.unmapped.items()},
+        "incomplete": len(paired.pairing.incomplete),
+    }
     if not n_par or not n_steps:
         res.verdict = "skipped"
         res.details["reason"] = f"no {what} of a parameter both runs recorded at a common step"
