@@ -149,3 +149,20 @@ def test_ctrl_c_inside_an_import_is_raised_once_the_import_is_over(tmp_path) -> 
                 "    import time\n    time.sleep(2)\n    print('not raised')\nexcept KeyboardInterrupt:\n"
                 "    print('after the import', 'slowmod' in sys.modules, interrupts.seen())\n")
     assert r.returncode == 0 and r.stdout == "after the import True True\n" and not r.stderr, r
+
+
+def test_a_forked_child_leaves_ctrl_c_to_its_parent() -> None:
+    """core.forking: SIGINT at its default in the child (it ends at once, never unwinding the parent's stack
+    in the child: the CLI's 'interrupted', a temporary folder removed under the parent)."""
+    from core.forking import fork_child
+
+    pid = fork_child()
+    if pid == 0:
+        try:
+            time.sleep(10)
+        finally:
+            os._exit(7)      # reached only if SIGINT raised KeyboardInterrupt here instead of ending the child
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGINT)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT, status
