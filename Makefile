@@ -1,35 +1,65 @@
 # Two commands set up a fresh machine and do the work: `make demo` and `make test`.
-# The virtual environment lives in .venv and is (re)built only when the pinned requirements change.
+# The virtual environment lives in .venv and is (re)built only when the pinned requirements change: $(STAMP) holds
+# what `make demo` needs (the frameworks, this toolkit), $(DEV_STAMP) adds what `make test` needs.
+SHELL  := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
+# no byte-compiling at install: pip compiles all ~18,000 modules of the wheels one by one; Python compiles the
+# few thousand a run imports on first use
+PIP_INSTALL := $(PIP) install --no-compile
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+REQUIREMENTS := pyproject.toml requirements/constraints.txt requirements/mindformers-deps.txt
 OUT    ?= demo_out
 PYTEST_ARGS ?=
 TEST_JOBS ?= 2
 BENCH_OUT ?= bench_out
+# pip's own lines while it resolves and installs, condensed to a line every 20 packages found and one when it
+# unpacks; anything else it says (a warning, an error) is shown as it comes
+PIP_PROGRESS = awk -v step="$(1)" '\
+	/^(Collecting|Processing) / { n++; if (n % 20 == 0) { printf "env %s: %d packages found ...\n", step, n; fflush() } next } \
+	/^Installing collected packages:/ { k = gsub(/,/, ","); \
+		printf "env %s: %d packages found; installing %d of them ...\n", step, n, k + 1; fflush(); next } \
+	/^(Requirement already satisfied|Using cached|Downloading|Obtaining|Preparing|Building|Created wheel|Stored in|Installing build|Getting requirements|Checking if build|Attempting uninstall|Found existing|Uninstalling|Successfully|Looking in|  |$$)/ { next } \
+	{ print; fflush() }'
+# how long since $$t (set by the recipe line)
+SINCE = $$(( $$(date +%s) - t )) s
 
 .PHONY: env demo test browser upstream-check lint bench clean
 
 env: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/constraints.txt requirements/mindformers-deps.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	# torch 2.13.0 CPU build and mindspore 2.10.0 (needs numpy<2) share one environment.
-	$(PIP) install -q -c requirements/constraints.txt torch==2.13.0 mindspore==2.10.0 "numpy<2"
-	# megatron-core and mindformers pin things this machine cannot have: install them bare ...
-	$(PIP) install -q --no-deps megatron-core==0.16.1 mindformers==2.1.0
-	# ... then what they really need, under the same constraints.
-	$(PIP) install -q -c requirements/constraints.txt packaging -r requirements/mindformers-deps.txt
-	$(PIP) install -q -c requirements/constraints.txt -e '.[dev]'
-	touch $(STAMP)
+# Three pip calls. megatron-core 0.16.1 and mindformers 2.1.0 come last and without their dependencies:
+# mindformers pins mindspore~=2.11 and hyper-parallel, neither installable here (README, requirements/), so pip is
+# never asked to resolve it (a resolve with it installed prints pip's red "dependency resolver" error); a rebuild
+# takes both out first for the same reason.
+$(STAMP): $(REQUIREMENTS)
+	@t=$$(date +%s); test -x $(PY) || { echo "env 1/3: a new virtual environment in $(VENV) and the latest pip (~10 s)"; \
+		$(PYTHON) -m venv $(VENV) && $(PIP) install -q --upgrade pip && echo "env 1/3: done in $(SINCE)"; }
+	@rm -f $(STAMP) $(DEV_STAMP); if $(PIP) show -q mindformers megatron-core >/dev/null 2>&1; then \
+		$(PIP) uninstall -q -y mindformers megatron-core; fi
+	@echo "env 2/3: torch 2.13.0 (CPU build), mindspore 2.10.0, mindformers' requirements and this toolkit:" \
+		"~100 packages, ~1.5 GB of wheels (1.5-3 min on 2 cores; most of it finding packages, then unpacking)"
+	@t=$$(date +%s); $(PIP_INSTALL) -c requirements/constraints.txt torch==2.13.0 mindspore==2.10.0 "numpy<2" packaging \
+		-r requirements/mindformers-deps.txt -e . 2>&1 | $(call PIP_PROGRESS,2/3) && echo "env 2/3: done in $(SINCE)"
+	@echo "env 3/3: megatron-core 0.16.1 and mindformers 2.1.0, without their dependencies (~5 s)"
+	@t=$$(date +%s); $(PIP_INSTALL) -q --no-deps megatron-core==0.16.1 mindformers==2.1.0 && echo "env 3/3: done in $(SINCE)"
+	@touch $(STAMP)
+
+# pytest, ruff and the optional extras the tests cover (tensorboard, dask, pyarrow)
+$(DEV_STAMP): $(STAMP)
+	@echo "env: the test tools (pytest, ruff, tensorboard, dask; ~30 s)"
+	@t=$$(date +%s); $(PIP_INSTALL) -c requirements/constraints.txt -e '.[dev]' 2>&1 | $(call PIP_PROGRESS,dev) && \
+		echo "env: test tools done in $(SINCE)"
+	@touch $(DEV_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m align demo --out $(OUT)
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(PY) -m ruff check core runstore mapping models sources checkpoints dumpers comparators reports align demo tests benchmarks
 	# two workers, one test file each at a time (a file's shared runs are made once): 12 min on 2 cores (752 tests,
 	# clean clone, 2026-11-28 18:11 UTC; 14m34s with the environment)
@@ -60,7 +90,7 @@ upstream-check: $(STAMP)
 # Issue 28's goals, each measured side by side in one run (~15-20 min on 2 quiet cores). The fresh-clone
 # `make demo` / `make test` times are measured by hand and given as $(BENCH_OUT)/fresh_clone.json
 # ({"make_demo_s": S, "make_test_s": S}); without it their rows say "not measured".
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	mkdir -p $(BENCH_OUT)
 	$(PY) benchmarks/bench_logs.py --json $(BENCH_OUT)/logs.json
 	$(PY) benchmarks/bench_tensor_compare.py --json $(BENCH_OUT)/tensors.json
