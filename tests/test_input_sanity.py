@@ -201,13 +201,16 @@ def test_an_unreadable_file_inside_a_run_store_is_bad_input(logs, tmp_path, caps
     assert rc == 2 and len(err) == 1 and "meta.json" in err[0] and "internal error" not in err[0], err
 
 
-def test_a_folder_where_a_file_belongs_is_bad_input(logs, tmp_path, capsys) -> None:
-    folder = tmp_path / "conversion.json"
+@pytest.mark.parametrize("flag", ["--conversion", "--baseline-config", "--candidate-config", "--baseline-env"])
+def test_a_folder_where_a_file_belongs_is_bad_input(flag, logs, tmp_path, capsys) -> None:
+    folder = tmp_path / "a_folder.yaml"
     folder.mkdir()
-    rc = main(["report", "-q", str(logs["baseline"]), str(logs["candidate"]), "--conversion", str(folder),
+    rc = main(["report", "-q", str(logs["baseline"]), str(logs["candidate"]), flag, str(folder),
                "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and str(folder) in err[0], err
+    assert rc == 2 and len(err) == 1 and str(folder) in err[0] and "internal error" not in err[0], err
+    if flag.endswith("-config"):
+        assert f"{flag.split('-')[2]}'s config file" in err[0], err
 
 
 def test_an_os_error_anywhere_in_a_verb_is_one_line_exit_2(tmp_path, monkeypatch, capsys) -> None:

@@ -214,6 +214,9 @@ class Evidence:
 
         path = self.inputs.baseline_config if role == "baseline" else self.inputs.candidate_config
         if path is not None:
+            if Path(path).is_dir():
+                raise BadInput(f"{path}: is a directory, expected the {role}'s config file (--{role}-config: "
+                               "Megatron arguments, a launch script or log, or a MindFormers YAML)")
             text_kind = "mindformers_yaml" if Path(path).suffix in (".yaml", ".yml") else "megatron_args"
             if text_kind == "mindformers_yaml":
                 return text_kind, read_mindformers(path)
