@@ -54,6 +54,7 @@ def test_a_forward_departure_is_the_culprit_and_the_loss_it_moves_its_consequenc
     assert got[0]["component"] == "decoder.layers.0.self_attention.core_attention"   # the first, not the largest
     assert got[0]["consequence_of"] is None and "isolate" in got[0]["next"]
     assert [e["component"] for e in got[0]["seen_at"]] == ["embedding.word_embeddings.weight"]   # not "loss"
+    assert "isolate BASELINE --candidate-yaml CANDIDATE.yaml" in got[0]["next"]
     assert "decoder.layers.0.self_attention.core_attention" in got[0]["next"]
     assert {e["stage"]: e["consequence_of"] for e in got[1:]} == {
         "step1_loss": "layer_tensors", "step1_local_norm": "layer_tensors", "lr0_run": "layer_tensors",

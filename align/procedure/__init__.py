@@ -72,7 +72,8 @@ def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = No
         if stage.section is not None:
             stage_sections[stage.name] = stage.section(res) or ""
     contract = {s.name: s.summary_keys for s in registry() if s.summary_keys is not None}
-    diagnosis = diagnose(stages)
+    diagnosis = diagnose(stages, fill={"baseline": inputs.baseline, "candidate": inputs.candidate,
+                                       "candidate_yaml": inputs.candidate_config or "CANDIDATE.yaml"})
     if progress:
         progress(f"compared in {time.perf_counter() - t0:.2f} s; writing {out}")
     data = write_report(ReportInput(runs, stages, ev.scalars.table, figures=figures, step_rows=step_rows,

@@ -79,20 +79,26 @@ def _explains(cause: tuple[Stage, Finding], effect: tuple[Stage, Finding], mutua
     return not mutual or cause[0].order > effect[0].order
 
 
-def _entry(stage: Stage, f: Finding, consequence_of: str | None) -> dict[str, Any]:
-    component = "" if f.component is None else str(f.component)
+def _entry(stage: Stage, f: Finding, consequence_of: str | None, fill: dict[str, str]) -> dict[str, Any]:
+    """A diagnosis entry; ``next`` with the component and the user's own paths filled in."""
+    nxt = stage.next.replace("{component}", "" if f.component is None else str(f.component) or "the component")
+    for key, value in fill.items():
+        nxt = nxt.replace("{" + key + "}", value)
     return {"stage": stage.name, "component": f.component, "metric": f.metric, "value": f.value,
             "threshold": f.threshold, "verdict": f.verdict, "message": f.message, "why": stage.why,
-            "next": stage.next.replace("{component}", component or "the component named"),
-            "consequence_of": consequence_of}
+            "next": nxt, "consequence_of": consequence_of}
 
 
-def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None) -> list[dict[str, Any]]:
+def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None,
+             fill: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Root-cause candidates, strongest first, then the failures they explain (each with ``consequence_of``).
+    ``fill``: values for the ``{baseline}``-style placeholders of a stage's ``next`` (the user's own paths), so
+    the command to run next can be copied as it is.
 
     Only failing stages are candidates; a warning is not a culprit, but a warning a candidate explains is listed
     as its consequence. Empty when nothing fails.
     """
+    fill = {"baseline": "BASELINE", "candidate": "CANDIDATE", "candidate_yaml": "CANDIDATE.yaml", **(fill or {})}
     by_name = {s.name: s for s in (stages or registry())}
     failing = [(by_name[n], r) for n, r in results.items() if r.verdict == "fail" and n in by_name]
     failing.sort(key=lambda sr: sr[0].order)
@@ -109,18 +115,18 @@ def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None)
     out = []
     for s, _ in failing:
         if s.name in roots:
-            out.append(_entry(s, head[s.name], None))
+            out.append(_entry(s, head[s.name], None, fill))
         else:   # the earliest root behind it, else a failure that explains it directly
             cause = next((r for r in roots if explains(sf[r], sf[s.name])), None) or \
                 next(t for t in head if explains(sf[t], sf[s.name]))
-            out.append(_entry(s, head[s.name], cause))
+            out.append(_entry(s, head[s.name], cause, fill))
     # warnings a root explains are its consequences too (a warning no failure explains is no culprit: it is
     # shown with its stage)
     for n, r in results.items():
         found = ranked(by_name[n], r) if r.verdict == "warn" and n in by_name else []
         cause = next((c for c in roots if found and explains(sf[c], (by_name[n], found[0]))), None)
         if cause is not None:
-            out.append(_entry(by_name[n], found[0], cause))
+            out.append(_entry(by_name[n], found[0], cause, fill))
     out.sort(key=lambda e: by_name[e["stage"]].order)
     for e in out:   # where a root cause shows in the numbers: its consequences that name a component
         e["seen_at"] = [{k: c[k] for k in ("stage", "component", "message")} for c in out

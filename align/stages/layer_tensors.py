@@ -144,5 +144,6 @@ STAGE = Stage(
     part="step 1 and 2", explains=(*AFTER_STEP1, "moe_routing"), culprit=culprit,
     why=("The first module whose tensor departs beyond its noise at step 1: the difference starts here; the "
          "modules after it (and the loss, the gradients, the long run) inherit it."),
-    next=("align isolate BASELINE --candidate-yaml YAML --candidate-ckpt CKPT --modules '{component}' --out "
-          "RUN, then align report ... --isolation RUN: its own error or an inherited one"))
+    next=("align isolate {baseline} --candidate-yaml {candidate_yaml} --candidate-ckpt CANDIDATE_STEP1.safetensors "
+          "--modules '{component}' --out isolation_run, then align report ... --isolation isolation_run: its own "
+          "error or an inherited one"))
