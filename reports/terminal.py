@@ -29,7 +29,7 @@ def lines(data: dict[str, Any], out: Path | None = None, explain: bool = False) 
     cov = data.get("coverage") or {}
     head = f"verdict: {data['verdict']}"
     if cov.get("banner"):   # the banner without its leading verdict word
-        head += f" ({cov['banner'].split(' ', 1)[-1].lstrip(', ')})"
+        head += f" - {cov['banner'].split(' ', 1)[-1].lstrip(', ')}"
     out_lines = [head]
     diagnosis = data.get("diagnosis") or []
     roots = [e for e in diagnosis if e.get("consequence_of") is None]

@@ -151,7 +151,7 @@ def test_the_first_screen_and_the_terminal_lead_with_the_culprit(tmp_path):
     assert "id='stage-optimizer'" in page
     text = lines(data, tmp_path / "r")
     head = text[:text.index("stages:")]
-    assert head[0].startswith("verdict: fail (with 4 of ") and len(head) <= 6      # verdict + <= 5 lines
+    assert head[0].startswith("verdict: fail - with 4 of ") and len(head) <= 6      # verdict + <= 5 lines
     assert head[1] == "culprit: optimizer: clipping (candidate training cell)"
     assert "  consequences (fix the culprit first): step2_loss, long_run" in head
     assert any(line.startswith("  step2_loss") and "follows from optimizer" in line for line in text)
