@@ -71,10 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         code = _run(args)
         # Ctrl-C that a library swallowed (the run went on): still interrupted (its outputs were not moved
         # into place: core.interrupts.committing)
-        return interrupted() if interrupts.seen() and code != 130 else code
+        code = interrupted() if interrupts.seen() and code != 130 else code
     finally:
         if cli:     # the run is over (its outputs in place, or none): a late Ctrl-C must not change its status
             interrupts.ignore()
+    if cli and code == 130:
+        # every finally has run (temporary folders gone, forked children reaped): leave now, without
+        # waiting for reader threads still busy with a large log
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
+    return code
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -144,7 +144,8 @@ class Evidence:
 
         # Readers spend most of their time in numpy and pyarrow, which let go of the GIL: runs read side by
         # side. Results are taken in order, so the first bad input named is the one a serial read would name.
-        with ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1)) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(len(items), os.cpu_count() or 1))
+        try:
             futures = [pool.submit(one, role, path) for role, path in items]
             runs: dict[str, Run] = {}
             for (role, path), fut in zip(items, futures, strict=True):
@@ -152,6 +153,11 @@ class Evidence:
                 if progress:
                     progress(f"{role}: {path} ({kinds[role]}, {_size(path)}): {len(runs[role].steps)} steps in "
                              f"{took:.2f} s")
+        except BaseException:
+            # bad input or Ctrl-C: said now, not after the other runs' reads (a large log takes minutes)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         ev = cls(inputs, runs)
         for role in ("baseline", "candidate"):
             meta_env = runs[role].meta.get("environment")
