@@ -15,7 +15,7 @@ import pytest
 from align.cli import main
 from demo.example_logs import write_examples
 
-STEPS = 20
+STEPS = 60      # above MIN_IDENTICAL_PRINTED: logs print about 7 digits
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,25 @@ def test_a_clean_pair_passes_and_says_what_was_checked(logs, tmp_path) -> None:
     assert s["stages"]["input_sanity"]["verdict"] == "pass" and f["verdict"] == "pass"
     assert "different inputs" in f["message"] and "swapped roles" in f["message"]
     assert s["stages"]["input_sanity"]["sides"] == {"baseline": "megatron", "candidate": "mindformers"}
+
+
+def test_a_short_log_pair_printing_the_same_digits_is_not_suspicious(logs, tmp_path) -> None:
+    """Logs print about 7 digits: a pair that agrees to 1e-7 prints the same losses for a while."""
+    from align.stages.input_sanity import MIN_IDENTICAL_PRINTED
+
+    short = write_examples(tmp_path / "short", MIN_IDENTICAL_PRINTED - 1, "none", None)
+    assert main(["import", str(short["baseline"]), "--out", str(tmp_path / "store")]) == 0
+    _, s = report(tmp_path / "r", short["baseline"], tmp_path / "store")
+    (f,) = sanity(s)
+    assert f["verdict"] == "pass" and "bit for bit at only" in f["message"], f
+
+
+def test_the_lr0_pair_given_twice_is_said(logs, tmp_path) -> None:
+    rc = main(["report", "-q", str(logs["baseline"]), str(logs["candidate"]), "--lr0", str(logs["baseline"]),
+               str(logs["baseline"]), "--out", str(tmp_path / "r")])
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    (f,) = sanity(s)
+    assert rc in (0, 1) and f["metric"] == "same_input" and "lr=0 baseline and the lr=0 candidate" in f["message"]
 
 
 def test_two_steps_of_equal_losses_are_not_enough_to_warn(tmp_path) -> None:
