@@ -130,7 +130,28 @@ def run(ev: Evidence) -> StageResult:
     if not judged:
         return skipped(NAME, "; ".join(crowded) + ": lone spikes cannot be told apart from a run that does not "
                        "fit its band (the long run reports it)")
+    res.details["power"] = _power(sc.table, judged, sustain)
     return res
+
+
+def _power(table: Any, judged: list[str], sustain: int) -> dict[str, Any]:
+    """What this stage can see: a one-side excursion shorter than ``sustain`` steps is reported from
+    SPIKE_FACTOR x the band at its step (the median band over the run, per metric, relative to the median
+    baseline value: a clean pair's one-step excursions reach ~2.4x)."""
+    parts, first = [], None
+    for m in judged:
+        prefix = "" if m == "loss" else "grad_norm_"
+        band, base = table.get(f"{prefix}band"), table.get(f"{prefix}baseline")
+        if band is None or base is None or not len(band):
+            continue
+        b = float(np.nanmedian(band.to_numpy(dtype=float)))
+        scale = float(np.nanmedian(np.abs(base.to_numpy(dtype=float))))
+        d = SPIKE_FACTOR * b
+        first = d if first is None else first
+        label = "loss" if m == "loss" else "grad norm"
+        parts.append(f"a {label} spike of {d:.3g} ({d / scale:.3%} of the {label}; {SPIKE_FACTOR:g} x its median "
+                     f"band) lasting under {sustain} steps is reported")
+    return {"detectable": first, "text": "; ".join(parts) or "no band to state a spike against"}
 
 
 def section(res: StageResult) -> str:
