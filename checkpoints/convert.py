@@ -23,7 +23,7 @@ import numpy as np
 from core.errors import BadInput
 from core.findings import Finding, StageResult
 from mapping import Mapping, TransformParams
-from models import load_mapping, preset_for_weights
+from models import load_mapping, preset_for_checkpoint
 
 
 def _torch_state(path: str | Path) -> dict[str, Any]:
@@ -189,12 +189,16 @@ def megatron_to_numpy(paths: Sequence[str | Path]) -> tuple[dict[str, np.ndarray
     return shards[0] if len(shards) == 1 else shards, dtypes   # type: ignore[return-value]
 
 
-def _default_mapping(mapping: str | None, mindformers_file: str | Path) -> str | None:
-    """The family a MindFormers weights file's suffix implies (.safetensors: MindFormers 2.x mcore, its only
-    safetensors models; models/mcore_dense), else the default preset (a .ckpt: the legacy Llama)."""
-    if mapping is None:
-        return preset_for_weights(mindformers_file)
-    return mapping
+def _mapping_for(mapping: str | Mapping | None, names: Sequence[str], side: str, mindformers_file: str | Path,
+                 where: str) -> Mapping:
+    """``--mapping`` when given, else the preset the checkpoint's own tensor names need (dense, MoE, MLA, the
+    legacy Llama: models.preset_for_checkpoint); the MindFormers file's suffix only picks its format (and
+    breaks the one tie names leave: a dense GPT's Megatron names fit the mcore dense and the legacy Llama)."""
+    if isinstance(mapping, Mapping):
+        return mapping
+    if mapping is not None:
+        return load_mapping(mapping)
+    return load_mapping(preset_for_checkpoint(list(names), side, mindformers_file, where))
 
 
 def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path, *, num_heads: int,
@@ -204,10 +208,12 @@ def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path
     layouts (loadable with ``load_ckpt_format: safetensors``), else a MindSpore .ckpt (legacy Llama)."""
     check_out_path(out)
     check_model_params(num_heads, num_query_groups, num_experts)
-    m = load_mapping(_default_mapping(mapping, out))
+    m: str | Mapping | None = load_mapping(mapping) if mapping is not None else None   # refused before reading
     where = ", ".join(str(p) for p in paths)
     loaded, dtypes = megatron_to_numpy(paths)
     tp = len(paths)
+    first = loaded[0] if isinstance(loaded, list) else loaded
+    m = _mapping_for(m, list(first), "baseline", out, where)
     try:
         state = merge_tp_shards(loaded if tp > 1 else [loaded], m)   # type: ignore[list-item]
     except BadInput as exc:
@@ -234,7 +240,7 @@ def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path
 
         write_safetensors(converted, out, dtype="bfloat16" if src_dtype == "bfloat16" else None,
                           metadata={"mapping": m.name})
-        res.details.update({"out": str(out), "tensors": len(converted), "tp_shards_merged": tp,
+        res.details.update({"out": str(out), "mapping": m.name, "tensors": len(converted), "tp_shards_merged": tp,
                             "dtype": src_dtype, "format": "safetensors"})
         return res
     import mindspore as ms
@@ -249,7 +255,8 @@ def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path
     out = out if str(out).endswith(".ckpt") else f"{out}.ckpt"
     with _atomic(out) as tmp:
         ms.save_checkpoint(items, str(tmp))
-    res.details.update({"out": str(out), "tensors": len(items), "tp_shards_merged": tp, "dtype": src_dtype})
+    res.details.update({"out": str(out), "mapping": m.name, "tensors": len(items), "tp_shards_merged": tp,
+                        "dtype": src_dtype})
     return res
 
 
@@ -281,7 +288,7 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
 
     check_out_path(out)
     check_model_params(num_heads, num_query_groups, num_experts)
-    m = load_mapping(_default_mapping(mapping, path))
+    given = load_mapping(mapping) if mapping is not None else None   # refused before reading
     if str(path).endswith(".safetensors"):
         from checkpoints.mindformers import read_safetensors
 
@@ -289,6 +296,7 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
         dtype = "bfloat16" if "bfloat16" in dtypes.values() else "float32"
     else:
         state, dtype = mindformers_to_numpy(path)
+    m = _mapping_for(given, [k for k in state if not optimizer_key(k)], "candidate", path, str(path))
     params = TransformParams(num_heads=num_heads, num_query_groups=num_query_groups or num_heads,
                              num_experts=num_experts, sizes=dict(sizes or {}))
     # optimizer state (adam moments, step counters) lives in the same file: not weights, not converted
@@ -310,7 +318,7 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
         np.ascontiguousarray(v))) for k, v in converted.items()}
     with _atomic(out) as tmp:
         torch.save(sd, str(tmp))
-    res.details.update({"out": str(out), "tensors": len(sd), "dtype": dtype})
+    res.details.update({"out": str(out), "mapping": m.name, "tensors": len(sd), "dtype": dtype})
     return res
 
 

@@ -9,8 +9,9 @@ by the model families (``models.load_mapping``); this module reads files.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections.abc import Mapping as MappingABC
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -191,52 +192,86 @@ class Mapping:
         return any(p.match(n) is not None for p in self.ignore[side])
 
     def match(self, name: str, side: str, scheme: str | None = None,
-              split: set[tuple[str, tuple[tuple[str, str], ...]]] | None = None) -> Match | None:
+              split: set[tuple[str, tuple[tuple[str, str], ...]]] | None = None,
+              present: AbstractSet[str] | None = None) -> Match | None:
         """The rule that covers ``name`` on ``side`` and the full groups on both sides.
 
         ``NAME[e]`` (expert e's piece of a stacked tensor, ``mapping.rules.EXPERT_PIECE``) matches the gather
         rule of NAME as expert e alone, paired with the other side's expert e. ``split`` holds the keys
         (rule id, captures) of gather groups whose stacked side came in pieces: the other side's experts of
-        such a group match one by one too (``pair`` fills it)."""
+        such a group match one by one too (``pair`` fills it).
+
+        ``present``: the other side's (stripped) names at hand. Where several rules cover ``name`` (one
+        MindFormers ``pre_mlp_layernorm.weight`` is Megatron's ``pre_mlp_layernorm.weight``, or the
+        ``mlp.linear_fc1.layer_norm_weight`` that Megatron's local spec saves for a MoE layer), the first rule
+        whose other-side names are all present wins, then (candidate names) such a rule of another scheme (a
+        checkpoint that mixes local and fused norm names); without one, the first rule of the scheme."""
+        first = None
+        for m in self._matches(name, side, scheme, split):
+            if present is None or m.rule.gather or self._present(m, side, present):
+                return m
+            first = first or m
+        if present is not None and side == "candidate":
+            for m in self._matches(name, side, scheme, split, any_scheme=True):
+                if not m.rule.gather and self._present(m, side, present):
+                    return m
+        return first
+
+    @staticmethod
+    def _present(m: Match, side: str, present: AbstractSet[str]) -> bool:
+        theirs = m.candidate if side == "baseline" else m.baseline
+        return bool(theirs) and all(t in present for t in theirs)
+
+    def _matches(self, name: str, side: str, scheme: str | None,
+                 split: set[tuple[str, tuple[tuple[str, str], ...]]] | None, any_scheme: bool = False
+                 ) -> Iterator[Match]:
+        """Every rule's match of ``name`` (at most one per rule), in the file's order (see ``match``)."""
         full = self.strip(name, side)
         n, piece = split_piece(full)
         other = "candidate" if side == "baseline" else "baseline"
+        schemes = str(scheme or self.sides["baseline"].get("default_scheme")).split("+")
         for rule in self.rules:
-            if side == "candidate" and rule.scheme is not None and rule.scheme not in str(
-                    scheme or self.sides["baseline"].get("default_scheme")).split("+"):
+            if side == "candidate" and rule.scheme is not None and rule.scheme not in schemes and not any_scheme:
                 continue
-            g = rule.gather
-            for pat in rule.patterns(side):
-                caps = pat.match(n)
-                if caps is None:
-                    continue
-                if piece is not None:
-                    if g and not _has_field(rule.patterns(side), g) and _has_field(rule.patterns(other), g):
-                        return self._per_expert(rule, caps, piece)
-                    if not g and len(rule.baseline) == len(rule.candidate) == 1:   # mirrored: piece to piece
-                        theirs = [expert_piece(p.format(caps), piece) for p in rule.patterns(other)]
-                        b, c = ([full], theirs) if side == "baseline" else (theirs, [full])
-                        return Match(rule, {**caps, "[expert]": str(piece)}, b, c, [piece])
-                    continue
-                if g:
-                    # one group per stacked tensor: the gathered capture is not part of the key; pair()
-                    # fills the expanded side with every expert (seen, or num_experts)
-                    experts = [int(caps.pop(g))] if g in caps else []
-                    if experts and split and (rule.id, tuple(sorted(caps.items()))) in split:
-                        return self._per_expert(rule, caps, experts[0])
-                    if experts:
-                        mine = [p.format({**caps, g: experts[0]}) for p in rule.patterns(side)]
-                        theirs = [] if _has_field(rule.patterns(other), g) else [
-                            p.format(caps) for p in rule.patterns(other)]
-                    else:
-                        mine = [n if p is pat else p.format(caps) for p in rule.patterns(side)]
-                        theirs = []
-                    b, c = (mine, theirs) if side == "baseline" else (theirs, mine)
-                    return Match(rule, caps, b, c, experts)
-                mine = [n if p is pat else p.format(caps) for p in rule.patterns(side)]
-                theirs = [p.format(caps) for p in rule.patterns(other)]
+            found = self._rule_match(rule, n, full, piece, side, other, split)
+            if found is not None:
+                yield found
+
+    def _rule_match(self, rule: Rule, n: str, full: str, piece: int | None, side: str, other: str,
+                    split: set[tuple[str, tuple[tuple[str, str], ...]]] | None) -> Match | None:
+        """``rule``'s match of the stripped name ``n`` (``full`` with its expert piece, if any), or None."""
+        g = rule.gather
+        for pat in rule.patterns(side):
+            caps = pat.match(n)
+            if caps is None:
+                continue
+            if piece is not None:
+                if g and not _has_field(rule.patterns(side), g) and _has_field(rule.patterns(other), g):
+                    return self._per_expert(rule, caps, piece)
+                if not g and len(rule.baseline) == len(rule.candidate) == 1:   # mirrored: piece to piece
+                    theirs = [expert_piece(p.format(caps), piece) for p in rule.patterns(other)]
+                    b, c = ([full], theirs) if side == "baseline" else (theirs, [full])
+                    return Match(rule, {**caps, "[expert]": str(piece)}, b, c, [piece])
+                continue
+            if g:
+                # one group per stacked tensor: the gathered capture is not part of the key; pair()
+                # fills the expanded side with every expert (seen, or num_experts)
+                experts = [int(caps.pop(g))] if g in caps else []
+                if experts and split and (rule.id, tuple(sorted(caps.items()))) in split:
+                    return self._per_expert(rule, caps, experts[0])
+                if experts:
+                    mine = [p.format({**caps, g: experts[0]}) for p in rule.patterns(side)]
+                    theirs = [] if _has_field(rule.patterns(other), g) else [
+                        p.format(caps) for p in rule.patterns(other)]
+                else:
+                    mine = [n if p is pat else p.format(caps) for p in rule.patterns(side)]
+                    theirs = []
                 b, c = (mine, theirs) if side == "baseline" else (theirs, mine)
-                return Match(rule, caps, b, c)
+                return Match(rule, caps, b, c, experts)
+            mine = [n if p is pat else p.format(caps) for p in rule.patterns(side)]
+            theirs = [p.format(caps) for p in rule.patterns(other)]
+            b, c = (mine, theirs) if side == "baseline" else (theirs, mine)
+            return Match(rule, caps, b, c)
         return None
 
     @staticmethod
@@ -327,9 +362,12 @@ class Mapping:
                 if m is not None and m.rule.gather:
                     split.add((m.rule.id, tuple(sorted((k, v) for k, v in m.captures.items()
                                                        if k != m.rule.gather))))
+        # where two rules cover a name, the one whose counterpart the other side holds (match's ``present``)
+        present = {"baseline": {self.strip(n, "candidate") for n in cnames} or None,
+                   "candidate": {self.strip(n, "baseline") for n in bnames} or None}
         for side, names in (("baseline", bnames), ("candidate", cnames)):
             for n in names:
-                m = self.match(n, side, scheme, split)
+                m = self.match(n, side, scheme, split, present[side])
                 if m is None:
                     (ignored if self.ignored(n, side) else unmapped)[side].append(n)
                     continue

@@ -97,18 +97,29 @@ def preset_for_weights(path: str | Path) -> str | None:
     return None
 
 
-def preset_for_names(*named: tuple[list[str], str]) -> str | None:
+def preset_for_names(*named: tuple[list[str], str], prefer: str | None = None) -> str | None:
     """The preset that covers the most of these tensor names, each list on its side (``(names, "baseline")``
     for Megatron's, ``(names, "candidate")`` for MindFormers'; ignored names count as covered), or None when
-    none covers any. Among presets covering as many, the one with the fewest rules left unused wins (mcore
-    names are the same on both sides, so a dense checkpoint is covered by the MLA presets too; they leave
-    their MLA rules unused), then the family asked first. Why from names: a checkpoint carries no config, and
-    its names tell MoE (stacked experts), MLA and the legacy Llama apart."""
-    best, best_score = None, (0, 0)
+    none covers any. Among presets covering as many, ``prefer`` wins if it is one of them, then the one with
+    the fewest rules left unused (mcore names are the same on both sides, so a dense checkpoint is covered by
+    the MLA presets too; they leave their MLA rules unused), then the family asked first. Why from names: a
+    checkpoint carries no config, and its names tell MoE (a router, experts), MLA (linear_q_down_proj,
+    linear_kv_down_proj ...) and the legacy Llama (model.layers.N.attention.wq ...) apart."""
+    best = _coverage(named, prefer)
+    return best[0] if best is not None else None
+
+
+def _coverage(named: tuple[tuple[list[str], str], ...], prefer: str | None = None
+              ) -> tuple[str, list[str]] | None:
+    """The best preset for ``named`` (see ``preset_for_names``) and the names it leaves uncovered."""
+    best, best_score, best_left = None, (0, False, 0), []
     for f in families():
+        # a family's presets differ on one side only (MLA's mla_qkv_concat: MindFormers' names); the family
+        # offers the first (its main preset first) covering the most, ``prefer`` on a tie
+        mine, mine_score, mine_left = None, (0, False), []
         for preset in f.presets:
             m = load_mapping(preset)
-            covered, used = 0, set()
+            covered, used, left = 0, set(), []
             for names, side in named:
                 for n in names:
                     hit = m.match(n, side)
@@ -116,10 +127,37 @@ def preset_for_names(*named: tuple[list[str], str]) -> str | None:
                         used.add(hit.rule.id)
                     if hit is not None or m.ignored(n, side):
                         covered += 1
-            score = (covered, -(len(m.rules) - len(used)))
-            if covered and score > best_score:
-                best, best_score = preset, score
-    return best
+                    else:
+                        left.append(n)
+            if covered and (covered, preset == prefer) > mine_score:
+                mine, mine_score, mine_left = preset, (covered, preset == prefer), left
+                unused = len(m.rules) - len(used)
+        if mine is not None and (*mine_score, -unused) > best_score:
+            best, best_score, best_left = mine, (*mine_score, -unused), mine_left
+    return (best, best_left) if best is not None else None
+
+
+def preset_for_checkpoint(names: list[str], side: str, weights_file: str | Path, where: str) -> str:
+    """The preset for converting one checkpoint, from its tensor names (``side``: ``baseline`` for Megatron's,
+    ``candidate`` for MindFormers'): the preset that covers every name (MoE: a router and experts; MLA:
+    linear_q_down_proj / linear_kv_down_proj; the legacy Llama: model.layers.N.attention.wq ...). The
+    MindFormers file's format only breaks a tie the names leave: a dense Megatron GPT's names are the same for
+    the mcore dense and the legacy Llama presets, so .safetensors (MindFormers 2.x) means mcore, a .ckpt the
+    legacy Llama. A checkpoint no preset covers is bad input, naming a few of the names left over."""
+    names = list(names)
+    prefer = preset_for_weights(weights_file) or DEFAULT_PRESET
+    if not names:   # nothing to tell by: the format's preset, whose checks then say the file holds no tensors
+        return prefer
+    best = _coverage(((names, side),), prefer=prefer)
+    if best is not None and not best[1]:
+        return best[0]
+    if best is None:
+        left, closest = names, ""
+    else:
+        left, closest = best[1], f" ({len(best[1])} of {len(names)} match no rule of the closest, {best[0]})"
+    shown = ", ".join(repr(n) for n in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    raise BadInput(f"{where}: no preset covers its tensor names{closest}: {shown}; "
+                   f"pass --mapping with a preset (align mapping list) or a mapping file")
 
 
 def demo_presets() -> dict[str, str]:
@@ -127,5 +165,6 @@ def demo_presets() -> dict[str, str]:
     return {f.demo_kind: f.main_preset for f in families() if f.demo_kind}
 
 
-__all__ = ["DEFAULT_PRESET", "Family", "demo_presets", "families", "family", "load_mapping", "preset_for_config",
-           "preset_for_names", "preset_for_scheme", "preset_for_weights", "preset_path", "presets"]
+__all__ = ["DEFAULT_PRESET", "Family", "demo_presets", "families", "family", "load_mapping", "preset_for_checkpoint",
+           "preset_for_config", "preset_for_names", "preset_for_scheme", "preset_for_weights", "preset_path",
+           "presets"]

@@ -253,3 +253,50 @@ def test_legacy_missing_rank_and_damage_are_bad_input(tmp_path) -> None:
     f0.rmdir()
     with pytest.raises(BadInput, match="missing"):
         read_megatron_checkpoint(root)
+
+
+# -- issue 37: the preset comes from the tensor names; the suffix picks the format ------------------------------
+
+def test_preset_comes_from_the_names_not_the_suffix(tmp_path, capsys) -> None:
+    """Legacy Llama names in a .safetensors file convert with the Llama preset (the suffix once chose mcore dense
+    and failed on every name), back to the same Megatron tensors; a dense Megatron checkpoint, whose names fit
+    both mcore dense and the legacy Llama, becomes mcore names in a .safetensors file."""
+    from mapping import TransformParams
+    from models import DEFAULT_PRESET, load_mapping
+
+    sd = tiny_state()
+    llama, res = load_mapping(DEFAULT_PRESET).convert(sd, "candidate", TransformParams(num_heads=4, num_query_groups=2))
+    assert res.verdict == "pass" and "model.layers.0.attention.wq.weight" in llama
+    write_safetensors(llama, tmp_path / "llama.safetensors")
+    rc, lines = _cli(capsys, str(tmp_path / "llama.safetensors"), "--to", "megatron", "--out", str(tmp_path / "b.pt"),
+                     *HEADS)
+    assert rc == 0 and f"(preset {DEFAULT_PRESET})" in lines[-1], lines
+    back = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert sorted(back) == sorted(sd)
+    for k, v in sd.items():
+        np.testing.assert_array_equal(back[k].numpy(), v, err_msg=k)
+    save_pt(sd, tmp_path / "m.pt")
+    rc, lines = _cli(capsys, str(tmp_path / "m.pt"), "--to", "mindformers", "--out", str(tmp_path / "m.safetensors"),
+                     *HEADS)
+    assert rc == 0 and "(preset megatron_core__mindformers_mcore_dense)" in lines[-1], lines
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in read_safetensors(tmp_path / "m.safetensors")[0]
+
+
+def test_names_no_preset_covers_are_refused_naming_some(tmp_path, capsys) -> None:
+    """A checkpoint of another model is refused (exit 2, one line naming the file and a few of its names, nothing
+    written) instead of converting what a guessed preset happens to cover."""
+    other = {f"transformer.h.{i}.attn.c_attn.weight": np.ones((4, 4), np.float32) for i in range(5)}
+    save_pt(other, tmp_path / "gpt2.pt")
+    _bad(capsys, tmp_path, [str(tmp_path / "gpt2.pt"), "--to", "mindformers", "--out", str(tmp_path / "x.safetensors"),
+                            *HEADS], "no preset covers its tensor names")
+    rc, lines = _cli(capsys, str(tmp_path / "gpt2.pt"), "--to", "mindformers", "--out", str(tmp_path / "x.ckpt"),
+                     *HEADS)
+    assert rc == 2 and str(tmp_path / "gpt2.pt") in lines[0] and "'transformer.h.0.attn.c_attn.weight'" in lines[0]
+    assert "and 2 more" in lines[0] and "--mapping" in lines[0], lines
+    # one name no preset knows beside a whole dense model: named, with the closest preset
+    sd = tiny_state()
+    sd["decoder.layers.0.mlp.mystery.weight"] = np.ones(3, np.float32)
+    save_pt(sd, tmp_path / "odd.pt")
+    _bad(capsys, tmp_path, [str(tmp_path / "odd.pt"), "--to", "mindformers", "--out", str(tmp_path / "x.safetensors"),
+                            *HEADS], "1 of 16 match no rule of the closest, megatron_core__mindformers_mcore_dense): "
+                                     "'decoder.layers.0.mlp.mystery.weight'")

@@ -430,3 +430,101 @@ def test_compare_weights_moe_conversion_exact_and_swapped_expert_named(megatron_
     assert [f["component"] for f in data["findings"] if f["verdict"] == "fail"] == [gone]
     st = data["stages"]["weights"]
     assert st["compared"] == len(sd) - 1 and st["max_rel_l2"] == 0.0 and st["missing"] == 1
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_preset_is_chosen_from_the_tensor_names(kind, megatron_states, mindformers_states) -> None:
+    """Issue 37: the preset comes from a checkpoint's names, whatever the MindFormers file's suffix: Megatron's
+    names (a router and experts: MoE; linear_q_down_proj / linear_kv_down_proj: MLA) and MindFormers' own
+    (linear_qb / linear_kvb: MLA with mla_qkv_concat)."""
+    from models import preset_for_checkpoint
+
+    meg = list(megatron_states[kind])
+    # Megatron's MLA names are the same for both MLA presets: the main one (mla_qkv_concat False, as shipped)
+    want = PRESET["mla"] if kind.startswith("mla") else PRESET[kind]
+    for suffix in (".safetensors", ".ckpt"):
+        assert preset_for_checkpoint(meg, "baseline", f"w{suffix}", "w") == want, suffix
+    assert preset_for_checkpoint(list(mindformers_states[kind]), "candidate", "w.safetensors", "w") == PRESET[kind]
+
+
+def _real_megatron_moe_checkpoint(folder) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The real megatron-core MoE GPTModel (local spec, sequential experts) saved by its own dist_checkpointing
+    (torch_dist), as pretrain_gpt.py --ckpt-format torch_dist saves it: returns the model's state_dict and
+    what checkpoints.megatron reads back from ``folder``."""
+    from megatron.core import dist_checkpointing
+
+    from checkpoints.megatron import read_megatron_checkpoint
+
+    model = mg.build_tiny_llama(mg.TinyLlamaConfig(**megatron_kwargs("moe")), seed=7)
+    (folder / "iter_0000001").mkdir(parents=True)
+    with mg.cpu_device_redirect():
+        dist_checkpointing.save(model.sharded_state_dict(), str(folder / "iter_0000001"))
+    (folder / "latest_checkpointed_iteration.txt").write_text("1")
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return state, read_megatron_checkpoint(folder)[0]
+
+
+def test_local_spec_moe_checkpoint_converts_and_compares_without_mapping(megatron_states, mindformers_states,
+                                                                           tmp_path, capsys) -> None:
+    """Issue 37: Megatron-LM's LOCAL spec saves a MoE layer's norms under sharded_state_dict_keys_map's names
+    (gpt_layer_specs.get_gpt_layer_local_spec: input_layernorm. -> self_attention.linear_qkv.layer_norm_,
+    pre_mlp_layernorm. -> mlp.linear_fc1.layer_norm_). Such a checkpoint, saved by megatron-core itself,
+    converts without --mapping (the MoE preset, from the names) into exactly the tensors MindFormers' MoE model
+    has, each norm where it belongs, and compare-weights pairs every tensor bit-identical, without --mapping,
+    in both orders."""
+    import json
+
+    from align.cli import main
+
+    _ = megatron_states   # Megatron initialised on CPU
+    state, saved = _real_megatron_moe_checkpoint(tmp_path / "ckpt")
+    for layer in range(SPECS["moe"].num_layers):     # the keys map's names, not the module's
+        p = f"decoder.layers.{layer}"
+        assert f"{p}.mlp.linear_fc1.layer_norm_weight" in saved and f"{p}.pre_mlp_layernorm.weight" not in saved
+        assert f"{p}.self_attention.linear_qkv.layer_norm_weight" in saved
+        np.testing.assert_array_equal(saved[f"{p}.mlp.linear_fc1.layer_norm_weight"],
+                                      state[f"{p}.pre_mlp_layernorm.weight"])
+    spec = SPECS["moe"]
+    heads = ["--num-heads", str(spec.num_attention_heads), "--num-query-groups", str(spec.num_query_groups)]
+    mf = tmp_path / "mf.safetensors"
+    capsys.readouterr()
+    assert main(["convert-weights", str(tmp_path / "ckpt"), "--to", "mindformers", "--out", str(mf), *heads]) == 0
+    assert f"(preset {PRESET['moe']})" in capsys.readouterr().out
+    from checkpoints.mindformers import read_safetensors
+
+    arrays, _ = read_safetensors(mf)
+    m = load_mapping(PRESET["moe"])
+    real = {k: v for k, v in mindformers_states["moe"].items() if not m.ignored(k, "candidate")}
+    assert sorted(arrays) == sorted(real)      # every parameter of MindFormers' MoE model, nothing else
+    for name, arr in arrays.items():
+        assert arr.shape == real[name].shape, name
+    for layer in range(spec.num_layers):
+        p = f"decoder.layers.{layer}"
+        np.testing.assert_array_equal(arrays[f"{p}.pre_mlp_layernorm.weight"], state[f"{p}.pre_mlp_layernorm.weight"])
+        np.testing.assert_array_equal(arrays[f"{p}.input_layernorm.weight"], state[f"{p}.input_layernorm.weight"])
+    units = len([k for k in saved if not m.ignored(k, "baseline")])     # the baseline's tensors, each compared
+    for order, out, n in (([tmp_path / "ckpt", mf], tmp_path / "cmp", units),
+                          ([mf, tmp_path / "ckpt"], tmp_path / "swapped", len(arrays))):
+        assert main(["compare-weights", *map(str, order), "--out", str(out)]) == 0, capsys.readouterr()
+        st = json.loads((out / "summary.json").read_text())["stages"]["weights"]
+        assert st["mapping"].startswith(PRESET["moe"]) and st["max_rel_l2"] == 0.0, st
+        assert st["failed"] == st["unmapped_baseline"] == st["unmapped_candidate"] == 0
+        assert st["compared"] == n
+
+
+@pytest.mark.parametrize("kind", ["mla", "mla_qkv_concat"])
+def test_mla_presets_pair_the_fused_pre_mlp_norm_name(kind, megatron_states, mindformers_states) -> None:
+    """Issue 37: the MLA presets take a MoE layer's pre-MLP norm under the checkpoint name Megatron's local spec
+    gives it (mlp.linear_fc1.layer_norm_weight) as MindFormers' pre_mlp_layernorm: every group pairs and
+    the conversion equals that of the model's own names."""
+    m = load_mapping(PRESET[kind])
+    meg = {k: v for k, v in megatron_states[kind].items() if not m.ignored(k, "baseline")}
+    fused = {k.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight"): v for k, v in meg.items()}
+    assert sum(k.endswith("mlp.linear_fc1.layer_norm_weight") for k in fused) >= SPECS[kind].num_layers
+    check = m.check(fused, mindformers_states[kind])
+    assert check.verdict == "pass", [f.message for f in check.findings][:5]
+    want, _ = m.convert(meg, "candidate", _params(SPECS[kind]))
+    got, res = m.convert(fused, "candidate", _params(SPECS[kind]))
+    assert res.verdict == "pass" and sorted(got) == sorted(want)
+    for name, arr in got.items():
+        np.testing.assert_array_equal(arr, want[name])

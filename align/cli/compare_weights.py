@@ -106,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
         preset = preset_for_names((a.names(), hints[0]), (b.names(), hints[1]),
                                   *([(r.names(), _hint(r))] if r is not None else []))
         if preset is None:
+            some = [*a.names()[:2], *b.names()[:2]]
             raise BadInput(f"{args.baseline}, {args.candidate}: no preset covers their tensor names (e.g. "
-                           f"{(a.names() or b.names() or ['none'])[0]!r}); pass --mapping with a mapping file")
+                           f"{', '.join(repr(n) for n in some) or 'none'}); pass --mapping with a preset "
+                           "(align mapping list) or a mapping file")
         mapping = load_mapping(preset)
     params = TransformParams(num_heads=args.num_heads, num_query_groups=args.num_query_groups or args.num_heads,
                              num_experts=args.num_experts, sizes=sizes)

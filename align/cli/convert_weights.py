@@ -20,13 +20,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", choices=["mindformers", "megatron"], required=True,
                         help="the framework to write for")
     parser.add_argument("--out", required=True, metavar="FILE",
-                        help="the converted checkpoint: .safetensors (MindFormers 2.x mcore), .ckpt (legacy Llama) "
-                        "or .pt (to megatron)")
+                        help="the converted checkpoint: .safetensors, .ckpt (a MindSpore checkpoint) or .pt (to "
+                        "megatron); the suffix picks the file format, the tensor names the preset (--mapping)")
     parser.add_argument("--num-heads", type=int, required=True, help="attention heads (to split / fuse QKV)")
     parser.add_argument("--num-query-groups", type=int, help="GQA groups (default: MHA, = heads)")
     parser.add_argument("--mapping",
-                        help="preset name or YAML mapping file (default: from the MindFormers file's suffix: "
-                             ".safetensors the mcore dense preset, .ckpt the legacy Llama one)")
+                        help="preset name or YAML mapping file (default: the preset the checkpoint's tensor names "
+                             "need: mcore dense, MoE (a router, experts), MLA (linear_q_down_proj ...) or the legacy "
+                             "Llama (model.layers.N.attention.wq ...); a dense Megatron checkpoint's names fit both "
+                             "mcore dense and the legacy Llama: .safetensors then means mcore, .ckpt the legacy "
+                             "Llama)")
     parser.add_argument("--num-experts", type=int,
                         help="routed experts per MoE layer (to megatron, MoE presets; default: the experts whose "
                              "names appear)")
@@ -94,5 +97,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         for f in res.findings:
             print(f"{f.verdict.upper():4} {f.message}")
-        print(f"wrote {res.details['tensors']} tensors to {res.details['out']} ({res.verdict})")
+        via = f" (preset {res.details['mapping']})" if res.details.get("mapping") and not args.mapping else ""
+        print(f"wrote {res.details['tensors']} tensors to {res.details['out']}{via} ({res.verdict})")
     return 1 if res.verdict == "fail" else 0
