@@ -528,3 +528,52 @@ def test_replay_of_a_folder_not_here_is_a_check_not_a_fail(tmp_path: Path) -> No
     gbs = {r.key: r for r in rows}["global_batch_size"]
     assert gbs.status == "check" and "does not exist" in gbs.note
     assert not [f for f in res.findings if f.verdict == "fail" and "batch" in f.component]
+
+
+def test_padding_formula_is_megatrons() -> None:
+    """megatron/training/tokenizer/tokenizer.py _vocab_size_with_padding: multiple = make_vocab_size_divisible_by
+    x tensor_model_parallel_size; the size rounded up to it."""
+    from align.checks.vocab import padded_vocab_size
+
+    assert padded_vocab_size(127, 128, 2) == 256 and padded_vocab_size(127, 128, 1) == 128
+    assert padded_vocab_size(128, 128, 1) == 128 and padded_vocab_size(32000, 128, 8) == 32768
+    assert padded_vocab_size(129280, 1, 8) == 129280 and padded_vocab_size(50257, 128, 1) == 50304
+
+
+def _null_tokenizer_log(tp: int, **more: object) -> str:
+    # Megatron-LM prints padded_vocab_size None: its arguments block comes before the tokenizer pads
+    return megatron_log({**MEGATRON_ARGS, "vocab_size": 127, "padded_vocab_size": None, "tokenizer_type":
+                         "NullTokenizer", "tensor_model_parallel_size": tp, **more})
+
+
+@pytest.mark.parametrize("tp,yaml_vocab,want", [(2, 127, 256), (2, 128, 256), (1, 127, 128), (2, 256, 256)])
+def test_yaml_vocab_size_must_be_megatrons_padded_vocabulary(tmp_path: Path, tp: int, yaml_vocab: int,
+                                                              want: int) -> None:
+    """Issue 37: --vocab-size 127 (NullTokenizer: 128 ids) is padded to 256 rows at TP=2 (128 at TP=1); a YAML
+    with another vocab_size cannot load the converted embedding: a mismatch whose message says the number."""
+    mf = yaml.safe_load(yaml.safe_dump(MF_YAML))
+    mf["model"]["model_config"]["vocab_size"] = yaml_vocab
+    rep = _run(tmp_path, _null_tokenizer_log(tp), mf)
+    row = _rows(rep)["vocab_size"]
+    assert row["megatron"] == want
+    found = [f for f in rep["findings"] if f["component"] == "vocab_size"]
+    if yaml_vocab == want:
+        assert row["status"] == "match" and not found
+        return
+    assert row["status"] == "mismatch" and rep["rc"] == 1
+    assert f"set model.model_config.vocab_size: {want}" in row["note"], row["note"]
+    assert f"a multiple of make_vocab_size_divisible_by 128 x TP {tp}" in row["note"]
+    assert len(found) == 1 and found[0]["verdict"] == "fail" and f"vocab_size: {want}" in found[0]["message"]
+
+
+def test_vocab_padding_default_from_a_launch_script(tmp_path: Path) -> None:
+    """A launch script that leaves --make-vocab-size-divisible-by at Megatron's default (128) still pads."""
+    script = ("torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 "
+              "--num-attention-heads 4 --seq-length 32 --tensor-model-parallel-size 2 --vocab-size 127 "
+              "--tokenizer-type NullTokenizer --micro-batch-size 1 --global-batch-size 4 --lr 1e-4\n")
+    mf = yaml.safe_load(yaml.safe_dump(MF_YAML))
+    mf["model"]["model_config"]["vocab_size"] = 127
+    rep = _run(tmp_path, script, mf, name="pretrain.sh")
+    row = _rows(rep)["vocab_size"]
+    assert row["megatron"] == 256 and row["status"] == "mismatch"
+    assert "set model.model_config.vocab_size: 256" in row["note"]

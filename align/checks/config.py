@@ -807,6 +807,8 @@ def compare_configs(mg_args: dict[str, Any], mf_cfg: dict[str, Any],
             note = "Megatron-LM default (not set explicitly)" if key in defaulted else ""
             rows.append(Row(key, a, b, "mismatch", note))
     rows.extend(_advice(mg, {k: None if v is NOT_READ else v for k, v in mf.items()}))
+    from align.checks.vocab import explain_vocab  # the padded vocabulary and the number the YAML needs
+    explain_vocab(rows, mg_args)
     res = StageResult(STAGE)
     for r in rows:
         if r.status in ("match", "not read"):
