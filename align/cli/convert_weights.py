@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
     # command-line mistakes are refused before any file is read (exit 2, one line)
     from core.outputs import check_out_file
 
-    check_out_file(args.out, "--out")     # a dangling symlink, an unwritable folder
     check_out_path(args.out)
+    check_out_file(args.out, "--out")     # and a dangling symlink, an unwritable folder
     check_model_params(args.num_heads, args.num_query_groups, args.num_experts)
     for p in args.inputs:
         folder = args.to == "mindformers" and len(args.inputs) == 1 and Path(p).is_dir()
