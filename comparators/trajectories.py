@@ -38,6 +38,7 @@ from comparators import stats
 from comparators.local_norms import NormPairing, ShardNorm, add_rank_table, pair_norms
 from core.errors import BadInput
 from core.findings import Finding, StageResult
+from core.forking import fork_child, kill_child
 from runstore import check_table
 
 STAGE = "norm_trajectories"
@@ -265,7 +266,7 @@ def _read_forked(store: Any, group: str, steps: list[int], jobs: int) -> Traject
     try:
         for k, chunk in enumerate(chunks[1:], 1):
             out = tmp / f"{k}.npz"
-            pid = os.fork()
+            pid = fork_child()     # SIGINT at its default in the child: a Ctrl-C is the parent's to handle
             if pid == 0:   # the child: read, save, leave without running the parent's exit handlers
                 code = 1
                 try:
@@ -289,8 +290,12 @@ def _read_forked(store: Any, group: str, steps: list[int], jobs: int) -> Traject
                     present = z["present"] if z["present"].size else None
                     parts.append(Trajectory(z["steps"], [str(n) for n in z["names"]], z["values"], present,
                                             int(z["files"])))
+    except BaseException:
+        for pid, _, _ in children:     # an exception above (Ctrl-C): the children's work is not wanted
+            kill_child(pid)
+        raise
     finally:
-        for pid, _, _ in children:     # reap any child left (an exception above)
+        for pid, _, _ in children:     # reap any child left
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
