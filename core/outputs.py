@@ -14,9 +14,15 @@ from pathlib import Path
 from core.errors import BadInput
 
 
-def check_out_dir(out: str | os.PathLike) -> Path:
-    """``out`` as a Path when it can be (or already is) an output folder; BadInput otherwise."""
+def check_out_dir(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """``out`` as a Path when it can be (or already is) an output folder; BadInput otherwise, and when it is
+    one of ``inputs`` or a folder inside one (a report written into the run store it reads)."""
     p = Path(out)
+    here = Path(os.path.realpath(p))
+    for given in inputs:
+        src = Path(os.path.realpath(given))
+        if here == src or (src.is_dir() and src in here.parents):
+            raise BadInput(f"{p}: output would be written into the input {given}; name another folder")
     if p.is_symlink() and not p.exists():
         raise BadInput(f"{p}: output is a dangling symlink (to {os.readlink(p)})")
     if p.exists() and not p.is_dir():

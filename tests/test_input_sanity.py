@@ -264,3 +264,14 @@ def test_verbs_that_work_for_minutes_refuse_a_bad_out_first(verb, tmp_path, caps
     rc = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and str(out) in err[0] and "missing" not in err[0], err
+
+
+@pytest.mark.parametrize("where", [".", "report"])
+def test_an_out_inside_an_input_is_refused_before_reading(where, logs, tmp_path, capsys) -> None:
+    """The report must not land in the run store it reads (nor in a folder inside it)."""
+    assert main(["import", str(logs["candidate"]), "--out", str(tmp_path / "cand")]) == 0
+    out = tmp_path / "cand" / where
+    rc = main(["report", "-q", str(tmp_path / "missing.log"), str(tmp_path / "cand"), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "written into the input" in err[0] and "missing.log" not in err[0], err
+    assert not (tmp_path / "cand" / "report").exists() and not (tmp_path / "cand" / "report.html").exists()

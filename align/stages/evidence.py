@@ -62,6 +62,11 @@ class Inputs:
     lr0_repeats: list[str] = field(default_factory=list)   # the baseline's repeat at lr = 0: lr = 0 floors per step
     options: Options = field(default_factory=Options)
 
+    def run_paths(self) -> list[str]:
+        """Every run given (baseline, candidate, repeats, the lr=0 pair, the re-run)."""
+        return [self.baseline, self.candidate, *self.repeats, *(self.lr0 or ()),
+                *([self.rerun] if self.rerun else [])]
+
 
 def _size(path: str) -> str:
     p = Path(path)
