@@ -45,13 +45,14 @@ $(STAMP): $(REQUIREMENTS)
 		"~100 packages, ~1.5 GB of wheels (1.5-3 min on 2 cores; most of it finding packages, then unpacking)"
 	@t=$$(date +%s); $(PIP_INSTALL) -c requirements/constraints.txt torch==2.13.0 mindspore==2.10.0 "numpy<2" packaging \
 		-r requirements/mindformers-deps.txt -e . 2>&1 | $(call PIP_PROGRESS,2/3) && echo "env 2/3: done in $(SINCE)"
-	@echo "env 3/3: megatron-core 0.16.1 and mindformers 2.1.0, without their dependencies (~5 s)"
+	@echo "env 3/3: megatron-core 0.16.1 and mindformers 2.1.0 with --no-deps (~5 s): mindformers pins mindspore~=2.11" \
+		"and hyper-parallel, neither installable here; what it really needs came in step 2"
 	@t=$$(date +%s); $(PIP_INSTALL) -q --no-deps megatron-core==0.16.1 mindformers==2.1.0 && echo "env 3/3: done in $(SINCE)"
 	@touch $(STAMP)
 
 # pytest, ruff and the optional extras the tests cover (tensorboard, dask, pyarrow)
 $(DEV_STAMP): $(STAMP)
-	@echo "env: the test tools (pytest, ruff, tensorboard, dask; ~30 s)"
+	@echo "env: the test tools (pytest, ruff, tensorboard, dask; ~20 s)"
 	@t=$$(date +%s); $(PIP_INSTALL) -c requirements/constraints.txt -e '.[dev]' 2>&1 | $(call PIP_PROGRESS,dev) && \
 		echo "env: test tools done in $(SINCE)"
 	@touch $(DEV_STAMP)
