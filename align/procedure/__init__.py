@@ -47,7 +47,7 @@ def report(inputs: Inputs, out: str, progress: Callable[[str], None] | None = No
     """
     from core.outputs import check_out_dir
 
-    check_out_dir(out)      # an --out that cannot be written is refused before any loading
+    check_out_dir(out, inputs.run_paths())   # an --out that cannot be written (or is an input): before any loading
     t0 = time.perf_counter()
     ev = Evidence.load(inputs, progress)
     check_comparable(ev)
