@@ -4,9 +4,9 @@ Megatron-LM never builds an embedding of the tokenizer's size: megatron/training
 ``_vocab_size_with_padding`` (read in core_v0.16.1) rounds it up to a multiple of ``make_vocab_size_divisible_by``
 (default 128) x the tensor-parallel size (``multiple = args.make_vocab_size_divisible_by *
 args.tensor_model_parallel_size; after = int(math.ceil(after / multiple) * multiple)``), so ``--vocab-size 127``
-(NullTokenizer: 128 ids) gives 128 rows at TP=1 and 256 at TP=2. MindFormers does not pad: its ``model_config.vocab_size`` is
-the embedding's row count, and a converted Megatron checkpoint loads only when the two agree (found on the
-user's path, issue 37). The checklist already compares the two numbers (align.checks.config, key
+(NullTokenizer: 128 ids) gives 128 rows at TP=1 and 256 at TP=2. MindFormers does not pad: its
+``model_config.vocab_size`` is the embedding's row count, and a converted Megatron checkpoint loads only when the
+two agree (found on the user's path, issue 37). The checklist already compares the two numbers (align.checks.config, key
 ``vocab_size``); this module says why they differ and the number to put in the YAML.
 
 Rows are the checklist's own (align.checks.config.Row, changed in place); this module does not import the
