@@ -92,6 +92,15 @@ def test_swapped_roles_say_to_swap_them(logs, tmp_path) -> None:
     assert f"align report {logs['baseline']} {logs['candidate']}" in f["message"]
 
 
+def test_a_swapped_lr0_pair_says_to_swap_it(logs, tmp_path) -> None:
+    rc = main(["report", "-q", str(logs["baseline"]), str(logs["candidate"]), "--lr0", str(logs["candidate"]),
+               str(logs["baseline"]), "--out", str(tmp_path / "r")])
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    (f,) = sanity(s)
+    assert rc in (0, 1) and f["verdict"] == "warn" and f["metric"] == "lr0_roles_swapped"
+    assert f"--lr0 {logs['baseline']} {logs['candidate']}" in f["message"]
+
+
 def test_a_clean_pair_passes_and_says_what_was_checked(logs, tmp_path) -> None:
     _, s = report(tmp_path / "r", logs["baseline"], logs["candidate"])
     (f,) = sanity(s)

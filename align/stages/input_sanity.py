@@ -150,6 +150,13 @@ def run(ev: Evidence) -> StageResult:
     else:
         roles = (f"roles: baseline {sb or ev.baseline.kind}, candidate {sc or ev.candidate.kind}")
         checked.append(roles)
+    if ev.lr0 is not None and inp.lr0 is not None and (side(ev.lr0[0]), side(ev.lr0[1])) == ("mindformers",
+                                                                                            "megatron"):
+        res.add(Finding(STAGE_NAME, "warn", COMPONENT, "lr0_roles_swapped", "baseline mindformers, candidate megatron",
+                        "baseline megatron, candidate mindformers",
+                        f"the lr=0 pair looks swapped: --lr0 takes the baseline's (Megatron) run first; got the "
+                        f"MindFormers/MindSpore run {inp.lr0[0]} first and the Megatron/PyTorch run {inp.lr0[1]} "
+                        f"second: swap them, `--lr0 {inp.lr0[1]} {inp.lr0[0]}`"))
     if not res.findings:
         res.add(Finding(STAGE_NAME, "pass", COMPONENT, "inputs_checked", None, None,
                         "; ".join(c for c in checked if c) + " (checked: same path, byte copies, losses equal "
