@@ -16,7 +16,8 @@ class Family:
     families are asked in ``order`` (first answer wins), so a narrower family (MLA) goes before a broader one
     (dense). A family without ``detect`` is chosen only by name or as the default. ``name_scheme``: a
     candidate run whose metadata names this scheme (and no config says otherwise) gets the first preset;
-    ``weights_suffix``: a MindFormers weights file with this suffix means this family (convert-weights).
+    ``weights_suffix``: a MindFormers weights file with this suffix breaks a tie a checkpoint's tensor names leave
+    between this family and another (convert-weights: names choose the preset, ``models.preset_for_checkpoint``).
     ``demo_kind``: the demo's ``--model`` value for this family (demo/ holds the tiny model), if it has one.
     """
 

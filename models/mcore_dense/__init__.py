@@ -1,8 +1,8 @@
 """MindFormers 2.x mcore dense models (Qwen3-style: GQA, q/k layernorm, SwiGLU), with Megatron's own names.
 
 Any mcore YAML (``use_legacy: False``) no narrower family claims is this one; so is a candidate run whose
-name scheme is ``mindformers_mcore``, and a ``.safetensors`` MindFormers weights file (MindFormers 2.x's only
-safetensors models). The demo's ``--model dense``."""
+name scheme is ``mindformers_mcore``; a dense Megatron checkpoint converted to ``.safetensors`` (MindFormers 2.x's
+format; its names fit the legacy Llama preset as well). The demo's ``--model dense``."""
 
 from typing import Any
 
