@@ -369,7 +369,8 @@ def _compare_one(st: StageResult, name: str, b: pd.Series, c: pd.Series, reps: l
         if long_run.verdict != "skipped":
             row.update(band=long_run.details.get("band"),
                        outside_band_fraction=long_run.details.get("outside_band_fraction"),
-                       divergence_step=long_run.details.get("divergence_step"))
+                       divergence_step=long_run.details.get("divergence_step"),
+                       p_value=long_run.details.get("p_value"), power=long_run.details.get("power"))
             for f in long_run.findings:
                 f.component, f.stage = name, STAGE
                 st.add(f)
@@ -430,6 +431,10 @@ def compare_aux_losses(baseline: Run, candidate: Run, repeats: list[Run] | None 
                                 _resolution(b, 1.0) + _resolution(c, k), how, alts))
         st.details["losses"].append(row)
         st.details["compared"].append(name)
+    powers = [(r["loss"], r["power"]) for r in st.details["losses"] if isinstance(r.get("power"), dict)]
+    if powers:       # what the band test could see, per aux loss (comparators.scalars.power)
+        st.details["power"] = {"detectable": powers[0][1].get("detectable"),
+                               "text": "; ".join(f"{n}: {p.get('text')}" for n, p in powers)}
     if not st.findings:
         st.verdict = "pass"
     return st
