@@ -79,7 +79,7 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
         rows.append(_row(name, w0, wb, wc, rtol, eps))
     if not rows:
         return res if res.findings else skipped(STAGE, "no parameters in common")
-    _apply_floors(rows, rtol)
+    judgements = _apply_floors(rows, rtol)
     rows.sort(key=lambda r: -r["excess"])
     bad = [r for r in rows if r["verdict"] != "pass"]
     for r in bad:
@@ -102,14 +102,16 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
                    "noise_floor": {"pass_ratio": nf.PASS_RATIO, "fail_ratio": nf.FAIL_RATIO,
                                    "worst_ratio": max((r["ratio"] for r in rows if r["ratio"] is not None),
                                                       default=None)},
+                   "power": nf.power(judgements, "parameters' updates"),
                    "parameters": [{k: r[k] for k in ("name", "rel_diff", "dtype_line", "dtype_verdict", "ratio",
                                                      "floor", "verdict", "decided_by", "floor_source")}
                                   for r in rows]}
     return res
 
 
-def _apply_floors(rows: list[dict[str, Any]], rtol: tuple[float, float]) -> None:
-    """Judge each parameter's update difference against its noise floor too (comparators.noise_floor), in place.
+def _apply_floors(rows: list[dict[str, Any]], rtol: tuple[float, float]) -> list[nf.Judgement]:
+    """Judge each parameter's update difference against its noise floor too (comparators.noise_floor), in place;
+    returns the judgements (the stage's power statement is made from them).
 
     Both optimizers step on the same gradients, so a repeat's gradient noise does not apply: the floor is the
     rounding of ``w - lr*u`` (``NOISE_ULPS`` ulps of |w|, relative to the update) or the spread of the clean
@@ -117,17 +119,21 @@ def _apply_floors(rows: list[dict[str, Any]], rtol: tuple[float, float]) -> None
     out from the median; one on all of them is left to the dtype line, which stays the upper bound."""
     diffs = sorted(r["rel_diff"] for r in rows if np.isfinite(r["rel_diff"]))
     median = float(np.median(diffs)) if diffs else None
+    out = []
     for r in rows:
         rounding = r["rounding_floor"]
         if median is not None and median > rounding:
             floor = nf.Floor(median, f"median of the {len(diffs)} parameters' update differences")
         else:
             floor = nf.Floor(rounding, f"rounding of w - lr*u ({NOISE_ULPS:g} ulps of |w|)")
-        j = nf.judge(r["rel_diff"], floor, (r["threshold"], rtol[1] + (r["threshold"] - rtol[0])))
+        j = nf.judge(r["rel_diff"], floor, (r["threshold"], rtol[1] + (r["threshold"] - rtol[0])),
+                     pass_ratio=nf.PASS_RATIO, fail_ratio=nf.FAIL_RATIO)
+        out.append(j)
         verdict = "pass" if r["diff_norm"] <= r["noise"] else nf.worst(r["verdict"], j.verdict)
         r.update(j.columns(), verdict=verdict, threshold=j.threshold,
                  excess=r["rel_diff"] / j.threshold if j.threshold else r["rel_diff"],
                  decay_like=verdict != "pass" and abs(r["cos_with_weight"]) >= DECAY_COSINE)
+    return out
 
 
 def _row(name: str, w0: np.ndarray, wb: np.ndarray, wc: np.ndarray, rtol: tuple[float, float],
