@@ -186,3 +186,12 @@ def test_clean_synthetic_pairs_fail_at_most_at_the_stated_rate() -> None:
         fails += st.verdict == "fail"
         warns += st.verdict == "warn"
     assert fails <= 1 and warns <= 10, (fails, warns)
+
+
+def test_every_floor_or_band_judged_stage_states_its_power() -> None:
+    rng = np.random.default_rng(8)
+    ev = _evidence(_curve(0) + _noise(rng, N, 1e-4), candidate_lr0_rel=1e-6)
+    res = run_stages(ev, only=["long_run", "grad_norm", "lr0_run", "spikes"])
+    for name, st in res.items():
+        power = st.details.get("power")
+        assert isinstance(power, dict) and isinstance(power["detectable"], float) and power["text"], name
