@@ -271,6 +271,20 @@ def test_bad_input_is_one_line_exit_2_nothing_written(ckpts, case, tmp_path, cap
         assert sorted(tmp_path.iterdir()) == before      # no output folder, nothing else
 
 
+def test_checkpoints_no_preset_covers_are_refused_naming_their_names(tmp_path, capsys) -> None:
+    """Issue 37: without --mapping the preset comes from the names; two checkpoints of a model no preset knows are
+    refused in one line naming some of their names, nothing written."""
+    for side in ("a", "b"):
+        save_pt({f"transformer.h.{i}.mlp.c_fc.{side}": np.ones((2, 2), np.float32) for i in range(3)},
+                tmp_path / f"{side}.pt")
+    before = sorted(tmp_path.iterdir())
+    rc, text, err = _run(capsys, tmp_path / "a.pt", tmp_path / "b.pt", "--out", tmp_path / "o")
+    assert rc == 2 and not text and len(err.strip().splitlines()) == 1, (rc, text, err)
+    assert "no preset covers their tensor names" in err and "'transformer.h.0.mlp.c_fc.a'" in err, err
+    assert "'transformer.h.0.mlp.c_fc.b'" in err and "--mapping" in err
+    assert sorted(tmp_path.iterdir()) == before
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--tolerance", "abc"], "--tolerance 'abc'"), (["--tolerance", "1e-2,1e-3"], "0 <= PASS <= FAIL"),
     (["--num-heads", "0"], "--num-heads 0"), (["--mapping", "nope"], "nope: neither a mapping file nor a preset")])
