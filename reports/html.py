@@ -187,7 +187,8 @@ def render(verdict: str, runs: list[dict[str, Any]], stages: dict[str, StageResu
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Alignment report: {escape(verdict)}"
              f"</title><style>{CSS}</style></head><body>"]
     scope = f"<span class='scope'>{escape(coverage['banner'])}</span>" if coverage.get("banner") else ""
-    parts.append(f'<div class="banner" style="background:{colour}">Verdict: {escape(verdict.upper())}{scope}</div>')
+    parts.append(f'<div class="banner" style="background:{colour}"><span class="verdict">Verdict: '
+                 f"{escape(verdict.upper())}</span>{scope}</div>")
     parts.append(diagnosis_box(diagnosis or [], linked) or (warnings_box(stages, linked) if verdict == "warn"
                                                              else pass_box(stages, linked)))
     parts.append(coverage_box(coverage, stages, linked))

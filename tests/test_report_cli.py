@@ -13,7 +13,7 @@ import pytest
 
 from align.cli import main
 from demo.example_logs import write_examples
-from tests.helpers.browser import chromium, report_problems
+from tests.helpers.browser import chromium, report_problems, tamper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,6 +124,12 @@ def test_failing_report_with_a_name_like_markup_renders_it_as_text_in_a_browser(
         raw.write_text(html.replace(escape(HOSTILE), HOSTILE), encoding="utf-8")
         problems = report_problems(browser.look(raw.as_uri()), summary, figures)
         assert any("console.error: xf-align-injected" in p for p in problems), problems
+        # the culprit is on the first screen (the window is 900 px high); pushed below it, it is caught
+        assert summary["diagnosis"][0]["stage"] == "nonfinite" and page["diagnosis"]["first_screen"]
+        buried = tmp_path / "buried.html"
+        buried.write_text(tamper(html, "bury_diagnosis"), encoding="utf-8")
+        problems = report_problems(browser.look(buried.as_uri()), summary, figures)
+        assert any("not on the first screen" in p for p in problems), problems
 
 
 def run_cli(*args):

@@ -39,6 +39,9 @@ LOOK = r"""
   const shown = el => !!el && el.checkVisibility({opacityProperty: true, visibilityProperty: true})
                       && el.getBoundingClientRect().width > 0 && el.getBoundingClientRect().height > 0;
   const banner = document.querySelector('.banner');
+  const verdict = banner && banner.querySelector('.verdict');
+  const scope = banner && banner.querySelector('.scope');
+  const box = document.getElementById('diagnosis');
   const h2 = [...document.querySelectorAll('h2')].find(h => h.textContent.trim() === 'Stages');
   let table = h2 && h2.nextElementSibling;
   const stages = [];
@@ -64,7 +67,11 @@ LOOK = r"""
   };
   return {
     title: document.title,
-    banner: banner ? banner.textContent : null, banner_shown: shown(banner),
+    banner: verdict ? verdict.textContent : null, banner_shown: shown(verdict),
+    scope: scope ? scope.textContent : null,
+    // the first screen: the diagnosis box's text and whether it starts within the window's height
+    diagnosis: box ? {text: box.innerText, shown: shown(box),
+                      first_screen: box.getBoundingClientRect().top < window.innerHeight} : null,
     stages_table: !!table && table.tagName === 'TABLE', stages,
     images: [...document.images].map(i => ({alt: i.alt, complete: i.complete, natural: [i.naturalWidth,
              i.naturalHeight], unpainted: unpainted(i), shown: shown(i)})),
@@ -238,6 +245,14 @@ def report_problems(page: dict[str, Any], summary: dict[str, Any], figures: list
     want = f"Verdict: {summary['verdict'].upper()}"
     if page["banner"] != want or not page["banner_shown"]:
         problems.append(f"verdict banner {page['banner']!r} (shown: {page['banner_shown']}), want {want!r}")
+    if page["scope"] != summary["coverage"]["banner"]:
+        problems.append(f"banner scope {page['scope']!r}, want {summary['coverage']['banner']!r}")
+    roots = [e for e in summary["diagnosis"] if e["consequence_of"] is None]
+    box = page["diagnosis"]
+    if roots and not (box and box["shown"] and box["first_screen"]):
+        problems.append(f"the diagnosis is not on the first screen: {box}")
+    elif roots and not (roots[0]["stage"] in box["text"] and str(roots[0]["component"] or "") in box["text"]):
+        problems.append(f"the diagnosis box does not name {roots[0]['stage']} {roots[0]['component']}: {box}")
     if not page["stages_table"]:
         problems.append("no stages table after the 'Stages' heading")
     rows = {s["name"]: s for s in page["stages"]}
@@ -283,6 +298,9 @@ def tamper(html: str, what: str) -> str:
         return html[:m.start(1)] + data[: len(data) // 2 // 4 * 4] + html[m.end(1):]
     if what == "corrupt_image":                  # the first figure's bytes are not a PNG at all
         return re.sub(r'src="data:image/png;base64,[^"]{8}', 'src="data:image/png;base64,AAAAAAAA', html, count=1)
+    if what == "bury_diagnosis":                 # the culprit pushed below the first screen
+        return html.replace('<div class="box" id="diagnosis"', '<div style="height:3000px"></div><div class="box" '
+                            'id="diagnosis"', 1)
     if what == "console_error":
         return html.replace("</body>", "<script>console.error('tampered')</script></body>")
     if what == "exception":
