@@ -66,11 +66,6 @@ def warm() -> None:
     _curve_axes()
 
 
-def pixel_columns(ax: Any) -> int:
-    """The axes' width in pixels at the figure's DPI: the pixel columns a curve is drawn on."""
-    return max(1, round(ax.get_position().width * ax.get_figure().get_figwidth() * DPI))
-
-
 #: the figure legend's spacing, in font sizes (handletextpad and borderpad are matplotlib's defaults)
 LEGEND = {"handlelength": 1.8, "handletextpad": 0.8, "columnspacing": 1.5, "borderpad": 0.4}
 
