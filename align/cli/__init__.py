@@ -18,7 +18,6 @@ import threading
 import time
 import traceback
 
-from align import _interrupted_while_starting
 from core import interrupts
 from core.errors import BadInput
 
@@ -52,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _started_handler(handler: object) -> bool:
+    """Whether ``handler`` is the one align/__init__.py set while `align` imported (named, not imported: the
+    package's top importing this folder back would be a cycle of folders)."""
+    return (getattr(handler, "__module__", None) == "align"
+            and getattr(handler, "__name__", None) == "_interrupted_while_starting")
+
+
 def main(argv: list[str] | None = None) -> int:
     cli = False
     try:
@@ -59,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         # `align` imported); a library that turns it into another error (pandas: an ImportError) or swallows
         # it does not change the outcome: interrupted, exit 130
         if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is _interrupted_while_starting):
+                and _started_handler(signal.getsignal(signal.SIGINT))):
             interrupts.install()
             cli = True
         args = build_parser().parse_args(argv)
