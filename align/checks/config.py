@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -639,6 +640,10 @@ def replay_shape(data_dir: str, steps: Any = None, rank: Any = None) -> dict[str
     from runstore.seed_layout import npy_header
 
     root = Path(data_dir)
+    placeholder = re.search(r"@[A-Z_]+@", root.name)
+    if placeholder and not root.exists():   # the shipped example YAML, not yet filled in
+        raise BadInput(f"data_dir is the example's placeholder {placeholder.group(0)}: set it to the baseline run "
+                       "store the candidate replays")
     if not root.is_dir():
         raise BadInput(f"{root}: the replayed batch folder does not exist")
     rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
