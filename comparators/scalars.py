@@ -393,6 +393,7 @@ class NullModel:
     repeat_outside: int   # the repeats' own steps outside a band made without them (leave-one-out)
     alpha: float
     beta: float
+    _tail: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def p_bar(self) -> float:
@@ -404,7 +405,9 @@ class NullModel:
 
     def tail(self) -> np.ndarray:
         """P(count >= x) for x = 0..trials independent steps (beta-binomial: the chance is uncertain)."""
-        return stats.betabinom_tail(self.trials, self.alpha, self.beta)
+        if self._tail is None:
+            self._tail = stats.betabinom_tail(self.trials, self.alpha, self.beta)
+        return self._tail
 
     def p_value(self, outside: int, n: int) -> float:
         """The share of clean pairs with at least ``outside`` of ``n`` steps outside the band."""
@@ -436,10 +439,11 @@ def null_model(stack: np.ndarray, sigma: np.ndarray, band: np.ndarray, window_co
     dof = np.maximum(window_counts * reps * (1.0 - rho) / (1.0 + rho), 1.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where(sigma > 0, band / sigma, np.inf)
-    # the t tail per distinct (ratio, dof): a long run has few of them (the band is k x sigma but where the
-    # floor holds it), so 100k steps cost a few hundred tail evaluations
-    key_r = np.round(np.minimum(ratio, 1e3), 3)
-    pairs, inverse = np.unique(np.stack([key_r, np.round(dof, 0)], axis=1), axis=0, return_inverse=True)
+    # the mean t tail over the steps: per distinct (ratio, dof), on at most 2000 evenly spaced steps (where the
+    # floor holds the band the ratio varies from step to step; a mean needs no more)
+    pick = np.linspace(0, n - 1, min(n, 2000)).astype(np.int64) if n else np.zeros(0, dtype=np.int64)
+    key_r = np.round(np.minimum(ratio[pick], 1e3), 2)
+    pairs, inverse = np.unique(np.stack([key_r, np.round(dof[pick], 0)], axis=1), axis=0, return_inverse=True)
     tails = np.array([stats.t_sf2(r, d) if r < 1e3 else 0.0 for r, d in pairs])
     p_model = float(np.mean(tails[np.asarray(inverse).reshape(-1)])) if n else 0.0
     # leave-one-out: each repeat's step against the window's RMS without it
@@ -520,8 +524,7 @@ def _expected_outside(offset: float, sigma: np.ndarray, band: np.ndarray) -> flo
     with np.errstate(invalid="ignore", divide="ignore"):
         hi = (offset - band) / s
         lo = (-offset - band) / s
-    from statistics import NormalDist
-    cdf = np.vectorize(NormalDist().cdf, otypes=[float])
+    cdf = stats.norm_cdf
     q = np.where(np.isfinite(hi), cdf(np.nan_to_num(hi)) + cdf(np.nan_to_num(lo)), (offset > band).astype(float))
     return float(np.sum(q))
 

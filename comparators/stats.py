@@ -33,6 +33,17 @@ def norm_sf(x: float) -> float:
     return 0.5 * math.erfc(x / math.sqrt(2.0))
 
 
+def norm_cdf(x: np.ndarray) -> np.ndarray:
+    """Phi(x) for an array, vectorised (Abramowitz & Stegun 7.1.26 for erf: absolute error below 1.5e-7,
+    enough for expected counts; numpy has no erf)."""
+    x = np.asarray(x, dtype=np.float64)
+    z = np.abs(x) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-z * z)
+    return 0.5 * (1.0 + np.sign(x) * erf)
+
+
 def norm_isf(p: float) -> float:
     """x with P(Z > x) = p."""
     p = min(max(p, 1e-300), 1.0 - 1e-16)
@@ -154,11 +165,13 @@ def multiplicity(n: float, rate: float) -> float:
 
 def betabinom_tail(n: int, alpha: float, beta: float) -> np.ndarray:
     """P(X >= x) for x = 0..n, X ~ BetaBinomial(n, alpha, beta): a count of n trials whose success chance is
-    itself uncertain (Beta(alpha, beta): what a repeat's own count says about it). One pass over the pmf."""
+    itself uncertain (Beta(alpha, beta): what a repeat's own count says about it). The pmf by the ratio of
+    neighbouring terms, vectorised (a 100k-step run: a few ms)."""
     n = max(int(n), 0)
-    lg = math.lgamma
-    base = lg(n + 1) + lg(alpha + beta) - lg(alpha) - lg(beta) - lg(n + alpha + beta)
-    logpmf = np.array([base - lg(x + 1) - lg(n - x + 1) + lg(x + alpha) + lg(n - x + beta) for x in range(n + 1)])
+    x = np.arange(n, dtype=np.float64)
+    log_ratio = np.log(n - x) - np.log(x + 1.0) + np.log(x + alpha) - np.log(n - x - 1.0 + beta)
+    log0 = math.lgamma(n + beta) + math.lgamma(alpha + beta) - math.lgamma(beta) - math.lgamma(n + alpha + beta)
+    logpmf = log0 + np.concatenate([[0.0], np.cumsum(log_ratio)])
     pmf = np.exp(logpmf - logpmf.max())
     pmf /= pmf.sum()
     return np.minimum(np.cumsum(pmf[::-1])[::-1], 1.0)
