@@ -523,11 +523,12 @@ def test_replay_of_a_run_store_gives_the_global_batch_and_says_so(tmp_path: Path
 
 
 def test_replay_of_a_folder_not_here_is_a_check_not_a_fail(tmp_path: Path) -> None:
-    cfg = _docs_replay_yaml(tmp_path / "@STORE@")
-    rows, res = cc.compare_configs({"global_batch_size": 4, "micro_batch_size": 2}, cfg)
-    gbs = {r.key: r for r in rows}["global_batch_size"]
-    assert gbs.status == "check" and "does not exist" in gbs.note
-    assert not [f for f in res.findings if f.verdict == "fail" and "batch" in f.component]
+    for folder, says in ((tmp_path / "not_here", "does not exist"), (tmp_path / "@STORE@", "placeholder @STORE@")):
+        cfg = _docs_replay_yaml(folder)
+        rows, res = cc.compare_configs({"global_batch_size": 4, "micro_batch_size": 2}, cfg)
+        gbs = {r.key: r for r in rows}["global_batch_size"]
+        assert gbs.status == "check" and says in gbs.note, gbs.note
+        assert not [f for f in res.findings if f.verdict == "fail" and "batch" in f.component]
 
 
 def test_padding_formula_is_megatrons() -> None:
