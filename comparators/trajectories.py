@@ -458,9 +458,21 @@ def _first_sustained(outside: np.ndarray, sustain: int) -> np.ndarray:
     return np.where(full.any(axis=0), full.argmax(axis=0), -1)
 
 
-def _band(paired: Paired, repeats: list[np.ndarray], cols: np.ndarray, opt: TrajectoryOptions
-          ) -> dict[str, np.ndarray]:
-    """Delta, band, outside and |delta| / band of the units ``cols`` at every step (float64)."""
+def _window_sum(a: np.ndarray, window: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per row (``rows``, default all), the sum of the rows of a centred window of ``window`` rows (cut at the
+    ends), per column: what pandas' rolling(window, center=True, min_periods=1).sum() gives, by cumulative sums."""
+    n = a.shape[0]
+    cs = np.vstack([np.zeros((1,) + a.shape[1:]), np.cumsum(a, axis=0)])
+    i = np.arange(n) if rows is None else rows
+    lo = np.clip(i - window // 2, 0, n)
+    hi = np.clip(i - window // 2 + window, 0, n)
+    return cs[hi] - cs[lo]
+
+
+def _band(paired: Paired, repeats: list[np.ndarray], cols: np.ndarray, opt: TrajectoryOptions,
+          null: bool = True) -> dict[str, Any]:
+    """Delta, band, outside and |delta| / band of the units ``cols`` at every step (float64); ``null``: also
+    what a clean run does against such a band (:func:`_null_counts`)."""
     b = paired.baseline[:, cols].astype(np.float64)
     delta = paired.candidate[:, cols] - b
     total = np.zeros(b.shape)
@@ -485,37 +497,56 @@ def _band(paired: Paired, repeats: list[np.ndarray], cols: np.ndarray, opt: Traj
         outside = compared & (~np.isfinite(delta) | (np.abs(delta) > band))
         ratio = np.abs(delta) / band
     ratio = np.where(compared, np.where(np.isnan(ratio), np.inf, ratio), 0.0)
-    # what a clean run does against such a band: each repeat's own steps against the band its window makes
-    # without them (leave-one-out), and how slowly its deltas wander (lag-1 autocorrelation, standardized)
-    win = pd.DataFrame(total).rolling(opt.band_window, center=True, min_periods=1)
-    wsum = win.sum().to_numpy()
-    wcount = pd.DataFrame(count.astype(np.float64)).rolling(opt.band_window, center=True,
-                                                             min_periods=1).sum().to_numpy()
+    out = {"b": b, "delta": delta, "band": band, "outside": outside, "ratio": ratio, "compared": compared,
+           "judged": judged, "at_floor": compared & (spread <= floor)}
+    if null:
+        out.update(_null_counts(b, repeats, cols, total, count, np.sqrt(np.nan_to_num(rolled, nan=0.0)),
+                                floor, opt))
+    return out
+
+
+NULL_ROWS = 4096    # steps (pairs of neighbouring steps) the null's counts are taken on, evenly spaced
+
+
+def _null_counts(b: np.ndarray, repeats: list[np.ndarray], cols: np.ndarray, total: np.ndarray,
+                 count: np.ndarray, sigma: np.ndarray, floor: np.ndarray, opt: TrajectoryOptions
+                 ) -> dict[str, Any]:
+    """What a clean run does against such a band: each repeat's own steps against the band its window makes
+    without them (leave-one-out), and how slowly its deltas wander (lag-1 autocorrelation of the deltas over
+    sigma), on at most NULL_ROWS evenly spaced steps and their next steps (fewer steps: a less certain count,
+    never a smaller one claimed)."""
+    n = b.shape[0]
+    t = np.unique(np.linspace(0, max(n - 2, 0), min(max(n - 1, 1), NULL_ROWS)).astype(np.int64))
+    rows = np.concatenate([t, t + 1]) if n > 1 else np.zeros(1, dtype=np.int64)
+    wsum = _window_sum(total, opt.band_window, rows)
+    wcount = _window_sum(count.astype(np.float64), opt.band_window, rows)
+    sig = sigma[rows]
     loo_out = np.zeros(len(cols))
     loo_n = np.zeros(len(cols))
     rho_sum, rho_n = 0.0, 0
-    sigma = np.sqrt(np.nan_to_num(rolled, nan=0.0))
     for r in repeats:
-        d = r[:, cols] - b
+        d = r[np.ix_(rows, cols)] - b[rows]
         d2 = np.square(d)
         ok = np.isfinite(d2)
         with np.errstate(invalid="ignore", divide="ignore"):
             loo = np.sqrt(np.maximum(wsum - np.where(ok, d2, 0.0), 0.0) / np.maximum(wcount - 1.0, 1.0))
-            z = np.where(ok & (sigma > 0), d / np.where(sigma > 0, sigma, 1.0), np.nan)
-        lb = np.maximum(opt.band_k * loo, floor)
-        loo_out += (ok & (np.abs(np.nan_to_num(d)) > lb)).sum(axis=0)
-        loo_n += ok.sum(axis=0)
+            z = np.where(ok & (sig > 0), d / np.where(sig > 0, sig, 1.0), np.nan)
+        first = slice(0, len(t))             # each step counted once: the first half of ``rows``
+        lb = np.maximum(opt.band_k * loo[first], floor[rows][first])
+        loo_out += (ok[first] & (np.abs(np.nan_to_num(d[first])) > lb)).sum(axis=0)
+        loo_n += ok[first].sum(axis=0)
+        if n < 3:
+            continue
         with np.errstate(invalid="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)        # a column with no value: NaN, skipped
             zc = np.nan_to_num(z - np.nanmean(z, axis=0))
-        den = np.sum(zc * zc, axis=0)
-        num = np.sum(zc[:-1] * zc[1:], axis=0) if len(zc) > 1 else np.zeros(len(cols))
+        a, nxt = zc[:len(t)], zc[len(t):]
+        den = np.sum(a * a, axis=0)
+        num = np.sum(a * nxt, axis=0)
         good = den > 0
         rho_sum += float(np.sum(np.clip(num[good] / den[good], 0.0, stats.RHO_MAX)))
         rho_n += int(good.sum())
-    return {"b": b, "delta": delta, "band": band, "outside": outside, "ratio": ratio, "compared": compared,
-            "judged": judged, "at_floor": compared & (spread <= floor), "loo_outside": loo_out, "loo_steps": loo_n,
-            "rho_sum": rho_sum, "rho_n": rho_n}
+    return {"loo_outside": loo_out, "loo_steps": loo_n, "rho_sum": rho_sum, "rho_n": rho_n}
 
 
 def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kind: str = "local_norm"
@@ -555,8 +586,10 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         loo_out += float(g["loo_outside"].sum())
         loo_n += float(g["loo_steps"].sum())
         rho_sum, rho_n = rho_sum + g["rho_sum"], rho_n + g["rho_n"]
+        rows = np.linspace(0, n_steps - 1, min(n_steps, 512)).astype(np.int64)   # a median needs no more
         with np.errstate(invalid="ignore", divide="ignore"):
-            rb = np.where(g["compared"] & (np.abs(g["b"]) > 0), g["band"] / np.abs(g["b"]), np.nan)
+            rb = np.where(g["compared"][rows] & (np.abs(g["b"][rows]) > 0), g["band"][rows] / np.abs(g["b"][rows]),
+                          np.nan)
         if rb.size and np.isfinite(rb).any():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -675,7 +708,7 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
                         f"judged (e.g. {', '.join(not_judged[:3])})"))
     shown = np.array(ranked[:opt.shown], dtype=np.int64)
     if len(shown):
-        g = _band(paired, repeats, shown, opt)
+        g = _band(paired, repeats, shown, opt, null=False)
         with np.errstate(invalid="ignore", divide="ignore"):
             scale_b = np.where(np.abs(g["b"]) > 0, np.abs(g["b"]), np.nan)
             res.curves = [{"name": names[j], "steps": steps, "rel_delta": g["delta"][:, k] / scale_b[:, k],
