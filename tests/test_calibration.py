@@ -195,3 +195,28 @@ def test_every_floor_or_band_judged_stage_states_its_power() -> None:
     for name, st in res.items():
         power = st.details.get("power")
         assert isinstance(power, dict) and isinstance(power["detectable"], float) and power["text"], name
+
+
+def test_the_calibration_benchmark_tables_clean_alarms_and_faults() -> None:
+    """benchmarks/calibration.py's table from kept pair records (no run): per stage clean fails / warns over
+    the pairs that judged it, per fault the stage it must fail and whether its component was named."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from calibration import table
+
+    clean = [{"kind": "dense", "seed": s, "fault": None, "verdict": v, "findings": [],
+              "stages": {"long_run": v, "lr0_run": "pass", "aux_losses": "skipped"}}
+             for s, v in ((1, "pass"), (2, "warn"), (3, "pass"))]
+    fault = {"kind": "dense", "seed": 1, "fault": "log_softmax_bf16", "verdict": "fail",
+             "stages": {"lr0_run": "fail"},
+             "findings": [{"stage": "lr0_run", "verdict": "fail", "component": "loss", "value": 4e-4,
+                           "threshold": 2e-5, "message": "..."}]}
+    t = table([*clean, fault, {"kind": "moe", "seed": 7, "fault": None, "error": "RuntimeError: x"}])
+    assert t["clean_pairs"] == {"dense": 3}
+    assert t["stages"]["long_run"]["dense"] == {"pairs": 3, "fail": 0, "warn": 1, "skipped": 0}
+    assert t["stages"]["aux_losses"]["all"]["skipped"] == 3
+    (f,) = t["faults"]
+    assert (f["stage"], f["result"], f["named"]) == ("lr0_run", "fail", True) and f["ratio"] == pytest.approx(20)
+    assert t["errors"][0]["kind"] == "moe"
