@@ -8,6 +8,7 @@ the link points); inside the output folder, a symlinked sub-folder is refused ra
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -95,3 +96,13 @@ def write_text_output(path: str | os.PathLike, text: str) -> None:
         p.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise BadInput(f"{p}: cannot write ({exc.strerror or exc.__class__.__name__})") from None
+
+
+def temp_beside(out: Path) -> Path:
+    """A fresh temporary folder beside ``out`` (the same file system, so a rename moves what it holds into
+    place); BadInput when the folder cannot be made there."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise BadInput(f"{out}: cannot write there ({exc.strerror or exc.__class__.__name__})") from None

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from core.errors import BadInput
 from core.findings import StageResult, worst
 from core.interrupts import committing
-from core.outputs import check_no_symlinks, check_out_dir
+from core.outputs import check_no_symlinks, check_out_dir, temp_beside
 from reports import html
 from reports.render import Figure, render
 
@@ -106,11 +104,7 @@ def write_report(inp: ReportInput, out: str | Path) -> dict[str, Any]:
     """Write the report into ``out``; an ``out`` that is a file or a dangling symlink, or a symlinked folder
     inside it, is refused (BadInput) before anything is written."""
     out = check_out_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as exc:
-        raise BadInput(f"{out}: cannot write there ({exc.strerror or exc.__class__.__name__})") from None
+    tmp = temp_beside(out)
     try:
         data = summary(inp)
         figdir = tmp / "figures"

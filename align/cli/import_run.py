@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,12 +42,9 @@ def _save_atomically(loaded: object, out: Path, save_run: Callable[[object, Path
     """Write the store in a temporary folder beside ``out`` and rename it into place: a Ctrl-C or an error
     half-way leaves no half store (core.interrupts)."""
     from core.interrupts import committing
+    from core.outputs import temp_beside
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as exc:
-        raise BadInput(f"{out}: cannot write there ({exc.strerror or exc.__class__.__name__})") from None
+    tmp = temp_beside(out)
     try:
         umask = os.umask(0)
         os.umask(umask)
