@@ -372,6 +372,9 @@ def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[
                        f"{'high' if mean_delta > 0 else 'low'}"))
     _late_gap(st, key, label, common, delta, band, finite, opt, fail_verdict)
     st.details["power"] = power(st, null, band, b, delta, finite, label, len(rep_deltas), opt)
+    for f in st.findings:       # the report shows what the count could see next to what it saw
+        if f.metric == "outside_band_fraction":
+            f.message += f"; power: {st.details['power']['text']}"
     return table, st
 
 

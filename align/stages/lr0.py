@@ -146,7 +146,8 @@ def run(ev: Evidence) -> StageResult:
                         f"lr=0, {len(steps)} steps: {key} agrees to {worst_rel:.3g} relative at worst (step "
                         f"{worst_step}); judged worst at step {judged_step}: {j.value:.3g}, {j.says()}; {dtype} line "
                         f"passes up to {tol[0]:g}"
-                        + ("" if v == "pass" else ": the forward/backward differs even without updates")))
+                        + (f"; power: {pw['text']}" if v == "pass" else
+                           ": the forward/backward differs even without updates")))
     if powers:
         details["power"] = {"detectable": powers[0][1].get("detectable"),
                             "text": "; ".join(f"{k}: {p['text']}" for k, p in powers),

@@ -131,6 +131,9 @@ def run(ev: Evidence) -> StageResult:
         return skipped(NAME, "; ".join(crowded) + ": lone spikes cannot be told apart from a run that does not "
                        "fit its band (the long run reports it)")
     res.details["power"] = _power(sc.table, judged, sustain)
+    for f in res.findings:
+        if f.verdict == "pass":
+            f.message += f"; power: {res.details['power']['text']}"
     return res
 
 
