@@ -49,7 +49,8 @@ def test_a_forward_departure_is_the_culprit_and_the_loss_it_moves_its_consequenc
         result("lr0_run", ("fail", "loss", "max_rel_loss", 0.02, 1e-3)),
         result("long_run", ("fail", "loss", "outside_band_fraction", 0.9, 0.05)),
         result("grad_norm", ("warn", "grad_norm", "outside_band_fraction", 0.1, 0.05)),
-        result("band", ("warn", "repeat", "silent_repeat", None, None))))
+        result("band", ("warn", "repeat", "silent_repeat", None, None)),
+        result("divergence_data", ("warn", "step 1", "divergence_data", 1, None))))
     assert [e["stage"] for e in got][0] == "layer_tensors"
     assert got[0]["component"] == "decoder.layers.0.self_attention.core_attention"   # the first, not the largest
     assert got[0]["consequence_of"] is None and "isolate" in got[0]["next"]
@@ -58,7 +59,8 @@ def test_a_forward_departure_is_the_culprit_and_the_loss_it_moves_its_consequenc
     assert "decoder.layers.0.self_attention.core_attention" in got[0]["next"]
     assert {e["stage"]: e["consequence_of"] for e in got[1:]} == {
         "step1_loss": "layer_tensors", "step1_local_norm": "layer_tensors", "lr0_run": "layer_tensors",
-        "long_run": "layer_tensors", "grad_norm": "layer_tensors"}   # a warning it explains; the band's is not
+        "long_run": "layer_tensors", "grad_norm": "layer_tensors",   # a warning it explains; the band's is not
+        "divergence_data": "layer_tensors"}
     # within a stage, the largest ratio of one metric names the component (local norms alone)
     alone = diagnose(results(result("step1_local_norm",
                                     ("fail", "a.weight", "local_norm_rel_diff", 0.01, 1e-4),

@@ -24,6 +24,12 @@ ANY_LATER = "*"     # in ``explains``: every stage of a later part of the proced
 GENERIC = (None, "loss", "grad_norm", "learning_rate")   # components that locate nothing in the model
 
 
+def _locates(component: Any) -> bool:
+    """Whether a component names a place in the model (a parameter, a module, a setting), not a scalar or a
+    step ("step 3", "batch step 3")."""
+    return component not in GENERIC and not re.match(r"(batch )?step \d", str(component))
+
+
 def _ratio(f: Finding) -> float:
     """How far past its line a finding is (0 when it does not say): orders findings of one metric."""
     v, t = f.value, f.threshold
@@ -130,7 +136,7 @@ def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None,
     out.sort(key=lambda e: by_name[e["stage"]].order)
     for e in out:   # where a root cause shows in the numbers: its consequences that name a component
         e["seen_at"] = [{k: c[k] for k in ("stage", "component", "message")} for c in out
-                        if c["consequence_of"] == e["stage"] and c["component"] not in GENERIC][:3] \
+                        if c["consequence_of"] == e["stage"] and _locates(c["component"])][:3] \
             if e["consequence_of"] is None else []
     # roots first in the guide's order; then the consequences in the guide's order
     return [e for e in out if e["consequence_of"] is None] + [e for e in out if e["consequence_of"] is not None]
