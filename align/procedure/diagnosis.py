@@ -21,7 +21,7 @@ from core.findings import Finding, StageResult
 _RANK = {"fail": 0, "warn": 1, "pass": 2}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 ANY_LATER = "*"     # in ``explains``: every stage of a later part of the procedure
-GENERIC = (None, "loss", "grad_norm", "learning_rate")   # components that locate nothing in the model
+GENERIC = (None, "loss", "grad_norm")   # components that locate nothing in the model
 
 
 def _locates(component: Any) -> bool:
