@@ -94,6 +94,20 @@ def meta_config(meta: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         return "megatron_args", args
     return None
 
+def silent_against(baseline: Run, rep: Run, dtype: str = "float32") -> str | None:
+    """Why the repeat ``rep`` measures no noise against ``baseline`` (comparators.noise_floor.silent_repeat),
+    or None: judged on the loss and grad norm at every step the two share."""
+    from comparators.noise_floor import silent_repeat
+
+    series = []
+    for key in ("loss", "grad_norm"):
+        b, r = baseline.series(key), rep.series(key)
+        common = b.index.intersection(r.index)
+        if len(common):
+            series.append((key, b.reindex(common).to_numpy(), r.reindex(common).to_numpy()))
+    return silent_repeat(series, dtype)
+
+
 class Evidence:
     """The loaded runs and the helpers stages use to find their evidence."""
 
@@ -172,21 +186,13 @@ class Evidence:
         return ev
 
     def _silent(self, rep: Run) -> str | None:
-        """Why ``rep`` measures no noise (comparators.noise_floor.silent_repeat), or None. Judged on the loss
-        and grad norm at every step it shares with the baseline, at the precision the runs computed in."""
-        from comparators.noise_floor import silent_repeat
-
-        series = []
-        for key in ("loss", "grad_norm"):
-            b, r = self.baseline.series(key), rep.series(key)
-            common = b.index.intersection(r.index)
-            if len(common):
-                series.append((key, b.reindex(common).to_numpy(), r.reindex(common).to_numpy()))
+        """Why ``rep`` measures no noise against the baseline (:func:`silent_against`), or None, at the
+        precision the runs computed in."""
         try:
             dtype = self.dtype[0]
         except BadInput:          # an unreadable config is reported by the stages that read it
             dtype = "float32"
-        return silent_repeat(series, dtype)
+        return silent_against(self.baseline, rep, dtype)
 
     # -- evidence by meaning ------------------------------------------------------------------------------
     def evidence_file(self, run: Run, name: str) -> Path | None:

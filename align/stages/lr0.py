@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from align.stages import LONG_RUN, Figure, FigureContext, Stage
-from align.stages.evidence import Evidence
-from comparators.noise_floor import Floor, judge, missing, rel_diff, silent_repeat, spread
+from align.stages.evidence import Evidence, silent_against
+from comparators.noise_floor import Floor, judge, missing, rel_diff, spread
 from comparators.noise_floor import power as nf_power
 from core.dtypes import EPS
 from core.findings import Finding, StageResult, skipped
@@ -69,26 +69,17 @@ def _per_step(own: dict[int, float], what: str) -> dict[int, Floor]:
     return out
 
 
-def silent_lr0(lr0_baseline: Run, rep: Run) -> str | None:
-    """Why an lr = 0 repeat measures no noise (bit-identical to the lr = 0 baseline), or None."""
-    series = []
-    for key in ("loss", "grad_norm"):
-        b, r = lr0_baseline.series(key), rep.series(key)
-        common = b.index.intersection(r.index)
-        if len(common):
-            series.append((key, b.reindex(common).to_numpy(), r.reindex(common).to_numpy()))
-    return silent_repeat(series)
-
-
-def step_floors(ev: Evidence, lr0_baseline: Run, key: str, steps: list[int]) -> dict[int, Floor]:
+def step_floors(ev: Evidence, lr0_baseline: Run, key: str, steps: list[int], repeats: list[Run]
+                ) -> dict[int, Floor]:
     """The floor of ``key`` at every judged lr = 0 step, measured over those same steps when there is a repeat
-    of the lr = 0 baseline (``--lr0-repeat``): its difference from the lr = 0 baseline step by step, each step's
-    floor at least the RMS over the steps (one draw of the noise can come out small by chance; the steps are
-    judged together). Without one, the long run's repeat at step 1 (the same weights and batch as lr = 0 step 1)
-    is the floor of every step, and the judged steps' number widens the lines (noise_floor.ratios). Its later
-    steps are no floor: after a few Adam updates the repeat's own divergence (measured on the dense demo:
-    1e-6 at step 1, 3e-5 by step 3) would hide a loss computed in bfloat16 (4e-4)."""
-    reps = [r for r in getattr(ev, "lr0_repeats", []) if r.has(key) and not silent_lr0(lr0_baseline, r)]
+    of the lr = 0 baseline (``--lr0-repeat``; ``repeats``: those that measure noise): its difference from the
+    lr = 0 baseline step by step, each step's floor at least the RMS over the steps (one draw of the noise can
+    come out small by chance; the steps are judged together). Without one, the long run's repeat at step 1
+    (the same weights and batch as lr = 0 step 1) is the floor of every step, and the judged steps' number
+    widens the lines (noise_floor.ratios). Its later steps are no floor: after a few Adam updates the repeat's
+    own divergence (measured on the dense demo: 1e-6 at step 1, 3e-5 by step 3) would hide a loss computed in
+    bfloat16 (4e-4)."""
+    reps = [r for r in repeats if r.has(key)]
     if reps:
         lb = lr0_baseline.series(key)
         own: dict[int, float] = {}
@@ -116,10 +107,12 @@ def run(ev: Evidence) -> StageResult:
     details: dict[str, Any] = {"steps": len(common), "dtype": dtype, "dtype_source": source, "rtol": tol}
     if not len(common):
         return skipped("lr0_run", "the lr=0 runs logged no loss at a common step")
-    powers = []
-    for rep in getattr(ev, "lr0_repeats", []):
-        why = silent_lr0(b, rep)
-        if why is not None:
+    powers, measuring = [], []
+    for rep in getattr(ev, "lr0_repeats", []):   # each lr = 0 repeat judged once: used, or named and set aside
+        why = silent_against(b, rep)
+        if why is None:
+            measuring.append(rep)
+        else:
             res.add(Finding("lr0_run", "warn", rep.path, "repeat_measures_no_noise", 0.0, None,
                             f"lr = 0 repeat {rep.label} is not used: {why}; the lr = 0 floors come from the long "
                             "run's repeat (or the dtype line)"))
@@ -128,7 +121,7 @@ def run(ev: Evidence) -> StageResult:
         steps = [int(s) for s in sb.index.intersection(sc.index)]
         if not steps:
             continue
-        floors = step_floors(ev, b, key, steps)
+        floors = step_floors(ev, b, key, steps, measuring)
         # every step is judged against its own floor, all at once: the lines grow with their number
         js = {s: judge(_rel(float(sb[s]), float(sc[s])), floors[s], tol, judged=len(steps)) for s in steps}
         worst_rel, worst_step = max((j.value, s) for s, j in js.items())
