@@ -41,6 +41,11 @@ class Finding:
         return d
 
 
+def severity(verdict: str) -> int:
+    """How bad a verdict is (fail highest): sort findings by ``-severity(f.verdict)`` to put failures first."""
+    return _RANK[verdict]
+
+
 def worst(verdicts: list[str]) -> str:
     """The worst verdict; ``skipped`` only when nothing was compared."""
     if not verdicts:

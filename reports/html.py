@@ -7,7 +7,7 @@ import math
 from html import escape
 from typing import Any
 
-from core.findings import StageResult
+from core.findings import StageResult, severity
 
 COLOURS = {"pass": "#1a7f37", "warn": "#b35900", "fail": "#c62828", "skipped": "#666666"}
 
@@ -168,8 +168,7 @@ def _stage_messages(st: StageResult) -> list[str]:
         if st.details.get("capture"):
             msgs.append(f"to run it: {st.details['capture']}")
         return msgs
-    order = {"fail": 0, "warn": 1, "pass": 2}
-    bad = sorted((f for f in st.findings if f.verdict != "pass"), key=lambda f: order[f.verdict])
+    bad = sorted((f for f in st.findings if f.verdict != "pass"), key=lambda f: -severity(f.verdict))
     return [f.message for f in bad] or [f.message for f in st.findings]
 
 
@@ -232,12 +231,11 @@ def render(verdict: str, runs: list[dict[str, Any]], stages: dict[str, StageResu
     for title, body in extra_sections or []:
         parts.append(f"<h2>{escape(title)}</h2>{body}")
 
-    order = {"fail": 0, "warn": 1, "pass": 2}
     for name, st in stages.items():
         if st.verdict == "skipped":
             continue
         parts.append(f"<h2 id='{escape(anchor(name))}'>{escape(titles.get(name, name))} {badge(st.verdict)}</h2>")
-        rows = sorted(st.findings, key=lambda f: order[f.verdict])
+        rows = sorted(st.findings, key=lambda f: -severity(f.verdict))
         if rows:
             parts.append("<table><tr><th>verdict</th><th>component</th><th>metric</th><th>value</th>"
                          "<th>threshold</th><th>message</th></tr>")

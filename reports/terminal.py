@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-_ORDER = {"fail": 0, "warn": 1, "pass": 2}
+from core.findings import severity
+
 WIDTH = 220   # a message longer than this is cut on the terminal (the report has it whole)
 
 
@@ -18,7 +19,7 @@ def _cut(text: str) -> str:
 
 def _top(data: dict[str, Any], stage: str) -> dict[str, Any] | None:
     found = [f for f in data.get("findings", []) if f["stage"] == stage and f["verdict"] != "pass"]
-    return min(found, key=lambda f: _ORDER[f["verdict"]]) if found else None
+    return max(found, key=lambda f: severity(f["verdict"])) if found else None
 
 
 def _named(e: dict[str, Any]) -> str:

@@ -16,9 +16,8 @@ import re
 from typing import Any
 
 from align.stages import PARTS, Stage, registry
-from core.findings import Finding, StageResult
+from core.findings import Finding, StageResult, severity
 
-_RANK = {"fail": 0, "warn": 1, "pass": 2}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 ANY_LATER = "*"     # in ``explains``: every stage of a later part of the procedure
 GENERIC = (None, "loss", "grad_norm")   # components that locate nothing in the model
@@ -46,11 +45,11 @@ def ranked(stage: Stage, res: StageResult) -> list[Finding]:
     bad = [f for f in res.findings if f.verdict != "pass"]
     if stage.culprit is not None:
         order = {id(f): i for i, f in enumerate(stage.culprit(res))}
-        return sorted(bad, key=lambda f: (_RANK[f.verdict], order.get(id(f), len(order))))
+        return sorted(bad, key=lambda f: (-severity(f.verdict), order.get(id(f), len(order))))
     first_metric: dict[str, int] = {}
     for f in bad:
         first_metric.setdefault(f.metric, len(first_metric))
-    return sorted(bad, key=lambda f: (_RANK[f.verdict], first_metric[f.metric], -_ratio(f)))
+    return sorted(bad, key=lambda f: (-severity(f.verdict), first_metric[f.metric], -_ratio(f)))
 
 
 def _reach(stages: dict[str, Stage]) -> dict[str, set[str]]:
