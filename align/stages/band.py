@@ -11,7 +11,7 @@ from core.findings import Finding, StageResult, skipped
 
 
 def run(ev: Evidence) -> StageResult:
-    silent = getattr(ev, "silent_repeats", [])
+    silent = ev.silent_repeats
     if not ev.repeats and not silent:
         return skipped("band", "no baseline repeat (the long run falls back to a relative tolerance)")
     opt = ev.options.scalar

@@ -108,7 +108,7 @@ def run(ev: Evidence) -> StageResult:
     if not len(common):
         return skipped("lr0_run", "the lr=0 runs logged no loss at a common step")
     powers, measuring = [], []
-    for rep in getattr(ev, "lr0_repeats", []):   # each lr = 0 repeat judged once: used, or named and set aside
+    for rep in ev.lr0_repeats:   # each lr = 0 repeat judged once: used, or named and set aside
         why = silent_against(b, rep)
         if why is None:
             measuring.append(rep)
