@@ -54,12 +54,14 @@ import csv
 import math
 import re
 from dataclasses import dataclass, field
+from io import StringIO
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from core.errors import BadInput
+from runstore.schema import read_text, regular_file
 from sources import Source
 from sources.msprobe import normalise_dtype
 
@@ -132,7 +134,9 @@ def module_name(cells: list[tuple[str, str]]) -> list[str]:
 
 
 def _npy_info(path: Path) -> tuple[list[int], str]:
-    """Shape and dtype from a .npy header; BadInput when the file is shorter than its header promises."""
+    """Shape and dtype from a .npy header; BadInput when the file is shorter than its header promises (or is no
+    regular file: a FIFO would block the open)."""
+    regular_file(path, ".npy file")
     try:
         with open(path, "rb") as fh:
             version = np.lib.format.read_magic(fh)
@@ -140,7 +144,7 @@ def _npy_info(path: Path) -> tuple[list[int], str]:
                                      else np.lib.format.read_array_header_2_0(fh))
             offset = fh.tell()
         size = path.stat().st_size
-    except (OSError, ValueError, SyntaxError) as exc:
+    except (OSError, ValueError, SyntaxError, TypeError) as exc:
         raise BadInput(f"{path}: not a readable .npy ({exc.__class__.__name__})") from None
     want = offset + math.prod(shape) * dtype.itemsize
     if dtype.hasobject or size < want:
@@ -149,9 +153,10 @@ def _npy_info(path: Path) -> tuple[list[int], str]:
 
 
 def _npy_stats(path: Path) -> dict[str, float]:
+    regular_file(path, ".npy file")
     try:
         a = np.load(path, allow_pickle=False).astype(np.float64, copy=False)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError, MemoryError) as exc:
         raise BadInput(f"{path}: not a readable .npy ({exc.__class__.__name__})") from None
     fin = a[np.isfinite(a)]
     return {"max": float(a.max()) if a.size else math.nan, "min": float(a.min()) if a.size else math.nan,
@@ -167,13 +172,29 @@ def _float(v: str, path: Path, line: int, col: str) -> float:
         raise BadInput(f"{path}: line {line}: {col} {v[:30]!r} is not a number (garbled statistic.csv)") from None
 
 
-def read_statistic_csv(path: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
-    """(op name, io, slot) -> statistics of one statistic.csv; a one-line BadInput for a garbled file."""
+def _count(v: str, path: Path, line: int, col: str) -> int:
+    """A count column (NaN / Inf counts, Timestamp): a non-negative integer, as MindSpore writes it."""
+    x = _float(v, path, line, col)
+    if not (math.isfinite(x) and x >= 0 and x == int(x)):
+        raise BadInput(f"{path}: line {line}: {col} {v[:30]!r} is not a count (garbled statistic.csv)")
+    return int(x)
+
+
+_COUNT_COLS = ("nan", "ninf", "pinf")
+
+
+def _csv_rows(path: Path, what: str) -> list[list[str]]:
+    """Rows of a dump's CSV file: a regular file, UTF-8 (a BOM dropped), one-line BadInput otherwise."""
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            rows = list(csv.reader(fh))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        return list(csv.reader(StringIO(read_text(path, what), newline="")))
+    except csv.Error as exc:
         raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
+
+
+def read_statistic_csv(path: Path) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """(op name, io, slot) -> statistics of one statistic.csv; a one-line BadInput for a garbled file (a count
+    that is no count, a negative L2 norm, max below min)."""
+    rows = _csv_rows(path, "statistic.csv")
     if not rows or tuple(c.strip() for c in rows[0][:len(_STAT_HEAD)]) != _STAT_HEAD:
         raise BadInput(f"{path}: header is not MindSpore's statistic.csv ({', '.join(_STAT_HEAD[:3])}, ...)")
     head = [c.strip() for c in rows[0]]
@@ -196,20 +217,22 @@ def read_statistic_csv(path: Path) -> dict[tuple[str, str, int], dict[str, Any]]
             shape = [int(x) for x in shape_txt.split(",") if x.strip()]
         except ValueError:
             raise BadInput(f"{path}: line {n}: Shape {shape_txt[:30]!r} (garbled statistic.csv)") from None
-        st = {k: _float(r[col[c]].strip(), path, n, c) for k, c in _STAT_COLS.items() if c in col}
+        st = {k: (_count if k in _COUNT_COLS else _float)(r[col[c]].strip(), path, n, c)
+              for k, c in _STAT_COLS.items() if c in col}
+        if st.get("norm", 0.0) < 0:
+            raise BadInput(f"{path}: line {n}: L2Norm Value {st['norm']} is negative (garbled statistic.csv)")
+        if st.get("max", math.inf) < st.get("min", -math.inf):
+            raise BadInput(f"{path}: line {n}: Max Value {st['max']} is below Min Value {st['min']} "
+                           f"(garbled statistic.csv)")
         out[(r[col["Op Name"]].strip(), io, int(slot))] = {
             "op_type": r[col["Op Type"]].strip(), "dtype": r[col["Data Type"]].strip(), "shape": shape,
-            "ts": int(_float(r[col["Timestamp"]].strip(), path, n, "Timestamp")), **st}
+            "ts": _count(r[col["Timestamp"]].strip(), path, n, "Timestamp"), **st}
     return out
 
 
 def read_mapping_csv(path: Path) -> dict[str, str]:
     """file name -> original kernel file name of an O2 dump's mapping.csv (a header row, if any, maps nothing)."""
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            rows = list(csv.reader(fh))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
+    rows = _csv_rows(path, "mapping.csv")
     out = {}
     for n, r in enumerate(rows, start=1):
         if not any(c.strip() for c in r):
@@ -230,15 +253,22 @@ def _kernel_file(p: Path, mapping: dict[str, str]) -> tuple[tuple[str, str, int,
     return (parsed, is_npy) if parsed is not None else None
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
 def read_execution_order(path: Path) -> list[str]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{path}: unreadable ({exc.__class__.__name__})") from None
+    """Kernels' full scope names in execution order. A line with a control byte (a NUL) is refused: a damaged
+    name matches no kernel file, which would move that kernel to the end and make it the last of its cells."""
+    lines = read_text(path, "execution order file").splitlines()
+    for n, ln in enumerate(lines, start=1):
+        if m := _CONTROL.search(ln):
+            raise BadInput(f"{path}: line {n}: control byte 0x{ord(m.group()):02x} in a kernel name "
+                           f"(damaged execution order)")
     return [ln.strip() for ln in lines[1:] if ln.strip()]
 
 
 _LAST = 1 << 62
+_SCOPED = ("Default_", "Default--", "Default/")     # forward kernels, which every execution order lists
 
 
 def _position(op: str, kernels: dict[str, Any], order: dict[str, tuple[int, str]]) -> tuple[int, int]:
@@ -290,10 +320,14 @@ class MindSporeDump:
                     t["dtype"] = dtype                # raw (e.g. bf16): statistics only from statistic.csv
             order: dict[str, tuple[int, str]] = {}
             ofile = self.orders.get(rank, folder) / f"ms_execution_order_graph_{graph}.csv"
-            if ofile.is_file():
+            if ofile.exists():
                 for i, full in enumerate(read_execution_order(ofile)):
                     for written in (full.replace("/", "_"), full.replace("/", "--"), full):
                         order.setdefault(written, (i, full))
+                stray = next((op for op in kernels if op not in order and op.startswith(_SCOPED)), None)
+                if stray is not None:
+                    raise BadInput(f"{ofile}: kernel {stray[:120]} of {folder} is not in this execution order "
+                                   f"(damaged, or from another run): its place among the cells is unknown")
             for op in sorted(kernels, key=lambda o, k=kernels, od=order: _position(o, k, od)):
                 out.append((op, order[op][1] if op in order else op, kernels[op]))
         return out
