@@ -25,6 +25,11 @@ from core.errors import BadInput
 SEQ_DIM = {"attention_mask": 2}
 
 
+#: Per-sample arrays a replaying candidate records beside its batch ([rows]): the sample's position in the
+#: baseline step's global batch, and hashes of what it trained on (:func:`sample_hashes`).
+SAMPLE_KEYS = ("sample_index", "sample_hash", "replay_hash")
+
+
 def seq_dim(key: str) -> int:
     return SEQ_DIM.get(key, 1)
 
@@ -92,6 +97,8 @@ def join_group(reader: Any, step: int, members: Sequence[tuple[int, dict[str, An
             continue
         sa = reader.step_arrays(step, rank)
         got = {k.split("/", 1)[1]: v for k, v in sa.data.items() if k.startswith("batch/")}
+        if "input_ids" in got and "tokens" not in got:      # a MindFormers dumper records its column names
+            got["tokens"] = got.pop("input_ids")
         for k in got:
             n = (sa.attrs.get(f"batch/{k}") or {}).get("micro_batches")
             if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0:
@@ -119,6 +126,9 @@ def join_group(reader: Any, step: int, members: Sequence[tuple[int, dict[str, An
                        "the sequence cannot be put back together")
     out: dict[str, np.ndarray] = {}
     for key in parts[0]:
+        if key in SAMPLE_KEYS:      # one entry per sample, not per position: every CP rank holds all of them
+            out[key] = parts[0][key]
+            continue
         if any(key not in parts[r] for r in range(cp)):
             notes.append(f"step {step}: {key} recorded on some context-parallel ranks only; left out")
             continue
@@ -161,3 +171,40 @@ def global_batch(per_dp: Sequence[tuple[dict[str, np.ndarray], int]]) -> dict[st
         pieces = [np.split(np.asarray(b[key]), micro, axis=0) for b, _ in per_dp]
         out[key] = np.concatenate([p[m] for m in range(micro) for p in pieces], axis=0)
     return out
+
+
+def sample_hashes(batch: dict[str, np.ndarray]) -> np.ndarray:
+    """One 63-bit hash per sample (row) of tokens, labels and loss mask, whatever their dtypes (int32 ids and
+    int64 ids, float32 and float64 masks hash alike), so two frameworks' records of one sample compare."""
+    import hashlib
+
+    tokens = batch.get("tokens", batch.get("input_ids"))
+    if tokens is None:
+        raise ValueError("no tokens (or input_ids) to hash")
+    tokens = np.asarray(tokens)
+    rows = tokens.shape[0] if tokens.ndim > 1 else 1
+    parts = [tokens.reshape(rows, -1).astype(np.int64)]
+    for key, dtype in (("labels", np.int64), ("loss_mask", np.float64)):
+        if key in batch:
+            parts.append(np.asarray(batch[key]).reshape(rows, -1).astype(dtype))
+    out = np.empty(rows, np.int64)
+    for i in range(rows):
+        h = hashlib.blake2b(digest_size=8)
+        for part in parts:
+            h.update(np.ascontiguousarray(part[i]).tobytes())
+        out[i] = int.from_bytes(h.digest(), "little") >> 1
+    return out
+
+
+def sampler_positions(global_size: int, dp: int, dp_rank: int, micro: int) -> np.ndarray:
+    """The global batch positions DP rank ``dp_rank`` of ``dp`` trains, in order, when a step's ``global_size``
+    samples are cut as Megatron's sampler cuts them into ``micro`` micro-batches per rank: micro-batch m of
+    rank d holds samples (m x dp + d) x mbs .. + mbs (:func:`global_batch` is its inverse). ValueError when the
+    sizes do not divide."""
+    if dp < 1 or micro < 1 or not 0 <= dp_rank < dp:
+        raise ValueError(f"data-parallel rank {dp_rank} of {dp} with {micro} micro-batches")
+    if global_size % (dp * micro):
+        raise ValueError(f"a global batch of {global_size} samples does not split into {dp} data-parallel ranks x "
+                         f"{micro} micro-batches")
+    mbs = global_size // (dp * micro)
+    return np.concatenate([np.arange((m * dp + dp_rank) * mbs, (m * dp + dp_rank + 1) * mbs) for m in range(micro)])
