@@ -26,8 +26,8 @@ SEQ_DIM = {"attention_mask": 2}
 
 
 #: Per-sample arrays a replaying candidate records beside its batch ([rows]): the sample's position in the
-#: baseline step's global batch, and hashes of what it trained on (:func:`sample_hashes`).
-SAMPLE_KEYS = ("sample_index", "sample_hash", "replay_hash")
+#: baseline step's global batch, the baseline step, and hashes of what it trained on (:func:`sample_hashes`).
+SAMPLE_KEYS = ("sample_index", "sample_step", "sample_hash", "replay_hash")
 
 
 def seq_dim(key: str) -> int:
