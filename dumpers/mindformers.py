@@ -244,6 +244,30 @@ class MindFormersDumperCallback(DumperCallback):
     def on_train_step_begin(self, run_context: Any) -> None:
         if self.dumper is not None:
             super().on_train_step_begin(run_context)
+            self._record_samples(run_context)
+
+    def _record_samples(self, run_context: Any) -> None:
+        """Beside a re-split replay's batch: each row's baseline step and global position and the replay's hash of
+        it as read (dumpers.mindformers_replay.replayed_samples), and this side's hash of the row the network got
+        (``sample_hash``), so the data stage proves every sample arrived once, in order, unchanged."""
+        from dumpers.mindformers_replay import replayed_samples
+        from runstore.batches import sample_hashes
+
+        cb = run_context.original_args()
+        plan = replayed_samples(int(getattr(cb, "cur_step_num", 0) or 0))
+        if plan is None:
+            return
+        extra = dict(plan)
+        elems = getattr(cb, "train_dataset_element", None)
+        if self.batch_columns and elems is not None:
+            got = {k: to_numpy(v) for k, v in zip(self.batch_columns, elems, strict=False)}
+            try:
+                hashes = sample_hashes(got)
+            except ValueError:      # no input_ids column recorded: the plan alone
+                hashes = None
+            if hashes is not None and len(hashes) == len(plan["sample_index"]):
+                extra["sample_hash"] = hashes
+        self.dumper.record_batch(extra)
 
     def on_train_step_end(self, run_context: Any) -> None:
         if self.dumper is not None:

@@ -444,6 +444,146 @@ def _compare_global(baseline: Path, candidate: Path, dps: tuple[int, int], limit
     return res
 
 
+def _replayed_by_sample(path: str | Path) -> bool:
+    """Whether a run store's batches carry a re-split replay's per-sample plan (``batch/sample_index``)."""
+    import runstore
+
+    p = Path(path)
+    if not (p / runstore.STEP_DIR).is_dir():
+        return False
+    reader = runstore.RunReader(p)
+    steps = reader.array_steps()
+    return bool(steps) and reader.has_group(steps[0], "batch/sample_index")
+
+
+def _global_hashes(reader: Any, groups: Any, step: int, cache: dict[int, Any]) -> tuple[np.ndarray, dict] | None:
+    """(per-sample hashes, global batch) of a baseline step in sampler order; None when it has no tokens."""
+    import runstore
+    from runstore.batches import sample_hashes
+
+    if step not in cache:
+        per = [(b, m) for _, b, _, _, m in runstore.dp_batches(reader, step, groups=groups)]
+        whole = runstore.global_batch(per) if per else {}
+        cache.clear()
+        cache[step] = None
+        if "sample_hash" in whole:
+            cache[step] = (np.asarray(whole["sample_hash"]), whole)
+        elif "tokens" in whole:
+            cache[step] = (sample_hashes(whole), whole)
+    return cache[step]
+
+
+def _sample_order(index: np.ndarray, total: int, dp: int, dp_rank: int) -> bool:
+    """Whether one candidate DP rank's rows are, in order, the rows Megatron's sampler gives DP rank ``dp_rank``
+    of ``dp`` for some micro-batch count."""
+    from runstore.batches import sampler_positions
+
+    if total % dp or index.size != total // dp:
+        return False
+    steps = np.flatnonzero(np.diff(index) != 1)
+    mbs = int(steps[0]) + 1 if steps.size else index.size      # the first micro-batch: a run of consecutive samples
+    return (total // dp) % mbs == 0 and np.array_equal(index, sampler_positions(total, dp, dp_rank, total // dp // mbs))
+
+
+def _compare_by_sample(baseline: Path, candidate: Path, limit: int | None) -> StageResult:
+    """A candidate that replayed the baseline re-split by sample (dumpers.mindformers_replay): at each of its
+    steps every sample of the baseline step's global batch must arrive once, in the sampler's order for the
+    candidate's layout, and hash alike on the three records: the baseline's, the replay's as read, the rows the
+    candidate's network got. The first fault is named by step and sample."""
+    import runstore
+    from runstore.batches import sample_hashes
+
+    res = StageResult(STAGE)
+    base, cand = runstore.RunReader(baseline), runstore.RunReader(candidate)
+    bgroups, cgroups = runstore.data_groups(base, base.ranks), runstore.data_groups(cand, cand.ranks)
+    cache: dict[int, Any] = {}
+    compared, samples, fault = 0, 0, None
+    dp = len(cgroups)
+    for step in cand.array_steps():
+        rows = [(d, b) for d, b, _, _, _ in runstore.dp_batches(cand, step, groups=cgroups) if "sample_index" in b]
+        if not rows:
+            continue
+        where = f"step {step}"
+        bsteps = {int(v) for _, b in rows for v in np.asarray(b.get("sample_step", [step])).reshape(-1)}
+        if len(bsteps) != 1:
+            fault = ("sample_step", step, None, f"{where}: the candidate's rows come from baseline steps "
+                                                f"{sorted(bsteps)[:5]}: one training step replayed several")
+            break
+        bstep = bsteps.pop()
+        got = _global_hashes(base, bgroups, bstep, cache) if bstep in base.array_steps() else None
+        if got is None:
+            fault = ("sample_step", step, None, f"{where}: replays baseline step {bstep}, whose batch the baseline "
+                                                "did not record")
+            break
+        want, whole = got
+        total = len(want)
+        seen: dict[int, int] = {}
+        for d, b in rows:
+            index = np.asarray(b["sample_index"]).reshape(-1).astype(np.int64)
+            trained = np.asarray(b["sample_hash"]).reshape(-1) if "sample_hash" in b else (
+                sample_hashes(b) if "tokens" in b else None)
+            read = np.asarray(b["replay_hash"]).reshape(-1) if "replay_hash" in b else None
+            for j, i in enumerate(index.tolist()):
+                if not 0 <= i < total:
+                    fault = ("sample_index", step, i, f"{where}: DP rank {d} row {j} names sample {i} of a global "
+                                                      f"batch of {total} (baseline step {bstep})")
+                elif i in seen:
+                    fault = ("sample_index", step, i, f"{where}: sample {i} of baseline step {bstep} arrived twice "
+                                                      f"(DP ranks {seen[i]} and {d})")
+                elif read is not None and read[j] != want[i]:
+                    fault = ("replay_hash", step, i, f"{where}: sample {i} as the replay read it differs from the "
+                                                     f"baseline's sample {i} of step {bstep} (hash)")
+                elif trained is not None and trained[j] != want[i]:
+                    key = _sample_difference(whole, b, i, j)
+                    fault = (key, step, i, f"{where}: the row DP rank {d} trained as sample {i} differs from the "
+                                           f"baseline's sample {i} of step {bstep} ({key})")
+                if fault is not None:
+                    break
+                seen[i] = d
+            if fault is None and not _sample_order(index, total, dp, d):
+                fault = ("sample_order", step, int(index[0]) if index.size else None,
+                         f"{where}: DP rank {d} of {dp} trained samples {index[:8].tolist()} of baseline step "
+                         f"{bstep}: not the order Megatron's sampler gives that rank")
+            if fault is not None:
+                break
+        if fault is None and len(seen) != total:
+            lost = sorted(set(range(total)) - set(seen))
+            fault = ("sample_index", step, lost[0], f"{where}: sample(s) {lost[:8]} of baseline step {bstep}'s "
+                                                    f"{total} never arrived ({dp} candidate DP rank(s) recorded)")
+        if fault is not None:
+            break
+        compared += 1
+        samples += total
+        if limit is not None and compared >= limit:
+            break
+    res.details = {"steps_compared": compared, "samples_compared": samples, "by_sample": True,
+                   "dp_ranks": [len(bgroups), dp]}
+    if fault is not None:
+        key, step, sample, what = fault
+        res.details.update(first_different_step=step, first_different_sample=sample)
+        res.add(Finding(STAGE, "fail", key, "sample_differs", step, None,
+                        f"{what}; the runs did not train on the same data from this step"))
+    elif compared:
+        res.add(Finding(STAGE, "pass", "batch", "same_samples", samples, None,
+                        f"every one of {samples} samples over {compared} steps arrived once, in the sampler's order, "
+                        f"bit-equal (per-sample hashes of tokens, labels and loss_mask; {len(bgroups)} baseline vs "
+                        f"{dp} candidate DP ranks)"))
+    else:
+        res.add(Finding(STAGE, "warn", "batch", "no_common_batches", 0, None,
+                        "the candidate recorded no replayed sample: same data not shown"))
+    return res
+
+
+def _sample_difference(whole: dict[str, Any], row: dict[str, Any], i: int, j: int) -> str:
+    """Which of tokens / labels / loss_mask makes the candidate's row ``j`` differ from baseline sample ``i``."""
+    for key in BATCH_KEYS:
+        if key in whole and key in row:
+            a, b = np.asarray(whole[key])[i], np.asarray(row[key])[j]
+            if a.shape != b.shape or not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
+                return key
+    return "sample_hash"
+
+
 def compare_batches(baseline: str | Path, candidate: str | Path, *, limit: int | None = None) -> StageResult:
     """Did both runs train on the same data? Step by step, rank by rank, tokens / labels / loss_mask equal.
 
@@ -452,6 +592,8 @@ def compare_batches(baseline: str | Path, candidate: str | Path, *, limit: int |
     a run store is its DP rank (TP / pipeline / CP parts joined); two run stores of different DP sizes
     compare each step's global batch instead."""
     dps = (_dp_ranks(baseline), _dp_ranks(candidate))
+    if dps[0] is not None and dps[1] is not None and _replayed_by_sample(candidate):
+        return _compare_by_sample(Path(baseline), Path(candidate), limit)
     if dps[0] is not None and dps[1] is not None and dps[0] != dps[1]:
         return _compare_global(Path(baseline), Path(candidate), (dps[0], dps[1]), limit)
     res = StageResult(STAGE)
