@@ -168,3 +168,29 @@ def test_each_replay_fault_is_named_by_step_and_sample(fault: str, expect: str, 
     res = compare_batches(base, candidate_store(tmp_path / "cand", [r0, r1]))
     (finding,) = [f for f in res.findings if f.verdict == "fail"]
     assert expect in finding.message and finding.metric == "sample_differs", finding.message
+
+
+@pytest.mark.parametrize("dp, gbs, status", [(2, 4, "match"), (4, 4, "match"), (3, 4, "mismatch")])
+def test_checklist_compares_the_global_batch_of_a_re_split_replay(dp: int, gbs: int, status: str,
+                                                                  tmp_path: Path) -> None:
+    """A DP=1 baseline of 4 samples a step replayed under msrun at another DP: the candidate's global batch is the
+    store's 4 samples (re-split), not 4 per rank x DP; a DP that does not divide them is a mismatch."""
+    import yaml
+
+    from align.checks.config import compare_configs
+    from demo.mindformers_cpu import trainer_config
+    from sources.configs import read_mindformers
+
+    store = write_store(tmp_path / "dp1", global_batches(4), dp=1, micro=1)
+    cfg = trainer_config(str(store), steps=2, output_dir=str(tmp_path / "out"))
+    cfg["use_parallel"] = True
+    cfg["parallel_config"]["data_parallel"] = dp
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    megatron = {"global_batch_size": gbs, "micro_batch_size": 4, "seq_length": SEQ, "data_parallel_size": 1}
+    rows, _ = compare_configs(megatron, read_mindformers(tmp_path / "train.yaml"))
+    row = {r.key: r for r in rows}["global_batch_size"]
+    assert row.status == status, row
+    assert f"global batch of 4 samples (4 per rank x its data parallel 1) re-split by sample over data_parallel {dp}" \
+        in row.note
+    if status == "match":
+        assert row.mindformers == 4

@@ -725,16 +725,32 @@ def _replay_rows(cfg: dict[str, Any], mg: dict[str, Any], mf: dict[str, Any],
     acc = (cfg.get("runner_config") or {}).get("gradient_accumulation_steps", 1) or 1
     split = (pc.get("micro_batch_num", 1) or 1 if (mf.get("pp") or 1) > 1 else 1) * (
         mf.get("micro_batch_interleave_num") or 1)
-    mf["global_batch_size"] = rows * dp * acc
     where = (f"read from the replayed {got['layout']} {data_dir} (step {got['step']}, rank {got['rank']}: "
              f"{rows} x {seq} tokens per step")
     micro = got.get("micro_batches")
     where += f", {micro} Megatron micro-batches" if micro else ""
     where += f"; the store's data parallel {got['dp']})" if got.get("dp") else ")"
-    out = {"global_batch_size": ("", f"MindFormers: {rows} samples per replayed row x data_parallel {dp}"
+    # under msrun (use_parallel) or with data_parallel in its dataset_config, the replay re-splits the store's
+    # global batch (rows x its DP) over this DP by sample (dumpers.mindformers_replay): compare global batches
+    task = (cfg.get("train_dataset_task") or {}).get("dataset_config") or {}
+    dp = task.get("data_parallel") if isinstance(task.get("data_parallel"), int) else dp
+    if (cfg.get("use_parallel") or "data_parallel" in task) and isinstance(got.get("dp"), int) and dp:
+        total = rows * got["dp"]
+        mf["global_batch_size"] = total * acc if total % dp == 0 else NOT_READ
+        out = {"global_batch_size": ("" if total % dp == 0 else "mismatch",
+                                     f"MindFormers: the store's global batch of {total} samples ({rows} per rank x its "
+                                     f"data parallel {got['dp']}) re-split by sample over data_parallel {dp}"
                                      + (f" x {acc} accumulation steps" if acc != 1 else "")
-                                     + f", {where}; one row of {REPLAY} is one whole Megatron step of one rank "
-                                     f"(the YAML's batch_size {mbs} does not batch it)")}
+                                     + ("" if total % dp == 0 else ", which does not divide it")
+                                     + f", {where}; {REPLAY} hands each rank {total // dp if total % dp == 0 else '?'} "
+                                     f"samples a step (the YAML's batch_size {mbs} does not batch them)")}
+        rows = total // dp if total % dp == 0 else rows
+    else:
+        mf["global_batch_size"] = rows * dp * acc
+        out = {"global_batch_size": ("", f"MindFormers: {rows} samples per replayed row x data_parallel {dp}"
+                                         + (f" x {acc} accumulation steps" if acc != 1 else "")
+                                         + f", {where}; one row of {REPLAY} is one whole Megatron step of one rank "
+                                         f"(the YAML's batch_size {mbs} does not batch it)")}
     mf["micro_batch_size"] = rows // split if rows % split == 0 else NOT_READ
     mg_mbs = mg.get("micro_batch_size")
     if isinstance(mg_mbs, int) and mg_mbs != mf["micro_batch_size"]:
