@@ -459,7 +459,7 @@ class MindSporeDumper(StepBookkeeping):
                 self._stacked = stacked_experts(self.net) if self.net is not None else {}
             squares = host_squares(names, arrays, self._stacked) if self._stacked else None
             self._store_norms(names, np.array(norms), [a.size for a in arrays], global_norm, where,
-                              tensors=arrays, squares=squares)
+                              tensors=arrays, squares=squares, given="caller")
         except Exception as exc:  # noqa: BLE001
             self._fail("record_grads", exc)
 
@@ -482,17 +482,21 @@ class MindSporeDumper(StepBookkeeping):
                 numel = [-1] * len(names)
             squares = self._experts.read() if self._experts is not None else None
             self._store_norms(list(names), vals, list(numel), global_norm, where, columns=columns, attrs=attrs,
-                              squares=squares)
+                              squares=squares, given="train_cell")
         except Exception as exc:  # noqa: BLE001
             self._fail("record_local_norms", exc)
 
     def _store_norms(self, names: list[str], norms: np.ndarray, numel: Sequence[int],
                      global_norm: float | None, where: str,
                      tensors: Sequence[np.ndarray] | None = None, columns: Mapping[str, Sequence[int]] | None = None,
-                     attrs: Mapping[str, Any] | None = None, squares: Mapping[str, np.ndarray] | None = None) -> None:
+                     attrs: Mapping[str, Any] | None = None, squares: Mapping[str, np.ndarray] | None = None,
+                     given: str = "caller") -> None:
         self._norms_done = True
         bad = [i for i, v in enumerate(norms) if not np.isfinite(v)]
         self._scalars["nonfinite_grads"] = len(bad)
+        # where the global norm came from: the training cell's own (or the caller's), or computed here from these
+        # same norms (then it checks nothing: comparators.evidence_totals)
+        source = given if global_norm is not None else "local"
         if global_norm is None and not bad:
             global_norm = float(np.sqrt(np.sum(norms * norms)))
         if global_norm is not None:
@@ -527,7 +531,7 @@ class MindSporeDumper(StepBookkeeping):
                 "name": _str_col(names), "norm": np.asarray(norms, dtype=np.float64),
                 "numel": np.asarray(numel, dtype=np.int64), **layout},
                 attrs={"global_norm": float(global_norm) if global_norm is not None else np.nan,
-                       "where": where, **dict(attrs or {})})
+                       "global_norm_source": source, "where": where, **dict(attrs or {})})
 
     def _add_trace(self, kind: str, name: str, module: str, detail: str, tensor: np.ndarray | None,
                    tensor_kind: str) -> None:

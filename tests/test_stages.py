@@ -13,8 +13,8 @@ from align.cli import main
 from align.stages import registry
 from runstore import RunWriter
 
-GUIDE_ORDER = ["input_sanity", "checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm",
-               "rerun_check", "layer_tensors", "isolation", "moe_routing",
+GUIDE_ORDER = ["input_sanity", "checklist", "conversion", "data_checks", "evidence_totals", "step1_loss",
+               "step1_local_norm", "rerun_check", "layer_tensors", "isolation", "moe_routing",
                "step2_loss", "optimizer", "lr0_run", "band", "long_run", "divergence_data", "grad_norm",
                "norm_trajectories", "spikes", "lr_schedule", "aux_losses", "nonfinite", "nan_trace"]
 NAMES = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]

@@ -324,6 +324,25 @@ class Evidence:
         from comparators.rerun import compare_rerun
         return compare_rerun(self.candidate, self.rerun, dtype=self.dtype[0])
 
+    def norm_trajectory(self, role: str) -> Any:
+        """The baseline's or candidate's named gradient norms at every recorded step (comparators.trajectories),
+        read once: the self-check and the trajectory stage both use them. None: the run holds none."""
+        cache = self.__dict__.setdefault("_trajectories", {})
+        if role not in cache:
+            from comparators.trajectories import norm_groups, read_trajectory
+            run = self.baseline if role == "baseline" else self.candidate
+            cache[role] = (read_trajectory(run, "local_norm", jobs=self.options.jobs or os.cpu_count() or 1)
+                           if "local_norm" in norm_groups(run) else None)
+        return cache[role]
+
+    @cached_property
+    def evidence_totals(self) -> dict[str, Any]:
+        """Each side's self-check (comparators.evidence_totals: its named norms recombined against its own global
+        norm), computed once: its stage reports it, the stages resting on named norms heed it."""
+        from comparators.evidence_totals import check_side
+        return {role: check_side(self.baseline if role == "baseline" else self.candidate, role,
+                                 trajectory=self.norm_trajectory(role)) for role in ("baseline", "candidate")}
+
     @cached_property
     def scalars(self) -> ScalarComparison:
         return compare_scalars(self.baseline, self.candidate, self.repeats, self.options.scalar, self.dtype[0])

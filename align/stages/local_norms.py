@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from align.stages import LONG_RUN, Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
+from align.stages.evidence_totals import untrusted
 from comparators.local_norms import compare_local_norms
 from core.findings import StageResult, skipped
 from reports.figures import local_norm_chart
@@ -31,6 +32,9 @@ def run(ev: Evidence) -> StageResult:
     unnamed = [r.label for r in (b, c) if _unnamed(r, step)]
     if unnamed:
         return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (optimizer order)")
+    why = untrusted(ev, step)
+    if why:
+        return skipped("step1_local_norm", why)
     dtype, source = ev.dtype
     res = compare_local_norms(b.store if b.store is not None else b, c.store if c.store is not None else c,
                               ev.mapping, step=step, dtype=dtype,

@@ -9,6 +9,7 @@ from typing import Any
 
 from align.stages import Figure, FigureContext, Stage
 from align.stages.evidence import Evidence
+from align.stages.evidence_totals import untrusted
 from comparators.local_norms import RTOL
 from comparators.trajectories import (
     KINDS,
@@ -46,6 +47,9 @@ def run(ev: Evidence) -> StageResult:
     if not kinds:
         return skipped(NAME, f"the repeat(s) {', '.join(r.label for r in ev.repeats)} hold no named {whats}: "
                               "record them in the repeat too")
+    why = untrusted(ev)
+    if why:
+        return skipped(NAME, why)
     dtype, source = ev.dtype
     rtol = (ev.options.local_norm_rtol or RTOL.get(dtype, RTOL["float32"]))[0]
     sc = ev.options.scalar
@@ -59,7 +63,10 @@ def run(ev: Evidence) -> StageResult:
     for kind in kinds:
         t0 = time.perf_counter()
         jobs = ev.options.jobs or os.cpu_count() or 1      # forked step-file readers, where safe
-        b, c = read_trajectory(ev.baseline, kind, jobs=jobs), read_trajectory(ev.candidate, kind, jobs=jobs)
+        if kind == "local_norm":     # read once for the self-check (evidence_totals) and kept
+            b, c = ev.norm_trajectory("baseline"), ev.norm_trajectory("candidate")
+        else:
+            b, c = read_trajectory(ev.baseline, kind, jobs=jobs), read_trajectory(ev.candidate, kind, jobs=jobs)
         reps = [t for t in (read_trajectory(r, kind, jobs=jobs) for r in repeats[kind]) if t is not None]
         t1 = time.perf_counter()
         if b is None or c is None or not reps:

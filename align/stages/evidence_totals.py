@@ -1,0 +1,92 @@
+"""Evidence that checks itself, before anything is judged: each run's named gradient norms, recombined exactly as
+the comparators recombine them (TP / EP slices, pipeline stages, DP / CP replicas, optimizer parts, experts),
+must give back the run's own global gradient norm at every step (comparators.evidence_totals). Where they do
+not, the recombination is wrong for that run's layout, and the stages that judge named norms say so instead of
+judging the model on them."""
+
+from __future__ import annotations
+
+from align.stages import Stage
+from align.stages.evidence import Evidence
+from comparators.evidence_totals import SideCheck
+from core.findings import Finding, StageResult, skipped
+from reports.html import table
+
+NAME = "evidence_totals"
+#: The stages that judge named norms: they skip judging where a side's self-check failed.
+RESTING = ("step1_local_norm", "norm_trajectories")
+
+
+def _fail_message(chk: SideCheck) -> str:
+    c = chk.failed[0]
+    more = f" (and at {len(chk.failed) - 1} more step(s))" if len(chk.failed) > 1 else ""
+    return (f"the {chk.side}'s named gradient norms, recombined as the comparators recombine them ({c.path}), give "
+            f"{c.recombined:.9g} at step {c.step}{more}, but the {chk.side}'s own global grad norm there is "
+            f"{c.recorded:.9g} ({chk.source}): {c.rel:.3g} relative, beyond float32 summation noise "
+            f"({c.tolerance:.2g}). Layout recorded: {chk.layout}. Likely: " + "; ".join(c.causes)
+            + ". The named norms of this run are not judged (step-1 local norms, norm trajectories)")
+
+
+def run(ev: Evidence) -> StageResult:
+    checks: dict[str, SideCheck] = ev.evidence_totals
+    if all(c.status == "unchecked" for c in checks.values()):
+        return skipped(NAME, "; ".join(f"{role}: {c.why}" for role, c in checks.items()))
+    res = StageResult(NAME)
+    for role, chk in checks.items():
+        if chk.status == "fail":
+            c = chk.failed[0]
+            res.add(Finding(NAME, "fail", role, "named_norms_vs_global_norm", c.rel, c.tolerance, _fail_message(chk)))
+        elif chk.status in ("pass", "bound"):
+            w = chk.worst
+            res.add(Finding(NAME, "pass", role, "named_norms_vs_global_norm", w.rel if w else None,
+                            w.tolerance if w else None,
+                            f"the {role}'s named norms recombine to its own global grad norm at all {len(chk.steps)} "
+                            f"step(s) checked ({chk.steps[0]}-{chk.steps[-1]}; worst {w.rel:.2g} relative at step "
+                            f"{w.step}, line {w.tolerance:.2g}: float32 summation noise); layout {chk.layout}; "
+                            f"total from {chk.source}" + (f" ({chk.why})" if chk.status == "bound" else "")))
+    res.details = {role: c.to_json() for role, c in checks.items()}
+    res.details["unchecked"] = {role: c.why for role, c in checks.items() if c.status == "unchecked"}
+    return res
+
+
+def untrusted(ev: Evidence, step: int | None = None) -> str | None:
+    """Why the named norms may not be judged (at ``step``, or over the whole run when None), or None: a side's
+    self-check failed there. For the stages that rest on named norms."""
+    bad = [c for c in ev.evidence_totals.values() if not c.trusted(step)]
+    if not bad:
+        return None
+    c = bad[0]
+    f = next((x for x in c.failed if step is None or x.step == step), c.failed[0])
+    return (f"not judged: the {c.side}'s named norms do not recombine to its own global grad norm (step {f.step}: "
+            f"{f.recombined:.9g} vs {f.recorded:.9g}; {'; '.join(f.causes[:2])}); see '{STAGE.title}'. A verdict on "
+            "them would be a verdict on the recombination, not on the model")
+
+
+def section(res: StageResult) -> str:
+    rows = []
+    for role in ("baseline", "candidate"):
+        d = res.details.get(role) or {}
+        w = d.get("worst") or {}
+        rows.append({"run": role, "status": d.get("status"), "steps checked": d.get("steps_checked"),
+                     "worst rel diff": w.get("rel_diff"), "line": w.get("tolerance"), "layout": d.get("layout"),
+                     "total from": d.get("source") or d.get("why")})
+    out = table(rows)
+    failed = [{"run": role, **{k: f[k] for k in ("step", "recombined", "recorded", "rel_diff", "path")},
+               "likely": "; ".join(f["causes"])}
+              for role in ("baseline", "candidate") for f in (res.details.get(role) or {}).get("failed", [])]
+    return out + (table(failed) if failed else "")
+
+
+STAGE = Stage(
+    name=NAME, order=35, title="Evidence self-check (named norms against each run's own global norm)",
+    needs="named per-parameter gradient norms and the same run's global grad norm at the same steps (run stores "
+          "from the dumpers hold both; a MindFormers log with TrainingStateMonitor norms and global_norm)",
+    capture="MegatronDumper stores Megatron's optimizer grad norm beside the named norms; MindFormersDumperCallback "
+            "stores the training cell's global_norm; record both with the dumpers on every rank",
+    run=run, section=section, part="inputs", explains=RESTING,
+    why=("The named norms of this run do not add up to the run's own global gradient norm: a rank's table is "
+         "missing, a parameter is counted twice, or an expert is recorded under another index; every named-norm "
+         "comparison would judge the recombination, not the model."),
+    next=("check that every rank of the {component} run wrote its step files (RUN/steps/step_N/rank_R.h5) and the "
+          "dumper's layout columns (tp_partition_dim, tp_rank, dp_shard, dp_rank) against the run's parallel layout "
+          "(docs/layouts.md, 'Evidence self-check')"))
