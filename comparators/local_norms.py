@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
 from comparators import noise_floor as nf
@@ -32,6 +31,7 @@ from core.errors import BadInput
 from core.findings import Finding, StageResult
 from models.mindformers_parallel import ALL_REDUCED, PIPELINE_UNVERIFIED, PRE_ALL_REDUCE, param_stage
 from runstore import check_table, table_columns
+from runstore.h5file import open_h5
 
 STAGE = "step1_local_norm"
 # Relative tolerance of a local norm by compute dtype: (pass up to, warn up to); beyond is a fail.
@@ -57,6 +57,7 @@ class ShardNorm:
     # DP rank's own gradient, tp_rank -> dp_rank -> norm; the all-reduced norm is not known, only bounded
     pre_reduce: dict[int, dict[int, float]] | None = None
     reduce_mean: bool = False       # the all-reduce averages (gradients_mean) rather than sums
+    origin: str = ""                # the table that first gave this parameter's layout (named when another disagrees)
 
     def add(self, tp_rank: int, norm: float, numel: int, dp_shard: int = 0, dp_rank: int = 0,
             dp_size: int = 1, row: int = -1, pre_reduce: bool = False) -> None:
@@ -148,17 +149,45 @@ def _rank_file(reader: Any, step: int, rank: int) -> Path:
     return Path(reader.step_file(step, rank))
 
 
+GRAD_STATES = (ALL_REDUCED, PRE_ALL_REDUCE, PIPELINE_UNVERIFIED)
+
+
 def _read_group(path: Path, group: str) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """One rank's table and its attributes, checked (runstore.check_table: columns, types, norms >= 0, ranks
+    below sizes; table_attrs: the attributes read here)."""
     try:
-        with h5py.File(path, "r") as h5:
+        with open_h5(path) as h5:
             if group not in h5:
                 return None
             g = h5[group]
             cols = table_columns(g)
-            check_table(path, group, cols)
-            return cols, dict(g.attrs)
-    except OSError as exc:
-        raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+            attrs = {k: g.attrs[k] for k in g.attrs}
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"{path}: '{group}' not readable ({' '.join(str(exc).split())[:120]})") from None
+    check_table(path, group, cols)
+    return cols, table_attrs(path, group, attrs)
+
+
+def table_attrs(path: Path | str, group: str, attrs: dict[str, Any]) -> dict[str, Any]:
+    """A local-norm table's attributes as plain values: ``global_norm`` a real number (NaN allowed: evidence),
+    ``grad_state`` one of GRAD_STATES. One-line BadInput naming the file and the attribute otherwise."""
+    out = dict(attrs)
+    if "global_norm" in out:
+        v = out["global_norm"]
+        v = v.item() if isinstance(v, np.generic) or (isinstance(v, np.ndarray) and v.size == 1) else v
+        if isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, int) and abs(v) >= 1 << 1023):
+            raise BadInput(f"{path}: '{group}' attribute 'global_norm': {v!r:.40} is not a number")
+        if float(v) < 0:
+            raise BadInput(f"{path}: '{group}' attribute 'global_norm': {v!r:.40} is negative")
+        out["global_norm"] = float(v)
+    if "grad_state" in out:
+        v = out["grad_state"]
+        v = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+        if not isinstance(v, str) or v not in GRAD_STATES:
+            raise BadInput(f"{path}: '{group}' attribute 'grad_state': {v!r:.40} is not one of "
+                           f"{', '.join(GRAD_STATES)}")
+        out["grad_state"] = v
+    return out
 
 
 def read_local_norms(run: str | os.PathLike | Any, step: int = 1
@@ -195,7 +224,7 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
         info["other_stage_rows"] = info.get("other_stage_rows", 0) + dropped
         add_rank_table(out, cols, {**rinfo, **({"pp_rank": _stage(par, rank)} if "layer_stages" in par else {})},
                        pre_reduce=state == PRE_ALL_REDUCE and int(par.get("dp", 1) or 1) > 1,
-                       reduce_mean=bool(par.get("gradients_mean")))
+                       reduce_mean=bool(par.get("gradients_mean")), source=str(_rank_file(reader, step, rank)))
     if info["tables"] == 0:
         raise BadInput(f"{reader.root}: step {step} has no local_norm table on any rank")
     info["tp"] = max((e.tp_size for e in out.values()), default=1)
@@ -252,11 +281,13 @@ def _own_stage_rows(cols: dict[str, np.ndarray], par: dict[str, Any], rank: int
 
 
 def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo: dict[str, Any],
-                   row0: int = 0, *, pre_reduce: bool = False, reduce_mean: bool = False) -> None:
+                   row0: int = 0, *, pre_reduce: bool = False, reduce_mean: bool = False, source: str = "") -> None:
     """Add one rank's ``local_norm`` table to ``out`` (name -> ShardNorm); row ``i`` is remembered as
     ``row0 + i``. Missing layout columns default to a whole, unsharded gradient on the rank's TP rank.
     ``pre_reduce``: the rows are this DP rank's gradients before the all-reduce (``grad_state``).
-    Experts named locally on an EP rank get their global index (``global_expert_names``)."""
+    Experts named locally on an EP rank get their global index (``global_expert_names``). A parameter whose
+    TP size or partition dim differs from another rank's row of it is a BadInput naming ``source`` (the
+    table's file) and the first table: its shards could not be combined."""
     pp_rank = int(rinfo.get("pp_rank", 0) or 0)
     n = len(cols["name"])
     names = global_expert_names([str(x) for x in cols["name"]], int(rinfo.get("ep_rank", 0) or 0))
@@ -271,7 +302,12 @@ def add_rank_table(out: dict[str, ShardNorm], cols: dict[str, np.ndarray], rinfo
         name = names[i]
         e = out.get(name)
         if e is None:
-            e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set())
+            e = out[name] = ShardNorm(int(pdim[i]), int(tp_size[i]), {}, {}, set(), origin=source)
+        elif e.tp_size != int(tp_size[i]) or e.partition_dim != int(pdim[i]):
+            key, here, there = (("tp_size", int(tp_size[i]), e.tp_size) if e.tp_size != int(tp_size[i]) else
+                                ("tp_partition_dim", int(pdim[i]), e.partition_dim))
+            raise BadInput(f"{source or 'local_norm table'}: key 'local_norm/{key}': {name} has {key} {here} "
+                           f"here, {there} in {e.origin or 'an earlier rank'}'s table")
         e.pp_ranks.add(pp_rank)
         e.reduce_mean = reduce_mean
         e.add(int(tp_rank[i]), float(cols["norm"][i]), int(numel[i]), int(dp_shard[i]), int(dp_rank[i]),

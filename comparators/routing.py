@@ -105,6 +105,20 @@ def statistics(rec: RouterRecord) -> dict[str, float]:
             "topk_prob_mean": float(probs.mean()) if probs.size else float("nan")}
 
 
+def nonfinite(rec: RouterRecord) -> tuple[int, int, str]:
+    """(non-finite logits, non-finite probabilities of chosen experts, where the first is) of one record."""
+    bad_logits = ~np.isfinite(rec.logits)
+    bad_probs = ~np.isfinite(rec.topk_probs) & (rec.topk_index >= 0)
+    where = ""
+    for what, mask, col in (("logits", bad_logits, "expert"), ("topk_probs", bad_probs, "choice")):
+        if mask.any():
+            t, j = np.argwhere(mask)[0]
+            experts = sorted({int(x) for x in np.argwhere(mask)[:, 1]})[:8]
+            where = (f"first: token {int(t)}, {col} {int(j)} in {what}; {col}s {experts}"
+                     if not where else where)
+    return int(bad_logits.sum()), int(bad_probs.sum()), where
+
+
 def _layer_key(module: str) -> tuple[int, str]:
     m = re.search(r"layers\.(\d+)\.", module)
     return (int(m.group(1)) if m else 1 << 30, module)
@@ -141,6 +155,14 @@ def compare_router(base: RouterRecord, cand: RouterRecord, tol: RoutingTolerance
                            f"experts (top-{cand.topk}), the baseline {base.logits.shape[0]} over {base.num_experts} "
                            f"(top-{base.topk}): not the same batch or router"))
         return row, out
+    bad = {"baseline": nonfinite(base), "candidate": nonfinite(cand)}
+    for side, (n_logits, n_probs, where) in bad.items():
+        if n_logits or n_probs:     # evidence holding NaN / Inf is a finding, never a pass
+            row[f"{side}_nonfinite"] = n_logits + n_probs
+            out.append(Finding(STAGE, "fail", name, "router_nonfinite", n_logits + n_probs, 0,
+                               f"{name}: the {side}'s router holds {n_logits} non-finite logits and {n_probs} "
+                               f"non-finite routing probabilities of chosen experts ({where}): NaN or Inf in "
+                               "the gating"))
     e = base.num_experts
     order = np.arange(e) if expert_order is None else np.asarray(expert_order, np.int64)
     if sorted(order.tolist()) != list(range(e)):
@@ -184,13 +206,16 @@ def compare_router(base: RouterRecord, cand: RouterRecord, tol: RoutingTolerance
     stat_rel = {k: abs(sc[k] - sb[k]) / (rms * np.sqrt(bz.size) if k == "norm" else
                                         (1.0 if k in ("entropy", "topk_prob_mean") else rms))
                 for k in ("max", "min", "mean", "norm", "entropy", "topk_prob_mean")}
+    # a NaN compares false against every line: a value that is not finite is an infinite difference
+    rel = rel if np.isfinite(rel) else np.inf
+    stat_rel = {k: float(v) if np.isfinite(v) else np.inf for k, v in stat_rel.items()}
     worst_stat = max(stat_rel, key=lambda k: stat_rel[k])
     row.update({f"baseline_{k}": sb[k] for k in ("max", "min", "mean", "norm", "entropy")})
     row.update({f"candidate_{k}": sc[k] for k in ("max", "min", "mean", "norm", "entropy")})
     row["stats_worst"] = f"{worst_stat} {stat_rel[worst_stat]:.2e}"
     eps = tol.eps
     worst = max(rel, stat_rel[worst_stat])
-    if worst > tol.rel_pass:
+    if worst > tol.rel_pass and not any(n_l or n_p for n_l, n_p, _ in bad.values()):
         verdict = "fail" if worst > tol.rel_fail else "warn"
         what = "logits" if rel >= stat_rel[worst_stat] else f"score statistic {worst_stat}"
         out.append(Finding(STAGE, verdict, name, "logits_rel_l2" if what == "logits" else f"stat_{worst_stat}",

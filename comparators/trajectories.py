@@ -72,14 +72,16 @@ class _Plan:
     starts: np.ndarray      # where each name's rows start in ``rows``
 
 
-def _plan(tables: list[tuple[dict[str, Any], dict[str, np.ndarray]]], where: str, group: str) -> _Plan:
-    """The step-1 comparator's combination (add_rank_table / ShardNorm), worked out on one layout."""
+def _plan(tables: list[tuple[dict[str, Any], dict[str, np.ndarray]]], where: str | list[str], group: str) -> _Plan:
+    """The step-1 comparator's combination (add_rank_table / ShardNorm), worked out on one layout. ``where``:
+    the tables' files (one per table), or one label for all."""
     out: dict[str, ShardNorm] = {}
     row0 = 0
-    for rinfo, cols in tables:
+    for k, (rinfo, cols) in enumerate(tables):
+        path = where[k] if isinstance(where, list) else where
         dec = {k: (np.char.decode(v, "utf-8") if v.dtype.kind == "S" else v) for k, v in cols.items()}
-        check_table(where, group, dec)
-        add_rank_table(out, dec, rinfo, row0)
+        check_table(path, group, dec)
+        add_rank_table(out, dec, rinfo, row0, source=path)
         row0 += len(dec["name"])
     names = list(out)
     per = [sorted(out[n].contributing_rows()) for n in names]
@@ -227,18 +229,23 @@ def _read_store(store: Any, group: str, steps: Iterable[int]) -> Trajectory | No
     read_table = _TableReader(group)
     last: list[tuple[dict[str, Any], dict[str, np.ndarray]]] | None = None
     for step in steps:
-        tables = []
+        tables, paths = [], []
         for rank in store.array_ranks(step):
             files += 1
-            cols = read_table(store.step_file(step, rank))
+            path = store.step_file(step, rank)
+            cols = read_table(path)
             if cols is not None and ("norm" not in cols or len(cols["norm"])):   # no norm: refused by the plan
                 if rank not in infos:
                     infos[rank] = store.rank_info(rank)
                 tables.append((infos[rank], cols))
+                paths.append(str(path))
+                norm = cols.get("norm")
+                if norm is not None and norm.dtype.kind in "fiu" and (norm < 0).any():   # the plan saw other steps'
+                    check_table(path, group, {"norm": norm, **{k: v for k, v in cols.items() if k != "norm"}})
         if not tables:
             continue
         if last is None or not _same_layout(last, tables):
-            blocks.append((_plan(tables, str(store.step_file(step, store.array_ranks(step)[0])), group), [], []))
+            blocks.append((_plan(tables, paths, group), [], []))
             last = tables
         blocks[-1][1].append(step)
         blocks[-1][2].append(np.concatenate([c["norm"] for _, c in tables]))

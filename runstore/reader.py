@@ -20,6 +20,7 @@ if TYPE_CHECKING:   # pandas is imported where tables are built: readers of arra
     import pandas as pd
 
 from core.errors import BadInput
+from runstore.h5file import check_dataset, open_h5
 from runstore.layout import (
     _RANK_H5_RE,
     _RANK_TMP_RE,
@@ -30,7 +31,8 @@ from runstore.layout import (
     SCALAR_DIR,
     STEP_DIR,
 )
-from runstore.schema import load_json, read_bytes
+from runstore.rank_files import check_rank_info, check_sizes_agree
+from runstore.schema import load_json, read_bytes, regular_file
 from runstore.seed_layout import step_number
 from runstore.tables import _dataset_value, check_table, table_columns
 
@@ -69,8 +71,8 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
     data: dict[str, np.ndarray] = {}
     attrs: dict[str, dict[str, Any]] = {}
     try:
-        size = os.path.getsize(path)
-        with h5py.File(path, "r") as h5:
+        size = regular_file(path, "step file").stat().st_size
+        with open_h5(path) as h5:
             open_groups: set[int] = set()
 
             def walk(group: h5py.Group, prefix: str) -> None:
@@ -88,7 +90,7 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
                     if len(key) > 4096:
                         raise BadInput(f"{path}: object names nest beyond 4096 characters (a link loop?)")
                     if isinstance(obj, h5py.Dataset):
-                        _check_dataset(path, key, obj, size)
+                        check_dataset(path, key, obj, size)
                     if isinstance(obj, h5py.Dataset) and obj.dtype.names is not None:   # a table
                         data.update({f"{key}/{k}": v for k, v in table_columns(obj).items()})
                     elif isinstance(obj, h5py.Dataset):
@@ -111,27 +113,6 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
     return data, attrs
 
 
-_MAX_DATASET_BYTES = 1 << 33    # 8 GiB: no per-step array of stats, norms or a batch comes near it
-
-
-def _check_dataset(path: Path, key: str, ds: h5py.Dataset, file_size: int) -> None:
-    """Refuse, before reading, a dataset whose declared size the file cannot hold (a corrupt or crafted
-    header declaring 1e13 elements would otherwise be allocated)."""
-    try:
-        nbytes = int(ds.id.get_type().get_size())
-        for n in ds.shape or ():
-            nbytes *= int(n)
-        stored = int(ds.id.get_storage_size())
-        filters = ds.compression is not None or bool(ds._filters)  # noqa: SLF001 - h5py keeps filters there
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-        raise BadInput(f"{path}: '{key}': unreadable dataset header ({' '.join(str(exc).split())[:80]})") from None
-    if nbytes > _MAX_DATASET_BYTES:
-        raise BadInput(f"{path}: '{key}': declares {nbytes} bytes ({ds.shape}), beyond the "
-                       f"{_MAX_DATASET_BYTES} a step file's array may hold")
-    if not filters and nbytes > 0 and stored < nbytes and nbytes > file_size:
-        raise BadInput(f"{path}: '{key}': declares {nbytes} bytes ({ds.shape}) but the file holds {file_size}")
-
-
 _SIZE = {"type": ["integer", "null"], "minimum": 1}
 #: meta.json's declared shape (docs/run-store.md); other keys are free. Checked when a store is opened.
 META_SCHEMA: dict[str, Any] = {
@@ -147,7 +128,6 @@ META_SCHEMA: dict[str, Any] = {
             "tp": _SIZE, "pp": _SIZE, "dp": _SIZE, "ep": _SIZE, "cp": _SIZE, "world_size": _SIZE}},
     },
 }
-_RANK_SCHEMA: dict[str, Any] = {"type": "object", "properties": {"rank": {"type": "integer", "minimum": 0}}}
 _SCALAR_TYPES = (int, float, str, bool, type(None), list, dict)
 #: Keys whose values are numbers wherever a source writes them (comparators read them as such): a string
 #: ("1e-3", "x") or a JSON true there is refused, never converted.
@@ -228,6 +208,8 @@ class RunReader:
             if meta_path.exists() or meta_path.is_symlink() else {}
         self.incomplete: list[Incomplete] = []
         self._step_files: dict[int, dict[int, Path]] = {}
+        self._rank_info: dict[int, dict[str, Any]] = {}
+        self._first_rank_file: tuple[Path, dict[str, Any]] | None = None
         self._scan_steps()
 
     # -- structure ------------------------------------------------------------------------------------
@@ -240,11 +222,16 @@ class RunReader:
             if not m or not d.is_dir():
                 continue
             step = step_number(d.name, m.group(1), base)
-            for f in d.iterdir():
-                if mm := _RANK_H5_RE.match(f.name):
-                    self._step_files.setdefault(step, {})[step_number(f.name, mm.group(1), d)] = f
-                elif mm := _RANK_TMP_RE.match(f.name):
-                    self.incomplete.append(Incomplete(step, step_number(f.name, mm.group(1), d),
+            with os.scandir(d) as entries:
+                names = [(e.name, e.is_file()) for e in entries]
+            for name, is_file in names:
+                f = d / name
+                if mm := _RANK_H5_RE.match(name):
+                    if not is_file:     # a FIFO would block HDF5, a device never ends: refused, never opened
+                        regular_file(f, "step file")
+                    self._step_files.setdefault(step, {})[step_number(name, mm.group(1), d)] = f
+                elif mm := _RANK_TMP_RE.match(name):
+                    self.incomplete.append(Incomplete(step, step_number(name, mm.group(1), d),
                                                       "step file never finished (run stopped mid-step)"))
 
     @property
@@ -258,8 +245,21 @@ class RunReader:
         return sorted(found)
 
     def rank_info(self, rank: int) -> dict[str, Any]:
-        p = self.root / RANK_DIR / f"rank_{rank:05d}.json"
-        return load_json(p, _RANK_SCHEMA, "rank file") if p.exists() else {"rank": rank}
+        """The rank's coordinates (``ranks/rank_R.json``), checked once (runstore.rank_files): integers, each
+        below its group's size, sizes the same as every other rank file read so far. A copy per call."""
+        info = self._rank_info.get(rank)
+        if info is None:
+            p = self.root / RANK_DIR / f"rank_{rank:05d}.json"
+            if p.exists() or p.is_symlink():
+                info = check_rank_info(load_json(p, what="rank file"), p, rank)
+                if self._first_rank_file is None:
+                    self._first_rank_file = (p, info)
+                else:
+                    check_sizes_agree(self._first_rank_file, (p, info))
+            else:
+                info = {"rank": rank}
+            self._rank_info[rank] = info
+        return dict(info)
 
     def array_steps(self, rank: int | None = None) -> list[int]:
         """Steps whose array file is complete (for ``rank``, or for at least one rank)."""
@@ -306,12 +306,9 @@ class RunReader:
     def has_group(self, step: int, group: str) -> bool:
         """Whether any rank's finished file of ``step`` holds ``group`` (cheap: no data is read)."""
         for path in self._step_files.get(step, {}).values():
-            try:
-                with h5py.File(path, "r") as h5:
-                    if group in h5:
-                        return True
-            except OSError as exc:
-                raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+            with open_h5(path) as h5:
+                if group in h5:
+                    return True
         return False
 
     def step_arrays(self, step: int, rank: int = 0) -> StepArrays:

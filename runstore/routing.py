@@ -32,10 +32,12 @@ import h5py
 import numpy as np
 
 from core.errors import BadInput
+from runstore.h5file import open_h5, read_dataset
 
 ROUTING_GROUP = "routing"
 COUNTS_TABLE = "routing_counts"
 ARRAYS = ("logits", "topk_index", "topk_probs", "tokens_per_expert")
+MAX_EXPERTS = 1 << 20
 
 
 @dataclass
@@ -132,64 +134,122 @@ def put_counts(writer: Any, step: int, counts: dict[str, np.ndarray]) -> None:
 
 
 def read_counts(path: str | Path) -> dict[str, np.ndarray]:
-    """Tokens per expert of every router in one step file (``routing_counts``; empty when absent)."""
+    """Tokens per expert of every router in one step file (``routing_counts``; empty when absent). Experts and
+    tokens are checked (runstore.tables.RANGES) before an array is sized from them."""
     from runstore.tables import check_table, table_columns
 
     path = Path(path)
     try:
-        with h5py.File(path, "r") as h5:
+        with open_h5(path) as h5:
             obj = h5.get(COUNTS_TABLE)
             if obj is None:
                 return {}
             cols = table_columns(obj)
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise BadInput(f"{path}: routing_counts not readable ({' '.join(str(exc).split())[:120]})") from None
     check_table(path, COUNTS_TABLE, cols)
     out: dict[str, np.ndarray] = {}
     for module in dict.fromkeys(cols["module"]):
         sel = cols["module"] == module
         e, t = cols["expert"][sel].astype(np.int64), cols["tokens"][sel].astype(np.int64)
-        if e.size and (e.min() < 0 or e.max() > 1 << 20):
-            raise BadInput(f"{path}: routing_counts of {module}: expert index {int(e.min())}..{int(e.max())}")
         c = np.zeros(int(e.max()) + 1 if e.size else 0, np.int64)
         np.add.at(c, e, t)
         out[str(module)] = c
     return out
 
 
+#: the attributes a router's record may carry, and their types (anything else is kept as it is)
+_ATTR_TYPES: dict[str, tuple[type, ...]] = {"score_function": (str,), "topk": (int,), "batch": (int,),
+                                            "seq": (int,), "calls": (int,), "dtype": (str,)}
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
 def read_routing(path: str | Path) -> dict[str, RouterRecord]:
-    """Every router's record in one step file (empty when it holds none); a malformed group is refused with
-    one line naming the file and the router."""
+    """Every router's record in one step file (empty when it holds none), checked where it enters: ``routing``
+    a group of router groups, each holding the four arrays (each size checked before it is read) with fitting
+    shapes and types, chosen experts within the router's, tokens per expert what the choices count, the
+    attributes of their types. Non-finite logits or probabilities are read as they are: evidence the comparator
+    judges. Anything else is one line naming the file and the router."""
     path = Path(path)
     out: dict[str, RouterRecord] = {}
     try:
-        with h5py.File(path, "r") as h5:
+        with open_h5(path) as h5:
             grp = h5.get(ROUTING_GROUP)
             if grp is None:
                 return out
-            modules: list[str] = []
-            grp.visititems(lambda name, obj: modules.append(name) if isinstance(obj, h5py.Group)
-                           and "logits" in obj else None)
-            for module in modules:
-                g = grp[module]
-                missing = [a for a in ARRAYS if not isinstance(g.get(a), h5py.Dataset)]
-                if missing:
-                    raise BadInput(f"{path}: routing/{module} lacks {', '.join(missing)}")
-                arrs = {a: np.asarray(g[a][()]) for a in ARRAYS}
-                logits, idx, probs = arrs["logits"], arrs["topk_index"], arrs["topk_probs"]
-                if (logits.ndim != 2 or idx.ndim != 2 or probs.shape != idx.shape or idx.shape[0] != logits.shape[0]
-                        or arrs["tokens_per_expert"].shape != (logits.shape[1],) or idx.dtype.kind not in "iu"):
-                    raise BadInput(f"{path}: routing/{module}: shapes do not fit (logits {logits.shape}, topk_index "
-                                   f"{idx.shape}, topk_probs {probs.shape}, tokens_per_expert "
-                                   f"{arrs['tokens_per_expert'].shape})")
-                la = {k: _plain(v) for k, v in g["logits"].attrs.items()}
-                out[module] = RouterRecord(module, logits.astype(np.float32), idx.astype(np.int64),
-                                           probs.astype(np.float32), arrs["tokens_per_expert"].astype(np.int64),
-                                           str(la.pop("dtype", "float32")),
-                                           str(_plain(g["topk_probs"].attrs.get("dtype", "float32"))), la)
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+            if not isinstance(grp, h5py.Group):
+                raise BadInput(f"{path}: '{ROUTING_GROUP}' is a dataset, expected a group of routers "
+                               f"({ROUTING_GROUP}/<router module>/{{{','.join(ARRAYS)}}})")
+            size = path.stat().st_size
+            for module in _router_groups(path, grp):
+                out[module] = _read_router(path, module, grp[module], size)
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise BadInput(f"{path}: routing group not readable ({' '.join(str(exc).split())[:120]})") from None
     return out
+
+
+def _router_groups(path: Path, grp: h5py.Group) -> list[str]:
+    """The router groups under ``routing``: every group that holds a dataset (its arrays are checked next). A
+    dataset directly under ``routing`` (a router stored as one array) is refused."""
+    routers: dict[str, None] = {}
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            parent = name.rpartition("/")[0]
+            if not parent:
+                raise BadInput(f"{path}: '{ROUTING_GROUP}/{name}' is a dataset, expected a router's group holding "
+                               f"{', '.join(ARRAYS)}")
+            routers.setdefault(parent)
+
+    grp.visititems(visit)
+    return list(routers)
+
+
+def _read_router(path: Path, module: str, g: h5py.Group, size: int) -> RouterRecord:
+    where = f"{ROUTING_GROUP}/{module}"
+    missing = [a for a in ARRAYS if not isinstance(g.get(a), h5py.Dataset)]
+    if missing:
+        raise BadInput(f"{path}: {where} lacks {', '.join(missing)}")
+    arrs = {a: read_dataset(path, f"{where}/{a}", g[a], size) for a in ARRAYS}
+    logits, idx, probs, counts = (arrs[a] for a in ARRAYS)
+    for a, kinds in (("logits", "f"), ("topk_probs", "f"), ("topk_index", "iu"), ("tokens_per_expert", "iu")):
+        if arrs[a].dtype.kind not in kinds or arrs[a].dtype.names is not None:
+            raise BadInput(f"{path}: '{where}/{a}': dtype {arrs[a].dtype}, expected "
+                           f"{'a float' if kinds == 'f' else 'an integer'} type")
+    if (logits.ndim != 2 or idx.ndim != 2 or probs.shape != idx.shape or idx.shape[0] != logits.shape[0]
+            or counts.shape != (logits.shape[1],)):
+        raise BadInput(f"{path}: {where}: shapes do not fit (logits {logits.shape}, topk_index "
+                       f"{idx.shape}, topk_probs {probs.shape}, tokens_per_expert {counts.shape})")
+    experts = logits.shape[1]
+    if experts > MAX_EXPERTS or idx.shape[1] > experts:
+        raise BadInput(f"{path}: {where}: top-{idx.shape[1]} of {experts} experts (at most {MAX_EXPERTS}, k at "
+                       "most the experts)")
+    idx = idx.astype(np.int64)
+    bad = (idx < -1) | (idx >= experts)
+    if bad.any():
+        t, k = np.argwhere(bad)[0]
+        raise BadInput(f"{path}: '{where}/topk_index': {int(idx[t, k])} at token {int(t)} is not an expert of "
+                       f"{experts} (or -1, a dropped choice)")
+    counts = counts.astype(np.int64)
+    chosen = np.bincount(idx[idx >= 0].ravel(), minlength=experts)
+    if not np.array_equal(counts, chosen):
+        e = int(np.argmax(counts != chosen))
+        raise BadInput(f"{path}: '{where}/tokens_per_expert': expert {e} holds {int(counts[e])}, its top-k "
+                       f"choices count {int(chosen[e])}")
+    la = {k: _plain(v) for k, v in g["logits"].attrs.items()}
+    pa = {k: _plain(v) for k, v in g["topk_probs"].attrs.items()}
+    for attrs, arr in ((la, "logits"), (pa, "topk_probs")):
+        for k, types in _ATTR_TYPES.items():
+            v = attrs.get(k)
+            if v is not None and (not isinstance(v, types) or isinstance(v, bool)
+                                  or (isinstance(v, int) and not 0 <= v < 1 << 62)):
+                raise BadInput(f"{path}: '{where}/{arr}' attribute '{k}': {v!r:.40} is not "
+                               f"{'text' if types == (str,) else 'a non-negative integer'}")
+    if la.get("score_function", "softmax") not in SCORE_FUNCTIONS:
+        raise BadInput(f"{path}: '{where}/logits' attribute 'score_function': {la['score_function']!r:.40} is not "
+                       f"one of {', '.join(SCORE_FUNCTIONS)}")
+    return RouterRecord(module, logits.astype(np.float32), idx, probs.astype(np.float32), counts,
+                        str(la.pop("dtype", "float32")), str(pa.get("dtype", "float32")), la)
 
 
 def _plain(v: Any) -> Any:

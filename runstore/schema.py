@@ -1,7 +1,7 @@
 """Declared schemas for every structured input, and guarded readers for the files that hold them.
 
 Why our own small checker and not a library: the schemas are a subset of JSON Schema (type, properties,
-required, items, enum, minimum, anyOf, additionalProperties) written as plain dicts next to the code that
+required, items, enum, minimum, maximum, anyOf, additionalProperties) written as plain dicts next to the code that
 reads the data, and the one thing we need beyond "valid or not" is a one-line message naming the file and
 the key (``meta.json: key 'parallel.tp': expected integer, got str '2x'``). No dependency is added for that.
 
@@ -73,6 +73,8 @@ def check(obj: Any, schema: dict[str, Any], where: str = "") -> str | None:
     if isinstance(obj, (int, float)) and not isinstance(obj, bool):
         if "minimum" in schema and not obj >= schema["minimum"]:
             return f"{key}: {_show(obj)} is below the minimum {schema['minimum']}"
+        if "maximum" in schema and not obj <= schema["maximum"]:
+            return f"{key}: {_show(obj)} is above the maximum {schema['maximum']}"
         if schema.get("finite") and isinstance(obj, float) and not math.isfinite(obj):
             return f"{key}: {_show(obj)} is not a finite number"
     if isinstance(obj, dict):

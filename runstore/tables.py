@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 
 from core.errors import BadInput
+from runstore.h5file import check_dataset, file_of
 
 
 def _records(group: str, columns: Mapping[str, Any]) -> np.ndarray:
@@ -59,19 +60,27 @@ def _records(group: str, columns: Mapping[str, Any]) -> np.ndarray:
 def table_columns(obj: h5py.Group | h5py.Dataset) -> dict[str, np.ndarray]:
     """A table's columns, text decoded to str: a compound dataset (one field per column, as ``put_table``
     writes it) or a group of one dataset per column (older stores)."""
+    path = file_of(obj)
     if isinstance(obj, h5py.Dataset):
         if obj.dtype.names is None:
             return {}
+        check_dataset(path, obj.name, obj)
         rec = obj[...]
         return {k: _decode(rec[k]) for k in obj.dtype.names}
-    return {k: _dataset_value(ds) for k, ds in obj.items() if isinstance(ds, h5py.Dataset)}
+    out = {}
+    for k, ds in obj.items():
+        if isinstance(ds, h5py.Dataset):
+            check_dataset(path, ds.name, ds)
+            out[k] = _dataset_value(ds)
+    return out
 
 
 _TEXT, _INT, _NUM = "OSU", "iub", "fiub"
+_LAYOUT = {"numel": _INT, "tp_partition_dim": _INT, "tp_rank": _INT, "tp_size": _INT, "dp_shard": _INT,
+           "dp_rank": _INT, "dp_size": _INT}
 #: Tables in step files (docs/run-store.md): required columns, and the dtype kinds each known column may have.
 TABLE_SCHEMAS: dict[str, dict[str, Any]] = {
-    "local_norm": {"required": ("name", "norm"), "columns": {
-        "name": _TEXT, "norm": _NUM, "numel": _INT, "tp_partition_dim": _INT, "tp_rank": _INT, "tp_size": _INT}},
+    "local_norm": {"required": ("name", "norm"), "columns": {"name": _TEXT, "norm": _NUM, **_LAYOUT}},
     "tensor_stats": {"required": ("order", "module", "kind"), "columns": {
         "order": _INT, "module": _TEXT, "kind": _TEXT, "dtype": _TEXT, "shape": _TEXT, "numel": _INT,
         "max": _NUM, "min": _NUM, "mean": _NUM, "norm": _NUM, "nan": _INT, "inf": _INT, "split": _TEXT}},
@@ -81,10 +90,24 @@ TABLE_SCHEMAS: dict[str, dict[str, Any]] = {
 # per-parameter weight and optimizer-update norms, where a store records them: local_norm's columns
 TABLE_SCHEMAS["param_norm"] = TABLE_SCHEMAS["update_norm"] = TABLE_SCHEMAS["local_norm"]
 
+MAX_GROUP = 1 << 20       # ranks in a parallel group, experts of a router: far above any run, far below memory
+MAX_COUNT = 1 << 62       # element and token counts, a row's order
+#: Ranges a known column's values keep (NaN allowed in a float column: a NaN norm is evidence, judged by the
+#: comparators): (lowest, highest); None: unbounded on that side.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "norm": (0, None), "numel": (-1, MAX_COUNT), "tp_partition_dim": (-1, 64), "tp_rank": (0, MAX_GROUP - 1),
+    "tp_size": (1, MAX_GROUP), "dp_shard": (0, 1), "dp_rank": (0, MAX_GROUP - 1), "dp_size": (1, MAX_GROUP),
+    "order": (0, MAX_COUNT), "nan": (0, MAX_COUNT), "inf": (0, MAX_COUNT), "expert": (0, MAX_GROUP - 1),
+    "tokens": (0, MAX_COUNT),
+}
+#: (coordinate, size): a row's coordinate is below its group's size
+BELOW = (("tp_rank", "tp_size"), ("dp_rank", "dp_size"))
+
 
 def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarray]) -> None:
     """A step file's table against TABLE_SCHEMAS: required columns, one value per row, equal lengths,
-    number columns holding numbers. One-line BadInput naming the file and the column."""
+    number columns holding numbers, each known column within its range (RANGES: norms >= 0, counts >= 0,
+    ranks below their sizes). One-line BadInput naming the file, the column and the first row outside."""
     spec = TABLE_SCHEMAS.get(group)
     if spec is None:
         return
@@ -92,6 +115,7 @@ def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarr
         if req not in cols:
             raise BadInput(f"{path}: table '{group}' has no column '{req}'")
     n = None
+    arrays: dict[str, np.ndarray] = {}
     for k, col in cols.items():
         arr = np.asarray(col)
         if arr.ndim != 1:
@@ -104,6 +128,37 @@ def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarr
             n = len(arr)
         elif len(arr) != n:
             raise BadInput(f"{path}: key '{group}/{k}': {len(arr)} rows, other columns have {n}")
+        if kinds is not None:
+            arrays[k] = arr
+    for k, arr in arrays.items():
+        lo, hi = RANGES.get(k, (None, None))
+        if arr.dtype.kind in "SOU" or not len(arr):
+            continue
+        for bound, bad, word in ((lo, lambda a, b: a < b, "below"), (hi, lambda a, b: a > b, "above")):
+            if bound is None:
+                continue
+            with np.errstate(invalid="ignore"):
+                out = bad(arr, bound)
+            if out.any():
+                raise BadInput(f"{path}: key '{group}/{k}': {_row(arr, cols, out)} is {word} {bound}"
+                               + (" (a norm is never negative)" if k == "norm" else ""))
+    for coord, size in BELOW:
+        if coord in arrays and size in arrays and len(arrays[coord]):
+            bad = arrays[coord] >= arrays[size]
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise BadInput(f"{path}: key '{group}/{coord}': {_row(arrays[coord], cols, bad)} is not below "
+                               f"{size} {arrays[size][i]!s}")
+
+
+def _row(arr: np.ndarray, cols: Mapping[str, np.ndarray], bad: np.ndarray) -> str:
+    """The first offending value, its row and the row's name where the table has one."""
+    i = int(np.argmax(bad))
+    label = next((cols[c][i] for c in ("name", "module") if c in cols), None)
+    if isinstance(label, bytes):
+        label = label.decode("utf-8", "replace")
+    at = f"row {i}" + (f" ({str(label)[:80]})" if label is not None else "")
+    return f"{arr[i].item()!r} at {at}"
 
 
 def _dataset_value(ds: h5py.Dataset) -> Any:
