@@ -6,6 +6,10 @@ baseline's input (``isolated/``: its *own* error against the baseline) and the c
 forward (``candidate/``: own plus *inherited* error). Why both: after a small early drift every later module
 departs in the candidate's own forward, so the first departing module (the layer-tensor stage's answer) may
 only be passing the drift on; the module whose own error departs is where the candidate computes differently.
+With backward evidence (``grad/{baseline,isolated,candidate}/<module>/<what>``, written by
+dumpers.mindspore_backward_isolation) each module's input and weight gradients are judged the same way: the
+candidate's module fed the baseline's inputs and output gradient (own) and its own (inherited); a module whose
+forward passes and whose gradient fails is named by its backward.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from comparators.tensor_metrics import compare_arrays
 from comparators.tensor_pair import tolerance
 from core.dtypes import coarsest
 from core.errors import BadInput
-from core.findings import Finding, StageResult
+from core.findings import Finding, StageResult, severity, worst
 
 STAGE = "isolation"
 
@@ -47,6 +51,9 @@ def read_isolation(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarr
         for group in ("baseline", "isolated"):
             if f"{group}/{m['baseline']}" not in arrays:
                 raise BadInput(f"{path}: {group}/{m['baseline']} is missing")
+            for g in m.get("grads") or []:
+                if f"grad/{group}/{m['baseline']}/{g.get('what')}" not in arrays:
+                    raise BadInput(f"{path}: grad/{group}/{m['baseline']}/{g.get('what')} is missing")
     return meta, arrays
 
 
@@ -84,18 +91,16 @@ def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dt
             inh = compare_arrays(y_b, cand)
             row.update(inherited_rel_l2=inh.rel_l2, inherited_cosine=inh.cosine,
                        inherited_verdict=_verdict(inh.rel_l2, inh.cosine, tol))
+        if m.get("grads"):
+            row.update(_backward_row(name, m["grads"], arrays, tol))
+        row["verdict"] = worst([row["own_verdict"], row.get("bwd_own_verdict", "pass")])
         rows.append(row)
-    failing = [r for r in rows if r["own_verdict"] == "fail"]
+    failing = [r for r in rows if r["verdict"] == "fail"]
     named = [r for r in failing if not any(_inside(o["module"], r["module"]) for o in failing)]
     if not named:
-        named = [r for r in rows if r["own_verdict"] == "warn"][:1]
+        named = [r for r in rows if r["verdict"] == "warn"][:1]
     for r in named:
-        inh = (f", {r['inherited_rel_l2']:.2e} in the candidate's own forward"
-               if "inherited_rel_l2" in r else "")
-        res.add(Finding(STAGE, r["own_verdict"], r["module"], "own_rel_l2", r["own_rel_l2"], r["pass_tol"],
-                        f"{r['module']} computes differently on the baseline's own input: own error (rel L2) "
-                        f"{r['own_rel_l2']:.2e}{inh}, beyond {r['judged_dtype']}'s "
-                        f"{r['pass_tol']:.0e}: the departure starts here"))
+        res.add(_named_finding(r))
     first_inh = next((r for r in rows if r.get("inherited_verdict", "pass") != "pass"), None)
     if not named:
         msg = ("every isolated module computes as the baseline's on the same input (own error within "
@@ -104,6 +109,9 @@ def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dt
             msg += (f"; {first_inh['module']} departs in the candidate's own forward (inherited rel L2 "
                     f"{first_inh['inherited_rel_l2']:.2e}): the difference comes from outside the isolated "
                     "modules (upstream of them: embedding, data, weights they do not hold) or accumulates")
+        if any("bwd_own_rel_l2" in r for r in rows):
+            msg += "; every isolated module's gradients too (input and weight gradients on the baseline's " \
+                   "output gradient)"
         res.add(Finding(STAGE, "pass", None, "own_rel_l2", max(r["own_rel_l2"] for r in rows),
                         rows[0]["pass_tol"], msg))
     elif first_inh is not None and first_inh["module"] != named[0]["module"] and not _inside(
@@ -113,7 +121,56 @@ def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dt
                                f"rel L2 {first_inh['inherited_rel_l2']:.2e}), whose own error is "
                                f"{first_inh['own_rel_l2']:.2e} ({first_inh['own_verdict']}): a drift it passes on, "
                                f"not the culprit")
-    res.details.update({"step": meta.get("step"), "rank": meta.get("rank"), "baseline": meta.get("baseline"),
+    res.details.update({"backward": bool(meta.get("backward")), "mode": meta.get("mode", "pynative"),
+                        "step": meta.get("step"), "rank": meta.get("rank"), "baseline": meta.get("baseline"),
                         "named": [r["module"] for r in named], "per_module": rows,
                         "skipped_modules": meta.get("skipped", [])})
     return res
+
+
+def _backward_row(name: str, grads: list[dict[str, Any]], arrays: dict[str, np.ndarray],
+                  tol: tuple[float, float, float]) -> dict[str, Any]:
+    """A module's gradients judged: each one's own and inherited error; the module's backward verdict and
+    error are its worst gradient's (``bwd_worst``: which)."""
+    per = []
+    for g in grads:
+        what = g["what"]
+        b = arrays[f"grad/baseline/{name}/{what}"]
+        own = compare_arrays(b, arrays[f"grad/isolated/{name}/{what}"])
+        item = {"what": what, "own_rel_l2": own.rel_l2, "own_cosine": own.cosine,
+                "own_verdict": _verdict(own.rel_l2, own.cosine, tol)}
+        cand = arrays.get(f"grad/candidate/{name}/{what}")
+        if cand is not None:
+            inh = compare_arrays(b, cand)
+            item.update(inherited_rel_l2=inh.rel_l2, inherited_verdict=_verdict(inh.rel_l2, inh.cosine, tol))
+        per.append(item)
+    top = max(per, key=lambda i: (severity(i["own_verdict"]), _finite(i["own_rel_l2"])))
+    row = {"bwd_own_rel_l2": top["own_rel_l2"], "bwd_own_verdict": top["own_verdict"], "bwd_worst": top["what"],
+           "per_grad": per}
+    inh = [i for i in per if "inherited_rel_l2" in i]
+    if inh:
+        w = max(inh, key=lambda i: _finite(i["inherited_rel_l2"]))
+        row.update(bwd_inherited_rel_l2=w["inherited_rel_l2"], bwd_inherited_verdict=w["inherited_verdict"])
+    return row
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else math.inf
+
+
+def _named_finding(r: dict[str, Any]) -> Finding:
+    """The finding that names a module: by its forward's own error, else by its backward's."""
+    fwd = r["own_verdict"] == r["verdict"]
+    if fwd:
+        inh = (f", {r['inherited_rel_l2']:.2e} in the candidate's own forward" if "inherited_rel_l2" in r else "")
+        return Finding(STAGE, r["verdict"], r["module"], "own_rel_l2", r["own_rel_l2"], r["pass_tol"],
+                       f"{r['module']} computes differently on the baseline's own input: own error (rel L2) "
+                       f"{r['own_rel_l2']:.2e}{inh}, beyond {r['judged_dtype']}'s {r['pass_tol']:.0e}: the "
+                       "departure starts here")
+    inh = (f", {r['bwd_inherited_rel_l2']:.2e} in the candidate's own backward"
+           if "bwd_inherited_rel_l2" in r else "")
+    return Finding(STAGE, r["verdict"], r["module"], "bwd_own_rel_l2", r["bwd_own_rel_l2"], r["pass_tol"],
+                   f"{r['module']}'s gradient differs on the baseline's own input and output gradient while its "
+                   f"forward computes as the baseline's (own {r['own_rel_l2']:.2e}): {r['bwd_worst']} own error "
+                   f"(rel L2) {r['bwd_own_rel_l2']:.2e}{inh}, beyond {r['judged_dtype']}'s {r['pass_tol']:.0e}: "
+                   "its backward departs here")

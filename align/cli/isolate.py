@@ -2,7 +2,10 @@
 
 Builds the candidate (MindFormers 2.x mcore model from its YAML, in PYNATIVE, with the weights it had at the
 tensor step), runs each chosen module on the baseline's captured input (dumpers.mindspore_isolation) and
-writes RUN/evidence/isolation.npz; `align report ... --isolation RUN` shows each module's own error next to
+writes RUN/evidence/isolation.npz; where the baseline holds a module backward capture
+(dumpers.torch_module_backward), each module is also fed the baseline's output gradient and its input and
+weight gradients are compared (dumpers.mindspore_backward_isolation; ``--graph`` compiles each module).
+`align report ... --isolation RUN` shows each module's own error next to
 its inherited one, and names the module whose own error departs. MindSpore and MindFormers are imported only
 here, inside ``run``.
 """
@@ -38,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "captured layer, attention, MLP, norm and output module the mapping maps)")
     parser.add_argument("--mapping", metavar="PRESET_OR_FILE",
                         help="name mapping preset or YAML file (default: the preset the YAML needs)")
+    parser.add_argument("--graph", action="store_true",
+                        help="backward isolation: run each module's forward and backward compiled (mindspore.jit: "
+                             "GRAPH kernels and autodiff, as a GRAPH-trained candidate) instead of PYNATIVE")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="forward isolation only, even where the baseline holds a module backward capture")
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -55,20 +63,25 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return cfg
 
 
+def _transform_params(cfg: dict[str, Any]) -> Any:
+    from mapping import TransformParams
+
+    mc = (cfg.get("model") or {}).get("model_config") or {}
+    heads = mc.get("num_attention_heads") or mc.get("num_heads")
+    return TransformParams(num_heads=heads, num_query_groups=mc.get("num_key_value_heads") or mc.get("n_kv_heads")
+                           or mc.get("num_query_groups") or heads)
+
+
 def _weights(path: str, net: Any, m: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """CKPT's weights in the candidate's names: as they are, or converted through the mapping when they carry
     the baseline's (Megatron) names."""
     from checkpoints.weights import read_weights
-    from mapping import TransformParams
 
     arrays, _ = read_weights(path)
     names = {p.name for p in net.get_parameters()}
     if len(names & set(arrays)) >= len(names) / 2 and not any(k.startswith("module.") for k in arrays):
         return arrays
-    mc = (cfg.get("model") or {}).get("model_config") or {}
-    heads = mc.get("num_attention_heads") or mc.get("num_heads")
-    groups = mc.get("num_key_value_heads") or mc.get("n_kv_heads") or heads
-    converted, _ = m.convert(arrays, "candidate", TransformParams(num_heads=heads, num_query_groups=groups))
+    converted, _ = m.convert(arrays, "candidate", _transform_params(cfg))
     return converted
 
 
@@ -82,10 +95,19 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.baseline).is_dir():
         raise BadInput(f"{args.baseline}: not a run store folder")
     m = load_mapping(args.mapping or preset_for_config(cfg) or "megatron_core__mindformers_mcore_dense")
+    from dumpers.mindspore_backward_isolation import backward_steps, isolate_with_backward, read_backward
     from dumpers.mindspore_isolation import baseline_modules, isolate_modules
 
+    steps = [] if args.forward_only else backward_steps(args.baseline, args.rank)
+    backward = bool(steps) and (args.step is None or args.step in steps)
+    if args.graph and not backward:
+        raise BadInput(f"{args.baseline}: --graph needs a module backward capture at the step "
+                       "(dumpers.torch_module_backward.ModuleBackwardCapture)")
     try:                                     # the baseline's evidence first: bad input before any model is built
-        baseline_modules(args.baseline, args.step, args.rank)
+        if backward:
+            read_backward(args.baseline, args.step if args.step is not None else steps[0], args.rank)
+        else:
+            baseline_modules(args.baseline, args.step, args.rank)
     except ValueError as exc:
         raise BadInput(" ".join(str(exc).split())) from None
     from demo import mindformers_mcore_cpu as mcc
@@ -96,9 +118,15 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         raise BadInput(f"{args.candidate_ckpt}: does not fit the candidate's model ({exc})") from None
     try:
-        path = isolate_modules(net, args.baseline, args.out, mapping=m, step=args.step, rank=args.rank,
-                               modules=args.modules, dtype=mindformers_attention_dtype(cfg),
-                               weights=str(args.candidate_ckpt))
+        if backward:
+            path = isolate_with_backward(net, args.baseline, args.out, mapping=m, step=args.step, rank=args.rank,
+                                         modules=args.modules, dtype=mindformers_attention_dtype(cfg),
+                                         weights=str(args.candidate_ckpt), params=_transform_params(cfg),
+                                         graph=args.graph)
+        else:
+            path = isolate_modules(net, args.baseline, args.out, mapping=m, step=args.step, rank=args.rank,
+                                   modules=args.modules, dtype=mindformers_attention_dtype(cfg),
+                                   weights=str(args.candidate_ckpt))
     except ValueError as exc:
         raise BadInput(" ".join(str(exc).split())) from None
     print(f"isolation evidence: {path}")

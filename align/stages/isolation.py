@@ -20,6 +20,8 @@ from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE
 
 _COLUMNS = ("module", "candidate", "own_rel_l2", "own_verdict", "inherited_rel_l2", "inherited_verdict",
             "input_rel_l2", "own_cosine", "judged_dtype")
+# with backward evidence: each module's worst gradient (own: on the baseline's inputs and output gradient)
+_BWD_COLUMNS = ("bwd_own_rel_l2", "bwd_own_verdict", "bwd_inherited_rel_l2", "bwd_worst")
 
 
 def _evidence(ev: Evidence) -> Path | None:
@@ -61,7 +63,8 @@ def section(res: StageResult) -> str:
     if not rows:
         return ""
     named = set(res.details.get("named") or [])
-    body = table([{**{k: r.get(k) for k in _COLUMNS}, "named": "<- here" if r["module"] in named else ""}
+    cols = _COLUMNS + (_BWD_COLUMNS if res.details.get("backward") else ())
+    body = table([{**{k: r.get(k) for k in cols}, "named": "<- here" if r["module"] in named else ""}
                   for r in rows])
     note = res.details.get("note")
     return body + (f"<p>{note}</p>" if note else "")
@@ -82,7 +85,9 @@ STAGE = Stage(
           "modules run on those inputs (evidence/isolation.npz)",
     capture="baseline: DumpConfig(tensors='full', tensor_steps=[N], modules=['decoder.layers.?', "
             "'decoder.layers.?.self_attention', 'decoder.layers.?.mlp']); candidate: `align isolate BASELINE "
-            "--candidate-yaml Y --candidate-ckpt CKPT --out RUN`, then --isolation RUN (docs/workflow.md)",
+            "--candidate-yaml Y --candidate-ckpt CKPT --out RUN`, then --isolation RUN (docs/workflow.md); "
+            "backward too: dumpers.torch_module_backward.ModuleBackwardCapture(model, RUN, modules=[...], "
+            "steps=[N]) around the baseline's step N",
     run=run, section=section, figures=figures,
     part="step 1 and 2", explains=("layer_tensors", *AFTER_STEP1),
     why=("Run on the baseline's own input, this module's output still departs: its own computation differs (a "

@@ -1,0 +1,196 @@
+"""Backward isolation (issue 39 item 1): each module fed the baseline's inputs and output gradient, its input
+and weight gradients against the baseline's, own vs inherited.
+
+The comparator on small numpy data first; then the real thing: a Megatron-core baseline (its step-1 module
+backward captured by dumpers.torch_module_backward), the MindFormers 2.x mcore candidate built by `align
+isolate` from its YAML, with the demo's norm_grad fault planted (one RMSNorm whose forward is right and whose
+weight gradient is not): forward isolation passes it, backward isolation names that norm, in PYNATIVE and with
+each module compiled (--graph).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from comparators.isolation import compare_isolation
+
+
+def _noisy(y: np.ndarray, rel: float, seed: int) -> np.ndarray:
+    d = np.random.default_rng(seed).standard_normal(y.shape).astype(np.float32)
+    return y + rel * d * np.linalg.norm(y) / np.linalg.norm(d)
+
+
+def test_a_module_with_a_right_forward_and_a_wrong_gradient_is_named_by_its_backward() -> None:
+    rng = np.random.default_rng(0)
+    arrays, mods = {}, []
+    # bwd own error per module: the layer's worst gradient is its norm's (the norm sits inside it)
+    own_bwd = {"decoder.layers.0": 1e-6, "decoder.layers.1": 0.3, "decoder.layers.1.pre_mlp_layernorm": 0.3}
+    for i, (name, rel) in enumerate(own_bwd.items()):
+        y = rng.standard_normal((8, 2, 16)).astype(np.float32)
+        arrays[f"baseline/{name}"], arrays[f"isolated/{name}"] = y, _noisy(y, 1e-7, i)
+        arrays[f"candidate/{name}"] = _noisy(y, 1e-7, i)
+        grads = []
+        for what, r in (("input:hidden_states", 1e-6), (f"weight:{name}.weight", rel)):
+            g = rng.standard_normal(16).astype(np.float32)
+            arrays[f"grad/baseline/{name}/{what}"] = g
+            arrays[f"grad/isolated/{name}/{what}"] = _noisy(g, r, 10 + i)
+            arrays[f"grad/candidate/{name}/{what}"] = _noisy(g, r, 20 + i)
+            grads.append({"what": what})
+        mods.append({"baseline": name, "candidate": name, "grads": grads})
+    res = compare_isolation({"step": 1, "modules": mods, "backward": True}, arrays)
+    assert res.verdict == "fail" and res.details["named"] == ["decoder.layers.1.pre_mlp_layernorm"]
+    (f,) = [f for f in res.findings if f.verdict == "fail"]
+    assert f.metric == "bwd_own_rel_l2" and "gradient differs" in f.message
+    assert "weight:decoder.layers.1.pre_mlp_layernorm.weight" in f.message
+    rows = {r["module"]: r for r in res.details["per_module"]}
+    assert rows["decoder.layers.1.pre_mlp_layernorm"]["own_verdict"] == "pass"
+    assert rows["decoder.layers.0"]["bwd_own_verdict"] == "pass"
+    assert rows["decoder.layers.1"]["bwd_worst"] == "weight:decoder.layers.1.weight"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real frameworks: Megatron-core baseline with its module backward captured, MindFormers mcore candidate
+# ---------------------------------------------------------------------------------------------------------
+
+MODULES = ["decoder.layers.?", "decoder.layers.?.self_attention", "decoder.layers.?.mlp",
+           "decoder.layers.?.input_layernorm", "decoder.layers.?.pre_mlp_layernorm"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray], object]:
+    """A 2-layer Megatron-core model's step 1 (forward and backward): the batch in the run store, and each
+    layer's, attention's, MLP's and norm's inputs, output gradient and own gradients (the capture)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    from dataclasses import replace
+
+    from demo import megatron_cpu as mg
+    from demo.model import demo_model, megatron_config_kwargs
+    from dumpers.megatron import MegatronDumper
+    from dumpers.torch_dumper import DumpConfig
+    from dumpers.torch_module_backward import ModuleBackwardCapture
+
+    model_spec = replace(demo_model(), num_layers=2)
+    mg.init_megatron_cpu(tp=1)
+    cfg = mg.TinyLlamaConfig(**megatron_config_kwargs(model_spec))
+    model = mg.build_tiny_llama(cfg, seed=11)
+    store = tmp_path_factory.mktemp("isolation_bwd") / "baseline"
+    dumper = MegatronDumper(model, None, DumpConfig(out=store, tensor_steps=[1], local_norms=False))
+    cap = ModuleBackwardCapture(model, store, MODULES, steps=[1])
+    weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    batch = mg.synthetic_batch(1, cfg)
+    dumper.begin_step(1)
+    cap.begin_step(1)
+    dumper.record_batch(batch)
+    loss = mg.forward_loss(model, batch)
+    loss.backward()
+    assert cap.end_step() is not None
+    dumper.end_step(loss=float(loss))
+    dumper.close()
+    cap.close()
+    return store, weights, model_spec
+
+
+def test_capture_replays_each_module_exactly(baseline) -> None:
+    """The baseline's replay reproduces each module's output bit for bit; its input gradient of a layer is the
+    gradient the next layer sent back (no residual added: the layer's own VJP)."""
+    from dumpers.mindspore_backward_isolation import backward_steps, read_backward
+
+    store, _, _ = baseline
+    assert backward_steps(store) == [1]
+    meta, arrays = read_backward(store, 1)
+    mods = {m["module"]: m for m in meta["modules"]}
+    assert set(mods) >= {"decoder.layers.0", "decoder.layers.1.mlp", "decoder.layers.1.pre_mlp_layernorm"}
+    assert all(m["replay_rel_l2"] == 0.0 for m in mods.values())
+    assert [i["key"] for i in mods["decoder.layers.1"]["inputs"]] == ["hidden_states", "attention_mask",
+                                                                     "rotary_pos_emb"]
+    np.testing.assert_array_equal(arrays["grad_input/decoder.layers.1/hidden_states"],
+                                  arrays["grad_output/decoder.layers.0"])
+    assert mods["decoder.layers.1.mlp"]["params"] == ["decoder.layers.1.mlp.linear_fc1.weight",
+                                                      "decoder.layers.1.mlp.linear_fc2.weight"]
+
+
+def _isolate(baseline, tmp_path: Path, fault: bool, *extra: str) -> dict:
+    pytest.importorskip("mindspore")
+    pytest.importorskip("mindformers")
+    import yaml
+
+    import demo.mindformers_mcore_cpu as mc
+    from align.cli import main
+    from checkpoints.mindformers import write_safetensors
+    from demo.model import MCORE_PRESETS
+    from demo.spec import Spec, mindformers_config
+    from mapping import TransformParams
+    from models import load_mapping
+
+    store, weights, model_spec = baseline
+    cfg = mindformers_config(Spec(role="candidate", out=str(tmp_path / "unused"), steps=1, model=model_spec))
+    (tmp_path / "candidate.yaml").write_text(yaml.safe_dump(cfg))
+    conv, _ = load_mapping(MCORE_PRESETS["dense"]).convert(weights, "candidate", TransformParams(
+        num_heads=model_spec.num_attention_heads, num_query_groups=model_spec.num_query_groups))
+    write_safetensors(conv, tmp_path / "step1.safetensors")
+    argv = ["isolate", str(store), "--candidate-yaml", str(tmp_path / "candidate.yaml"), "--candidate-ckpt",
+            str(tmp_path / "step1.safetensors"), "--out", str(tmp_path / "iso"), *extra]
+    build = mc.build_pynative_model
+    if fault:                    # the demo's norm_grad fault, planted in the model `align isolate` builds
+        from demo.backward_fault import plant_norm_grad_fault
+
+        def build_with_fault(c):  # noqa: ANN001, ANN202
+            net = build(c)
+            plant_norm_grad_fault(net)
+            return net
+        mc.build_pynative_model = build_with_fault
+    try:
+        assert main(argv) == 0
+    finally:     # leave the process's MindSpore / MindFormers context as other tests expect it
+        mc.build_pynative_model = build
+        mc.set_mcore_context("graph")
+        mc.reset_mindformers_context()
+    rep = tmp_path / "report"
+    rc = main(["report", "-q", str(store), str(store), "--isolation", str(tmp_path / "iso"), "--out", str(rep)])
+    summary = json.loads((rep / "summary.json").read_text())
+    assert rc == (1 if summary["verdict"] == "fail" else 0)
+    return summary
+
+
+def test_backward_only_fault_is_named_by_its_own_backward_error(baseline, tmp_path: Path) -> None:
+    """norm_grad: layer 1's pre-MLP norm computes its weight gradient without rstd. Its forward's own error
+    passes; its weight gradient's own error fails; the layer around it fails too, and the norm is named."""
+    summary = _isolate(baseline, tmp_path, True)
+    stage = summary["stages"]["isolation"]
+    rows = {r["module"]: r for r in stage["per_module"]}
+    for r in stage["per_module"]:
+        print(f"{r['module']:40s} fwd own {r['own_rel_l2']:.1e} {r['own_verdict']:4s} bwd own "
+              f"{r.get('bwd_own_rel_l2', float('nan')):.1e} {r.get('bwd_own_verdict')} ({r.get('bwd_worst')}) "
+              f"inherited {r.get('bwd_inherited_rel_l2', float('nan')):.1e}")
+    assert stage["verdict"] == "fail" and stage["backward"] is True
+    assert stage["named"] == ["decoder.layers.1.pre_mlp_layernorm"]
+    norm = rows["decoder.layers.1.pre_mlp_layernorm"]
+    assert norm["own_verdict"] == "pass" and norm["bwd_own_verdict"] == "fail"
+    assert norm["bwd_worst"] == "weight:decoder.layers.1.pre_mlp_layernorm.weight"
+    assert rows["decoder.layers.1"]["bwd_own_verdict"] == "fail"
+    # its input gradient is right (the fault is in the weight gradient only)
+    (dx,) = [g for g in norm["per_grad"] if g["what"].startswith("input:")]
+    assert dx["own_verdict"] == "pass"
+    for name in ("decoder.layers.0", "decoder.layers.1.mlp", "decoder.layers.1.self_attention"):
+        assert rows[name]["own_verdict"] == "pass" and rows[name]["bwd_own_verdict"] == "pass", rows[name]
+    (f,) = [f for f in summary["findings"] if f["stage"] == "isolation" and f["verdict"] == "fail"]
+    assert f["metric"] == "bwd_own_rel_l2" and f["component"] == "decoder.layers.1.pre_mlp_layernorm"
+
+
+def test_graph_isolation_of_a_correct_candidate_passes(baseline, tmp_path: Path) -> None:
+    """Each module compiled (--graph): a correct candidate's gradients pass, module by module, and the
+    layer's input gradient and every weight gradient are compared in the baseline's names."""
+    summary = _isolate(baseline, tmp_path, False, "--graph", "--modules", "decoder.layers.1",
+                       "--modules", "decoder.layers.1.mlp")
+    stage = summary["stages"]["isolation"]
+    assert stage["mode"] == "graph" and stage["verdict"] == "pass" and stage["named"] == []
+    rows = {r["module"]: r for r in stage["per_module"]}
+    whats = {g["what"] for g in rows["decoder.layers.1"]["per_grad"]}
+    assert "input:hidden_states" in whats and "weight:decoder.layers.1.mlp.linear_fc1.weight" in whats
+    assert len([w for w in whats if w.startswith("weight:")]) == 8
+    assert rows["decoder.layers.1.mlp"]["bwd_own_rel_l2"] < 1e-5
