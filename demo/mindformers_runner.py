@@ -160,6 +160,10 @@ def build_mcore_net(spec: Spec) -> nn.Cell:
         emb.construct = low_precision
     if injects(spec, "candidate") == "log_softmax_bf16":
         bf16_log_softmax(net.model.loss)
+    if injects(spec, "candidate") == "norm_grad":
+        from demo.backward_fault import plant_norm_grad_fault
+
+        plant_norm_grad_fault(net)
     return net
 
 

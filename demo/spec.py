@@ -141,6 +141,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("log_softmax_bf16", "candidate", "lr0_run", "loss",
           "candidate computes the cross-entropy's log-softmax in bfloat16 (MindFormers computes the loss in "
           "float32): the loss differs under float16's lines, far above the pair's measured noise floor"),
+    Fault("norm_grad", "candidate", "step1_local_norm", "decoder.layers.1.pre_mlp_layernorm",
+          "candidate's layer-1 pre-MLP RMSNorm has a hand-written bprop whose weight gradient forgets rstd "
+          "(demo/backward_fault.py): forward and loss right, that norm's gradient wrong", kinds=("dense",)),
     # moe / mla pairs only (demo --model moe): routing evidence (runstore.routing, stage moe_routing)
     Fault("router_fp16", "candidate", "moe_routing", "mlp.router",
           "candidate computes the MoE router (gating matmul, score function, top-k) in float16 "

@@ -21,7 +21,8 @@ the replay runs the module's own collectives, so every TP rank must call ``end_s
 The file: ``meta`` (JSON: step, rank, per module its inputs by key (the ``forward`` parameter's name), its
 parameters, the output's dtype) and arrays ``input/<module>/<key>``, ``output/<module>``,
 ``grad_output/<module>``, ``grad_input/<module>/<key>`` (floating inputs), ``grad_weight/<module>/<param>``
-(global parameter names). Refused in one line: Megatron's gradient-accumulation fusion (its linear layers
+and ``weight/<module>/<param>`` (global parameter names; the weights as the module computed with them).
+Refused in one line: Megatron's gradient-accumulation fusion (its linear layers
 then add the weight gradient into ``main_grad`` in backward, and a replay would add it twice).
 """
 
@@ -183,9 +184,10 @@ class ModuleBackwardCapture:
             if g is not None:
                 arrays[f"grad_input/{name}/{key}"] = _np(g)
         used = []
-        for (pname, _), g in zip(params, grads[len(leaves):], strict=True):
+        for (pname, p), g in zip(params, grads[len(leaves):], strict=True):
             if g is not None:
                 arrays[f"grad_weight/{name}/{pname}"] = _np(g)
+                arrays[f"weight/{name}/{pname}"] = _np(p)      # what `align repro` hands on with the inputs
                 used.append(pname)
         return {"module": name, "inputs": inputs, "params": used, "dtype": str(out.dtype).replace("torch.", ""),
                 "replay_rel_l2": replay}
