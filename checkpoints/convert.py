@@ -32,7 +32,9 @@ def _torch_state(path: str | Path) -> dict[str, Any]:
     import torch
 
     from checkpoints.megatron import check_zip_crc
+    from runstore.schema import regular_file
 
+    regular_file(path, "torch checkpoint")     # a FIFO would block is_zipfile, a device never ends
     if zipfile.is_zipfile(path):   # torch.load does not check the CRCs torch.save wrote
         check_zip_crc(path, path)
     try:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from core.errors import BadInput
+from runstore.schema import read_bytes, regular_file
 
 LEGACY_FILE = "model_optim_rng.pt"
 _MP_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?(?:_(\d+))?$")
@@ -98,7 +99,7 @@ def _dcp_reader(path: Path, parsed: Any = None) -> Any:
             if parsed is not None:
                 metadata = parsed
             else:
-                data = (path / ".metadata").read_bytes()
+                data = read_bytes(path / ".metadata", "torch_dist metadata file")
                 metadata = _MetadataUnpickler(io.BytesIO(data), path / ".metadata").load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -109,7 +110,7 @@ def _dcp_reader(path: Path, parsed: Any = None) -> Any:
 
 
 def is_torch_dist(path: str | Path) -> bool:
-    return (Path(path) / ".metadata").is_file()
+    return (Path(path) / ".metadata").exists()   # not is_file(): a FIFO / device there is refused when read
 
 
 def _dcp_error_types() -> tuple[type[BaseException], ...]:
@@ -199,8 +200,9 @@ def _check_dcp_items(root: Path, meta: Any, declared: Mapping[str, Any]) -> None
         if getattr(info, "transform_descriptors", None):
             continue                     # stored through a transform (compression): torch checks it
         shard = root / rel
-        if Path(rel).name != rel or not shard.is_file():
+        if Path(rel).name != rel or not shard.exists():
             raise BadInput(f"{shard}: missing shard of the torch_dist checkpoint (holds {index.fqn!r})")
+        regular_file(shard, "torch_dist shard")
         if offset < 0 or length <= 0 or offset + length > shard.stat().st_size:
             raise BadInput(f"{shard}: shorter than the metadata says (truncated?); {index.fqn!r} is not whole")
         with open(shard, "rb") as f:
@@ -374,7 +376,7 @@ def load_legacy_file(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
     import torch
     import torch.serialization as ser
 
-    p = Path(path)
+    p = regular_file(path, "torch checkpoint")     # a FIFO would block is_zipfile, a device never ends
     if zipfile.is_zipfile(p):
         check_zip_crc(p, p)
     try:
@@ -403,7 +405,7 @@ def _legacy_files(root: Path) -> list[tuple[tuple[int, int, int], Path]]:
         return out
     for d in sorted(root.iterdir()):
         m = _MP_DIR.match(d.name)
-        if m and (d / LEGACY_FILE).is_file():
+        if m and (d / LEGACY_FILE).exists():      # a FIFO / device is refused when read, not skipped
             out.append(((int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0)), d / LEGACY_FILE))
     return out
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import BadInput
+from runstore.schema import regular_file
 
 _NP_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
               "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -116,7 +117,7 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str], int]:
     """(tensor entries, metadata, offset of the data section) of a safetensors file."""
-    path = Path(path)
+    path = regular_file(path, "safetensors file")   # a FIFO would block the open, a device never ends
     try:
         with open(path, "rb") as f:
             head = f.read(8)

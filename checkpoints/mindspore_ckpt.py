@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import BadInput
+from runstore.schema import regular_file
 
 # tensor_type as MindSpore writes it -> numpy dtype ("BFloat16" -> uint16 bit patterns, decoded below)
 _TYPES = {"Float16": np.float16, "Float32": np.float32, "Float64": np.float64, "BFloat16": np.uint16,
@@ -95,7 +96,7 @@ class MindSporeCkpt:
     kind = "mindspore ckpt"
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.path = regular_file(path, "MindSpore checkpoint")
         try:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if self.path.stat().st_size else \
                 np.zeros(0, np.uint8)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from core.errors import BadInput
+from runstore.schema import regular_file
 
 
 def read_pt(path: str | Path) -> np.ndarray:
@@ -20,6 +21,7 @@ def read_pt(path: str | Path) -> np.ndarray:
         import torch
     except ImportError:
         raise BadInput(f"{path}: reading .pt tensor files needs torch (pip install 'xf-align[torch]')") from None
+    regular_file(path, ".pt tensor file")
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file; one line names it

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from core.errors import BadInput
+from runstore.schema import regular_file
 
 
 class Weights(Protocol):
@@ -54,7 +55,7 @@ class TorchFileWeights:
 
         from checkpoints.megatron import check_zip_crc
 
-        self.path = Path(path)
+        self.path = regular_file(path, "torch checkpoint")   # a FIFO would block is_zipfile, a device never ends
         if not zipfile.is_zipfile(self.path):
             raise BadInput(f"{self.path}: not a torch checkpoint (torch.save writes a zip archive; this is "
                            "not one: an old-format or pickled file is not loaded)")
@@ -118,6 +119,7 @@ def open_weights(path: str | Path) -> Any:
             return SafetensorsWeights(p)
         raise BadInput(f"{p}: not a checkpoint folder (no torch_dist .metadata, no mp_rank_*/model_optim_rng.pt, "
                        "no .safetensors files)")
+    regular_file(p, "weights file")    # before any reader opens it: a FIFO blocks, a device never ends
     suffix = p.suffix.lower()
     if suffix == ".safetensors":
         from checkpoints.mindformers import SafetensorsWeights
@@ -143,7 +145,7 @@ def read_weights(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str
         from checkpoints.megatron import read_megatron_checkpoint
 
         arrays, dtypes = read_megatron_checkpoint(p)
-    elif p.suffix == ".safetensors":
+    elif regular_file(p, "weights file") and p.suffix == ".safetensors":
         from checkpoints.mindformers import read_safetensors
 
         arrays, dtypes = read_safetensors(p)

@@ -255,3 +255,66 @@ def test_corrupted_checkpoints_read_right_or_refused(clean, tmp_path) -> None:
     assert not tally.problems, "\n".join(tally.problems[:10])
     for fmt in ("torch_dist", "legacy", "safetensors"):
         assert tally.outcomes[f"{fmt} clean: exact"] == 1, fmt
+
+
+# -- 5. files that are not regular files (issue 38) --------------------------------------------------------------
+# A FIFO named like a checkpoint blocked zipfile.is_zipfile / open forever; a .pt linked to /dev/zero read until
+# MemoryError. Every verb that reads weights (convert-weights, compare-weights, capture-env --weights) must
+# refuse each in one line, exit 2, naming the file, and write nothing.
+
+def _special(path: Path, kind: str) -> None:
+    import os
+
+    if path.exists() or path.is_symlink():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+
+
+def test_special_files_are_refused_by_every_weights_verb(clean, tmp_path) -> None:
+    it = "iter_0000001"
+    shard = sorted(p.name for p in (clean["dist"] / it).glob("*.distcp"))[0]
+    layouts: dict[str, tuple[Callable[[Path], Path], str]] = {   # label -> (build the input, file made special)
+        "pt": (lambda d: d / "m.pt", "m.pt"),
+        "safetensors": (lambda d: d / "mf.safetensors", "mf.safetensors"),
+        "ckpt": (lambda d: d / "m.ckpt", "m.ckpt"),
+        "safetensors folder": (lambda d: shutil.copy(clean["ref_st"], d / "a.safetensors") and d,
+                               "b.safetensors"),
+        "legacy rank file": (lambda d: shutil.copytree(clean["legacy"], d / "ck"),
+                             f"ck/{it}/mp_rank_01/model_optim_rng.pt"),
+        "torch_dist shard": (lambda d: shutil.copytree(clean["dist"], d / "ck"), f"ck/{it}/{shard}"),
+        "torch_dist metadata": (lambda d: shutil.copytree(clean["dist"], d / "ck"), f"ck/{it}/.metadata"),
+    }
+    problems, k = [], 0
+    for label, (build, special) in layouts.items():
+        for kind in ("fifo", "dev_zero"):
+            # (convert-weights and capture-env read no folder of .safetensors files)
+            for verb in ("compare-weights",) if label == "safetensors folder" else \
+                    ("convert-weights", "compare-weights", "capture-env"):
+                k += 1
+                case = tmp_path / f"s{k:03d}"
+                case.mkdir()
+                src = Path(build(case))
+                _special(case / special, kind)
+                out = case / "out"
+                argv = {"convert-weights": ["convert-weights", str(src), "--to", "mindformers", "--out",
+                                            str(out) + ".safetensors", *HEADS],
+                        "compare-weights": ["compare-weights", str(clean["pt"]), str(src), "--out", str(out)],
+                        "capture-env": ["capture-env", "--framework", "torch", "--weights", str(src), "--out",
+                                        str(out) + ".json"]}[verb]
+                so, se = io.StringIO(), io.StringIO()
+                before = {p.name for p in case.iterdir()}
+                with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+                    rc = main(argv)
+                lines = (so.getvalue() + se.getvalue()).strip().splitlines()
+                written = {p.name for p in case.iterdir()} - before
+                ok = rc == 2 and len(lines) == 1 and str(case / special) in lines[0] and not written
+                if kind == "fifo":
+                    ok = ok and "is a FIFO" in lines[0]
+                if not ok:
+                    problems.append(f"{label} {kind} {verb}: exit {rc}, wrote {sorted(written)}: {lines[:2]}")
+    assert not problems, "\n".join(problems)

@@ -64,14 +64,15 @@ def run(args: argparse.Namespace) -> int:
 
     # command-line mistakes are refused before any file is read (exit 2, one line)
     from core.outputs import check_out_file
+    from runstore.schema import regular_file
 
     check_out_path(args.out)
     check_out_file(args.out, "--out")     # and a dangling symlink, an unwritable folder
     check_model_params(args.num_heads, args.num_query_groups, args.num_experts)
     for p in args.inputs:
         folder = args.to == "mindformers" and len(args.inputs) == 1 and Path(p).is_dir()
-        if not (Path(p).is_file() or folder):
-            raise BadInput(f"{p}: no such file")
+        if not folder:
+            regular_file(p, "file")       # missing, a folder, or a FIFO / device (which would block or never end)
     if args.to == "mindformers":
         res = convert_megatron_to_mindformers(args.inputs, args.out, num_heads=args.num_heads,
                                               num_query_groups=args.num_query_groups, mapping=args.mapping,
