@@ -108,12 +108,15 @@ class SideCheck:
     def failed_steps(self) -> set[int]:
         return {c.step for c in self.failed}
 
-    def trusted(self, step: int | None = None) -> bool:
-        """Whether the named norms may be judged (at ``step``, or at every step when None): not when the check
-        failed there. An unchecked side is judged as before (nothing says it is wrong); the report says so."""
-        if self.status != "fail":
-            return True
-        return step is not None and step not in self.failed_steps
+    def failures(self, step: int | None = None, path: str | None = None) -> list[StepCheck]:
+        """The failed checks at ``step`` (any step when None) of ``path`` (either reader when None)."""
+        return [c for c in self.failed if (step is None or c.step == step) and (path is None or c.path == path)]
+
+    def trusted(self, step: int | None = None, path: str | None = None) -> bool:
+        """Whether the named norms may be judged at ``step`` (every step when None) as read by ``path`` (the step
+        reader for the step-1 comparison; None: both readers): not where the check failed. An unchecked side is
+        judged as before (nothing says it is wrong); the stage's details say it was not checked."""
+        return not self.failures(step, path)
 
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "why": self.why, "source": self.source, "layout": self.layout,
@@ -332,21 +335,18 @@ def check_side(run: Any, side: str, *, trajectory: Any = None, search: int = STE
     checks: list[StepCheck] = []
     for s, (total, _norms, _info) in totals.items():
         checks.append(StepCheck(s, total, recorded[s], tol, "step reader", bound=subset))
-    done = {c.step for c in checks}
-    if trajectory is not None:
+    if trajectory is not None:     # every step, the first ones too: the trajectory stage reads them this way
         cols = np.asarray(trajectory.values, dtype=np.float64)
         tot = np.sqrt(np.nansum(np.square(cols), axis=1))
         for i, s in enumerate(trajectory.steps.tolist()):
-            if s in done:
-                continue
-            ref = float(series[s]) if s in series.index else math.nan
+            ref = recorded.get(s, float(series[s]) if s in series.index else math.nan)
             if not math.isfinite(ref):
                 continue
             # a name absent at a step adds nothing to that step's total (NaN): the check shows it missing;
             # the trajectory holds float32 norms: one more rounding each (2u on the total's line)
             checks.append(StepCheck(int(s), float(tot[i]), ref, tol + 2 * U32, "trajectory reader", bound=subset))
     checks.sort(key=lambda c: c.step)
-    res.steps = [c.step for c in checks]
+    res.steps = sorted({c.step for c in checks})
     res.worst = max(checks, key=lambda c: c.rel / c.tolerance)
     res.failed = [c for c in checks if not c.ok]
     res.status = "bound" if subset else ("fail" if res.failed else "pass")

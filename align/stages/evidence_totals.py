@@ -19,7 +19,8 @@ RESTING = ("step1_local_norm", "norm_trajectories")
 
 def _fail_message(chk: SideCheck) -> str:
     c = chk.failed[0]
-    more = f" (and at {len(chk.failed) - 1} more step(s))" if len(chk.failed) > 1 else ""
+    n = len(chk.failed_steps)
+    more = f" (and at {n - 1} more step(s))" if n > 1 else ""
     return (f"the {chk.side}'s named gradient norms, recombined as the comparators recombine them ({c.path}), give "
             f"{c.recombined:.9g} at step {c.step}{more}, but the {chk.side}'s own global grad norm there is "
             f"{c.recorded:.9g} ({chk.source}): {c.rel:.3g} relative, beyond float32 summation noise "
@@ -49,14 +50,14 @@ def run(ev: Evidence) -> StageResult:
     return res
 
 
-def untrusted(ev: Evidence, step: int | None = None) -> str | None:
-    """Why the named norms may not be judged (at ``step``, or over the whole run when None), or None: a side's
-    self-check failed there. For the stages that rest on named norms."""
-    bad = [c for c in ev.evidence_totals.values() if not c.trusted(step)]
+def untrusted(ev: Evidence, step: int | None = None, path: str | None = None) -> str | None:
+    """Why the named norms may not be judged (at ``step``, or over the whole run when None; as read by ``path``,
+    either reader when None), or None: a side's self-check failed there. For the stages resting on named norms."""
+    bad = [c for c in ev.evidence_totals.values() if not c.trusted(step, path)]
     if not bad:
         return None
     c = bad[0]
-    f = next((x for x in c.failed if step is None or x.step == step), c.failed[0])
+    f = c.failures(step, path)[0]
     return (f"not judged: the {c.side}'s named norms do not recombine to its own global grad norm (step {f.step}: "
             f"{f.recombined:.9g} vs {f.recorded:.9g}; {'; '.join(f.causes[:2])}); see '{STAGE.title}'. A verdict on "
             "them would be a verdict on the recombination, not on the model")

@@ -32,7 +32,7 @@ def run(ev: Evidence) -> StageResult:
     unnamed = [r.label for r in (b, c) if _unnamed(r, step)]
     if unnamed:
         return skipped("step1_local_norm", f"local norms in {', '.join(unnamed)} are unnamed (optimizer order)")
-    why = untrusted(ev, step)
+    why = untrusted(ev, step, "step reader")
     if why:
         return skipped("step1_local_norm", why)
     dtype, source = ev.dtype
