@@ -48,6 +48,7 @@ class ScalarOptions:
     fail_rate: float = 1e-3        # with a repeat: a clean pair fails a long-run test at most this often
     warn_rate: float = 1e-2        # ... and is warned about at most this often
     max_bias: float = 0.5          # |mean delta| / std(delta) above this: the delta does not centre on 0
+    noise_allowance: float = 2.0   # a clean candidate may be this much noisier than the baseline's repeat
     sustain: int = 10              # consecutive out-of-band steps that make a divergence
     tail: float = 0.2              # last share of steps checked for a late-stage gap
     lr_rtol: float = 1e-5          # learning rates must agree to this relative tolerance
@@ -299,8 +300,11 @@ def _long_run(key: str, name: str, baseline: Run, candidate: Run, repeats: list[
         ms = np.nanmean(sq, axis=0)
         rolled = pd.Series(ms).rolling(opt.band_window, center=True, min_periods=1)
         sigma = np.sqrt(np.nan_to_num(rolled.mean().to_numpy(), nan=0.0))
-        band = np.maximum(opt.band_k * sigma, floor)
-        band_source = f"{len(rep_deltas)} baseline repeat(s): {opt.band_k:g} x rolling RMS"
+        kappa = max(float(opt.noise_allowance), 1.0)
+        band = np.maximum(opt.band_k * kappa * sigma, floor)
+        band_source = (f"{len(rep_deltas)} baseline repeat(s): {opt.band_k:g} x rolling RMS"
+                       + (f" x {kappa:g} (a candidate up to {kappa:g}x noisier than the repeat is clean)"
+                          if kappa != 1 else ""))
         null = null_model(stack, sigma, band, rolled.count().to_numpy(), opt, floor)
     else:
         band = np.maximum(opt.rtol * np.abs(b), floor)
@@ -385,7 +389,8 @@ class NullModel:
     ``sigma``: per step the noise scale (rolling RMS of repeat - baseline); ``rho``: the lag-1 autocorrelation
     of the repeats' standardized deltas, ``n_eff``: the independent steps the run's steps are worth; ``alpha``,
     ``beta``: the Beta distribution of the chance that a clean delta leaves the band at a step (what the
-    repeats' own leave-one-out count says, never below the Student-t odds ``p_model``)."""
+    repeats' own leave-one-out count says, never below the Student-t odds ``p_model``); ``allowance``: how much
+    noisier than the repeats a clean candidate may be (both are stated for a candidate that noisy)."""
 
     sigma: np.ndarray
     p_model: float
@@ -396,6 +401,7 @@ class NullModel:
     repeat_outside: int   # the repeats' own steps outside a band made without them (leave-one-out)
     alpha: float
     beta: float
+    allowance: float = 1.0
     _tail: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -432,7 +438,14 @@ def null_model(stack: np.ndarray, sigma: np.ndarray, band: np.ndarray, window_co
     RMS (``p_model``) alone would understate it. The count is uncertain (a repeat of 100 steps sees one or two),
     so the chance is a Beta distribution (Jeffreys prior, mean never below ``p_model``), and a candidate's count
     is judged against the beta-binomial it implies, on independent steps: autocorrelated outside steps come in
-    runs, so every count is scaled to ``n_eff`` = n (1 - rho) / (1 + rho)."""
+    runs, so every count is scaled to ``n_eff`` = n (1 - rho) / (1 + rho).
+
+    A repeat of the baseline shares its framework's kernels; a clean candidate computes in others and is
+    noisier (candidate / repeat RMS of the delta on the clean demo pairs: 0.73-1.97, docs/calibration.md).
+    So the band is ``opt.noise_allowance`` times wider and the odds are those of a candidate that much noisier:
+    the t odds at band / (allowance x RMS), the repeats' own steps counted against the band that much narrower
+    (a repeat outside band_k x its RMS is what such a candidate does outside the band)."""
+    kappa = max(float(opt.noise_allowance), 1.0)
     reps, n = stack.shape
     with np.errstate(invalid="ignore", divide="ignore"):
         z = np.where(sigma > 0, stack / sigma, np.nan)
@@ -441,7 +454,7 @@ def null_model(stack: np.ndarray, sigma: np.ndarray, band: np.ndarray, window_co
     n_eff = stats.effective_n(n, rho)
     dof = np.maximum(window_counts * reps * (1.0 - rho) / (1.0 + rho), 1.0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        ratio = np.where(sigma > 0, band / sigma, np.inf)
+        ratio = np.where(sigma > 0, band / (kappa * sigma), np.inf)
     # the mean t tail over the steps: per distinct (ratio, dof), on at most 2000 evenly spaced steps (where the
     # floor holds the band the ratio varies from step to step; a mean needs no more)
     pick = np.linspace(0, n - 1, min(n, 2000)).astype(np.int64) if n else np.zeros(0, dtype=np.int64)
@@ -456,14 +469,15 @@ def null_model(stack: np.ndarray, sigma: np.ndarray, band: np.ndarray, window_co
         opt.band_window, center=True, min_periods=1).sum().to_numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
         loo = np.sqrt(np.maximum(total - np.nan_to_num(sq), 0.0) / np.maximum(count - 1.0, 1.0))
-    loo_band = np.maximum(opt.band_k * loo, floor)
+    loo_band = np.maximum(opt.band_k * loo, floor / kappa)      # the band without the allowance
     outside = int(np.sum(np.isfinite(stack) & (np.abs(np.nan_to_num(stack)) > loo_band)))
     scale = n_eff / n if n else 1.0
     k_eff, m_eff = outside * scale, reps * n * scale
     alpha, beta = k_eff + 0.5, max(m_eff - k_eff, 0.0) + 0.5
     if alpha / (alpha + beta) < p_model < 1:
         alpha = p_model * beta / (1.0 - p_model)
-    return NullModel(sigma, p_model, rho, n_eff, float(np.median(dof)) if n else 0.0, reps, outside, alpha, beta)
+    return NullModel(sigma, p_model, rho, n_eff, float(np.median(dof)) if n else 0.0, reps, outside, alpha, beta,
+                     kappa)
 
 
 def _outside_test(st: StageResult, null: NullModel, key: str, label: str, n_out: int, n: int,
@@ -472,6 +486,7 @@ def _outside_test(st: StageResult, null: NullModel, key: str, label: str, n_out:
     stated false-alarm rates. Returns its verdict (capped at ``fail_verdict``)."""
     p_value = null.p_value(n_out, n)
     st.details.update(p_value=p_value, false_alarm_rate=opt.fail_rate, effective_steps=null.n_eff,
+                      noise_allowance=null.allowance,
                       lag1_autocorrelation=null.rho, p_step_outside=null.p_bar, p_step_model=null.p_model,
                       repeat_outside_steps=null.repeat_outside, band_draws=null.dof)
     verdict = "fail" if p_value < opt.fail_rate else "warn" if p_value < opt.warn_rate else "pass"
@@ -480,8 +495,10 @@ def _outside_test(st: StageResult, null: NullModel, key: str, label: str, n_out:
     st.add(Finding(st.name, verdict, key, "outside_band_fraction", n_out / n if n else 0.0, opt.max_outside,
                    f"{label}: {n_out} of {n} steps outside the benchmark band ({n_out / n:.1%}); a clean pair "
                    f"leaves this band at a step with probability ~{null.p_bar:.2g} (band {opt.band_k:g} x the "
-                   f"rolling RMS of {null.repeats} repeat(s), whose own steps left it {null.repeat_outside} "
-                   f"time(s) leave-one-out) and its {n} steps are worth {null.n_eff:.3g} independent ones (lag-1 "
+                   f"rolling RMS of {null.repeats} repeat(s), x {null.allowance:g}: a candidate up to "
+                   f"{null.allowance:g}x noisier than the repeat counts as clean; the repeat's own steps left the "
+                   f"band without that factor {null.repeat_outside} time(s) leave-one-out) and its {n} steps "
+                   f"are worth {null.n_eff:.3g} independent ones (lag-1 "
                    f"autocorrelation {null.rho:.2f}): this many or more outside in {p_value:.2g} of clean pairs "
                    f"(fails below {opt.fail_rate:g}, warns below {opt.warn_rate:g})"))
     return verdict
@@ -563,11 +580,12 @@ def power(st: StageResult, null: NullModel | None, band: np.ndarray, b: np.ndarr
                          f"outside the band would not fail at {opt.fail_rate:g}: run more steps"))
         return out
     lo, hi = 0.0, float(np.nanmax(band)) * 4 + 1e-30
-    while _expected_outside(hi, null.sigma, band) < need and hi < 1e30:
+    noise = null.sigma * null.allowance        # the noisiest candidate still counted clean
+    while _expected_outside(hi, noise, band) < need and hi < 1e30:
         hi *= 2
     for _ in range(50):
         mid = 0.5 * (lo + hi)
-        if _expected_outside(mid, null.sigma, band) >= need:
+        if _expected_outside(mid, noise, band) >= need:
             hi = mid
         else:
             lo = mid
