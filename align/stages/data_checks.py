@@ -93,7 +93,8 @@ STAGE = Stage(
     needs="batches recorded in the run stores (batch/tokens, labels, loss_mask)",
     capture="the dumpers record every step's batch by default (MegatronDumper / MindSporeDumper, "
             "DumpConfig(batch=True)); the candidate should replay the baseline's batches "
-            "(dumpers.mindformers_replay.MegatronReplayDataset)",
+            "(dumpers.mindformers_replay.MegatronReplayDataset; at another DP size it re-splits the global batch by "
+            "sample and the dumper records each row's position and hashes, checked sample by sample)",
     run=run,
     part="same start", explains=LATER,
     why=("The runs did not train on the same valid tokens and masks: a loss difference may come from the data, "
