@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="forward isolation only, even where the baseline holds a module backward capture")
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str) -> dict[str, Any]:
     import yaml
 
     p = Path(path)
@@ -63,7 +63,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return cfg
 
 
-def _transform_params(cfg: dict[str, Any]) -> Any:
+def transform_params(cfg: dict[str, Any]) -> Any:
+    """The mapping's TransformParams (heads, query groups) from a MindFormers YAML."""
     from mapping import TransformParams
 
     mc = (cfg.get("model") or {}).get("model_config") or {}
@@ -81,7 +82,7 @@ def _weights(path: str, net: Any, m: Any, cfg: dict[str, Any]) -> dict[str, Any]
     names = {p.name for p in net.get_parameters()}
     if len(names & set(arrays)) >= len(names) / 2 and not any(k.startswith("module.") for k in arrays):
         return arrays
-    converted, _ = m.convert(arrays, "candidate", _transform_params(cfg))
+    converted, _ = m.convert(arrays, "candidate", transform_params(cfg))
     return converted
 
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from models import load_mapping, preset_for_config
 
     check_out_dir(args.out)                  # before a model is built: an --out that cannot be written
-    cfg = _read_yaml(args.candidate_yaml)
+    cfg = read_yaml(args.candidate_yaml)
     if not Path(args.baseline).is_dir():
         raise BadInput(f"{args.baseline}: not a run store folder")
     m = load_mapping(args.mapping or preset_for_config(cfg) or "megatron_core__mindformers_mcore_dense")
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if backward:
             path = isolate_with_backward(net, args.baseline, args.out, mapping=m, step=args.step, rank=args.rank,
                                          modules=args.modules, dtype=mindformers_attention_dtype(cfg),
-                                         weights=str(args.candidate_ckpt), params=_transform_params(cfg),
+                                         weights=str(args.candidate_ckpt), params=transform_params(cfg),
                                          graph=args.graph)
         else:
             path = isolate_modules(net, args.baseline, args.out, mapping=m, step=args.step, rank=args.rank,

@@ -1,0 +1,322 @@
+"""`align repro`: a folder that shows one isolated module's difference to a framework team, on its own.
+
+Why: isolation names the module whose own computation departs; the team that owns the framework needs the
+difference on their desk, without this project. The folder holds the module's captured input (and output
+gradient), both sides' weights (the candidate's brought back into the baseline's layout by the mapping, so a
+conversion fault stays in them), both saved outputs (the baseline's; the candidate's module on the baseline's
+input, as isolation ran it), each side's settings (``case.json``: epsilon, dtype) and two short scripts, one
+per framework, that recompute the module with that framework's own kernels and print the metrics the report
+showed (relative L2, cosine, max abs error) against the other side's saved output. Arrays are ``.npy`` (read
+with ``allow_pickle=False``), settings JSON; the scripts import numpy and their framework only.
+
+The scripts write the module's math with the framework's public operators (RMSNorm, a linear layer, the
+gated SwiGLU MLP: the module kinds :data:`KINDS`), not the framework's module classes: those need a model
+config and (on CPU) this project's stand-ins. So they reproduce a difference in settings, weights, precision
+or a kernel; a difference in the candidate module's own Python (a hand-written bprop) shows as the recomputed
+gradient agreeing with the baseline while the saved candidate gradient does not (both printed).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from comparators.isolation import read_isolation
+from comparators.tensor_metrics import compare_arrays
+from core.errors import BadInput
+from core.outputs import temp_beside
+from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, RunReader
+
+#: module kinds the scripts compute: norm (RMSNorm), linear (y = x W^T), mlp (gated SwiGLU, fc1 = [gate; up])
+KINDS = ("norm", "linear", "mlp")
+
+
+def isolation_file(path: str | Path) -> Path:
+    """An isolation run folder or its evidence file; BadInput when there is none."""
+    p = Path(path)
+    f = p / EVIDENCE_DIR / ISOLATION_EVIDENCE if p.is_dir() else p
+    if not f.is_file():
+        raise BadInput(f"{path}: no isolation evidence ({EVIDENCE_DIR}/{ISOLATION_EVIDENCE}; write it with "
+                       "`align isolate`)")
+    return f
+
+
+def _kind(module: str, params: list[str]) -> tuple[str, dict[str, str]]:
+    """(kind, role -> parameter name) of a module from its parameters; BadInput for kinds not in KINDS."""
+    tails = {p[len(module) + 1:]: p for p in params}
+    if len(tails) == 1:
+        (tail, name), = tails.items()
+        if tail in ("weight", "layer_norm_weight") and ("norm" in module.rsplit(".", 1)[-1]):
+            return "norm", {"weight": name}
+        if tail == "weight":
+            return "linear", {"weight": name}
+    if set(tails) == {"linear_fc1.weight", "linear_fc2.weight"}:
+        return "mlp", {"fc1": tails["linear_fc1.weight"], "fc2": tails["linear_fc2.weight"]}
+    raise BadInput(f"{module}: align repro writes scripts for {', '.join(KINDS)} modules (RMSNorm, a linear "
+                   f"layer, a gated MLP without bias); this one holds {sorted(tails) or 'no weights'}")
+
+
+def _baseline_side(store: str, module: str, step: int, rank: int, weights: str | None
+                   ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
+    """(input, output gradient or None, weights) of the baseline's module: from its module backward capture
+    when there is one, else its full layer tensors and ``weights`` (a checkpoint)."""
+    from dumpers.mindspore_backward_isolation import backward_steps, read_backward
+
+    if step in backward_steps(store, rank):
+        try:
+            meta, arr = read_backward(store, step, rank)
+        except ValueError as exc:
+            raise BadInput(" ".join(str(exc).split())) from None
+        entry = next((m for m in meta["modules"] if m["module"] == module), None)
+        if entry is not None:
+            first = next((i["key"] for i in entry["inputs"] if i.get("grad")), None)
+            w = {p: arr[f"weight/{module}/{p}"] for p in entry["params"] if f"weight/{module}/{p}" in arr}
+            if first is not None and (w or weights is None):
+                return arr[f"input/{module}/{first}"], arr[f"grad_output/{module}"], w or _read_module_weights(
+                    weights, module)
+    from dumpers.mindspore_isolation import baseline_modules
+
+    try:
+        _, path, found = baseline_modules(store, step, rank)
+    except ValueError as exc:
+        raise BadInput(" ".join(str(exc).split())) from None
+    entry = next((e for e in found if e["module"] == module), None)
+    if entry is None:
+        raise BadInput(f"{store}: no full input of {module} at step {step}")
+    import h5py
+
+    with h5py.File(path, "r") as h5:
+        x = np.asarray(h5[entry["input"]])
+    return x, None, _read_module_weights(weights, module)
+
+
+def _read_module_weights(path: str | None, module: str) -> dict[str, np.ndarray]:
+    from checkpoints.weights import read_weights
+
+    if path is None:
+        raise BadInput(f"{module}: the baseline holds no weights of it (no module backward capture): pass "
+                       "--baseline-weights CKPT, the baseline's checkpoint of that step")
+    arrays, _ = read_weights(path)
+    out = {k.removeprefix("module."): v for k, v in arrays.items()
+           if k.removeprefix("module.").startswith(module + ".")}
+    if not out:
+        raise BadInput(f"{path}: holds no parameter of {module}")
+    return out
+
+
+def _candidate_weights(path: str, module: str, m: Any, params: Any) -> dict[str, np.ndarray]:
+    """The candidate's weights of ``module`` in the baseline's names and layout (the mapping's transforms
+    reversed; a file in the baseline's names is taken as it is)."""
+    from checkpoints.weights import read_weights
+
+    arrays, _ = read_weights(path)
+    if any(k.startswith("module.") for k in arrays):      # Megatron-named (DDP): the baseline's layout already
+        return {k.removeprefix("module."): v for k, v in arrays.items()
+                if k.removeprefix("module.").startswith(module + ".")}
+    mine = {k: v for k, v in arrays.items() if any(b.startswith(module + ".") for b in m.map_name(k, "candidate"))}
+    if not mine:
+        raise BadInput(f"{path}: holds no candidate parameter of {module}")
+    conv, _ = m.convert(mine, "baseline", params)
+    return conv
+
+
+def write_repro(isolation: str | Path, module: str, out: str | Path, *, candidate_cfg: dict[str, Any],
+                mapping: Any, params: Any, baseline_weights: str | None = None,
+                candidate_weights: str | None = None) -> Path:
+    """Write the repro folder of ``module`` (a baseline module name isolation compared) to ``out``; all of it
+    appears at once (a temporary folder beside, renamed). Returns ``out``."""
+    from align.checks.config import megatron_common, mindformers_common
+    from align.stages.evidence import meta_config
+
+    meta, arrays = read_isolation(isolation_file(isolation))
+    entry = next((e for e in meta["modules"] if e["baseline"] == module), None)
+    if entry is None:
+        raise BadInput(f"{isolation}: {module} was not isolated (isolated: "
+                       f"{', '.join(e['baseline'] for e in meta['modules'][:8])})")
+    store, step, rank = str(meta.get("baseline")), int(meta.get("step") or 1), int(meta.get("rank") or 0)
+    if not Path(store).is_dir():
+        raise BadInput(f"{isolation}: its baseline store {store} is not there (the inputs come from it)")
+    x, gout, w_b = _baseline_side(store, module, step, rank, baseline_weights)
+    kind, roles = _kind(module, sorted(w_b))
+    cw = candidate_weights or meta.get("weights")
+    if not cw or not Path(str(cw)).exists():
+        raise BadInput(f"{isolation}: the candidate's weights {cw} are not there: pass --candidate-ckpt")
+    w_c = _candidate_weights(str(cw), module, mapping, params)
+    missing = [p for p in roles.values() if p not in w_c]
+    if missing:
+        raise BadInput(f"{cw}: no candidate weight for {', '.join(missing)}")
+    base_cfg = meta_config(RunReader(store).meta)
+    eps_b = megatron_common(base_cfg[1])[0].get("norm_eps") if base_cfg and base_cfg[0] == "megatron_args" else None
+    eps_c = mindformers_common(candidate_cfg).get("norm_eps")
+    y_b, y_c = arrays[f"baseline/{module}"], arrays[f"isolated/{module}"]
+    own = compare_arrays(y_b, y_c)
+    case: dict[str, Any] = {
+        "module": module, "kind": kind, "step": step, "candidate_module": entry.get("candidate"),
+        "input": "inputs/x.npy", "grad_output": "inputs/grad_output.npy" if gout is not None else None,
+        "weights": {side: {r: f"weights/{side}/{r}.npy" for r in roles} for side in ("baseline", "candidate")},
+        "parameters": roles,
+        "settings": {"baseline": {"eps": eps_b if eps_b is not None else 1e-5,
+                                  "dtype": _np_dtype(entry.get("dtype_baseline"))},
+                     "candidate": {"eps": eps_c if eps_c is not None else 1e-5,
+                                   "dtype": _np_dtype(entry.get("dtype_candidate"))}},
+        "outputs": {"baseline": "outputs/baseline.npy", "candidate": "outputs/candidate.npy"},
+        "report": {"own_rel_l2": own.rel_l2, "own_cosine": own.cosine, "own_max_abs_err": own.max_abs_err},
+        "grads": {}}
+    files: dict[str, np.ndarray] = {"inputs/x.npy": x, "outputs/baseline.npy": y_b, "outputs/candidate.npy": y_c}
+    if gout is not None:
+        files["inputs/grad_output.npy"] = gout
+    for side, w in (("baseline", w_b), ("candidate", w_c)):
+        for r, p in roles.items():
+            files[f"weights/{side}/{r}.npy"] = np.asarray(w[p], dtype=np.float32)
+    grads = {g["what"] for g in entry.get("grads") or []}
+    first_in = next((g for g in sorted(grads) if g.startswith("input:")), None)
+    wanted = {"x": first_in, **{r: f"weight:{p}" for r, p in roles.items()}}
+    for r, what in wanted.items():
+        if what in grads:
+            b, c = arrays[f"grad/baseline/{module}/{what}"], arrays[f"grad/isolated/{module}/{what}"]
+            files[f"grads/baseline/{r}.npy"], files[f"grads/candidate/{r}.npy"] = b, c
+            cmp = compare_arrays(b, c)
+            case["grads"][r] = {"what": what, "baseline": f"grads/baseline/{r}.npy",
+                                "candidate": f"grads/candidate/{r}.npy", "report_own_rel_l2": cmp.rel_l2}
+    return _write_folder(Path(out), case, files)
+
+
+def _np_dtype(d: Any) -> str:
+    d = str(d or "float32").lower().replace("torch.", "").replace("mindspore.", "")
+    return d if d in ("float16", "bfloat16", "float32", "float64") else "float32"
+
+
+def _write_folder(out: Path, case: dict[str, Any], files: dict[str, np.ndarray]) -> Path:
+    tmp = temp_beside(out)
+    try:
+        for rel, arr in files.items():
+            p = tmp / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            np.save(p, np.ascontiguousarray(arr), allow_pickle=False)
+        (tmp / "case.json").write_text(json.dumps(case, indent=1) + "\n")
+        (tmp / "repro_torch.py").write_text(TORCH_SCRIPT)
+        (tmp / "repro_mindspore.py").write_text(MINDSPORE_SCRIPT)
+        r = case["report"]
+        (tmp / "README.md").write_text(
+            f"{case['module']} ({case['kind']}, step {case['step']}): the candidate's module on the baseline's "
+            f"input departs, rel L2 {r['own_rel_l2']:.3e}, cosine {r['own_cosine']:.6f} (case.json: settings).\n"
+            "python repro_torch.py      # baseline side, PyTorch: recomputes; prints its difference to "
+            "outputs/candidate.npy\n"
+            "python repro_mindspore.py  # candidate side, MindSpore: recomputes; prints its difference to "
+            "outputs/baseline.npy\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scripts (they import numpy and their framework only)
+# ---------------------------------------------------------------------------------------------------------
+
+_COMMON = '''import json
+import pathlib
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+CASE = json.loads((HERE / "case.json").read_text())
+
+
+def load(rel):
+    return np.load(HERE / rel, allow_pickle=False)
+
+
+def show(what, mine, other, label, report=None):
+    """The report's metrics of this side's result against ``other`` (float64): relative L2 (as the report
+    computes it: ||baseline - candidate|| / ||candidate||), cosine, max abs error."""
+    a, b = np.asarray(mine, np.float64).ravel(), np.asarray(other, np.float64).ravel()
+    if SIDE == "candidate":
+        a, b = b, a
+    rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    cos = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+    tail = "" if report is None else f"   (report: rel_l2={report:.3e})"
+    print(f"{what:10s} vs {label:34s} rel_l2={rel:.3e} cosine={cos:.6f} max_abs_err={np.abs(a - b).max():.3e}{tail}")
+'''
+
+TORCH_SCRIPT = '"""Baseline side, PyTorch: the module recomputed from the saved input and the baseline\'s ' \
+    'weights."""\n' + _COMMON + '''
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SIDE, OTHER = "baseline", "candidate"
+S = CASE["settings"][SIDE]
+dtype = getattr(torch, S["dtype"])
+
+
+def module(x, w):
+    if CASE["kind"] == "norm":
+        return F.rms_norm(x, (x.shape[-1],), w["weight"], eps=S["eps"])
+    if CASE["kind"] == "linear":
+        return F.linear(x, w["weight"])
+    gate, up = torch.chunk(F.linear(x, w["fc1"]), 2, dim=-1)   # fc1 = [gate; up]
+    return F.linear(F.silu(gate) * up, w["fc2"])
+
+
+x = torch.tensor(load(CASE["input"])).to(dtype).requires_grad_(True)
+w = {r: torch.tensor(load(p)).to(dtype).requires_grad_(True) for r, p in CASE["weights"][SIDE].items()}
+y = module(x, w)
+print(f"{CASE['module']} ({CASE['kind']}) on torch {torch.__version__}, {S}")
+show("output", y.detach().float().numpy(), load(CASE["outputs"][OTHER]), f"the {OTHER}'s saved output",
+     CASE["report"]["own_rel_l2"])
+show("output", y.detach().float().numpy(), load(CASE["outputs"][SIDE]), f"the {SIDE}'s saved output (itself)")
+if CASE["grad_output"]:
+    g = torch.autograd.grad(y, [x, *w.values()], torch.tensor(load(CASE["grad_output"])).to(y.dtype))
+    got = dict(zip(["x", *w], g))
+    for r, info in CASE["grads"].items():
+        mine = got[r].float().numpy()
+        show(f"d {r}", mine, load(info[OTHER]), f"the {OTHER}'s saved gradient", info["report_own_rel_l2"])
+        show(f"d {r}", mine, load(info[SIDE]), f"the {SIDE}'s saved gradient (itself)")
+'''
+
+MINDSPORE_SCRIPT = '"""Candidate side, MindSpore: the module recomputed from the saved input and the candidate\'s ' \
+    'weights."""\n' + _COMMON + '''
+import mindspore as ms  # noqa: E402
+from mindspore import ops  # noqa: E402
+
+SIDE, OTHER = "candidate", "baseline"
+S = CASE["settings"][SIDE]
+dtype = getattr(ms, S["dtype"])
+ms.set_context(mode=ms.PYNATIVE_MODE)
+CPU = ms.get_context("device_target") == "CPU"
+
+
+def module(x, *ws):
+    w = dict(zip(CASE["weights"][SIDE], ws))
+    if CASE["kind"] == "norm":
+        if not CPU:                      # MindFormers' FusedRMSNorm kernel
+            return ops.rms_norm(x, w["weight"], S["eps"])[0]
+        return x * ops.rsqrt(ops.mean(ops.square(x), -1, keep_dims=True) + S["eps"]) * w["weight"]
+    if CASE["kind"] == "linear":
+        return ops.matmul(x, w["weight"].T)
+    gate, up = ops.chunk(ops.matmul(x, w["fc1"].T), 2, -1)      # fc1 = [gate; up] (the baseline's layout)
+    return ops.matmul(ops.silu(gate) * up, w["fc2"].T)
+
+
+x = ms.Tensor(load(CASE["input"])).astype(dtype)
+ws = [ms.Tensor(load(p)).astype(dtype) for p in CASE["weights"][SIDE].values()]
+y, vjp = ms.vjp(module, x, *ws)
+print(f"{CASE['module']} ({CASE['kind']}) on MindSpore {ms.__version__} ({ms.get_context('device_target')}), {S}")
+show("output", y.astype(ms.float32).asnumpy(), load(CASE["outputs"][OTHER]), f"the {OTHER}'s saved output",
+     CASE["report"]["own_rel_l2"])
+show("output", y.astype(ms.float32).asnumpy(), load(CASE["outputs"][SIDE]), f"the {SIDE}'s saved output (itself)")
+if CASE["grad_output"]:
+    g = vjp(ms.Tensor(load(CASE["grad_output"])).astype(y.dtype))
+    got = dict(zip(["x", *CASE["weights"][SIDE]], g))
+    for r, info in CASE["grads"].items():
+        mine = got[r].astype(ms.float32).asnumpy()
+        show(f"d {r}", mine, load(info[OTHER]), f"the {OTHER}'s saved gradient", info["report_own_rel_l2"])
+        show(f"d {r}", mine, load(info[SIDE]), f"the {SIDE}'s saved gradient (itself)")
+'''

@@ -1,0 +1,156 @@
+"""`align repro` (issue 39 item 3): a self-contained folder for one isolated module whose two scripts, run in
+fresh processes without this project on the path, reproduce the report's difference.
+
+A Megatron-core baseline (2 layers, its step-1 module backward captured, its config recorded) and the
+MindFormers mcore candidate with the demo's norm_eps fault (rms_norm_eps 1e-2 instead of 1e-5): `align
+isolate` names the norms, `align repro` writes the folder of layer 0's input norm and of layer 1's MLP (a
+module that computes alike: the scripts show no difference there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MODULES = ["decoder.layers.?.mlp", "decoder.layers.?.input_layernorm"]
+
+
+@pytest.fixture(scope="module")
+def isolated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    """(isolation run, candidate YAML, the report's summary) of the norm_eps candidate."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("mindspore")
+    pytest.importorskip("mindformers")
+    from dataclasses import replace
+
+    import yaml
+
+    import demo.mindformers_mcore_cpu as mc
+    from align.cli import main
+    from checkpoints.mindformers import write_safetensors
+    from demo import megatron_cpu as mg
+    from demo.model import MCORE_PRESETS, demo_model, megatron_config_kwargs
+    from demo.spec import Spec, mindformers_config
+    from dumpers.megatron import MegatronDumper
+    from dumpers.torch_dumper import DumpConfig
+    from dumpers.torch_module_backward import ModuleBackwardCapture
+    from mapping import TransformParams
+    from models import load_mapping
+
+    tmp = tmp_path_factory.mktemp("repro")
+    spec = replace(demo_model(), num_layers=2)
+    mg.init_megatron_cpu(tp=1)
+    cfg = mg.TinyLlamaConfig(**megatron_config_kwargs(spec))
+    model = mg.build_tiny_llama(cfg, seed=5)
+    store = tmp / "baseline"
+    meta = {"config": {"kind": "megatron_args", "values": {"normalization": "RMSNorm",
+                                                           "norm_epsilon": spec.rms_norm_eps}}}
+    dumper = MegatronDumper(model, None, DumpConfig(out=store, tensor_steps=[1], local_norms=False, meta=meta))
+    cap = ModuleBackwardCapture(model, store, MODULES, steps=[1])
+    weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    batch = mg.synthetic_batch(1, cfg)
+    dumper.begin_step(1)
+    cap.begin_step(1)
+    dumper.record_batch(batch)
+    loss = mg.forward_loss(model, batch)
+    loss.backward()
+    cap.end_step()
+    dumper.end_step(loss=float(loss))
+    dumper.close()
+    cap.close()
+
+    ycfg = mindformers_config(Spec(role="candidate", out=str(tmp / "unused"), steps=1, model=spec))
+    ycfg["model"]["model_config"]["rms_norm_eps"] = 1e-2          # the norm_eps fault
+    (tmp / "candidate.yaml").write_text(yaml.safe_dump(ycfg))
+    conv, _ = load_mapping(MCORE_PRESETS["dense"]).convert(weights, "candidate", TransformParams(
+        num_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups))
+    write_safetensors(conv, tmp / "step1.safetensors")
+    try:
+        assert main(["isolate", str(store), "--candidate-yaml", str(tmp / "candidate.yaml"), "--candidate-ckpt",
+                     str(tmp / "step1.safetensors"), "--out", str(tmp / "iso")]) == 0
+    finally:     # leave the process's MindSpore / MindFormers context as other tests expect it
+        mc.set_mcore_context("graph")
+        mc.reset_mindformers_context()
+    assert main(["report", "-q", str(store), str(store), "--isolation", str(tmp / "iso"),
+                 "--out", str(tmp / "report")]) == 1
+    return tmp / "iso", tmp / "candidate.yaml", json.loads((tmp / "report" / "summary.json").read_text())
+
+
+def _run(script: Path) -> dict[str, float]:
+    """Run a repro script in a fresh process, outside this project (no PYTHONPATH, another folder); the
+    rel_l2 of each printed line, by its first words."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-P", str(script)], cwd=script.parent.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = {}
+    for line in done.stdout.splitlines():
+        m = re.match(r"(\S+(?: \S+)?)\s+vs (.+?)\s+rel_l2=(\S+)", line)
+        if m:
+            out[f"{m.group(1)} | {m.group(2)}"] = float(m.group(3))
+    return out
+
+
+def test_the_two_scripts_reproduce_the_reported_difference(isolated, tmp_path: Path) -> None:
+    from align.cli import main
+
+    iso, yaml_path, summary = isolated
+    stage = summary["stages"]["isolation"]
+    rows = {r["module"]: r for r in stage["per_module"]}
+    mod = "decoder.layers.0.input_layernorm"
+    assert mod in stage["named"] and rows[mod]["own_verdict"] == "fail"
+    reported = rows[mod]["own_rel_l2"]
+    out = tmp_path / "norm"
+    assert main(["repro", str(iso), "--module", mod, "--candidate-yaml", str(yaml_path), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "case.json", "grads", "inputs", "outputs",
+                                                      "repro_mindspore.py", "repro_torch.py", "weights"]
+    assert len((out / "README.md").read_text().splitlines()) == 3
+    case = json.loads((out / "case.json").read_text())
+    assert case["kind"] == "norm" and case["settings"]["baseline"]["eps"] == 1e-5
+    assert case["settings"]["candidate"]["eps"] == 1e-2
+    for script in ("repro_torch.py", "repro_mindspore.py"):   # numpy and one framework, nothing of ours
+        imports = set(re.findall(r"^(?:import|from) (\w+)", (out / script).read_text(), re.M))
+        assert imports <= {"json", "pathlib", "numpy", "torch", "mindspore"}, imports
+    torch_run, ms_run = _run(out / "repro_torch.py"), _run(out / "repro_mindspore.py")
+    print(torch_run, ms_run, reported)
+    # each side recomputes its own saved output, and differs from the other's by what the report said
+    assert torch_run["output | the baseline's saved output (itself)"] < 1e-6
+    assert ms_run["output | the candidate's saved output (itself)"] < 1e-6
+    assert torch_run["output | the candidate's saved output"] == pytest.approx(reported, rel=1e-3)
+    assert ms_run["output | the baseline's saved output"] == pytest.approx(reported, rel=1e-3)
+    # the weight gradient (fed the baseline's output gradient) departs as the report's backward row does
+    wgrad = [g for g in rows[mod]["per_grad"] if g["what"].startswith("weight:")][0]["own_rel_l2"]
+    assert ms_run["d weight | the baseline's saved gradient"] == pytest.approx(wgrad, rel=1e-2)
+
+
+def test_a_module_that_computes_alike_shows_no_difference_and_bad_input_is_one_line(isolated, tmp_path: Path,
+                                                                                     capsys) -> None:
+    from align.cli import main
+
+    iso, yaml_path, summary = isolated
+    out = tmp_path / "mlp"
+    assert main(["repro", str(iso), "--module", "decoder.layers.1.mlp", "--candidate-yaml", str(yaml_path),
+                 "--out", str(out)]) == 0
+    case = json.loads((out / "case.json").read_text())
+    assert case["kind"] == "mlp" and set(case["weights"]["candidate"]) == {"fc1", "fc2"}
+    # the candidate's fc1 (MindFormers interleaves gate/up rows) is back in the baseline's [gate; up] layout
+    np.testing.assert_array_equal(np.load(out / "weights/candidate/fc1.npy"), np.load(out / "weights/baseline/fc1.npy"))
+    ms_run = _run(out / "repro_mindspore.py")
+    assert ms_run["output | the baseline's saved output"] < 1e-5
+    capsys.readouterr()
+    assert main(["repro", str(iso), "--module", "decoder.layers.7.mlp", "--candidate-yaml", str(yaml_path),
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was not isolated" in err and "\n" not in err and not (tmp_path / "x").exists()
+    (tmp_path / "empty").mkdir()
+    assert main(["repro", str(tmp_path / "empty"), "--module", "m", "--candidate-yaml", str(yaml_path),
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "no isolation evidence" in capsys.readouterr().err
