@@ -323,6 +323,7 @@ def _norms_from_table(run: Any, step: int) -> tuple[dict[str, ShardNorm], dict[s
     table = run.local_norm_table(step)
     if table is None or not len(table):
         raise BadInput(f"{run.path}: step {step} has no local norms")
+    check_table(run.path, "local_norm", {c: table[c].to_numpy() for c in table.columns if c != "rank"})
     if "rank" in table.columns and table["rank"].nunique() > 1:
         return _norms_from_worker_logs(run, table)
     out: dict[str, ShardNorm] = {}

@@ -25,6 +25,7 @@ import numpy as np
 
 from core.errors import BadInput
 from runstore.atomic import atomic_file
+from runstore.npzfile import open_npz
 
 CLIP_PROBE = "clip_probe.npz"    # RUN/evidence/clip_probe.npz: the baseline's probe (one process)
 PROBE_FACTOR = 10.0              # the probe's global norm, in units of the configured max norm
@@ -67,7 +68,7 @@ def read_clip_probe(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
     the file has no probe (``clip/scale`` absent). A malformed file is a one-line BadInput."""
     p = Path(path)
     try:
-        with np.load(p, allow_pickle=False) as z:
+        with open_npz(p, "clipping-probe .npz") as z:
             if "clip/scale" not in z.files:
                 return None
             clipped: dict[str, np.ndarray] = {}
@@ -87,7 +88,8 @@ def read_clip_probe(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
                     scalars[name] = float(arr.reshape(-1)[0])
     except BadInput:
         raise
-    except (OSError, ValueError, EOFError, KeyError, TypeError, AttributeError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, KeyError, TypeError, AttributeError, zipfile.BadZipFile,
+            MemoryError) as exc:
         raise BadInput(f"{p}: not a readable clipping-probe .npz ({' '.join(str(exc).split())[:80]})") from None
     missing = [k for k in _SCALARS if k not in scalars]
     if missing:

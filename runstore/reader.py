@@ -113,7 +113,7 @@ def read_h5(path: Path) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]
     return data, attrs
 
 
-_SIZE = {"type": ["integer", "null"], "minimum": 1}
+_SIZE = {"type": ["integer", "null"], "minimum": 1, "maximum": 1 << 20}
 #: meta.json's declared shape (docs/run-store.md); other keys are free. Checked when a store is opened.
 META_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -125,7 +125,11 @@ META_SCHEMA: dict[str, Any] = {
             "kind": {"type": ["string", "null"]}, "values": {"type": ["object", "null"]}}},
         "dtypes": {"type": ["object", "null"], "additionalProperties": {"type": ["string", "null"]}},
         "parallel": {"type": ["object", "null"], "properties": {
-            "tp": _SIZE, "pp": _SIZE, "dp": _SIZE, "ep": _SIZE, "cp": _SIZE, "world_size": _SIZE}},
+            "tp": _SIZE, "pp": _SIZE, "dp": _SIZE, "ep": _SIZE, "cp": _SIZE, "world_size": _SIZE,
+            "gradients_mean": {"type": ["boolean", "null"]},
+            # each layer's pipeline stage (MindFormers): a stage below pp, a count below any model's
+            "layer_stages": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0,
+                                                                  "maximum": 1 << 20}}}},
     },
 }
 _SCALAR_TYPES = (int, float, str, bool, type(None), list, dict)

@@ -23,6 +23,7 @@ import numpy as np
 from core.errors import BadInput
 from runstore.atomic import atomic_file
 from runstore.layout import EVIDENCE_DIR, OPTIMIZER_EVIDENCE, OPTIMIZER_EVIDENCE_SHARDS
+from runstore.npzfile import open_npz
 
 _SHARD_RE = re.compile(r"^rank_(\d{1,9})\.npz$")
 _KINDS = ("grad", "init", "weight")
@@ -59,7 +60,7 @@ def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
         path = found
     out: dict[str, dict[str, np.ndarray]] = {"grad": {}, "init": {}, "weight": {}}
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open_npz(path, "step-1 .npz file") as z:
             for key in z.files:
                 kind, _, name = key.partition("/")
                 if kind in out and name:
@@ -69,9 +70,7 @@ def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
                     out[kind][name] = arr
     except BadInput:
         raise
-    except AttributeError:   # np.load gave a plain array (an .npy file), which has no keys
-        raise BadInput(f"{path}: an .npy array, expected the step-1 .npz archive") from None
-    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, MemoryError) as exc:
         raise BadInput(f"{path}: not a readable step-1 .npz file ({' '.join(str(exc).split())[:80]})") from None
     for name, g in out["grad"].items():
         for kind in ("init", "weight"):
@@ -109,9 +108,11 @@ def write_step1_shard(path: str | Path, grads: Mapping[str, np.ndarray], before:
 
 def _load_shard(path: Path) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open_npz(path, "step-1 shard") as z:
             out = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+    except BadInput:
+        raise
+    except (OSError, ValueError, EOFError, KeyError, TypeError, zipfile.BadZipFile, MemoryError) as exc:
         raise BadInput(f"{path}: not a readable step-1 shard ({' '.join(str(exc).split())[:80]})") from None
     for k, v in out.items():
         if v.dtype.kind not in "fiu" or v.dtype.names is not None:

@@ -100,8 +100,10 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "order": (0, MAX_COUNT), "nan": (0, MAX_COUNT), "inf": (0, MAX_COUNT), "expert": (0, MAX_GROUP - 1),
     "tokens": (0, MAX_COUNT),
 }
-#: (coordinate, size): a row's coordinate is below its group's size
-BELOW = (("tp_rank", "tp_size"), ("dp_rank", "dp_size"))
+#: (coordinate, size, only where this column is non-zero): a row's coordinate is below its group's size. A DP
+#: rank counts only in a row that is a DP rank's part (dp_shard 1); other rows carry the rank's DP coordinate
+#: with dp_size 1 (a whole, reduced gradient)
+BELOW = (("tp_rank", "tp_size", None), ("dp_rank", "dp_size", "dp_shard"))
 
 
 def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarray]) -> None:
@@ -142,9 +144,11 @@ def check_table(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarr
             if out.any():
                 raise BadInput(f"{path}: key '{group}/{k}': {_row(arr, cols, out)} is {word} {bound}"
                                + (" (a norm is never negative)" if k == "norm" else ""))
-    for coord, size in BELOW:
+    for coord, size, where in BELOW:
         if coord in arrays and size in arrays and len(arrays[coord]):
             bad = arrays[coord] >= arrays[size]
+            if where is not None:
+                bad &= arrays[where] != 0 if where in arrays else False
             if bad.any():
                 i = int(np.argmax(bad))
                 raise BadInput(f"{path}: key '{group}/{coord}': {_row(arrays[coord], cols, bad)} is not below "

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import h5py
-
 from core.errors import BadInput
 from runstore import META, SCALAR_DIR, RunReader, check_table, table_columns
+from runstore.h5file import open_h5
 from sources import Source
 
 
@@ -24,14 +23,16 @@ def _load(path: Path):
 
 
 def _read_stats(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """A step file's ``tensor_stats`` rows, checked where they enter (runstore.check_table: columns, types,
+    counts >= 0, norms >= 0), and whether the file holds full tensors."""
     try:
-        with h5py.File(path, "r") as h5:
+        with open_h5(path) as h5:
             if "tensor_stats" not in h5:
                 return [], "tensors" in h5
             cols = table_columns(h5["tensor_stats"])
             has_tensors = "tensors" in h5
-    except OSError as exc:
-        raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:80]})") from None
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise BadInput(f"{path}: 'tensor_stats' not readable ({' '.join(str(exc).split())[:80]})") from None
     check_table(path, "tensor_stats", cols)
     n = len(cols.get("order", []))
     rows = [{k: (v[i].item() if hasattr(v[i], "item") else v[i]) for k, v in cols.items()} for i in range(n)]
