@@ -180,6 +180,25 @@ def test_backward_only_fault_is_named_by_its_own_backward_error(baseline, tmp_pa
         assert rows[name]["own_verdict"] == "pass" and rows[name]["bwd_own_verdict"] == "pass", rows[name]
     (f,) = [f for f in summary["findings"] if f["stage"] == "isolation" and f["verdict"] == "fail"]
     assert f["metric"] == "bwd_own_rel_l2" and f["component"] == "decoder.layers.1.pre_mlp_layernorm"
+    # the diagnosis says the exact next command: the repro folder of that module, from this isolation run
+    (culprit,) = [d for d in summary["diagnosis"] if d["stage"] == "isolation"]
+    assert (f"align repro {tmp_path / 'iso'} --module decoder.layers.1.pre_mlp_layernorm --candidate-yaml "
+            in culprit["next"])
+
+
+def test_next_names_a_module_and_its_layer_where_a_stage_names_a_parameter() -> None:
+    """{module} / {layer} in a stage's ``next``: what `align isolate --modules` and `align repro --module` want,
+    from a parameter, a tensor row or a module."""
+    from align.procedure.diagnosis import layer_of, module_of
+
+    assert module_of("decoder.layers.1.pre_mlp_layernorm.weight") == "decoder.layers.1.pre_mlp_layernorm"
+    assert module_of("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.0.self_attention.linear_qkv"
+    assert module_of("decoder.layers.2.mlp forward.output.0") == "decoder.layers.2.mlp"
+    assert module_of("decoder.layers.1.mlp") == "decoder.layers.1.mlp"
+    assert layer_of("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight") == "decoder.layers.1"
+    assert layer_of("embedding.word_embeddings.weight") == "embedding.word_embeddings"
+    assert layer_of("mtp.layers.0.eh_proj.weight") == "mtp.layers.0"
 
 
 def test_graph_isolation_of_a_correct_candidate_passes(baseline, tmp_path: Path) -> None:

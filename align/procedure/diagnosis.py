@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from align.stages import PARTS, Stage, registry
@@ -84,14 +85,44 @@ def _explains(cause: tuple[Stage, Finding], effect: tuple[Stage, Finding], mutua
     return not mutual or cause[0].order > effect[0].order
 
 
+_PARAM_LEAF = re.compile(r"\.(weight\d*|bias\d*|layer_norm_weight|layer_norm_bias|expert_bias|embedding_weight)$")
+_LAYER_PREFIX = re.compile(r"^(.*?layers\.\d+)(\.|$)")
+
+
+def module_of(component: str) -> str:
+    """The module a component names: a parameter's owner (``...pre_mlp_layernorm.weight`` -> ``...pre_mlp_layernorm``),
+    a tensor row's module (``decoder.layers.1.mlp forward.output.0`` -> ``decoder.layers.1.mlp``), else itself."""
+    return _PARAM_LEAF.sub("", component.split(" ")[0])
+
+
+def layer_of(component: str) -> str:
+    """The transformer layer holding a component (``decoder.layers.1``), else its module (the embedding, the
+    output layer, the final norm): where `align isolate --modules` starts."""
+    m = _LAYER_PREFIX.match(module_of(component))
+    return m.group(1) if m else module_of(component)
+
+
 def _entry(stage: Stage, f: Finding, consequence_of: str | None, fill: dict[str, str]) -> dict[str, Any]:
-    """A diagnosis entry; ``next`` with the component and the user's own paths filled in."""
-    nxt = stage.next.replace("{component}", "" if f.component is None else str(f.component) or "the component")
+    """A diagnosis entry; ``next`` with the component (and its module, its layer) and the user's own paths
+    filled in."""
+    comp = None if f.component is None else str(f.component)
+    nxt = stage.next.replace("{component}", "" if comp is None else comp or "the component")
+    nxt = nxt.replace("{module}", module_of(comp) if comp else "MODULE")
+    nxt = nxt.replace("{layer}", layer_of(comp) if comp else "decoder.layers.N")
     for key, value in fill.items():
         nxt = nxt.replace("{" + key + "}", value)
     return {"stage": stage.name, "component": f.component, "metric": f.metric, "value": f.value,
             "threshold": f.threshold, "verdict": f.verdict, "message": f.message, "why": stage.why,
             "next": nxt, "consequence_of": consequence_of}
+
+
+def _isolation_run(results: dict[str, StageResult]) -> str:
+    """The `align isolate` output folder the isolation stage read (its evidence file's run), for ``{isolation}``."""
+    res = results.get("isolation")
+    f = Path(str(res.details.get("file"))) if res is not None and res.details.get("file") else None
+    if f is None:
+        return "ISOLATION_RUN"
+    return str(f.parent.parent) if f.parent.name == "evidence" else str(f)
 
 
 def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None,
@@ -103,7 +134,8 @@ def diagnose(results: dict[str, StageResult], stages: list[Stage] | None = None,
     Only failing stages are candidates; a warning is not a culprit, but a warning a candidate explains is listed
     as its consequence. Empty when nothing fails.
     """
-    fill = {"baseline": "BASELINE", "candidate": "CANDIDATE", "candidate_yaml": "CANDIDATE.yaml", **(fill or {})}
+    fill = {"baseline": "BASELINE", "candidate": "CANDIDATE", "candidate_yaml": "CANDIDATE.yaml",
+            "isolation": _isolation_run(results), **(fill or {})}
     by_name = {s.name: s for s in (stages or registry())}
     failing = [(by_name[n], r) for n, r in results.items() if r.verdict == "fail" and n in by_name]
     failing.sort(key=lambda sr: sr[0].order)

@@ -92,5 +92,7 @@ STAGE = Stage(
     part="step 1 and 2", explains=("layer_tensors", *AFTER_STEP1),
     why=("Run on the baseline's own input, this module's output still departs: its own computation differs (a "
          "kernel, a precision, an epsilon, a weight layout), not what it inherits."),
-    next=("compare {component}'s implementation and settings on both sides (compute dtype, epsilon, weight "
-          "layout)"))
+    next=("align repro {isolation} --module {module} --candidate-yaml {candidate_yaml} --out repro_{module}: "
+          "its input, weights and both outputs with a PyTorch and a MindSpore script that show the difference "
+          "without this tool (send it to the framework team); compare {module}'s implementation and settings on "
+          "both sides (compute dtype, epsilon, weight layout, its backward when the gradient departs)"))

@@ -145,5 +145,6 @@ STAGE = Stage(
     why=("The first module whose tensor departs beyond its noise at step 1: the difference starts here; the "
          "modules after it (and the loss, the gradients, the long run) inherit it."),
     next=("align isolate {baseline} --candidate-yaml {candidate_yaml} --candidate-ckpt CANDIDATE_STEP1.safetensors "
-          "--modules '{component}' --out isolation_run, then align report ... --isolation isolation_run: its own "
-          "error or an inherited one"))
+          "--modules '{layer}' --modules '{layer}.*' --out isolation_run (gradients too where the baseline holds a "
+          "module backward capture of that step), then align report {baseline} {candidate} --isolation "
+          "isolation_run: {module}'s own error or an inherited one"))
