@@ -106,7 +106,7 @@ def read_seed_batch(root: Path, step: int, rank: int = 0,
     out = {}
     for key in keys:
         path = folder / f"{key}.npy"
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():     # a FIFO or a device there: refused by load_npy
             raise BadInput(f"{path}: missing")
         out[key] = load_npy(path)
     return out
