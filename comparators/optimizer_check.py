@@ -99,7 +99,7 @@ def compare_updates(before: MappingABC[str, np.ndarray], after_baseline: Mapping
                         f"{w['name']} at {w['rel_diff']:.3g} relative)"))
     res.details = {"compared": len(rows), "failing": len(bad), "rtol": list(rtol), "dtype": dtype,
                    "decay_mismatch": decayed, "worst": rows[:top],
-                   "noise_floor": {"pass_ratio": nf.PASS_RATIO, "fail_ratio": nf.FAIL_RATIO,
+                   "noise_floor": {"pass_ratio": nf.ratios(len(rows))[0], "fail_ratio": nf.ratios(len(rows))[1],
                                    "worst_ratio": max((r["ratio"] for r in rows if r["ratio"] is not None),
                                                       default=None)},
                    "power": nf.power(judgements, "parameters' updates"),
@@ -116,7 +116,9 @@ def _apply_floors(rows: list[dict[str, Any]], rtol: tuple[float, float]) -> list
     Both optimizers step on the same gradients, so a repeat's gradient noise does not apply: the floor is the
     rounding of ``w - lr*u`` (``NOISE_ULPS`` ulps of |w|, relative to the update) or the spread of the clean
     rows (the median of all parameters' differences), whichever is larger. A fault on a few parameters stands
-    out from the median; one on all of them is left to the dtype line, which stays the upper bound."""
+    out from the median; one on all of them is left to the dtype line, which stays the upper bound. All rows are
+    judged at once, so the floor lines grow by the Bonferroni factor for that many (noise_floor.ratios): a clean
+    pair's largest row stays under them at the stated rates."""
     diffs = sorted(r["rel_diff"] for r in rows if np.isfinite(r["rel_diff"]))
     median = float(np.median(diffs)) if diffs else None
     out = []
@@ -127,7 +129,7 @@ def _apply_floors(rows: list[dict[str, Any]], rtol: tuple[float, float]) -> list
         else:
             floor = nf.Floor(rounding, f"rounding of w - lr*u ({NOISE_ULPS:g} ulps of |w|)")
         j = nf.judge(r["rel_diff"], floor, (r["threshold"], rtol[1] + (r["threshold"] - rtol[0])),
-                     pass_ratio=nf.PASS_RATIO, fail_ratio=nf.FAIL_RATIO)
+                     judged=len(rows))
         out.append(j)
         verdict = "pass" if r["diff_norm"] <= r["noise"] else nf.worst(r["verdict"], j.verdict)
         r.update(j.columns(), verdict=verdict, threshold=j.threshold,
