@@ -366,3 +366,69 @@ def check_side(run: Any, side: str, *, trajectory: Any = None, search: int = STE
         if not c.causes:
             c.causes = ["no table of this step read back (see the run store's incomplete steps)"]
     return res
+
+
+@dataclass
+class BatchCheck:
+    """One run's batch rows per step (summed over its DP ranks) against the global batch size it recorded."""
+
+    side: str
+    expected: int | None
+    source: str = ""
+    status: str = "unchecked"
+    why: str = ""
+    steps: list[int] = field(default_factory=list)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "why": self.why, "global_batch_size": self.expected, "source": self.source,
+                "steps_checked": len(self.steps), "failed": self.failed[:10]}
+
+
+def check_batch_rows(run: Any, side: str, expected: int | None, source: str, limit: int = STEP_SEARCH) -> BatchCheck:
+    """The samples a run recorded per step (each DP rank's batch rows, TP / CP copies once, pipeline stages
+    joined: runstore.dp_batches) against its own global batch size (``expected``, from its config), at its
+    first ``limit`` complete steps with batches. A step a rank never finished is left out (a killed run)."""
+    from runstore import dp_batches
+    from runstore.batches import data_groups
+
+    res = BatchCheck(side, expected, source)
+    store = getattr(run, "store", None)
+    if store is None:
+        res.why = "no recorded batches (not a run store)"
+        return res
+    if not isinstance(expected, int) or isinstance(expected, bool) or expected <= 0:
+        res.why = "no global batch size in the run's config"
+        return res
+    torn = {i.step for i in store.incomplete}
+    par = (run.meta or {}).get("parallel") or {}
+    dp_size = int(par.get("dp", 0) or 0) if isinstance(par, dict) else 0
+    for step in store.array_steps():
+        if len(res.steps) >= limit:
+            break
+        if step in torn:
+            continue
+        ranks = store.array_ranks(step)
+        per = {dp: int(np.shape(b["tokens"])[0]) for dp, b, _, _, _ in
+               dp_batches(store, step, ["tokens"], data_groups(store, ranks)) if "tokens" in b}
+        if not per:
+            continue
+        res.steps.append(step)
+        rows = sum(per.values())
+        if rows == expected:
+            continue
+        causes = []
+        if dp_size and len(per) < dp_size:
+            causes.append(f"DP rank(s) {_ranges(set(range(dp_size)) - set(per))} of {dp_size} hold no batch at this "
+                          "step (their step files or batch arrays are absent)")
+        causes.append(f"rows per DP rank {per}")
+        if rows and expected % rows == 0:
+            causes.append(f"1/{expected // rows} of the global batch recorded")
+        elif rows % expected == 0:
+            causes.append(f"{rows // expected}x the global batch recorded (replicas counted as DP ranks?)")
+        res.failed.append({"step": step, "rows": rows, "expected": expected, "causes": causes})
+    if not res.steps:
+        res.why = "no step with recorded batches"
+        return res
+    res.status = "fail" if res.failed else "pass"
+    return res

@@ -291,3 +291,32 @@ def test_unchecked_when_the_total_is_not_independent(tmp_path: Path) -> None:
     chk = check_side(open_store(tmp_path / "s"), "candidate")
     assert chk.status == "unchecked" and "computed by the dumper from these same named norms" in chk.why
     assert chk.trusted(1)
+
+
+def test_batch_rows_against_the_recorded_global_batch(megatron: Path, tmp_path: Path) -> None:
+    """The samples a store recorded per step (DP ranks' batches, PP stages joined, CP chunks once) against the
+    global batch size of its Megatron arguments: DP=2, PP=2 and CP=2 hold all 4; DP rank 1's batches dropped, the
+    stage fails naming that DP rank."""
+    from align.stages import Evidence, Inputs, run_stages
+
+    def stage(name: str, drop: bool = False) -> dict:
+        store = _copy(megatron / name, tmp_path / f"{name}{int(drop)}")
+        meta = json.loads((store / "meta.json").read_text())
+        meta["config"]["values"]["global_batch_size"] = 4
+        (store / "meta.json").write_text(json.dumps(meta))
+        if drop:
+            for f in store.glob("steps/step_*/rank_00001.h5"):
+                with h5py.File(f, "r+") as h5:
+                    del h5["batch"]
+        res = run_stages(Evidence.load(Inputs(str(megatron / "tp2"), str(store))), only=["evidence_totals"])
+        return res["evidence_totals"]
+
+    for name in ("distopt", "pp2", "cp2"):
+        st = stage(name)
+        assert st.details["batches"]["candidate"]["status"] == "pass", (name, st.details["batches"])
+        assert st.details["batches"]["candidate"]["steps_checked"] == 2
+    st = stage("distopt", drop=True)
+    bad = [f for f in st.findings if f.metric == "batch_rows_vs_global_batch" and f.verdict == "fail"]
+    assert [(f.component, f.value, f.threshold) for f in bad] == [("candidate", 2, 4)]
+    assert "DP rank(s) 1 of 2 hold no batch" in bad[0].message
+    assert st.details["batches"]["baseline"]["why"] == "no global batch size in the run's config"

@@ -2,13 +2,15 @@
 the comparators recombine them (TP / EP slices, pipeline stages, DP / CP replicas, optimizer parts, experts),
 must give back the run's own global gradient norm at every step (comparators.evidence_totals). Where they do
 not, the recombination is wrong for that run's layout, and the stages that judge named norms say so instead of
-judging the model on them."""
+judging the model on them. Likewise the samples a Megatron run recorded per step (its DP ranks' batches) against
+the global batch size of its own arguments."""
 
 from __future__ import annotations
 
 from align.stages import Stage
 from align.stages.evidence import Evidence
-from comparators.evidence_totals import SideCheck
+from comparators.evidence_totals import BatchCheck, SideCheck, check_batch_rows
+from core.errors import BadInput
 from core.findings import Finding, StageResult, skipped
 from reports.html import table
 
@@ -28,11 +30,39 @@ def _fail_message(chk: SideCheck) -> str:
             + ". The named norms of this run are not judged (step-1 local norms, norm trajectories)")
 
 
+def _batch_checks(ev: Evidence) -> dict[str, BatchCheck]:
+    """Each run's recorded batch rows per step against the global batch size its Megatron arguments give (a
+    MindFormers replay's samples are checked one by one by the data stage)."""
+    out = {}
+    for role in ("baseline", "candidate"):
+        run = ev.baseline if role == "baseline" else ev.candidate
+        try:
+            cfg = ev.config(role)
+        except BadInput:        # an unreadable config is reported by the checklist
+            cfg = None
+        expected = cfg[1].get("global_batch_size") if cfg and cfg[0] == "megatron_args" else None
+        out[role] = check_batch_rows(run, role, expected, "the Megatron arguments' global_batch_size")
+    return out
+
+
 def run(ev: Evidence) -> StageResult:
     checks: dict[str, SideCheck] = ev.evidence_totals
-    if all(c.status == "unchecked" for c in checks.values()):
+    batches = _batch_checks(ev)
+    if all(c.status == "unchecked" for c in (*checks.values(), *batches.values())):
         return skipped(NAME, "; ".join(f"{role}: {c.why}" for role, c in checks.items()))
     res = StageResult(NAME)
+    for role, b in batches.items():
+        if b.status == "fail":
+            f = b.failed[0]
+            res.add(Finding(NAME, "fail", role, "batch_rows_vs_global_batch", f["rows"], f["expected"],
+                            f"the {role} recorded {f['rows']} samples at step {f['step']} (its DP ranks' batches "
+                            f"together) but its global batch size is {f['expected']} ({b.source})"
+                            + (f", and at {len(b.failed) - 1} more step(s)" if len(b.failed) > 1 else "")
+                            + ". Likely: " + "; ".join(f["causes"])))
+        elif b.status == "pass":
+            res.add(Finding(NAME, "pass", role, "batch_rows_vs_global_batch", b.expected, b.expected,
+                            f"the {role}'s recorded batches hold its global batch of {b.expected} samples at all "
+                            f"{len(b.steps)} step(s) checked"))
     for role, chk in checks.items():
         if chk.status == "fail":
             c = chk.failed[0]
@@ -46,6 +76,7 @@ def run(ev: Evidence) -> StageResult:
                             f"{w.step}, line {w.tolerance:.2g}: float32 summation noise); layout {chk.layout}; "
                             f"total from {chk.source}" + (f" ({chk.why})" if chk.status == "bound" else "")))
     res.details = {role: c.to_json() for role, c in checks.items()}
+    res.details["batches"] = {role: b.to_json() for role, b in batches.items()}
     res.details["unchecked"] = {role: c.why for role, c in checks.items() if c.status == "unchecked"}
     return res
 
