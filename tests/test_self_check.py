@@ -320,3 +320,38 @@ def test_batch_rows_against_the_recorded_global_batch(megatron: Path, tmp_path: 
     assert [(f.component, f.value, f.threshold) for f in bad] == [("candidate", 2, 4)]
     assert "DP rank(s) 1 of 2 hold no batch" in bad[0].message
     assert st.details["batches"]["baseline"]["why"] == "no global batch size in the run's config"
+
+
+def _mindformers_log(path: Path, drop: str | None = None) -> Path:
+    """A MindFormers log with TrainingStateMonitor's named norms and MFLossMonitor's global_norm, 3 steps."""
+    from tests.helpers.mindformers_layouts import PREFIX
+
+    rng = np.random.default_rng(0)
+    names = ["embedding.word_embeddings.weight", NORM, "decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]
+    lines = []
+    for step in (1, 2, 3):
+        norms = {n: float(np.float32(rng.uniform(0.1, 2))) for n in names}
+        total = math.sqrt(sum(v * v for v in norms.values()))
+        lines += [PREFIX.format(line=1496) + f"Epoch:[  1/  1], step:[    {step}/    3] local_norm/{n}: {np.float32(v)}"
+                  for n, v in norms.items() if n != drop]
+        lines.append(PREFIX.format(line=747) + f"{{ Epoch:[  1/  1], step:[    {step}/    3], "
+                     "loss:[2.000000/2.000000], per_step_time: 886ms, lr: 0.0001, overflow cond: False, "
+                     f"loss_scale: 1.0, global_norm: [{np.float32(total)}], train_throughput_per_npu: 2.257T")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_mindformers_log_named_norms_against_its_global_norm(tmp_path: Path) -> None:
+    """A log's named norms (printed float32) against the same log's global_norm: within the printed line; a
+    parameter's lines missing, the deficit is named as the size of one parameter without a row."""
+    from comparators.trajectories import read_trajectory
+    from sources import load_run
+
+    run = load_run(_mindformers_log(tmp_path / "ok.log"))
+    chk = check_side(run, "candidate", trajectory=read_trajectory(run, "local_norm"))
+    assert chk.status == "pass" and chk.steps == [1, 2, 3] and chk.source.startswith("the log's global grad norm")
+    assert chk.worst.rel < 1e-7 < chk.worst.tolerance
+    run = load_run(_mindformers_log(tmp_path / "bad.log", drop=NORM))
+    chk = check_side(run, "candidate", trajectory=read_trajectory(run, "local_norm"))
+    assert chk.status == "fail" and chk.failed_steps == {1, 2, 3}
+    assert "holds less than the recorded total" in chk.failed[0].causes[-1]
