@@ -40,6 +40,7 @@ from core.errors import BadInput
 from core.findings import Finding, StageResult
 from core.forking import fork_child, kill_child
 from runstore import check_table
+from runstore.tables import decode_text
 
 STAGE = "norm_trajectories"
 #: Per-parameter norm tables a step file may hold (same columns as ``local_norm``), and what they measure.
@@ -79,7 +80,7 @@ def _plan(tables: list[tuple[dict[str, Any], dict[str, np.ndarray]]], where: str
     row0 = 0
     for k, (rinfo, cols) in enumerate(tables):
         path = where[k] if isinstance(where, list) else where
-        dec = {k: (np.char.decode(v, "utf-8") if v.dtype.kind == "S" else v) for k, v in cols.items()}
+        dec = decode_text(path, group, cols)
         check_table(path, group, dec)
         add_rank_table(out, dec, rinfo, row0, source=path)
         row0 += len(dec["name"])
@@ -93,9 +94,10 @@ def _plan(tables: list[tuple[dict[str, Any], dict[str, np.ndarray]]], where: str
 def _combine(plan: _Plan, norms: np.ndarray) -> np.ndarray:
     """[steps x rows] raw norms -> [steps x names] full norms (sqrt of the sum of the rows' squares)."""
     out = np.empty((norms.shape[0], len(plan.names)), dtype=np.float32)
-    for i in range(0, norms.shape[0], _CHUNK):
-        sq = np.square(norms[i:i + _CHUNK][:, plan.rows], dtype=np.float64)
-        out[i:i + _CHUNK] = np.sqrt(np.add.reduceat(sq, plan.starts, axis=1))
+    with np.errstate(over="ignore"):        # a norm beyond 1e154 squares to inf: its combined norm is inf, silently
+        for i in range(0, norms.shape[0], _CHUNK):
+            sq = np.square(norms[i:i + _CHUNK][:, plan.rows], dtype=np.float64)
+            out[i:i + _CHUNK] = np.sqrt(np.add.reduceat(sq, plan.starts, axis=1))
     return out
 
 

@@ -276,7 +276,7 @@ class RunReader:
     def scalar_records(self, rank: int) -> list[dict[str, Any]]:
         """One rank's scalar records in file order; a torn last line is listed in ``incomplete``."""
         path = self.root / SCALAR_DIR / f"rank_{rank:05d}.jsonl"
-        if not path.is_file():
+        if not path.exists() and not path.is_symlink():     # anything else there (a FIFO, a link) is refused
             return []
         records, torn = _parse_jsonl(path)
         if torn is not None:

@@ -32,8 +32,9 @@ _KINDS = ("grad", "init", "weight")
 def evidence_path(run_dir: str | Path) -> Path | None:
     """A run store's optimizer evidence: the one-process file, else the folder of per-rank shards."""
     base = Path(run_dir) / EVIDENCE_DIR
-    if (base / OPTIMIZER_EVIDENCE).is_file():
-        return base / OPTIMIZER_EVIDENCE
+    one = base / OPTIMIZER_EVIDENCE
+    if one.exists() or one.is_symlink():      # a FIFO, a device or a folder there: open_npz refuses it
+        return one
     shards = base / OPTIMIZER_EVIDENCE_SHARDS
     return shards if shards.is_dir() and any(shards.glob("rank_*.npz")) else None
 
@@ -55,7 +56,7 @@ def read_step1_file(path: str | Path) -> dict[str, dict[str, np.ndarray]]:
         if found is None:
             raise BadInput(f"{p}: no {EVIDENCE_DIR}/{OPTIMIZER_EVIDENCE} and no {EVIDENCE_DIR}/"
                            f"{OPTIMIZER_EVIDENCE_SHARDS}/rank_*.npz (the baseline's optimizer evidence)")
-        if found.is_dir():
+        if found.is_dir() and found.name != OPTIMIZER_EVIDENCE:
             return merge_step1_shards(found)
         path = found
     out: dict[str, dict[str, np.ndarray]] = {"grad": {}, "init": {}, "weight": {}}

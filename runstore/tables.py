@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -66,13 +67,27 @@ def table_columns(obj: h5py.Group | h5py.Dataset) -> dict[str, np.ndarray]:
             return {}
         check_dataset(path, obj.name, obj)
         rec = obj[...]
-        return {k: _decode(rec[k]) for k in obj.dtype.names}
+        return {k: _text(path, f"{obj.name.lstrip('/')}/{k}", lambda k=k: _decode(rec[k])) for k in obj.dtype.names}
     out = {}
     for k, ds in obj.items():
         if isinstance(ds, h5py.Dataset):
             check_dataset(path, ds.name, ds)
-            out[k] = _dataset_value(ds)
+            out[k] = _text(path, ds.name.lstrip("/"), lambda ds=ds: _dataset_value(ds))
     return out
+
+
+def decode_text(path: str | os.PathLike, group: str, cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Columns with their byte-string columns decoded as UTF-8 (numpy's vectorised decode); a column that is
+    not UTF-8 is a one-line BadInput naming the file and the column."""
+    return {k: _text(path, f"{group}/{k}", lambda v=v: np.char.decode(v, "utf-8")) if v.dtype.kind == "S" else v
+            for k, v in cols.items()}
+
+
+def _text(path: Path | str | os.PathLike, key: str, read: Any) -> Any:
+    try:
+        return read()
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path}: key '{key}': not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 _TEXT, _INT, _NUM = "OSU", "iub", "fiub"
