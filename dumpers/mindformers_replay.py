@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,10 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 # The plans of the replay running in this process: replayed step -> per-row arrays (sample_step, sample_index,
 # replay_hash), and the replayed steps in training order. Written by the dataset's generator, read by the dumper
 # callback at the training step that consumed the row.
-_PLANS: dict[int, dict[str, np.ndarray]] = {}
+_PLANS: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
 _ORDER: list[int] = []
 _LOCK = threading.Lock()
+_KEEP = 64     # plans kept: the data pipeline prefetches a few rows ahead of training, never this many
 
 
 def replayed_samples(train_step: int) -> dict[str, np.ndarray] | None:
@@ -332,6 +334,9 @@ class ReplaySource:
         with _LOCK:
             _PLANS[step] = {"sample_step": np.full(len(index), step, np.int64), "sample_index": index.astype(np.int64),
                             "replay_hash": hashes}
+            _PLANS.move_to_end(step)
+            while len(_PLANS) > _KEEP:
+                _PLANS.popitem(last=False)
         return out
 
     def _batch_ranks(self) -> list[int]:

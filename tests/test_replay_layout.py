@@ -151,6 +151,7 @@ def test_layouts_that_do_not_divide_or_lack_a_rank_are_refused_in_one_line(tmp_p
     ("other_step", "step 1: the row DP rank 1 trained as sample 2 differs from the baseline's sample 2 of step 1 "
                    "(tokens)"),
     ("swap", "step 2: DP rank 0 of 2 trained samples [1, 0] of baseline step 2: not the order"),
+    ("step_again", "step 2: the candidate trained baseline step 1's samples; the runs' steps are not aligned"),
 ])
 def test_each_replay_fault_is_named_by_step_and_sample(fault: str, expect: str, tmp_path: Path) -> None:
     whole = global_batches(4)
@@ -163,6 +164,8 @@ def test_each_replay_fault_is_named_by_step_and_sample(fault: str, expect: str, 
     elif fault == "other_step":       # rank 1 trained step 2's rows at step 1 under step 1's plan
         r1[1] = {**r1[1], "input_ids": r1[2]["input_ids"], "labels": r1[2]["labels"],
                  "loss_mask": r1[2]["loss_mask"], "replay_hash": r1[1]["replay_hash"]}
+    elif fault == "step_again":       # both ranks trained step 1's rows again at step 2, plan and all
+        r0[2], r1[2] = r0[1], r1[1]
     elif fault == "swap":             # rank 0's two samples of step 2 in the other order, plan and all
         r0[2] = {k: v[::-1].copy() for k, v in r0[2].items()}
     res = compare_batches(base, candidate_store(tmp_path / "cand", [r0, r1]))

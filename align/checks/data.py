@@ -510,6 +510,10 @@ def _compare_by_sample(baseline: Path, candidate: Path, limit: int | None) -> St
                                                 f"{sorted(bsteps)[:5]}: one training step replayed several")
             break
         bstep = bsteps.pop()
+        if bstep != step:
+            fault = ("sample_step", step, None, f"{where}: the candidate trained baseline step {bstep}'s samples; the "
+                                                "runs' steps are not aligned (the replay's steps option?)")
+            break
         got = _global_hashes(base, bgroups, bstep, cache) if bstep in base.array_steps() else None
         if got is None:
             fault = ("sample_step", step, None, f"{where}: replays baseline step {bstep}, whose batch the baseline "
