@@ -79,7 +79,14 @@ class StepCheck:
         return abs(self.recombined - self.recorded) / max(abs(self.recorded), 1e-30)
 
     @property
+    def finite(self) -> bool:
+        """Both totals finite: a step with a non-finite gradient is the NaN trace's, not a recombination's."""
+        return math.isfinite(self.recombined) and math.isfinite(self.recorded)
+
+    @property
     def ok(self) -> bool:
+        if not self.finite:
+            return True
         if self.bound:
             return self.recombined <= self.recorded * (1 + self.tolerance)
         return self.rel <= self.tolerance
@@ -337,15 +344,25 @@ def check_side(run: Any, side: str, *, trajectory: Any = None, search: int = STE
         checks.append(StepCheck(s, total, recorded[s], tol, "step reader", bound=subset))
     if trajectory is not None:     # every step, the first ones too: the trajectory stage reads them this way
         cols = np.asarray(trajectory.values, dtype=np.float64)
-        tot = np.sqrt(np.nansum(np.square(cols), axis=1))
+        if trajectory.present is not None:      # a name not recorded at a step: nothing (a NaN norm stays NaN)
+            cols = np.where(trajectory.present, cols, 0.0)
+        tot = np.sqrt(np.sum(np.square(cols), axis=1))
         for i, s in enumerate(trajectory.steps.tolist()):
             ref = recorded.get(s, float(series[s]) if s in series.index else math.nan)
             if not math.isfinite(ref):
                 continue
-            # a name absent at a step adds nothing to that step's total (NaN): the check shows it missing;
-            # the trajectory holds float32 norms: one more rounding each (2u on the total's line)
+            # a name absent at a step adds nothing to that step's total: the check shows it missing; the
+            # trajectory holds float32 norms: one more rounding each (2u on the total's line)
             checks.append(StepCheck(int(s), float(tot[i]), ref, tol + 2 * U32, "trajectory reader", bound=subset))
     checks.sort(key=lambda c: c.step)
+    skipped_steps = sorted({c.step for c in checks if not c.finite})
+    if skipped_steps:
+        res.warnings.append(f"steps {_ranges(skipped_steps)} not checked: a non-finite gradient norm (the NaN trace "
+                            "names its parameter)")
+    checks = [c for c in checks if c.finite]
+    if not checks:
+        res.why = "every step's gradient norm is non-finite"
+        return res
     res.steps = sorted({c.step for c in checks})
     res.worst = max(checks, key=lambda c: c.rel / c.tolerance)
     res.failed = [c for c in checks if not c.ok]
