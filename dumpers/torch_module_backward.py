@@ -145,8 +145,13 @@ class ModuleBackwardCapture:
                 skipped.append({"module": name, "reason": "not called at this step" if call is None else
                                 "its output got no gradient"})
                 continue
-            entry = self._replay(name, mod, call, arrays)
-            mods.append(entry)
+            try:
+                mods.append(self._replay(name, mod, call, arrays))
+            except Exception as exc:  # noqa: BLE001 - a capture never stops training: the module is listed
+                for k in [k for k in arrays if k.split("/", 2)[1:2] == [name]]:
+                    del arrays[k]
+                skipped.append({"module": name, "reason": f"replay failed: {type(exc).__name__}: "
+                                f"{' '.join(str(exc).split())[:200]}"})
         step, self._step, self._calls = self._step, None, {}
         rank = _rank() if self.rank is None else self.rank
         meta = {"step": step, "rank": rank, "modules": mods, "skipped": skipped}
@@ -168,8 +173,10 @@ class ModuleBackwardCapture:
                 inputs.append({"key": key, "dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape),
                                "grad": v.is_floating_point()})
         params = [(f"{name}.{n}", p) for n, p in mod.named_parameters() if p.requires_grad]
-        args = tuple(leaves.get(_arg_name(mod, i), a) for i, a in enumerate(call["args"]))
-        kwargs = {k: leaves.get(k, v) for k, v in call["kwargs"].items()}
+        # the module gets copies of the leaves (a module may write its input in place: Megatron's mask fill)
+        args = tuple(leaves[_arg_name(mod, i)].clone() if _arg_name(mod, i) in leaves else a
+                     for i, a in enumerate(call["args"]))
+        kwargs = {k: leaves[k].clone() if k in leaves else v for k, v in call["kwargs"].items()}
         with torch.enable_grad():
             out = _first_tensor(mod(*args, **kwargs))
             assert out is not None

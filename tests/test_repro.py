@@ -3,8 +3,9 @@ fresh processes without this project on the path, reproduce the report's differe
 
 A Megatron-core baseline (2 layers, its step-1 module backward captured, its config recorded) and the
 MindFormers mcore candidate with the demo's norm_eps fault (rms_norm_eps 1e-2 instead of 1e-5): `align
-isolate` names the norms, `align repro` writes the folder of layer 0's input norm and of layer 1's MLP (a
-module that computes alike: the scripts show no difference there).
+isolate` names the norms and the attention (its q/k norms take the epsilon too), `align repro` writes the folder
+of layer 0's input norm, of its attention, and of layer 1's MLP (a module that computes alike: the scripts show
+no difference there).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-MODULES = ["decoder.layers.?.mlp", "decoder.layers.?.input_layernorm"]
+MODULES = ["decoder.layers.?.mlp", "decoder.layers.?.input_layernorm", "decoder.layers.?.self_attention"]
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +155,26 @@ def test_a_module_that_computes_alike_shows_no_difference_and_bad_input_is_one_l
     assert main(["repro", str(tmp_path / "empty"), "--module", "m", "--candidate-yaml", str(yaml_path),
                  "--out", str(tmp_path / "y")]) == 2
     assert "no isolation evidence" in capsys.readouterr().err
+
+
+def test_an_attention_repro_reproduces_it_with_mask_rope_and_float16_qkv(isolated, tmp_path: Path) -> None:
+    """Layer 0's attention (fused per-group QKV, q/k RMSNorm with the candidate's epsilon, RoPE from the captured
+    rotary embedding, the causal mask, MindFormers' float16 q/k/v): each script recomputes its own side and shows
+    the reported difference, forward and every gradient."""
+    from align.cli import main
+
+    iso, yaml_path, summary = isolated
+    rows = {r["module"]: r for r in summary["stages"]["isolation"]["per_module"]}
+    mod = "decoder.layers.0.self_attention"
+    assert rows[mod]["own_verdict"] == "fail"
+    out = tmp_path / "attn"
+    assert main(["repro", str(iso), "--module", mod, "--candidate-yaml", str(yaml_path), "--out", str(out)]) == 0
+    case = json.loads((out / "case.json").read_text())
+    assert case["kind"] == "attention" and case["attention"]["candidate_qkv_dtype"] == "float16"
+    assert set(case["weights"]["candidate"]) == {"qkv", "proj", "q_norm", "k_norm"}
+    torch_run, ms_run = _run(out / "repro_torch.py"), _run(out / "repro_mindspore.py")
+    assert torch_run["output | the baseline's saved output (itself)"] < 1e-6
+    assert ms_run["output | the candidate's saved output (itself)"] < 1e-3      # float16 q/k/v, reordered sums
+    assert ms_run["output | the baseline's saved output"] == pytest.approx(rows[mod]["own_rel_l2"], rel=1e-2)
+    for r, info in case["grads"].items():
+        assert ms_run[f"d {r} | the baseline's saved gradient"] == pytest.approx(info["report_own_rel_l2"], rel=5e-2)

@@ -31,8 +31,12 @@ from core.errors import BadInput
 from core.outputs import temp_beside
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, RunReader
 
-#: module kinds the scripts compute: norm (RMSNorm), linear (y = x W^T), mlp (gated SwiGLU, fc1 = [gate; up])
-KINDS = ("norm", "linear", "mlp")
+#: module kinds the scripts compute: norm (RMSNorm), linear (y = x W^T), mlp (gated SwiGLU, fc1 = [gate; up]),
+#: attention (Megatron's self-attention: fused per-group QKV, optional q/k RMSNorm, RoPE (rotate-half) from the
+#: captured rotary embedding, causal / given mask, GQA, softmax in float32, output projection)
+KINDS = ("norm", "linear", "mlp", "attention")
+_ATTENTION = {"linear_qkv.weight": "qkv", "linear_proj.weight": "proj", "q_layernorm.weight": "q_norm",
+              "k_layernorm.weight": "k_norm"}
 
 
 def isolation_file(path: str | Path) -> Path:
@@ -56,14 +60,16 @@ def _kind(module: str, params: list[str]) -> tuple[str, dict[str, str]]:
             return "linear", {"weight": name}
     if set(tails) == {"linear_fc1.weight", "linear_fc2.weight"}:
         return "mlp", {"fc1": tails["linear_fc1.weight"], "fc2": tails["linear_fc2.weight"]}
+    if {"linear_qkv.weight", "linear_proj.weight"} <= set(tails) <= set(_ATTENTION):
+        return "attention", {_ATTENTION[t]: p for t, p in tails.items()}
     raise BadInput(f"{module}: align repro writes scripts for {', '.join(KINDS)} modules (RMSNorm, a linear "
                    f"layer, a gated MLP without bias); this one holds {sorted(tails) or 'no weights'}")
 
 
 def _baseline_side(store: str, module: str, step: int, rank: int, weights: str | None
-                   ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
-    """(input, output gradient or None, weights) of the baseline's module: from its module backward capture
-    when there is one, else its full layer tensors and ``weights`` (a checkpoint)."""
+                   ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(input, output gradient or None, weights, its other inputs by name) of the baseline's module: from its
+    module backward capture when there is one, else its full layer tensors and ``weights`` (a checkpoint)."""
     from dumpers.mindspore_backward_isolation import backward_steps, read_backward
 
     if step in backward_steps(store, rank):
@@ -76,8 +82,9 @@ def _baseline_side(store: str, module: str, step: int, rank: int, weights: str |
             first = next((i["key"] for i in entry["inputs"] if i.get("grad")), None)
             w = {p: arr[f"weight/{module}/{p}"] for p in entry["params"] if f"weight/{module}/{p}" in arr}
             if first is not None and (w or weights is None):
+                others = {i["key"]: arr[f"input/{module}/{i['key']}"] for i in entry["inputs"] if i["key"] != first}
                 return arr[f"input/{module}/{first}"], arr[f"grad_output/{module}"], w or _read_module_weights(
-                    weights, module)
+                    weights, module), others
     from dumpers.mindspore_isolation import baseline_modules
 
     try:
@@ -91,7 +98,7 @@ def _baseline_side(store: str, module: str, step: int, rank: int, weights: str |
 
     with h5py.File(path, "r") as h5:
         x = np.asarray(h5[entry["input"]])
-    return x, None, _read_module_weights(weights, module)
+    return x, None, _read_module_weights(weights, module), {}
 
 
 def _read_module_weights(path: str | None, module: str) -> dict[str, np.ndarray]:
@@ -140,8 +147,11 @@ def write_repro(isolation: str | Path, module: str, out: str | Path, *, candidat
     store, step, rank = str(meta.get("baseline")), int(meta.get("step") or 1), int(meta.get("rank") or 0)
     if not Path(store).is_dir():
         raise BadInput(f"{isolation}: its baseline store {store} is not there (the inputs come from it)")
-    x, gout, w_b = _baseline_side(store, module, step, rank, baseline_weights)
+    x, gout, w_b, others = _baseline_side(store, module, step, rank, baseline_weights)
     kind, roles = _kind(module, sorted(w_b))
+    extra: dict[str, Any] = {}
+    if kind == "attention":
+        extra = _attention_case(module, others, w_b[roles["proj"]], params, candidate_cfg)
     cw = candidate_weights or meta.get("weights")
     if not cw or not Path(str(cw)).exists():
         raise BadInput(f"{isolation}: the candidate's weights {cw} are not there: pass --candidate-ckpt")
@@ -164,9 +174,11 @@ def write_repro(isolation: str | Path, module: str, out: str | Path, *, candidat
                      "candidate": {"eps": eps_c if eps_c is not None else 1e-5,
                                    "dtype": _np_dtype(entry.get("dtype_candidate"))}},
         "outputs": {"baseline": "outputs/baseline.npy", "candidate": "outputs/candidate.npy"},
+        "attention": extra.get("attention"),
         "report": {"own_rel_l2": own.rel_l2, "own_cosine": own.cosine, "own_max_abs_err": own.max_abs_err},
         "grads": {}}
-    files: dict[str, np.ndarray] = {"inputs/x.npy": x, "outputs/baseline.npy": y_b, "outputs/candidate.npy": y_c}
+    files: dict[str, np.ndarray] = {"inputs/x.npy": x, "outputs/baseline.npy": y_b, "outputs/candidate.npy": y_c,
+                                    **extra.get("files", {})}
     if gout is not None:
         files["inputs/grad_output.npy"] = gout
     for side, w in (("baseline", w_b), ("candidate", w_c)):
@@ -183,6 +195,23 @@ def write_repro(isolation: str | Path, module: str, out: str | Path, *, candidat
             case["grads"][r] = {"what": what, "baseline": f"grads/baseline/{r}.npy",
                                 "candidate": f"grads/candidate/{r}.npy", "report_own_rel_l2": cmp.rel_l2}
     return _write_folder(Path(out), case, files)
+
+
+def _attention_case(module: str, others: dict[str, np.ndarray], proj: np.ndarray, params: Any,
+                    candidate_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The attention's other inputs (mask, rotary embedding) and shape settings; BadInput when missing."""
+    from align.checks.config import mindformers_attention_dtype
+
+    mask, rope = others.get("attention_mask"), others.get("rotary_pos_emb")
+    if mask is None or rope is None or not params.num_heads:
+        raise BadInput(f"{module}: an attention repro needs the baseline's attention_mask and rotary_pos_emb "
+                       "(its module backward capture) and the number of heads (the candidate YAML)")
+    heads = int(params.num_heads)
+    groups = int(params.num_query_groups or heads)
+    return {"files": {"inputs/attention_mask.npy": mask.astype(np.bool_), "inputs/rotary_pos_emb.npy": rope},
+            "attention": {"heads": heads, "groups": groups, "head_dim": int(proj.shape[1]) // heads,
+                          "mask": "inputs/attention_mask.npy", "rotary_pos_emb": "inputs/rotary_pos_emb.npy",
+                          "candidate_qkv_dtype": mindformers_attention_dtype(candidate_cfg) or "float32"}}
 
 
 def _np_dtype(d: Any) -> str:
@@ -243,6 +272,8 @@ def show(what, mine, other, label, report=None):
     rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
     cos = float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
     tail = "" if report is None else f"   (report: rel_l2={report:.3e})"
+    if report is not None and abs(rel - report) > 0.5 * max(report, 1e-6):
+        tail += "  <- NOT reproduced by this recomputation: the saved result comes from code these operators lack"
     print(f"{what:10s} vs {label:34s} rel_l2={rel:.3e} cosine={cos:.6f} max_abs_err={np.abs(a - b).max():.3e}{tail}")
 '''
 
@@ -256,11 +287,38 @@ S = CASE["settings"][SIDE]
 dtype = getattr(torch, S["dtype"])
 
 
+def rope(t, freqs):                      # Megatron's rotate-half RoPE on [s, b, n, d]
+    rot = freqs.shape[-1]
+    t, rest = t[..., :rot], t[..., rot:]
+    t1, t2 = torch.chunk(t, 2, dim=-1)
+    return torch.cat([t * torch.cos(freqs) + torch.cat([-t2, t1], -1) * torch.sin(freqs), rest], -1)
+
+
+def attention(x, w):
+    A = CASE["attention"]
+    s, b, _ = x.shape
+    n, g, d = A["heads"], A["groups"], A["head_dim"]
+    qkv = F.linear(x, w["qkv"]).view(s, b, g, (n // g + 2) * d)       # per query group: [q heads | k | v]
+    q, k, v = torch.split(qkv, [n // g * d, d, d], dim=-1)
+    q, k, v = q.reshape(s, b, n, d), k.reshape(s, b, g, d), v.reshape(s, b, g, d)
+    if "q_norm" in w:
+        q, k = F.rms_norm(q, (d,), w["q_norm"], eps=S["eps"]), F.rms_norm(k, (d,), w["k_norm"], eps=S["eps"])
+    freqs = torch.tensor(load(A["rotary_pos_emb"])).to(x.dtype)
+    q, k = rope(q, freqs), rope(k, freqs)
+    k, v = k.repeat_interleave(n // g, dim=2), v.repeat_interleave(n // g, dim=2)
+    scores = torch.einsum("sbnd,tbnd->bnst", q.float(), k.float()) / d ** 0.5
+    scores = scores.masked_fill(torch.tensor(load(A["mask"])), -10000.0)
+    ctx = torch.einsum("bnst,tbnd->sbnd", torch.softmax(scores, -1), v.float()).reshape(s, b, n * d)
+    return F.linear(ctx.to(x.dtype), w["proj"])
+
+
 def module(x, w):
     if CASE["kind"] == "norm":
         return F.rms_norm(x, (x.shape[-1],), w["weight"], eps=S["eps"])
     if CASE["kind"] == "linear":
         return F.linear(x, w["weight"])
+    if CASE["kind"] == "attention":
+        return attention(x, w)
     gate, up = torch.chunk(F.linear(x, w["fc1"]), 2, dim=-1)   # fc1 = [gate; up]
     return F.linear(F.silu(gate) * up, w["fc2"])
 
@@ -293,14 +351,48 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 CPU = ms.get_context("device_target") == "CPU"
 
 
+def rms_norm(x, weight):
+    if not CPU:                          # MindFormers' FusedRMSNorm kernel
+        return ops.rms_norm(x, weight, S["eps"])[0]
+    return x * ops.rsqrt(ops.mean(ops.square(x), -1, keep_dims=True) + S["eps"]) * weight
+
+
+def rope(t, freqs):                      # rotate-half RoPE on [s, b, n, d]
+    rot = freqs.shape[-1]
+    t, rest = t[..., :rot], t[..., rot:]
+    t1, t2 = ops.chunk(t, 2, -1)
+    return ops.cat([t * ops.cos(freqs) + ops.cat([-t2, t1], -1) * ops.sin(freqs), rest], -1)
+
+
+def attention(x, w):
+    A = CASE["attention"]
+    s, b, _ = x.shape
+    n, g, d = A["heads"], A["groups"], A["head_dim"]
+    qkv = ops.matmul(x, w["qkv"].T).reshape(s, b, g, (n // g + 2) * d)   # per query group: [q heads | k | v]
+    q, k, v = ops.split(qkv, [n // g * d, d, d], -1)
+    q, k, v = q.reshape(s, b, n, d), k.reshape(s, b, g, d), v.reshape(s, b, g, d)
+    if "q_norm" in w:
+        q, k = rms_norm(q, w["q_norm"]), rms_norm(k, w["k_norm"])
+    freqs = ms.Tensor(load(A["rotary_pos_emb"])).astype(x.dtype)
+    q, k = rope(q, freqs), rope(k, freqs)
+    low = getattr(ms, A["candidate_qkv_dtype"])     # MindFormers' flash-attention path: q, k, v (and out) cast
+    q, k, v = (t.astype(low).astype(ms.float32) for t in (q, k, v))
+    k, v = ops.repeat_interleave(k, n // g, 2), ops.repeat_interleave(v, n // g, 2)
+    scores = ops.matmul(q.transpose(1, 2, 0, 3), k.transpose(1, 2, 3, 0)) / d ** 0.5       # [b, n, s, t]
+    scores = ops.masked_fill(scores, ms.Tensor(load(A["mask"])), -10000.0)
+    ctx = ops.matmul(ops.softmax(scores, -1), v.transpose(1, 2, 0, 3))                   # [b, n, s, d]
+    ctx = ctx.astype(low).astype(x.dtype).transpose(2, 0, 1, 3).reshape(s, b, n * d)
+    return ops.matmul(ctx, w["proj"].T)
+
+
 def module(x, *ws):
     w = dict(zip(CASE["weights"][SIDE], ws))
     if CASE["kind"] == "norm":
-        if not CPU:                      # MindFormers' FusedRMSNorm kernel
-            return ops.rms_norm(x, w["weight"], S["eps"])[0]
-        return x * ops.rsqrt(ops.mean(ops.square(x), -1, keep_dims=True) + S["eps"]) * w["weight"]
+        return rms_norm(x, w["weight"])
     if CASE["kind"] == "linear":
         return ops.matmul(x, w["weight"].T)
+    if CASE["kind"] == "attention":
+        return attention(x, w)
     gate, up = ops.chunk(ops.matmul(x, w["fc1"].T), 2, -1)      # fc1 = [gate; up] (the baseline's layout)
     return ops.matmul(ops.silu(gate) * up, w["fc2"].T)
 
