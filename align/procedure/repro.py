@@ -10,9 +10,9 @@ showed (relative L2, cosine, max abs error) against the other side's saved outpu
 with ``allow_pickle=False``), settings JSON; the scripts import numpy and their framework only.
 
 The scripts write the module's math with the framework's public operators (RMSNorm, a linear layer, the
-gated SwiGLU MLP: the module kinds :data:`KINDS`), not the framework's module classes: those need a model
-config and (on CPU) this project's stand-ins. So they reproduce a difference in settings, weights, precision
-or a kernel; a difference in the candidate module's own Python (a hand-written bprop) shows as the recomputed
+gated SwiGLU MLP, self-attention: the module kinds :data:`KINDS`), not the framework's module classes: those
+need a model config and (on CPU) this project's stand-ins. So they reproduce a difference in settings, weights,
+precision or a kernel; a difference in the candidate module's own Python (a hand-written bprop) shows as the recomputed
 gradient agreeing with the baseline while the saved candidate gradient does not (both printed).
 """
 
@@ -63,7 +63,7 @@ def _kind(module: str, params: list[str]) -> tuple[str, dict[str, str]]:
     if {"linear_qkv.weight", "linear_proj.weight"} <= set(tails) <= set(_ATTENTION):
         return "attention", {_ATTENTION[t]: p for t, p in tails.items()}
     raise BadInput(f"{module}: align repro writes scripts for {', '.join(KINDS)} modules (RMSNorm, a linear "
-                   f"layer, a gated MLP without bias); this one holds {sorted(tails) or 'no weights'}")
+                   f"layer, a gated MLP, self-attention, without bias); this one holds {sorted(tails) or 'no weights'}")
 
 
 def _baseline_side(store: str, module: str, step: int, rank: int, weights: str | None
