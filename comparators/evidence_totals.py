@@ -38,7 +38,6 @@ import numpy as np
 
 from comparators.local_norms import ShardNorm, read_local_norms
 from core.errors import BadInput
-from models.mindformers_parallel import PRE_ALL_REDUCE
 
 U32 = 2.0 ** -24
 #: Sources of a stored global norm computed outside the named norms (Megatron's optimizer, MindFormers' cell).
@@ -68,7 +67,10 @@ class StepCheck:
     tolerance: float
     path: str                       # "step reader" (read_local_norms) or "trajectory reader" (read_trajectory)
     causes: list[str] = field(default_factory=list)
-    bound: bool = False             # the named norms cover a subset: the total may only stay below the recorded
+    # "subset": the named norms cover some parameters: their total may only stay below the recorded one;
+    # "dp": they are each DP rank's gradient before the all-reduce: the recorded total may only stay below the sum
+    # of the DP ranks' totals (the triangle inequality)
+    bound: str = ""
 
     @property
     def rel(self) -> float:
@@ -87,8 +89,10 @@ class StepCheck:
     def ok(self) -> bool:
         if not self.finite:
             return True
-        if self.bound:
+        if self.bound == "subset":
             return self.recombined <= self.recorded * (1 + self.tolerance)
+        if self.bound == "dp":
+            return self.recorded <= self.recombined * (1 + self.tolerance)
         return self.rel <= self.tolerance
 
     def to_json(self) -> dict[str, Any]:
@@ -259,6 +263,16 @@ def likely_causes(norms: dict[str, ShardNorm], info: dict[str, Any], meta: dict[
     return out
 
 
+def dp_bound(norms: dict[str, ShardNorm]) -> float:
+    """The all-reduced global norm's upper bound from pre-all-reduce entries: each DP rank's total (its TP / EP
+    slices root-sum-square) summed over the DP ranks (averaged under gradients_mean): ||sum g_d|| <= sum ||g_d||."""
+    ranks = sorted({d for e in norms.values() for parts in (e.pre_reduce or {}).values() for d in parts})
+    totals = [math.sqrt(sum((e.dp_rank_norm(d) or 0.0) ** 2 for e in norms.values() if e.pre_reduce)) for d in ranks]
+    whole = math.sqrt(sum(e.full_norm() ** 2 for e in norms.values() if not e.pre_reduce))
+    mean = any(e.reduce_mean for e in norms.values())
+    return (sum(totals) / len(totals) if mean and totals else sum(totals)) + whole
+
+
 def _step_totals(run: Any, steps: list[int]) -> dict[int, tuple[float, dict[str, ShardNorm], dict[str, Any]]]:
     out = {}
     src = run.store if getattr(run, "store", None) is not None else run
@@ -298,11 +312,6 @@ def check_side(run: Any, side: str, *, trajectory: Any = None, search: int = STE
         attrs = {s: _store_attrs(store, s) for s in norm_steps}
         first = next((a for a in attrs[norm_steps[0]].values() if a is not None), {})
         source = _attr_str(first.get("global_norm_source", "")) if first else ""
-        state = {_attr_str(a.get("grad_state", "")) for per in attrs.values() for a in per.values() if a}
-        if PRE_ALL_REDUCE in state and int(((run.meta or {}).get("parallel") or {}).get("dp", 1) or 1) > 1:
-            res.why = ("the named norms are each DP rank's gradient before the all-reduce (data-parallel mode): "
-                       "the all-reduced total is not known from them")
-            return res
         if source not in INDEPENDENT:
             res.why = ("the store's global norm was computed by the dumper from these same named norms (no optimizer "
                        "or training-cell total was handed to it): nothing independent to check against"
@@ -330,19 +339,20 @@ def check_side(run: Any, side: str, *, trajectory: Any = None, search: int = STE
     if not totals:
         res.why = "no step holds both named norms and a global grad norm"
         return res
-    first_info = next(iter(totals.values()))[2]
-    if PRE_ALL_REDUCE in first_info.get("grad_state", {}):
-        res.why = ("the named norms are each DP rank's gradient before the all-reduce (msrun worker logs): the "
-                   "all-reduced total is not known from them")
-        return res
+    pre = any(e.pre_reduce for e in next(iter(totals.values()))[1].values())
     numel = sum(e.full_numel() for e in next(iter(totals.values()))[1].values())
     rows = sum(len(e.rows) or len(e.shards) for e in next(iter(totals.values()))[1].values())
     tol = tolerance(numel, rows, printed)
-    subset = store is None and _monitor_subset(run.meta or {})
+    subset = "subset" if store is None and _monitor_subset(run.meta or {}) else ""
     checks: list[StepCheck] = []
-    for s, (total, _norms, _info) in totals.items():
-        checks.append(StepCheck(s, total, recorded[s], tol, "step reader", bound=subset))
-    if trajectory is not None:     # every step, the first ones too: the trajectory stage reads them this way
+    for s, (total, norms, _info) in totals.items():
+        if pre:
+            checks.append(StepCheck(s, dp_bound(norms), recorded[s], tol, "step reader", bound="dp"))
+        else:
+            checks.append(StepCheck(s, total, recorded[s], tol, "step reader", bound=subset))
+    # every step, the first ones too: the trajectory stage reads them this way (not pre-all-reduce norms: their
+    # DP ranks are kept apart by the step reader only)
+    if trajectory is not None and not pre:
         cols = np.asarray(trajectory.values, dtype=np.float64)
         if trajectory.present is not None:      # a name not recorded at a step: nothing (a NaN norm stays NaN)
             cols = np.where(trajectory.present, cols, 0.0)
@@ -366,10 +376,14 @@ def check_side(run: Any, side: str, *, trajectory: Any = None, search: int = STE
     res.steps = sorted({c.step for c in checks})
     res.worst = max(checks, key=lambda c: c.rel / c.tolerance)
     res.failed = [c for c in checks if not c.ok]
-    res.status = "bound" if subset else ("fail" if res.failed else "pass")
+    res.status = "fail" if res.failed else ("bound" if subset or pre else "pass")
     if subset:
         res.why = ("TrainingStateMonitor's target names a subset of the parameters: the recombined norms may only "
                    "stay below the log's global norm")
+    if pre:
+        res.why = ("the named norms are each DP rank's gradient before the all-reduce (msrun worker logs, "
+                   "data-parallel mode): the all-reduced total is not known from them, only bounded: it may not "
+                   "exceed the sum of the DP ranks' totals (their mean under gradients_mean)")
     for c in res.failed[:3]:
         got = totals.get(c.step)
         if got is None:

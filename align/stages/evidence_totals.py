@@ -23,6 +23,12 @@ def _fail_message(chk: SideCheck) -> str:
     c = chk.failed[0]
     n = len(chk.failed_steps)
     more = f" (and at {n - 1} more step(s))" if n > 1 else ""
+    if c.bound == "dp":
+        return (f"the {chk.side}'s named gradient norms are each DP rank's before the all-reduce; their DP ranks' "
+                f"totals add up to {c.recombined:.9g} at step {c.step}{more}, below the {chk.side}'s own global grad "
+                f"norm {c.recorded:.9g} ({chk.source}), which they bound: a DP rank's gradient is missing from them. "
+                f"Layout recorded: {chk.layout}. Likely: " + "; ".join(c.causes)
+                + ". The named norms of this run are not judged (step-1 local norms, norm trajectories)")
     return (f"the {chk.side}'s named gradient norms, recombined as the comparators recombine them ({c.path}), give "
             f"{c.recombined:.9g} at step {c.step}{more}, but the {chk.side}'s own global grad norm there is "
             f"{c.recorded:.9g} ({chk.source}): {c.rel:.3g} relative, beyond float32 summation noise "
@@ -69,12 +75,17 @@ def run(ev: Evidence) -> StageResult:
             res.add(Finding(NAME, "fail", role, "named_norms_vs_global_norm", c.rel, c.tolerance, _fail_message(chk)))
         elif chk.status in ("pass", "bound"):
             w = chk.worst
+            if chk.status == "bound":
+                text = (f"the {role}'s named norms are consistent with its own global grad norm at all "
+                        f"{len(chk.steps)} step(s) checked ({chk.steps[0]}-{chk.steps[-1]}), as a bound only: "
+                        f"{chk.why}; layout {chk.layout}; total from {chk.source}")
+            else:
+                text = (f"the {role}'s named norms recombine to its own global grad norm at all {len(chk.steps)} "
+                        f"step(s) checked ({chk.steps[0]}-{chk.steps[-1]}; worst {w.rel:.2g} relative at step "
+                        f"{w.step}, line {w.tolerance:.2g}: float32 summation noise); layout {chk.layout}; "
+                        f"total from {chk.source}")
             res.add(Finding(NAME, "pass", role, "named_norms_vs_global_norm", w.rel if w else None,
-                            w.tolerance if w else None,
-                            f"the {role}'s named norms recombine to its own global grad norm at all {len(chk.steps)} "
-                            f"step(s) checked ({chk.steps[0]}-{chk.steps[-1]}; worst {w.rel:.2g} relative at step "
-                            f"{w.step}, line {w.tolerance:.2g}: float32 summation noise); layout {chk.layout}; "
-                            f"total from {chk.source}" + (f" ({chk.why})" if chk.status == "bound" else "")))
+                            w.tolerance if w else None, text))
     res.details = {role: c.to_json() for role, c in checks.items()}
     res.details["batches"] = {role: b.to_json() for role, b in batches.items()}
     res.details["unchecked"] = {role: c.why for role, c in checks.items() if c.status == "unchecked"}
