@@ -111,7 +111,10 @@ class _GradRecorder:
                 if t is not None:
                     def grab(g: Any) -> None:
                         self.grad_out[name] = g.asnumpy().copy()
-                    t.register_hook(grab)
+                    try:
+                        t.register_hook(grab)
+                    except RuntimeError:     # an output no gradient flows to (listed as such by the caller)
+                        pass
             return out
 
         self._saved.append((cell, own))
