@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingABC
 from contextlib import contextmanager
@@ -38,7 +39,9 @@ def _torch_state(path: str | Path) -> dict[str, Any]:
     if zipfile.is_zipfile(path):   # torch.load does not check the CRCs torch.save wrote
         check_zip_crc(path, path)
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():   # a warning torch prints for a bad file would precede the one line
+            warnings.simplefilter("ignore")
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
         raise BadInput(f"{path}: not a loadable torch checkpoint with weights_only=True "
                        f"({exc.__class__.__name__})") from None

@@ -389,7 +389,9 @@ def load_legacy_file(path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
                        "save the model state_dict alone (torch.save(model.state_dict(), ...))")
     try:
         with ser.safe_globals([_resolve(g) for g in unsafe]):
-            obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=mmap)
+            with warnings.catch_warnings():   # a warning torch prints for a bad file would precede the one line
+                warnings.simplefilter("ignore")
+                obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=mmap)
     except BadInput:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -7,6 +7,7 @@ loses the .pt rows' full-tensor compare (they still compare by msprobe's statist
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,9 @@ def read_pt(path: str | Path) -> np.ndarray:
         raise BadInput(f"{path}: reading .pt tensor files needs torch (pip install 'xf-align[torch]')") from None
     regular_file(path, ".pt tensor file")
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():   # a warning torch prints for a bad file would precede the one line
+            warnings.simplefilter("ignore")
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file; one line names it
         raise BadInput(f"{path}: not a loadable tensor file ({exc.__class__.__name__})") from None
     if not isinstance(obj, torch.Tensor):

@@ -19,6 +19,7 @@ Nothing is unpickled beyond torch's ``weights_only`` loader and the torch_dist m
 
 from __future__ import annotations
 
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,7 +62,9 @@ class TorchFileWeights:
                            "not one: an old-format or pickled file is not loaded)")
         check_zip_crc(self.path, self.path)
         try:
-            obj = torch.load(str(self.path), map_location="cpu", weights_only=True, mmap=True)
+            with warnings.catch_warnings():   # a warning torch prints for a bad file would precede the one line
+                warnings.simplefilter("ignore")
+                obj = torch.load(str(self.path), map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
             raise BadInput(f"{self.path}: not loadable with weights_only=True ({type(exc).__name__}: "
                            f"{' '.join(str(exc).split())[:160]})") from None

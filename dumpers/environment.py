@@ -327,18 +327,23 @@ def _hash_range(path: Path, start: int, length: int) -> bytes:
 
 
 def _files_of(path: str | os.PathLike) -> list[tuple[str, Path]]:
+    """The regular files of a dataset path. A FIFO, a device (``/dev/zero``) or a dangling link, given or
+    inside the folder, is refused by name: hashing one blocks or never ends, skipping one hides a file."""
+    from runstore.schema import regular_file
+
     p = Path(path)
-    if p.is_file():
-        return [(p.name, p)]
-    if p.is_dir():
-        try:
-            files = sorted((f.relative_to(p).as_posix(), f) for f in p.rglob("*") if f.is_file())
-        except OSError as exc:
-            raise BadInput(f"{exc.filename or p}: cannot list ({exc.strerror})") from None
-        if not files:
-            raise BadInput(f"{p}: dataset folder holds no file")
-        return files
-    raise BadInput(f"{p}: no such dataset file or folder")
+    if not p.is_dir():
+        if not p.exists() and not p.is_symlink():
+            raise BadInput(f"{p}: no such dataset file or folder")
+        return [(p.name, regular_file(p, "dataset file"))]
+    try:
+        files = sorted((f.relative_to(p).as_posix(), regular_file(f, "dataset file"))
+                       for f in p.rglob("*") if not f.is_dir())
+    except OSError as exc:
+        raise BadInput(f"{exc.filename or p}: cannot list ({exc.strerror})") from None
+    if not files:
+        raise BadInput(f"{p}: dataset folder holds no file")
+    return files
 
 
 def hash_files(paths: Sequence[str | os.PathLike], workers: int | None = None) -> list[dict[str, Any]]:

@@ -41,6 +41,12 @@ _ROW = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")
 _VOCAB = re.compile(r"(^|\.)(embedding\.word_embeddings\.weight|output_layer\.weight)$")
 _EXPERTS = re.compile(r"\.mlp\.experts\.weight[12]$")
 _LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+# Bounds checked before anything is sized from a config's numbers (a printed config in a log is user input):
+# the largest shipped model has 94 layers and 1024-way clusters; these leave room without risking memory.
+MAX_LAYERS = 1 << 16
+MAX_SIZE = 1 << 16           # one parallel dimension
+MAX_WORLD = 1 << 20          # dp * tp * pp * cp
+_MODES = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2, "hybrid_parallel": 3, "stand_alone": 1}
 
 
 @dataclass(frozen=True)
@@ -85,12 +91,62 @@ class ParallelStrategy:
                 "dp_size": self.dp, "ep_size": self.ep}
 
 
-def _int(v: Any, key: str, default: int = 1) -> int:
+def _show(v: Any) -> str:
+    try:
+        text = repr(v)
+    except ValueError:            # an int too long to print
+        return f"a {type(v).__name__} too long to show"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(v: Any, key: str, default: int = 1, most: int = MAX_SIZE) -> int:
+    """A positive integer no larger than ``most``; ``default`` for a missing (None) value."""
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise BadInput(f"MindFormers parallel config: {key} must be a positive integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+        raise BadInput(f"MindFormers parallel config: {key} must be an integer from 1 to {most}, got {_show(v)}")
     return v
+
+
+def _flag(v: Any, key: str) -> bool:
+    """A switch: a bool (or 0 / 1); a string such as 'False' is refused, since bool('False') is True."""
+    if v is None:
+        return False
+    if isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)):
+        return bool(v)
+    raise BadInput(f"MindFormers parallel config: {key} must be True or False, got {_show(v)}")
+
+
+def _mode(v: Any) -> int:
+    if isinstance(v, str) and v in _MODES:   # MindSpore's context spells it out
+        return _MODES[v]
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 3:
+        return v
+    raise BadInput(f"MindFormers parallel config: parallel_mode must be 0-3 or one of {', '.join(_MODES)}, "
+                   f"got {_show(v)}")
+
+
+def _offset(v: Any) -> Any:
+    """``offset``: an integer, a list of integers (one per stage) or a list of such lists (one per chunk)."""
+    def bad() -> BadInput:
+        return BadInput(f"MindFormers parallel config: offset must be an integer or a list (of lists) of "
+                        f"integers from -{MAX_LAYERS} to {MAX_LAYERS}, got {_show(v)}")
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and abs(x) <= MAX_LAYERS
+
+    if v is None:
+        return 0
+    if is_int(v):
+        return v
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_SIZE:
+        raise bad()
+    if all(is_int(x) for x in v):
+        return list(v)
+    if all(isinstance(r, (list, tuple)) and len(r) <= MAX_SIZE and all(is_int(x) for x in r) for r in v) \
+            and sum(len(r) for r in v) <= MAX_SIZE:
+        return [list(r) for r in v]
+    raise bad()
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -104,37 +160,47 @@ def strategy_from_yaml(cfg: dict[str, Any]) -> ParallelStrategy:
     pc = cfg.get("parallel_config") or {}
     par = cfg.get("parallel") or {}
     mc = ((cfg.get("model") or {}).get("model_config") or {}) if isinstance(cfg.get("model"), dict) else {}
+    for key, block in (("parallel_config", pc), ("parallel", par), ("model.model_config", mc)):
+        if not isinstance(block, dict):
+            raise BadInput(f"MindFormers parallel config: {key} must be a mapping, got {_show(block)}")
     return strategy_from_config(pc, par, mc)
 
 
 def strategy_from_config(pc: Any, par: Any = None, mc: Any = None) -> ParallelStrategy:
     """From a ``parallel_config`` (dict or MindFormers' TransformerOpParallelConfig), the ``parallel`` block
-    (or MindSpore's auto-parallel context values) and the model config (layers, offset)."""
+    (or MindSpore's auto-parallel context values) and the model config (layers, offset).
+    Every value is checked (type and range) here, before anything is sized from it: BadInput otherwise."""
     par = par or {}
     mc = mc or {}
-    layers = next((_get(mc, k) for k in ("num_layers", "num_hidden_layers", "n_layer") if _get(mc, k)), None)
-    mode = _get(par, "parallel_mode", 1)
-    if isinstance(mode, str):   # MindSpore's context spells it out
-        mode = {"data_parallel": 0, "semi_auto_parallel": 1, "auto_parallel": 2, "hybrid_parallel": 3,
-                "stand_alone": 1}.get(mode, 1)
-    return ParallelStrategy(
+    key, layers = next(((k, _get(mc, k)) for k in ("num_layers", "num_hidden_layers", "n_layer")
+                        if _get(mc, k) is not None), ("num_layers", None))
+    s = ParallelStrategy(
         dp=_int(_get(pc, "data_parallel"), "data_parallel"), tp=_int(_get(pc, "model_parallel"), "model_parallel"),
         pp=_int(_get(pc, "pipeline_stage"), "pipeline_stage"),
         ep=_int(_get(pc, "expert_parallel"), "expert_parallel"),
         cp=_int(_get(pc, "context_parallel"), "context_parallel"),
         micro_batch_num=_int(_get(pc, "micro_batch_num"), "micro_batch_num"),
-        use_seq_parallel=bool(_get(pc, "use_seq_parallel", False)), parallel_mode=int(mode),
-        optimizer_parallel=bool(_get(par, "enable_parallel_optimizer", False)),
-        gradients_mean=bool(_get(par, "gradients_mean", False)),
-        num_layers=int(layers) if layers else None, offset=_get(mc, "offset", 0) or 0)
+        use_seq_parallel=_flag(_get(pc, "use_seq_parallel"), "use_seq_parallel"),
+        parallel_mode=_mode(_get(par, "parallel_mode", 1)),
+        optimizer_parallel=_flag(_get(par, "enable_parallel_optimizer"), "enable_parallel_optimizer"),
+        gradients_mean=_flag(_get(par, "gradients_mean"), "gradients_mean"),
+        num_layers=_int(layers, key, 1, MAX_LAYERS) if layers is not None else None,
+        offset=_offset(_get(mc, "offset")))
+    if s.world > MAX_WORLD:
+        raise BadInput(f"MindFormers parallel config: data_parallel x model_parallel x pipeline_stage x "
+                       f"context_parallel = {s.world} devices, more than {MAX_WORLD}")
+    return s
 
 
 def layer_stages(num_layers: int, pp: int, offset: Any = 0) -> list[int]:
     """Stage of each transformer layer, as MindFormers' LayerSetting assigns it: chunk (v, s) holds
     ``num_layers // (pp * V) + offset[v][s]`` layers, chunks in order (v major), layer -> its chunk's stage s.
     A 1-D offset is one chunk per stage; a 2-D one (``pp_interleave_num`` rows) the interleaved pipeline."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 0 <= num_layers <= MAX_LAYERS:
+        raise BadInput(f"MindFormers num_layers {_show(num_layers)}: expected an integer from 0 to {MAX_LAYERS}")
     if pp <= 1:
         return [0] * num_layers
+    offset = _offset(offset)
     rows = offset if isinstance(offset, (list, tuple)) else [int(offset)] * pp
     rows = [list(r) for r in rows] if rows and isinstance(rows[0], (list, tuple)) else [list(rows)]
     if any(len(r) != pp for r in rows):

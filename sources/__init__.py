@@ -85,14 +85,14 @@ def _detect(p: Path) -> str:
             if s.matches(p, None):
                 return s.kind
         known = "; ".join(s.describe for s in sources())
-        raise BadInput(f"{p}: directory is neither a run store nor another known layout ({known})")
+        raise BadInput(_looks(p) or f"{p}: directory is neither a run store nor another known layout ({known})")
     regular_file(p, "training log")   # a FIFO would block here, a device never end
     with open(p, "rb") as fh:
         head = fh.read(HEAD)
     if not head.strip() and p.stat().st_size < HEAD:
         raise BadInput(f"{p}: empty file")
     if head.startswith(b"\x89HDF") or head.startswith(b"\x93NUMPY") or looks_binary(head[:65536]):
-        raise BadInput(f"{p}: binary file, not a training log")
+        raise BadInput(_looks(p) or f"{p}: binary file, not a training log")
     for s in sources():
         if s.matches(p, head):
             return s.kind
@@ -102,7 +102,17 @@ def _detect(p: Path) -> str:
                 for s in sources():
                     if any(m in chunk for m in s.markers):
                         return s.kind
-    raise BadInput(f"{p}: not a recognised run (" + "; ".join(s.describe for s in sources()) + ")")
+    raise BadInput(_looks(p) or f"{p}: not a recognised run (" + "; ".join(s.describe for s in sources()) + ")")
+
+
+def _looks(p: Path) -> str | None:
+    """``"P: an environment capture (...), not a run ..."`` when ``p`` is recognisably another kind of input."""
+    from sources.input_kind import RUN_KINDS, not_this, what_it_is
+
+    kind = what_it_is(p)
+    if kind is None or kind in RUN_KINDS:
+        return None     # a damaged run of a kind we read: the generic line lists what each kind needs
+    return not_this(p, "a run (a run store, a Megatron or MindFormers log, a TensorBoard folder, a dump)", kind)
 
 
 def load_run(path: str | Path, kind: str | None = None) -> Run:

@@ -11,6 +11,7 @@ from typing import Any
 
 from core.errors import BadInput
 from runstore.schema import load_yaml, parse_json, read_bytes, regular_file, validate
+from sources import input_kind
 
 _ARG_LINE = re.compile(r"^\s{1,4}([A-Za-z_][A-Za-z0-9_]*) (?:\.+ )?(.*)$")
 _BLOCK_START = re.compile(r"-{5,} arguments -{5,}")
@@ -199,9 +200,11 @@ MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
         "pp_interleave_num": _POS, "residual_dtype": {"type": ["string", "boolean", "null"]},
         "fp32_residual_connection": {"type": ["string", "boolean", "null"]},
         "offset": {"type": ["integer", "array", "null"]}}}}},
+    # MindFormers refuses a null size (TransformerOpParallelConfig: Validator.check_positive_int)
     "parallel_config": {"type": ["object", "null"], "properties": {
-        k: _POS for k in ("data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num",
-                          "context_parallel", "expert_parallel")}},
+        k: {"type": "integer", "minimum": 1} for k in ("data_parallel", "model_parallel", "pipeline_stage",
+                                                       "micro_batch_num", "context_parallel",
+                                                       "expert_parallel")}},
     "moe_config": {"type": ["object", "null"], "properties": {
         "expert_num": _I, "num_experts_chosen": _I, "aux_loss_factor": {"type": _N}, "capacity_factor": {"type": _N},
         "aux_loss_factors": {"type": ["array", "null"], "items": _NUMS}}},
@@ -220,24 +223,86 @@ MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
 }}
 
 
+MEGATRON_WANTED = "Megatron arguments (a log with its arguments block, a launch script, or JSON arguments)"
+MINDFORMERS_WANTED = "a MindFormers YAML config"
+_NOT_MEGATRON = (input_kind.ENV_CAPTURE, input_kind.SUMMARY, input_kind.RUN_META, input_kind.RUN_STORE,
+                 input_kind.MSPROBE_JSON, input_kind.GOLDEN, input_kind.MINDFORMERS_LOG,
+                 input_kind.MINDFORMERS_YAML, input_kind.TORCH_ZIP, input_kind.SAFETENSORS, input_kind.NPY,
+                 input_kind.HDF5, input_kind.TFEVENTS)
+
+
 def read_megatron(path: str | Path) -> tuple[dict[str, Any], str]:
     """Megatron arguments from a log, a launch script or JSON, checked against MEGATRON_ARGS_SCHEMA.
-    Returns (args, kind)."""
+    Returns (args, kind). Another kind of input (an environment capture, a MindFormers YAML or log, a
+    checkpoint) is refused naming what it looks like, before anything is read as arguments."""
     p = regular_file(path, "Megatron arguments file")
+    looks = input_kind.what_it_is(p)
+    if looks in _NOT_MEGATRON:
+        raise BadInput(input_kind.not_this(p, MEGATRON_WANTED, looks))
     args, kind = _read_megatron(p)
     if kind == "script":   # '$VAR' the script never sets: unknown, not a value
         args = {k: v for k, v in args.items() if not (isinstance(v, str) and v.startswith("$"))}
-    return validate(args, MEGATRON_ARGS_SCHEMA, p), kind
+    return _bounded_megatron(validate(args, MEGATRON_ARGS_SCHEMA, p), p), kind
+
+
+def _bounded_megatron(args: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Counts the checklist sizes lists from (layers, pipeline stages, virtual chunks) within bounds."""
+    from models.mindformers_parallel import MAX_LAYERS, MAX_SIZE
+
+    for key, most in (("num_layers", MAX_LAYERS), ("pipeline_model_parallel_size", MAX_SIZE),
+                      ("num_virtual_stages_per_pipeline_rank", MAX_SIZE),
+                      ("num_layers_per_virtual_pipeline_stage", MAX_LAYERS),
+                      ("decoder_first_pipeline_num_layers", MAX_LAYERS),
+                      ("decoder_last_pipeline_num_layers", MAX_LAYERS)):
+        v = args.get(key)
+        if isinstance(v, int) and v > most:
+            raise BadInput(f"{where}: key '{key}': {v} is more than any model holds (at most {most})")
+    return args
+
+
+def _bounded(cfg: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """Counts the checklist sizes lists from (parallel sizes, layers, interleave chunks, offset entries) within
+    bounds, before anything is allocated from them. (An offset MindFormers would refuse is a checklist row.)"""
+    from models.mindformers_parallel import MAX_LAYERS, MAX_SIZE
+
+    pc = cfg.get("parallel_config") or {}
+    mc = ((cfg.get("model") or {}).get("model_config") or {})
+    checks = [(f"parallel_config.{k}", pc.get(k), MAX_SIZE) for k in (
+        "data_parallel", "model_parallel", "pipeline_stage", "micro_batch_num", "context_parallel",
+        "expert_parallel")]
+    checks += [(f"model.model_config.{k}", mc.get(k), MAX_LAYERS) for k in ("num_layers", "num_hidden_layers",
+                                                                            "n_layer", "pp_interleave_num")]
+    for key, v, most in checks:
+        if isinstance(v, int) and not isinstance(v, bool) and v > most:
+            raise BadInput(f"{where}: key '{key}': {v} is more than any model or cluster holds (at most {most})")
+    offset = mc.get("offset")
+    flat = [x for r in offset for x in (r if isinstance(r, list) else [r])] if isinstance(offset, list) else []
+    if len(flat) > MAX_SIZE or any(isinstance(x, int) and abs(x) > MAX_LAYERS for x in flat):
+        raise BadInput(f"{where}: key 'model.model_config.offset': more entries, or larger ones, than any "
+                       f"pipeline has")
+    return cfg
 
 
 def _read_megatron(p: Path) -> tuple[dict[str, Any], str]:
-    text = read_bytes(p, "Megatron arguments file").decode("utf-8", errors="replace")
+    raw = read_bytes(p, "Megatron arguments file")
+    text = raw.decode("utf-8", errors="replace")    # a log may hold a stray byte; JSON may not
     if p.suffix == ".json" or text.lstrip().startswith("{"):
-        obj = parse_json(text, p)
-        obj = obj.get("args", obj.get("config", obj)) if isinstance(obj, dict) else obj
+        try:
+            raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"{p}: JSON is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+        doc = parse_json(raw.decode("utf-8-sig"), p)
+        looks = input_kind.json_kind(doc)
+        if looks not in (None, input_kind.MEGATRON_ARGS_JSON):
+            raise BadInput(input_kind.not_this(p, MEGATRON_WANTED, looks))
+        obj = doc.get("args", doc.get("config", doc)) if isinstance(doc, dict) else doc
         if not isinstance(obj, dict):
             raise BadInput(f"{p}: JSON is not an object of arguments")
-        return {str(k).replace("-", "_").lstrip("_"): v for k, v in obj.items()}, "json"
+        args = {str(k).replace("-", "_").lstrip("_"): v for k, v in obj.items()}
+        if not set(args) & set(MEGATRON_ARGS_SCHEMA["properties"]):
+            raise BadInput(f"{p}: JSON holds none of Megatron's arguments (num_layers, hidden_size, "
+                           f"tensor_model_parallel_size, ...): not {MEGATRON_WANTED}")
+        return args, "json"
     if _BLOCK_START.search(text):
         block = parse_arguments_block(text)
         sizes = parse_world_line(text[: _BLOCK_START.search(text).start()])
@@ -253,8 +318,20 @@ def _read_megatron(p: Path) -> tuple[dict[str, Any], str]:
 
 
 def read_mindformers(path: str | Path) -> dict[str, Any]:
-    """A MindFormers YAML config, checked against MINDFORMERS_SCHEMA (one line naming the key when not)."""
+    """A MindFormers YAML config, checked against MINDFORMERS_SCHEMA (one line naming the key when not).
+    Another kind of input (an environment capture, a Megatron log or script, a checkpoint) is refused naming
+    what it looks like; so is a mapping that holds none of a MindFormers config's sections."""
+    regular_file(path, "MindFormers YAML")
+    looks = input_kind.what_it_is(path)
+    if looks not in (None, input_kind.MINDFORMERS_YAML):
+        raise BadInput(input_kind.not_this(path, MINDFORMERS_WANTED, looks))
     cfg = load_yaml(path, what="MindFormers YAML")
     if not isinstance(cfg, dict):
-        raise BadInput(f"{path}: YAML is not a mapping")
-    return validate(cfg, MINDFORMERS_SCHEMA, path)
+        raise BadInput(input_kind.not_this(path, MINDFORMERS_WANTED, looks) or f"{path}: YAML is not a mapping")
+    looks = input_kind.json_kind(cfg)
+    if looks is not None:
+        raise BadInput(input_kind.not_this(path, MINDFORMERS_WANTED, looks))
+    if not any(k in cfg for k in input_kind.MINDFORMERS_KEYS):
+        raise BadInput(f"{path}: holds none of a MindFormers config's sections "
+                       f"({', '.join(input_kind.MINDFORMERS_KEYS[:5])}, ...): not {MINDFORMERS_WANTED}")
+    return _bounded(validate(cfg, MINDFORMERS_SCHEMA, path), path)

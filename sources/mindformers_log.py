@@ -887,13 +887,14 @@ def parse_mindformers_dir(path: str | Path) -> Run:
     if not missing:
         meta["parallel"] = {"world_size": len(logs)}   # (with a rank missing, the world size is not known)
     cfg = meta.get("config")
-    if isinstance(cfg, dict) and isinstance(cfg.get("parallel_config"), dict):
-        try:   # the layout the printed config launched
+    if isinstance(cfg, dict) and cfg.get("parallel_config") is not None:
+        try:   # the layout the printed config launched (every value checked before it sizes anything)
             strategy = strategy_from_yaml(cfg)
+            layout = strategy.meta()
         except BadInput as exc:
             notes.append(f"parallel_config in the printed config not read: {exc}")
         else:
-            meta["parallel"] = {**strategy.meta(), **meta.get("parallel", {})}
+            meta["parallel"] = {**layout, **meta.get("parallel", {})}
             if not missing and strategy.world != len(logs):
                 notes.append(f"the printed parallel_config makes {strategy.world} ranks, but {len(logs)} worker "
                              "logs are here")

@@ -218,11 +218,15 @@ def megatron_pipeline_layers(g: Any) -> Any:
     """Decoder layers per pipeline stage, ``[[stage 0, stage 1, ...]]`` (one list per virtual chunk): the
     even split, or ``--decoder-first/last-pipeline-num-layers`` with the rest split evenly; None where the
     arguments do not fix it (a custom ``--pipeline-model-parallel-layout``) or without pipelining."""
+    from models.mindformers_parallel import MAX_LAYERS, MAX_SIZE
+
     pp, layers = g("pipeline_model_parallel_size") or 1, g("num_layers")
     if not isinstance(layers, int) or not isinstance(pp, int) or g("pipeline_model_parallel_layout"):
         return None
     if pp <= 1:
         return [[layers]]
+    if layers > MAX_LAYERS or pp > MAX_SIZE:     # nothing is sized from a count no model has
+        return f"{layers} layers over {pp} stages: more than any model holds"
     vpp = g("num_virtual_stages_per_pipeline_rank")
     if vpp is None and g("num_layers_per_virtual_pipeline_stage"):
         n = g("num_layers_per_virtual_pipeline_stage")
@@ -230,6 +234,8 @@ def megatron_pipeline_layers(g: Any) -> Any:
         if vpp is None:
             return f"{layers} layers do not split into {pp} stages of {n}-layer chunks"
     vpp = vpp or 1
+    if not isinstance(vpp, int) or not 0 < vpp <= MAX_SIZE:
+        return f"{vpp!r:.30} virtual stages per pipeline rank: not a usable count"
     first, last = g("decoder_first_pipeline_num_layers"), g("decoder_last_pipeline_num_layers")
     if first is None and last is None:
         split = _split_even(layers, pp * vpp)
@@ -253,6 +259,8 @@ def mindformers_pipeline_layers(cfg: dict[str, Any], layers: Any) -> Any:
     LayerSetting). None without pipelining; a text naming the problem where MindFormers would refuse it."""
     import numpy as np
 
+    from models.mindformers_parallel import MAX_LAYERS, MAX_SIZE
+
     pp = (cfg.get("parallel_config") or {}).get("pipeline_stage", 1) or 1
     if not isinstance(layers, int) or isinstance(layers, bool):
         return NOT_READ
@@ -262,6 +270,8 @@ def mindformers_pipeline_layers(cfg: dict[str, Any], layers: Any) -> Any:
     interleave = mc.get("pp_interleave_num", 1) or 1
     if not _get(cfg, "parallel.pipeline_config.pipeline_interleave", False):
         interleave = 1
+    if not isinstance(interleave, int) or layers > MAX_LAYERS or pp * interleave > MAX_SIZE:
+        return f"{layers} layers over {pp} stages x {interleave!r:.20} chunks: more than any model holds"
     offset = mc.get("offset", 0)
     offset = 0 if offset is None else offset
 

@@ -15,6 +15,7 @@ from align.stages import Stage
 from align.stages.evidence import Evidence
 from comparators.aux_losses import AuxSettings, compare_aux_losses
 from core.findings import StageResult
+from models.mindformers_parallel import MAX_LAYERS
 from models.mindformers_yaml import MCORE_ALIASES, NOT_READ, mcore_value, model_config
 from reports import html
 
@@ -24,11 +25,11 @@ _TERM = re.compile(r"\[\s*([01](?:\s*,\s*[01])*)\s*\](?:\s*\*\s*(\d+))?")
 def moe_pattern(num_layers: Any, freq: Any, first_k_dense: Any = None) -> list[int] | None:
     """Which decoder layers are MoE (1) as both frameworks read ``moe_layer_freq`` (an int N: every N-th
     layer; a list; Megatron's string form ``([0]*3+[1]*61)``) or MindFormers' ``first_k_dense_replace``;
-    None when it cannot be told."""
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+    None when it cannot be told (also for a layer count past MAX_LAYERS: nothing is sized from it)."""
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 0 < num_layers <= MAX_LAYERS:
         return None
     if isinstance(first_k_dense, int) and not isinstance(first_k_dense, bool) and first_k_dense:
-        k = max(first_k_dense, 0)
+        k = min(max(first_k_dense, 0), num_layers)     # k >= num_layers: every layer dense
         return [0] * k + [1] * (num_layers - k)
     if freq is None:
         freq = 1
@@ -41,9 +42,12 @@ def moe_pattern(num_layers: Any, freq: Any, first_k_dense: Any = None) -> list[i
         out: list[int] = []
         for part in text.split("+"):
             m = _TERM.fullmatch(part)
-            if m is None:
+            if m is None or len(m.group(2) or "") > 6:
                 return None
-            out += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
+            term = [int(x) for x in m.group(1).split(",")]
+            if len(out) + len(term) * int(m.group(2) or 1) > num_layers:   # counted before it is allocated
+                return None
+            out += term * int(m.group(2) or 1)
         return out if len(out) == num_layers else None
     return None
 
