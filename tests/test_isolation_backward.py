@@ -213,3 +213,26 @@ def test_graph_isolation_of_a_correct_candidate_passes(baseline, tmp_path: Path)
     assert "input:hidden_states" in whats and "weight:decoder.layers.1.mlp.linear_fc1.weight" in whats
     assert len([w for w in whats if w.startswith("weight:")]) == 8
     assert rows["decoder.layers.1.mlp"]["bwd_own_rel_l2"] < 1e-5
+
+
+def test_graph_needs_a_backward_capture_and_a_bad_capture_is_one_line(tmp_path: Path, capsys) -> None:
+    """--graph on a store without a module backward capture, and an unreadable capture: exit 2, one line, before
+    any model is built."""
+    from align.cli import main
+    from runstore import RunWriter
+
+    with RunWriter(tmp_path / "b", rank=0, meta={"framework": "megatron-core"}) as w:
+        w.put_array(1, "batch/tokens", np.zeros((1, 4), np.int64))
+        w.log_scalars(1, {"loss": 1.0})
+        w.finish_step()
+    (tmp_path / "c.yaml").write_text("model: {model_config: {}}\n")
+    argv = ["isolate", str(tmp_path / "b"), "--candidate-yaml", str(tmp_path / "c.yaml"), "--candidate-ckpt",
+            str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--graph"]) == 2
+    assert "--graph needs a module backward capture" in capsys.readouterr().err
+    bad = tmp_path / "b" / "evidence" / "module_backward" / "step_000001_rank_00000.npz"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"not a zip")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a module backward capture" in err and "\n" not in err and not (tmp_path / "o").exists()
