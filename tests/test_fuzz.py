@@ -359,17 +359,45 @@ def test_fuzz_importers_and_cli(tmp_path, capsys):
               "norm_2d": {"name": np.array(["a", "b"], dtype=text), "norm": np.ones((2, 3))},
               "no_norm": {"name": np.array(["a", "b"], dtype=text)},
               "complex": {"name": np.array(["a", "b"], dtype=text), "norm": np.ones(2, np.complex64)}}
-    for what, cols in tables.items():
+    # ... and every other table in runstore/tables.py, and the routing records, outside their contract (issue 38):
+    # refused with exit 2 in one line naming the table, never read as evidence
+    from runstore.routing import make_record, put_routing
+    cases = {("local_norm", what): cols for what, cols in tables.items()}
+    two = {"name": np.array(["a", "b"], dtype=text)}
+    cases[("param_norm", "negative")] = {**two, "norm": np.array([1.0, -2.0])}
+    cases[("update_norm", "text_tp_rank")] = {**two, "norm": np.ones(2), "tp_rank": np.array(["0", "1"], dtype=text)}
+    cases[("local_norm", "tp_rank_beyond")] = {**two, "norm": np.ones(2), "tp_rank": np.array([0, 3]),
+                                               "tp_size": np.array([2, 2])}
+    cases[("tensor_stats", "negative_nan_count")] = {
+        "order": np.arange(2), "module": np.array(["m", "n"], dtype=text), "kind": np.array(["o", "o"], dtype=text),
+        "nan": np.array([0, -4])}
+    cases[("tensor_stats", "no_order")] = {"module": np.array(["m", "n"], dtype=text),
+                                           "kind": np.array(["o", "o"], dtype=text)}
+    cases[("routing_counts", "negative_tokens")] = {"module": np.array(["r", "r"], dtype=text),
+                                                    "expert": np.arange(2), "tokens": np.array([3, -1])}
+    cases[("routing", "router_as_dataset")] = {}
+    z = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
+    for (group, what), cols in cases.items():
         k += 1
         root = tmp_path / f"case{k:04d}" / "store"
-        with RunWriter(root, meta={"framework": "megatron-core"}) as w:
-            for s in range(1, 6):
-                w.log_scalars(s, {"loss": 2.0 - s * 0.1})
-            for col, arr in cols.items():
-                w.put_array(1, f"local_norm/{col}", arr)
-            w.finish_step()
-        tally.cli(f"report table {what}", ["report", str(root), str(root), "--out", str(root.parent / "rep"),
-                                           "-q"], [str(root)])
+        for store, noise in ((root, 0.0), (root.parent / "repeat", 1e-3)):   # a repeat: param/update norms read
+            with RunWriter(store, meta={"framework": "megatron-core"}) as w:
+                for s in range(1, 6):
+                    w.log_scalars(s, {"loss": 2.0 - s * 0.1 + noise * (-1) ** s})
+                for col, arr in cols.items():
+                    w.put_array(1, f"{group}/{col}", arr)
+                if group.startswith("routing"):
+                    idx = np.argsort(-z, axis=1)[:, :2]
+                    put_routing(w, 1, make_record("decoder.layers.0.mlp.router", z, idx, np.full(idx.shape, 0.5),
+                                                  logits_dtype="float32", probs_dtype="float32"))
+                    if group == "routing":
+                        w.put_array(1, "routing/decoder.layers.1.mlp.router", np.array([np.nan, 1.0]))
+                w.finish_step()
+        rc = tally.cli(f"report table {group} {what}", ["report", str(root), str(root), "--repeat",
+                                                         str(root.parent / "repeat"), "--out",
+                                                         str(root.parent / "rep"), "-q"], [group])
+        if rc != 2:
+            tally.problems.append(f"report table {group} {what}: exit {rc}, expected a refusal naming {group}")
 
     # 6. check-data on the step_N/rank_R/*.npy layout
     rng.seed(SEED * 100 + 6)   # per section: file bytes with timestamps must not shift later ones
