@@ -149,6 +149,8 @@ def _npy_info(path: Path) -> tuple[list[int], str]:
     want = offset + math.prod(shape) * dtype.itemsize
     if dtype.hasobject or size < want:
         raise BadInput(f"{path}: truncated .npy ({size} of {want} bytes)")
+    if size != want:      # a .npy is its header and exactly its data: a damaged header declares another size
+        raise BadInput(f"{path}: .npy of {size} bytes, its header declares {want} (damaged header)")
     return list(shape), str(dtype)
 
 
@@ -273,6 +275,13 @@ def read_execution_order(path: Path) -> list[str]:
 
 
 _LAST = 1 << 62
+
+
+def _present(p: Path) -> bool:
+    """Whether a dump file is there, whatever it is (a FIFO or device named statistic.csv is then refused by
+    its reader, never taken for a missing file that leaves the iteration out)."""
+    return p.exists() or p.is_symlink()
+
 _SCOPED = ("Default_", "Default--", "Default/")     # forward kernels, which every execution order lists
 
 
@@ -308,11 +317,11 @@ class MindSporeDump:
         for graph, folder in sorted(found, key=lambda t: t[0]):
             kernels: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
             stat = folder / STAT_CSV
-            if stat.is_file():
+            if _present(stat):       # a FIFO / device there is refused when read, not skipped
                 for (op, io, slot), st in read_statistic_csv(stat).items():
                     kernels.setdefault(op, {})[(io, slot)] = dict(st)
             mfile = folder / MAPPING_CSV
-            mapping = read_mapping_csv(mfile) if mfile.is_file() else {}
+            mapping = read_mapping_csv(mfile) if _present(mfile) else {}
             for p in folder.iterdir():
                 found_file = _kernel_file(p, mapping)
                 if found_file is None:
@@ -360,7 +369,9 @@ class MindSporeDump:
                 if dtype is None or (f is None and "max" not in t):    # a raw file and no statistic.csv row
                     continue
                 if f is not None:
-                    shape, _ = _npy_info(f)
+                    shape, stored = _npy_info(f)
+                    if normalise_dtype(stored) not in (dtype, "float32" if dtype == "bfloat16" else dtype):
+                        raise BadInput(f"{f}: holds {stored}, its name says {t.get('dtype')} (damaged header)")
                     any_file = True
                 else:
                     shape = t.get("shape", [])
@@ -413,7 +424,7 @@ def _iteration_dirs(rank_dir: Path) -> list[tuple[int, int, Path]]:
 
 
 def _holds_kernels(folder: Path) -> bool:
-    return ((folder / STAT_CSV).is_file() or (folder / MAPPING_CSV).is_file()
+    return (_present(folder / STAT_CSV) or _present(folder / MAPPING_CSV)
             or any(_kernel_file(p, {}) for p in folder.iterdir()))
 
 
@@ -465,7 +476,7 @@ def read_mindspore_dump(path: str | Path) -> Run:
 
     d = open_mindspore_dump(path)
     saved = {"npy" if any(p.suffix == ".npy" for p in f.iterdir()) else "" for fs in d.folders.values()
-             for _, _, f in fs} | {"csv" if (f / STAT_CSV).is_file() else "" for fs in d.folders.values()
+             for _, _, f in fs} | {"csv" if _present(f / STAT_CSV) else "" for fs in d.folders.values()
                                    for _, _, f in fs}
     saved_data = {"npy": "tensor", "csv": "statistic"}
     mode = "full" if {"npy", "csv"} <= saved else next((saved_data[s] for s in saved if s), "unknown")

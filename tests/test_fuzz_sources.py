@@ -230,3 +230,126 @@ def test_msprobe_dump_folders(tmp_path):
             for a, b in zip(rows, ref, strict=True):
                 assert all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in ("max", "min", "norm"))
     _report("msprobe", counts)
+
+
+# --- MindSpore dump folders (issue 38) ---------------------------------------------------------------------------
+# The real dump in tests/data/mindspore_dump/base (MindSpore 2.10, CPU, GRAPH), damaged where damage can be told
+# from data: the execution order (control bytes, flipped bits, a lost line), the .npy headers (flipped bits, a
+# cut), statistic.csv (a BOM, control bytes, a non-digit flipped to a non-digit), and any file replaced by a FIFO,
+# a device or a folder. Bits flipped in tensor data are left out: no checksum tells them from other values.
+# READ-RIGHT-OR-REFUSED: both steps' rows equal the clean dump's, or a one-line BadInput.
+
+MS_DUMP = Path(__file__).resolve().parent / "data" / "mindspore_dump" / "base"
+MS_ITER0 = ("rank_0", "Net", "0", "0")
+MS_ORDER = ("rank_0", "execution_order", "ms_execution_order_graph_0.csv")
+_NON_DIGITS = [b for b in range(32, 127) if not chr(b).isdigit() and chr(b) not in ".-+eE"]
+
+
+def _ms_rows(d: Path) -> list[tuple]:
+    from sources.mindspore_dump import open_mindspore_dump
+
+    dump = open_mindspore_dump(d)
+    out = []
+    for step in dump.array_steps():
+        rows, _ = dump.layer_rows(step)
+        out += [(step, r["module"], r["kind"], r["shape"], r["dtype"],
+                 *(None if isinstance(r[k], float) and math.isnan(r[k]) else r[k]
+                   for k in ("max", "min", "mean", "norm", "nan", "inf"))) for r in rows]
+    return out
+
+
+def _ms_statistic_dump(dst: Path) -> Path:
+    """The base dump with iteration 0 as statistic.csv (MindSpore's documented layout) instead of .npy files."""
+    import numpy as np
+
+    shutil.copytree(MS_DUMP, dst)
+    it = dst.joinpath(*MS_ITER0)
+    lines = ["Op Type,Op Name,Task ID,Stream ID,Timestamp,IO,Slot,Data Size,Data Type,Shape,Max Value,Min Value,"
+             "Avg Value,L2Norm Value,NaN Count,Negative Inf Count,Positive Inf Count\n"]
+    for f in sorted(it.glob("*.npy")):
+        op_type, rest = f.name.split(".", 1)
+        op, task, stream, ts, io, slot, _fmt, dtype = rest[:-4].rsplit(".", 7)
+        a = np.load(f).astype(np.float64)
+        lines.append(f'{op_type},{op},{task},{stream},{ts},{io},{slot},{a.nbytes},{dtype.lower()},'
+                     f'"({",".join(map(str, a.shape))})",{a.max()!r},{a.min()!r},{a.mean()!r},'
+                     f'{np.linalg.norm(a)!r},0,0,0,\n')
+        f.unlink()
+    (it / "statistic.csv").write_text("".join(lines))
+    return dst
+
+
+def _special_file(p: Path, rng: random.Random) -> str:
+    import os
+
+    kind = rng.choice(["fifo", "dev_zero", "folder"])
+    p.unlink()
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "dev_zero":
+        p.symlink_to("/dev/zero")
+    else:
+        p.mkdir()
+    return kind
+
+
+def test_mindspore_dump_folders(tmp_path):
+    rng = random.Random(2403)
+    counts: Counter = Counter()
+    stat_clean = _ms_statistic_dump(tmp_path / "stat_clean")
+    refs = {"npy": _ms_rows(MS_DUMP), "stat": _ms_rows(stat_clean)}
+    for case in range(40):
+        base = rng.choice(["npy", "stat"])
+        d = tmp_path / f"ms{case}"
+        shutil.copytree(MS_DUMP if base == "npy" else stat_clean, d)
+        kinds = ["order_control", "order_flip", "order_lost_line", "special"] + (
+            ["npy_header_flip", "npy_cut"] if base == "npy" else ["stat_bom", "stat_control", "stat_flip"])
+        kind = rng.choice(kinds)
+        it = d.joinpath(*MS_ITER0)
+        order = d.joinpath(*MS_ORDER)
+        if kind.startswith("order"):
+            data = bytearray(order.read_bytes())
+            starts = [0] + [i + 1 for i, c in enumerate(data) if c == 10][:-1]
+            if kind == "order_control":
+                at = rng.randrange(starts[1], len(data))
+                data[at:at] = rng.choice(CTL)
+            elif kind == "order_flip":
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            else:
+                k = rng.randrange(1, len(starts))
+                end = starts[k + 1] if k + 1 < len(starts) else len(data)
+                del data[starts[k]:end]
+            order.write_bytes(bytes(data))
+        elif kind.startswith("npy"):
+            f = rng.choice(sorted(it.glob("*.output.0.*.npy")))     # mostly cell outputs: the files read
+            data = bytearray(f.read_bytes())
+            head = data.index(b"\n") + 1          # the .npy header ends with a newline
+            if kind == "npy_header_flip":
+                data[rng.randrange(head)] ^= 1 << rng.randrange(8)
+            else:
+                del data[rng.randrange(len(data)):]
+            f.write_bytes(bytes(data))
+        elif kind.startswith("stat"):
+            f = it / "statistic.csv"
+            data = bytearray(f.read_bytes())
+            if kind == "stat_bom":
+                data[0:0] = "\ufeff".encode()
+            elif kind == "stat_control":
+                at = rng.randrange(len(data))
+                data[at:at] = rng.choice(CTL)
+            else:   # a byte that is not part of a number turned into another such byte: never another number
+                at = rng.choice([i for i, c in enumerate(data) if c in _NON_DIGITS])
+                data[at] = rng.choice([c for c in _NON_DIGITS if c != data[at]])
+            f.write_bytes(bytes(data))
+        else:
+            pool = sorted(it.iterdir()) + [order]
+            kind += "_" + _special_file(rng.choice(pool), rng)
+        try:
+            rows = _ms_rows(d)
+        except BadInput as exc:
+            assert "\n" not in str(exc), kind
+            counts[f"{kind}: refused"] += 1
+            continue
+        assert rows == refs[base], (kind, case)     # read right: every row as in the clean dump
+        counts[f"{kind}: read right"] += 1
+    _report("mindspore_dump", counts)
+    assert sum(v for k, v in counts.items() if k.endswith("refused")) > 10   # the damage is seen
