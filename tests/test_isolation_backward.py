@@ -236,3 +236,66 @@ def test_graph_needs_a_backward_capture_and_a_bad_capture_is_one_line(tmp_path: 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "not a module backward capture" in err and "\n" not in err and not (tmp_path / "o").exists()
+
+
+def test_mindformers_pynative_mla_gradient_bug_is_named_by_backward_isolation(tmp_path: Path) -> None:
+    """The real bug DESIGN.md records: MindFormers' DeepSeek-V3 MLA in PYNATIVE (its one SplitWithSize shared by
+    several splits) computes the loss right and the MLA projection gradients wrong. Forward isolation passes
+    every module; backward isolation names both attentions by their own weight gradients; split per use (the
+    demo's stand-in) every own error passes."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("mindspore")
+    pytest.importorskip("mindformers")
+    from comparators.isolation import compare_isolation, read_isolation
+    from demo import megatron_cpu as mg
+    from demo import mindformers_mcore_cpu as mc
+    from dumpers.megatron import MegatronDumper
+    from dumpers.mindspore_backward_isolation import isolate_with_backward
+    from dumpers.torch_dumper import DumpConfig
+    from dumpers.torch_module_backward import ModuleBackwardCapture
+    from mapping import TransformParams
+    from models import load_mapping
+
+    spec = mc.TinyModel(kind="mla", num_experts=0)
+    mg.init_megatron_cpu(tp=1)
+    model = mg.build_tiny_llama(mg.TinyLlamaConfig(**mc.megatron_config_kwargs(spec)), seed=5)
+    store = tmp_path / "baseline"
+    dumper = MegatronDumper(model, None, DumpConfig(out=store, tensor_steps=[1], local_norms=False))
+    cap = ModuleBackwardCapture(model, store, ["decoder.layers.?", "decoder.layers.?.self_attention",
+                                               "decoder.layers.?.mlp"], steps=[1])
+    tb = mg.synthetic_batch(1, mg.TinyLlamaConfig(**mc.megatron_config_kwargs(spec)))
+    dumper.begin_step(1)
+    cap.begin_step(1)
+    dumper.record_batch(tb)
+    loss = mg.forward_loss(model, tb)
+    loss.backward()
+    cap.end_step()
+    cap.close()
+    dumper.end_step(loss=float(loss))
+    dumper.close()
+    m = load_mapping(mc.MCORE_PRESETS["mla"])
+    params = TransformParams(num_heads=spec.num_attention_heads, num_query_groups=spec.num_attention_heads)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    weights, _ = m.convert({k: v for k, v in state.items() if not m.ignored(k, "baseline")}, "candidate", params)
+    got = {}
+    for fix in (False, True):
+        mc.set_mcore_context("pynative", seed=0)
+        try:
+            net = mc.build_mcore_model(spec, "pynative", fix_pynative_split=fix)
+            mc.load_parameter_arrays(net, weights)
+            path = isolate_with_backward(net, store, tmp_path / f"iso_{fix}", mapping=m, params=params,
+                                         forward=lambda n, b: mc.McoreReplayLoss(n)(*mc.mcore_inputs(b))[0])
+        finally:
+            mc.set_mcore_context("graph")
+            mc.reset_mindformers_context()
+        got[fix] = compare_isolation(*read_isolation(path))
+    shipped, fixed = got[False], got[True]
+    assert shipped.details["named"] == ["decoder.layers.0.self_attention", "decoder.layers.1.self_attention"]
+    rows = {r["module"]: r for r in shipped.details["per_module"]}
+    for layer in (0, 1):
+        r = rows[f"decoder.layers.{layer}.self_attention"]
+        assert r["own_verdict"] == "pass" and r["own_rel_l2"] < 1e-6            # the forward is right
+        assert r["bwd_own_verdict"] == "fail" and "_proj.weight" in r["bwd_worst"]
+    assert all(r["verdict"] == "pass" for r in shipped.details["per_module"] if r["module"].endswith(".mlp"))
+    assert fixed.verdict == "pass" and max(r["bwd_own_rel_l2"] for r in fixed.details["per_module"]) < 1e-5
