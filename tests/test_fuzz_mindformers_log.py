@@ -269,3 +269,67 @@ def test_fuzz_msrun_folders(tmp_path):
         outcomes["noted" if len(run.notes) > 1 else "read"] += 1
     print(f"\nfuzz msrun folders: outcomes {dict(outcomes)}")
     assert not problems, "\n".join(problems[:20])
+
+
+# --- printed parallel configs in msrun worker logs (issue 38) -----------------------------------------------------
+# MindFormers pprints its config before training; the worker logs' parallel layout is read from it. Hostile
+# values (wrong types, sizes no run has, MindFormers' string forms) must leave the losses exactly as printed and
+# either give the layout the config states or a note that it was not read; never an exception other than
+# BadInput, never an allocation sized from the value (10**12 layers, "([1]*999999999999)").
+
+HOSTILE = [[1], "x", "abc", 10**12, -1, 0, 2.0, None, True, "False", {"a": 1}, "([1]*999999999999)",
+           [[1] * 3] * 2, [10**12, -10**12], 10**30, "1", 1e308, [], [[]]]
+CONFIG_KEYS = ["parallel_config.data_parallel", "parallel_config.model_parallel", "parallel_config.pipeline_stage",
+               "parallel_config.micro_batch_num", "parallel_config.expert_parallel",
+               "parallel_config.context_parallel", "parallel_config.use_seq_parallel", "parallel.parallel_mode",
+               "parallel.enable_parallel_optimizer", "parallel.gradients_mean", "model.model_config.num_layers",
+               "model.model_config.offset", "model.model_config.num_hidden_layers", "parallel_config",
+               "parallel", "model.model_config", "model"]
+
+
+def test_fuzz_printed_parallel_configs(tmp_path):
+    import pprint
+
+    from models.mindformers_parallel import strategy_from_yaml
+
+    rng = random.Random(SEED + 38)
+    steps = (DATA / "mindformers_train.log").read_text()
+    ref = mfl.parse_mindformers_log(DATA / "mindformers_train.log")
+    outcomes: Counter[str] = Counter()
+    for case in range(40):
+        cfg = {"parallel_config": {"data_parallel": 1, "model_parallel": 2, "pipeline_stage": 2},
+               "parallel": {"parallel_mode": 1}, "model": {"model_config": {"num_layers": 4, "offset": 0}}}
+        changed = []
+        for _ in range(rng.choice([1, 1, 2])):
+            key, value = rng.choice(CONFIG_KEYS), rng.choice(HOSTILE)
+            *blocks, name = key.split(".")
+            d = cfg
+            for part in blocks:
+                d = d.setdefault(part, {}) if isinstance(d.get(part, {}), dict) else {}
+            d[name] = value
+            changed.append(f"{key}={value!r:.30}")
+        root = tmp_path / f"c{case}" / "msrun_log"
+        root.mkdir(parents=True)
+        for rank in range(2):
+            (root / f"worker_{rank}.log").write_text(pprint.pformat(cfg, width=100) + "\n" + steps)
+        try:
+            want = strategy_from_yaml(cfg)
+            layout = want.meta()
+        except BadInput:
+            want = layout = None
+        run = mfl.parse_mindformers_dir(root)      # anything but a Run (or BadInput) fails the test
+        for k, s in ref.scalars.items():
+            assert _same(run.series(k), s), (changed, k)
+        par = run.meta["parallel"]
+        if layout is None:
+            assert par == {"world_size": 2}, (changed, par)
+            if cfg.get("parallel_config") is None:     # no layout printed: none claimed
+                outcomes["no layout printed"] += 1
+                continue
+            assert any("parallel_config in the printed config not read" in n for n in run.notes), (changed, run.notes)
+            outcomes["layout not read, noted"] += 1
+        else:
+            assert par == {**layout, "world_size": 2}, (changed, par)
+            outcomes["layout read"] += 1
+    print(f"\nfuzz printed parallel configs: {dict(outcomes)}")
+    assert outcomes["layout not read, noted"] > 10
