@@ -137,9 +137,15 @@ def test_lr0_floors_come_from_the_repeat_over_the_same_steps() -> None:
     ev.lr0 = (ev.lr0[0], _run("lr0_cand", loss=clean))
     res = run_stages(ev, only=["lr0_run"])["lr0_run"]
     (w,) = [f for f in res.findings if f.metric == "repeat_measures_no_noise"]
-    assert w.verdict == "warn" and w.component == "lr0_rep_same" and "bit-identical" in w.message
+    # named; with the long run's repeat measuring noise its floors stand in (a note), without one a warning
+    assert ev.repeats and w.verdict == "pass" and w.component == "lr0_rep_same" and "bit-identical" in w.message
+    assert "the long run's repeat" in w.message and res.verdict == "pass"
     (row,) = [r for r in res.details["floors"] if r["quantity"] == "loss"]
     assert "step 1 (same weights and batch" in row["floor_source"]
+    ev.repeats = []
+    res = run_stages(ev, only=["lr0_run"])["lr0_run"]
+    (w,) = [f for f in res.findings if f.metric == "repeat_measures_no_noise"]
+    assert w.verdict == "warn" and "the dtype line" in w.message
 
 
 # -- the long run: a stated false-alarm rate and a stated power ------------------------------------------------

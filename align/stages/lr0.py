@@ -113,9 +113,12 @@ def run(ev: Evidence) -> StageResult:
         if why is None:
             measuring.append(rep)
         else:
-            res.add(Finding("lr0_run", "warn", rep.path, "repeat_measures_no_noise", 0.0, None,
-                            f"lr = 0 repeat {rep.label} is not used: {why}; the lr = 0 floors come from the long "
-                            "run's repeat (or the dtype line)"))
+            # a warning when judging falls back to the dtype line; a note when the long run's repeat (which
+            # measured noise) gives the floors instead: an upper bound, stated by the power, no false alarm
+            res.add(Finding("lr0_run", "pass" if ev.repeats else "warn", rep.path, "repeat_measures_no_noise", 0.0,
+                            None, f"lr = 0 repeat {rep.label} is not used: {why}; the lr = 0 floors come from "
+                            + ("the long run's repeat at the same steps (an upper bound: a coarser power)"
+                               if ev.repeats else "the dtype line (no repeat measured the noise)")))
     for key in ("loss", "grad_norm"):
         sb, sc = b.series(key), c.series(key)
         steps = [int(s) for s in sb.index.intersection(sc.index)]
