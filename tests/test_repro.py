@@ -178,3 +178,15 @@ def test_an_attention_repro_reproduces_it_with_mask_rope_and_float16_qkv(isolate
     assert ms_run["output | the baseline's saved output"] == pytest.approx(rows[mod]["own_rel_l2"], rel=1e-2)
     for r, info in case["grads"].items():
         assert ms_run[f"d {r} | the baseline's saved gradient"] == pytest.approx(info["report_own_rel_l2"], rel=5e-2)
+
+
+def test_an_occupied_out_folder_is_refused_not_emptied(isolated, tmp_path: Path, capsys) -> None:
+    from align.cli import main
+
+    iso, yaml_path, _ = isolated
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert main(["repro", str(iso), "--module", "decoder.layers.1.mlp", "--candidate-yaml", str(yaml_path),
+                 "--out", str(tmp_path / "mine")]) == 2
+    assert "not a repro folder" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

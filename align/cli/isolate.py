@@ -24,10 +24,11 @@ HELP = "run the candidate's modules on the baseline's captured inputs (own vs in
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "BASELINE is a run store holding full input and output tensors of the chosen modules at one step "
-        "(DumpConfig(tensors='full', tensor_steps=[N], modules=[...])) and that step's batch. The candidate is "
-        "built from its MindFormers YAML in PYNATIVE (on CPU with the CPU stand-ins) and given CKPT's weights: "
-        "the candidate's weights at step N, before that step's update (for step 1 its converted initial "
-        "weights). Megatron-named weights are converted through the mapping.")
+        "(DumpConfig(tensors='full', tensor_steps=[N], modules=[...])) or a module backward capture of it "
+        "(dumpers.torch_module_backward.ModuleBackwardCapture: gradients compared too), and that step's batch. "
+        "The candidate is built from its MindFormers YAML in PYNATIVE (on CPU with the CPU stand-ins) and given "
+        "CKPT's weights: the candidate's weights at step N, before that step's update (for step 1 its converted "
+        "initial weights). Megatron-named weights are converted through the mapping.")
     parser.add_argument("baseline", metavar="BASELINE", help="the baseline run store")
     parser.add_argument("--candidate-yaml", required=True, metavar="YAML", help="the candidate's MindFormers YAML")
     parser.add_argument("--candidate-ckpt", required=True, metavar="CKPT",

@@ -21,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module", required=True, help="the baseline module (as the isolation report names it)")
     parser.add_argument("--candidate-yaml", required=True, metavar="YAML",
                         help="the candidate's MindFormers YAML (its settings: epsilon, dtypes, heads)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write (replaced when it exists)")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="the folder to write (a repro folder there is replaced; any other non-empty folder is "
+                             "refused)")
     parser.add_argument("--baseline-weights", metavar="CKPT",
                         help="the baseline's weights at that step, when its store holds no module backward capture")
     parser.add_argument("--candidate-ckpt", metavar="CKPT",

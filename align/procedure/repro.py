@@ -220,6 +220,8 @@ def _np_dtype(d: Any) -> str:
 
 
 def _write_folder(out: Path, case: dict[str, Any], files: dict[str, np.ndarray]) -> Path:
+    if out.exists() and any(out.iterdir()) and not (out / "case.json").is_file():
+        raise BadInput(f"{out}: exists and is not a repro folder (no case.json): name a new or empty folder")
     tmp = temp_beside(out)
     try:
         for rel, arr in files.items():
