@@ -90,8 +90,9 @@ STAGE = Stage(
             "steps=[N]) around the baseline's step N",
     run=run, section=section, figures=figures,
     part="step 1 and 2", explains=("layer_tensors", *AFTER_STEP1),
-    why=("Run on the baseline's own input, this module's output still departs: its own computation differs (a "
-         "kernel, a precision, an epsilon, a weight layout), not what it inherits."),
+    why=("Run on the baseline's own input (and fed its output gradient, with a backward capture), this module's "
+         "output or gradient still departs: its own computation differs (a kernel, a precision, an epsilon, a "
+         "weight layout, a hand-written backward), not what it inherits."),
     next=("align repro {isolation} --module {module} --candidate-yaml {candidate_yaml} --out repro_{module}: "
           "its input, weights and both outputs with a PyTorch and a MindSpore script that show the difference "
           "without this tool (send it to the framework team); compare {module}'s implementation and settings on "
