@@ -197,7 +197,9 @@ def test_next_names_a_module_and_its_layer_where_a_stage_names_a_parameter() -> 
     assert module_of("decoder.layers.2.mlp forward.output.0") == "decoder.layers.2.mlp"
     assert module_of("decoder.layers.1.mlp") == "decoder.layers.1.mlp"
     assert layer_of("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight") == "decoder.layers.1"
-    assert layer_of("embedding.word_embeddings.weight") == "embedding.word_embeddings"
+    assert layer_of("embedding.word_embeddings.weight") == "embedding"
+    assert layer_of("decoder.final_layernorm.weight") == "decoder.final_layernorm"
+    assert layer_of("output_layer.weight") == "output_layer"
     assert layer_of("mtp.layers.0.eh_proj.weight") == "mtp.layers.0"
 
 

@@ -96,10 +96,15 @@ def module_of(component: str) -> str:
 
 
 def layer_of(component: str) -> str:
-    """The transformer layer holding a component (``decoder.layers.1``), else its module (the embedding, the
-    output layer, the final norm): where `align isolate --modules` starts."""
-    m = _LAYER_PREFIX.match(module_of(component))
-    return m.group(1) if m else module_of(component)
+    """The transformer layer holding a component (``decoder.layers.1``), else the top module holding it
+    (``embedding`` for ``embedding.word_embeddings.weight``; ``decoder.final_layernorm``, ``output_layer``): where
+    `align isolate --modules` starts."""
+    mod = module_of(component)
+    m = _LAYER_PREFIX.match(mod)
+    if m:
+        return m.group(1)
+    head, _, rest = mod.partition(".")
+    return mod if head in ("decoder", "model", "module") or not rest else head
 
 
 def _entry(stage: Stage, f: Finding, consequence_of: str | None, fill: dict[str, str]) -> dict[str, Any]:
