@@ -82,12 +82,15 @@ browser:
 	fi
 
 # By hand (CI cannot download upstream code): real Megatron-LM pretrain_gpt.py and, with MINDFORMERS_SRC, real
-# MindFormers run_mindformer.py on CPU, dumped, converted and compared (tests/upstream/check.py).
+# MindFormers run_mindformer.py on CPU, dumped, converted and compared (tests/upstream/check.py). Rows: the dense
+# DP=1 baseline (and its pair with the dense example YAML), a TP=2 dense baseline, the MoE baseline at EP=2 (and
+# its pair with the MoE example YAML, replayed DP 2 -> 1); UPSTREAM_ONLY=dense,tp2,moe picks some.
 UPSTREAM_OUT ?= upstream_out
 upstream-check: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make upstream-check MEGATRON_LM=DIR [MINDFORMERS_SRC=DIR]" >&2; exit 2; }
 	PYTHONPATH=$(CURDIR) $(PY) tests/upstream/check.py --megatron-lm $(MEGATRON_LM) \
-		$(if $(MINDFORMERS_SRC),--mindformers $(MINDFORMERS_SRC)) --out $(UPSTREAM_OUT)
+		$(if $(MINDFORMERS_SRC),--mindformers $(MINDFORMERS_SRC)) $(if $(UPSTREAM_ONLY),--only $(UPSTREAM_ONLY)) \
+		--out $(UPSTREAM_OUT)
 
 # Issue 28's goals, each measured side by side in one run (~15-20 min on 2 quiet cores). The fresh-clone
 # `make demo` / `make test` times are measured by hand and given as $(BENCH_OUT)/fresh_clone.json

@@ -10,8 +10,15 @@ entry points, on CPU. By hand only (CI cannot download upstream code; pytest doe
    (tests/upstream/mindformers_run.py, with the pinned mindformers wheel), then
    ``align report MEGATRON_STORE MF_STORE --baseline-config megatron.log --candidate-config train.yaml``.
 
-Prints every stage's verdict of both reports; exit status 0 when both pass or warn, 1 when a report fails,
-2 when a run could not be made.
+3. A TP=2 dense baseline (``pretrain_gpt.py`` under torchrun, 2 processes): its store against its own log.
+4. The MoE baseline at EP=2 (2 processes: DP=2, two of the 4 experts per rank; the example YAML's MoE: 4
+   experts, top 2, no router losses, ``MOE_PAIR``): its store against its own log;
+   with MINDFORMERS_SRC, ``align convert-weights`` of its checkpoint without ``--mapping`` (the preset from the
+   tensor names) and MindFormers' MoE example YAML (docs/examples/mindformers_qwen3_moe_tiny_cpu.yaml, one
+   process) replaying the DP=2 store re-split by sample onto DP=1 (``data_parallel: 1``), then the pair report.
+
+Prints every stage's verdict of every report and a last table, one row per run; exit status 0 when all pass or
+warn, 1 when a report fails, 2 when a run could not be made (the other rows still run).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -42,7 +50,31 @@ def _print(title: str, summary: dict) -> None:
         print(f"  {name:22} {st.get('verdict')}")
 
 
-def pair(megatron: dict[str, Path], mindformers_src: Path, out: Path) -> int:
+def moe_pair(megatron: dict[str, Path], mindformers_src: Path, out: Path) -> dict:
+    """The EP=2 (DP=2) MoE store against MindFormers' MoE example YAML on one process: weights converted without
+    ``--mapping``, the replay re-splitting each step's global batch onto DP=1."""
+    import mindformers_run as mfr
+
+    from demo.model import demo_model
+
+    m = demo_model()
+    mf_out = out / "mindformers_moe"
+    mf_out.mkdir(parents=True, exist_ok=True)
+    rc = _align("convert-weights", "--to", "mindformers", str(megatron["checkpoint"]), "--out",
+                str(mf_out / mfr.WEIGHTS), "--num-heads", str(m.num_attention_heads), "--num-query-groups",
+                str(m.num_query_groups))
+    if rc != 0:
+        raise mlm.UpstreamError(f"align convert-weights (MoE, EP=2 checkpoint, no --mapping) exited {rc}")
+    mf_store = mfr.run(mindformers_src, megatron["store"], mf_out, "moe", dataset={"data_parallel": 1})
+    summary = mlm.report(megatron["store"], mf_store, out / "report_pair_moe",
+                         extra=("--baseline-config", str(megatron["log"]),
+                                "--candidate-config", str(mf_out / "train.yaml")))
+    _print(f"Megatron-LM MoE EP=2 store vs MindFormers MoE run_mindformer.py store, DP 2 -> 1 "
+           f"({out / 'report_pair_moe'})", summary)
+    return summary
+
+
+def pair(megatron: dict[str, Path], mindformers_src: Path, out: Path) -> dict:
     """Convert Megatron's initial weights, train the example YAML with the checkout's run_mindformer.py, report."""
     import mindformers_run as mfr
 
@@ -55,14 +87,13 @@ def pair(megatron: dict[str, Path], mindformers_src: Path, out: Path) -> int:
                 str(mf_out / mfr.WEIGHTS), "--num-heads", str(m.num_attention_heads), "--num-query-groups",
                 str(m.num_query_groups), "--mapping", PRESET)
     if rc != 0:
-        print(f"upstream-check: align convert-weights exited {rc}", file=sys.stderr)
-        return 2
+        raise mlm.UpstreamError(f"align convert-weights exited {rc}")
     mf_store = mfr.run(mindformers_src, megatron["store"], mf_out)
     summary = mlm.report(megatron["store"], mf_store, out / "report_pair",
                          extra=("--baseline-config", str(megatron["log"]),
                                 "--candidate-config", str(mf_out / "train.yaml")))
     _print(f"Megatron-LM store vs MindFormers run_mindformer.py store ({out / 'report_pair'})", summary)
-    return _status(summary)
+    return summary
 
 
 def _status(summary: dict) -> int:
@@ -75,19 +106,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--megatron-lm", required=True, help="a checkout of github.com/NVIDIA/Megatron-LM")
     ap.add_argument("--mindformers", default=None, help="a checkout of github.com/mindspore-ai/mindformers")
     ap.add_argument("--out", required=True, help="work folder")
+    ap.add_argument("--only", default=None, help="comma-separated rows: dense, tp2, moe (default: all)")
     ns = ap.parse_args(argv)
     out = Path(ns.out).resolve()
-    try:
-        runs = mlm.run(ns.megatron_lm, out / "megatron")
-        own = mlm.report(runs["store"], runs["log"], out / "report_megatron")
-        print(f"Megatron-LM {ns.megatron_lm} (megatron-core {mlm.checkout_version(Path(ns.megatron_lm))})")
-        _print("Megatron-LM store vs its own log", own)
-        rc = _status(own)
-        if ns.mindformers:
-            rc = max(rc, pair(runs, Path(ns.mindformers), out))
-    except (mlm.UpstreamError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        print(f"upstream-check: {exc}", file=sys.stderr)
-        return 2
+    only = set(ns.only.split(",")) if ns.only else {"dense", "tp2", "moe"}
+    print(f"Megatron-LM {ns.megatron_lm} (megatron-core {mlm.checkout_version(Path(ns.megatron_lm))})")
+    rows: list[tuple[str, str]] = []
+    rc = 0
+
+    def row(name: str, work: Any) -> None:
+        nonlocal rc
+        try:
+            summary = work()
+            verdict = f"{summary['verdict']} (exit {summary['exit']})" if isinstance(summary, dict) else str(summary)
+            rc = max(rc, _status(summary) if isinstance(summary, dict) else 0)
+        except (mlm.UpstreamError, subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError,
+                SystemExit) as exc:
+            print(f"upstream-check: {name}: {exc}", file=sys.stderr)
+            verdict, rc = f"not made: {' '.join(str(exc).split())[:160]}", max(rc, 2)
+        rows.append((name, verdict))
+
+    def own(name: str, runs: dict[str, Path], report_dir: str) -> dict:
+        summary = mlm.report(runs["store"], runs["log"], out / report_dir)
+        _print(f"Megatron-LM {name} store vs its own log", summary)
+        return summary
+
+    made: dict[str, dict[str, Path]] = {}
+
+    def baseline(key: str, folder: str, **kw: Any) -> dict[str, Path]:
+        made[key] = mlm.run(ns.megatron_lm, out / folder, **kw)
+        return made[key]
+
+    if "dense" in only:
+        row("dense DP=1: store vs own log", lambda: own("dense DP=1", baseline("dense", "megatron"), "report_megatron"))
+        if ns.mindformers and "dense" in made:
+            row("dense DP=1 vs MindFormers (dense example YAML)",
+                lambda: pair(made["dense"], Path(ns.mindformers), out))
+    if "tp2" in only:
+        row("dense TP=2: store vs own log", lambda: own("dense TP=2", baseline(
+            "tp2", "megatron_tp2", extra=mlm.TP2, nproc=2), "report_megatron_tp2"))
+    if "moe" in only:
+        row("MoE EP=2 (DP=2): store vs own log", lambda: own("MoE EP=2", baseline(
+            "moe", "megatron_moe_ep2", extra=[*mlm.MOE_PAIR, *mlm.EP2], nproc=2), "report_megatron_moe_ep2"))
+        if ns.mindformers and "moe" in made:
+            row("MoE EP=2 (DP=2) vs MindFormers MoE example YAML, replay DP 2 -> 1",
+                lambda: moe_pair(made["moe"], Path(ns.mindformers), out))
+    print("\nupstream-check rows:")
+    for name, verdict in rows:
+        print(f"  {name:<68} {verdict}")
     return rc
 
 

@@ -72,6 +72,13 @@ TRAIN = ["--train-iters", "4", "--lr", "1e-3", "--min-lr", "0", "--lr-decay-styl
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
        "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+#: the MoE shape of the example YAML MindFormers trains (docs/examples/mindformers_qwen3_moe_tiny_cpu.yaml): no
+#: router losses (``moe_aux_loss_coeff: 0.0``; Megatron's default coefficient is 0 and no z-loss)
+MOE_PAIR = MOE[:MOE.index("--moe-router-load-balancing-type")]
+#: the TP=2 dense baseline of ``make upstream-check`` (2 processes under torchrun)
+TP2 = ["--tensor-model-parallel-size", "2"]
+#: the MoE baseline at EP=2 (2 processes: DP=2, the 4 experts 2 per rank)
+EP2 = ["--expert-model-parallel-size", "2"]
 INITIAL = ["--train-iters", "1", "--lr", "0", "--min-lr", "0", "--lr-decay-style", "constant",
            "--save-interval", "1"]
 
@@ -158,7 +165,8 @@ def _env(checkout: Path, build: Path, helpers: Path, pydeps: Path | None) -> dic
 
 def _launch(cmd: list[str], env: dict[str, str], log: Path, cwd: Path, what: str, timeout: int = 600) -> None:
     for _ in range(3):   # the free port may be taken by another process before gloo binds it: try another
-        env = dict(env, MASTER_PORT=str(_free_port()))
+        if "torch.distributed.run" not in cmd:
+            env = dict(env, MASTER_PORT=str(_free_port()))
         with open(log, "w", encoding="utf-8") as f:
             proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
         if proc.returncode == 0 or "EADDRINUSE" not in log.read_text(errors="replace"):
@@ -191,10 +199,17 @@ def _older(version: str | None, than: tuple[int, int]) -> bool:
     return version is not None and tuple(int(x) for x in version.split(".")[:2]) < than
 
 
+def _torchrun(python: str, nproc: int) -> list[str]:
+    """The launcher of a run over ``nproc`` processes (torchrun, one node, a free rendezvous port)."""
+    return [python] if nproc == 1 else [python, "-m", "torch.distributed.run", "--standalone",
+                                        f"--nproc-per-node={nproc}"]
+
+
 def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None, python: str = sys.executable,
-        extra: list[str] | None = None) -> dict[str, Path]:
+        extra: list[str] | None = None, nproc: int = 1) -> dict[str, Path]:
     """Initial-weights checkpoint, then the dumped training run; -> paths of store, log and checkpoint.
-    ``extra``: more Megatron-LM arguments for both runs (e.g. ``MOE``)."""
+    ``extra``: more Megatron-LM arguments for both runs (e.g. ``MOE``, ``TP2``); ``nproc`` > 1: both runs under
+    torchrun with that many processes (gloo on CPU)."""
     checkout, out = Path(checkout).resolve(), Path(out).resolve()
     script = checkout / "pretrain_gpt.py"
     if not script.is_file() or not (checkout / "megatron" / "training").is_dir():
@@ -204,15 +219,19 @@ def run(checkout: str | Path, out: str | Path, *, cache: Path | None = None, pyt
         shutil.rmtree(out / old, ignore_errors=True)
     build.mkdir(parents=True)
     env = _env(checkout, build, build_helpers(checkout, cache, python), python_deps(cache, python))
+    if nproc > 1:      # torchrun gives each process its rank, world size and rendezvous address
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+    launch = _torchrun(python, nproc)
     paths = {"store": out / "store", "log": out / "megatron.log", "checkpoint": out / "checkpoint",
              "checkpoint_log": out / "checkpoint.log"}
     old = _older(checkout_version(checkout), (0, 13))
     data = indexed_data(checkout, env, build, python) if old else ["--mock-data"]
     # 0.12's torch_dist writer calls torch's _write_item without serialization_format (torch >= 2.7)
     data += ["--ckpt-format", "torch" if old else "torch_dist", *(extra or [])]
-    _launch([python, str(script), *MODEL, *data, *INITIAL, "--save", str(paths["checkpoint"])], env,
+    _launch([*launch, str(script), *MODEL, *data, *INITIAL, "--save", str(paths["checkpoint"])], env,
             paths["checkpoint_log"], build, "the initial-weights run (--lr 0, --save)")
-    _launch([python, "-m", "dumpers.megatron_lm", "--align-out", str(paths["store"]), str(script), *MODEL, *data,
+    _launch([*launch, "-m", "dumpers.megatron_lm", "--align-out", str(paths["store"]), str(script), *MODEL, *data,
              *TRAIN, "--load", str(paths["checkpoint"]), "--finetune"], env, paths["log"], build,
             "the training run under dumpers.megatron_lm")
     counts: dict[str, int] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -38,10 +39,12 @@ from tests.test_mindformers_yaml import (  # noqa: E402
 )
 
 
-def run(checkout: str | Path, store: str | Path, out: str | Path, kind: str = "dense") -> Path:
+def run(checkout: str | Path, store: str | Path, out: str | Path, kind: str = "dense",
+        dataset: dict[str, int] | None = None) -> Path:
     """Train the example YAML of ``kind`` with CHECKOUT/run_mindformer.py, replaying STORE; OUT must hold the
-    converted Megatron weights (OUT/megatron_init.safetensors, `align convert-weights`). Returns the MindFormers
-    run store (OUT/run)."""
+    converted Megatron weights (OUT/megatron_init.safetensors, `align convert-weights`). ``dataset``: keys added
+    to the replay's dataset block (e.g. ``data_parallel: 1``: the whole global batch of a DP > 1 store on this
+    one process). Returns the MindFormers run store (OUT/run)."""
     script = Path(checkout).resolve() / "run_mindformer.py"
     out = Path(out).resolve()
     if not script.is_file():
@@ -49,7 +52,14 @@ def run(checkout: str | Path, store: str | Path, out: str | Path, kind: str = "d
     if not (out / WEIGHTS).is_file():
         raise SystemExit(f"{out / WEIGHTS}: missing; write it with align convert-weights first")
     example = EXAMPLES[kind][0]
+    shutil.rmtree(out / "run", ignore_errors=True)    # a run store left by an earlier check would be appended to
     config = example_yaml(Path(store).resolve(), out, example)
+    if dataset:     # the example's one dataset block (train_dataset, aliased by train_dataset_task.dataset_config)
+        text = config.read_text()
+        anchor = "train_dataset: &train_dataset\n"
+        if anchor not in text:
+            raise SystemExit(f"{example}: no '{anchor.strip()}' block to add {dataset} to")
+        config.write_text(text.replace(anchor, anchor + "".join(f"  {k}: {v}\n" for k, v in dataset.items())))
     log = run_mindformer(script, config, out, python=[sys.executable, "-P"], example=example)
     shadow = str(script.parent / "mindformers") + "/"
     if shadow in log:
