@@ -74,6 +74,8 @@ STAGE = Stage(
     why=("Same weights and batch, and this parameter's gradient differs at step 1: the backward pass (or a "
          "loss scale, or a reduction over ranks) differs for it; a forward departure would show in the layer "
          "profile."),
-    next=("capture layer tensors at step 1 on both sides (DumpConfig(tensor_steps=[1], modules=[...])) and run "
-          "align report again: the layer profile names the first module whose output or gradient departs "
-          "({component})"))
+    next=("align isolate {baseline} --candidate-yaml {candidate_yaml} --candidate-ckpt CANDIDATE_STEP1.safetensors "
+          "--modules '{layer}' --modules '{layer}.*' --out isolation_run, the baseline holding a module backward "
+          "capture of step 1 (dumpers.torch_module_backward): whether {module}'s own gradient departs; or capture "
+          "layer tensors at step 1 on both sides (DumpConfig(tensor_steps=[1], modules=[...])) and run align report "
+          "again: the layer profile names the first module whose output or gradient departs ({component})"))
