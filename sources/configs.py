@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import BadInput
+from models.mindformers_yaml import MCORE_ALIASES
 from runstore.schema import load_yaml, parse_json, read_bytes, regular_file, validate
 from sources import input_kind
 
@@ -182,6 +183,17 @@ MEGATRON_ARGS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
 }}
 _OBJ = {"type": ["object", "null"]}
 _NUMS = {"type": "number"}
+#: mcore model_config keys the checklist compares or computes with, under every spelling MindFormers accepts
+_MCORE_INTS = ("num_layers", "num_heads", "num_query_groups", "hidden_size", "ffn_hidden_size", "kv_channels",
+               "vocab_size", "seq_length", "num_experts", "moe_topk", "moe_ffn_hidden_size",
+               "moe_shared_expert_intermediate_size", "mtp_num_layers", "q_lora_rank", "kv_lora_rank",
+               "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+_MCORE_NUMBERS = ("norm_eps", "rotary_base", "hidden_dropout", "attention_dropout", "init_method_std",
+                  "moe_aux_loss_coeff", "moe_capacity_factor", "moe_router_topk_scaling_factor",
+                  "mtp_loss_scaling_factor")
+_MCORE_TYPES = {**{a: _I for k in _MCORE_INTS for a in MCORE_ALIASES[k]},
+                **{a: {"type": _N} for k in _MCORE_NUMBERS for a in MCORE_ALIASES[k]},
+                "first_k_dense_replace": _I}
 #: The parts of a MindFormers YAML the checks read (MindFormers 2.1 config keys); other keys are free.
 MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "seed": _I,
@@ -189,6 +201,7 @@ MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
         "batch_size": _POS, "data_loader": {"type": ["object", "null"], "properties": {
             "config": {"type": ["object", "null"], "properties": {"seed": _I}}}}}},
     "model": {"type": ["object", "null"], "properties": {"model_config": {"type": ["object", "null"], "properties": {
+        **_MCORE_TYPES,
         **{k: _POS for k in ("hidden_size", "num_heads", "num_layers", "seq_length", "n_kv_heads", "multiple_of",
                              "batch_size")},
         **{k: _I for k in ("intermediate_size", "vocab_size")},
@@ -225,20 +238,17 @@ MINDFORMERS_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
 
 MEGATRON_WANTED = "Megatron arguments (a log with its arguments block, a launch script, or JSON arguments)"
 MINDFORMERS_WANTED = "a MindFormers YAML config"
-_NOT_MEGATRON = (input_kind.ENV_CAPTURE, input_kind.SUMMARY, input_kind.RUN_META, input_kind.RUN_STORE,
-                 input_kind.MSPROBE_JSON, input_kind.GOLDEN, input_kind.MINDFORMERS_LOG,
-                 input_kind.MINDFORMERS_YAML, input_kind.TORCH_ZIP, input_kind.SAFETENSORS, input_kind.NPY,
-                 input_kind.HDF5, input_kind.TFEVENTS)
 
 
 def read_megatron(path: str | Path) -> tuple[dict[str, Any], str]:
     """Megatron arguments from a log, a launch script or JSON, checked against MEGATRON_ARGS_SCHEMA.
     Returns (args, kind). Another kind of input (an environment capture, a MindFormers YAML or log, a
     checkpoint) is refused naming what it looks like, before anything is read as arguments."""
+    looks = input_kind.what_it_is(path)     # (only looks: opens nothing but a regular file)
+    if looks is not None and looks not in (input_kind.MEGATRON_LOG, input_kind.MEGATRON_ARGS_JSON,
+                                           input_kind.LAUNCH_SCRIPT):
+        raise BadInput(input_kind.not_this(path, MEGATRON_WANTED, looks))
     p = regular_file(path, "Megatron arguments file")
-    looks = input_kind.what_it_is(p)
-    if looks in _NOT_MEGATRON:
-        raise BadInput(input_kind.not_this(p, MEGATRON_WANTED, looks))
     args, kind = _read_megatron(p)
     if kind == "script":   # '$VAR' the script never sets: unknown, not a value
         args = {k: v for k, v in args.items() if not (isinstance(v, str) and v.startswith("$"))}
@@ -321,10 +331,10 @@ def read_mindformers(path: str | Path) -> dict[str, Any]:
     """A MindFormers YAML config, checked against MINDFORMERS_SCHEMA (one line naming the key when not).
     Another kind of input (an environment capture, a Megatron log or script, a checkpoint) is refused naming
     what it looks like; so is a mapping that holds none of a MindFormers config's sections."""
-    regular_file(path, "MindFormers YAML")
-    looks = input_kind.what_it_is(path)
+    looks = input_kind.what_it_is(path)     # (only looks: opens nothing but a regular file)
     if looks not in (None, input_kind.MINDFORMERS_YAML):
         raise BadInput(input_kind.not_this(path, MINDFORMERS_WANTED, looks))
+    regular_file(path, "MindFormers YAML")
     cfg = load_yaml(path, what="MindFormers YAML")
     if not isinstance(cfg, dict):
         raise BadInput(input_kind.not_this(path, MINDFORMERS_WANTED, looks) or f"{path}: YAML is not a mapping")

@@ -353,3 +353,84 @@ def test_mindspore_dump_folders(tmp_path):
         counts[f"{kind}: read right"] += 1
     _report("mindspore_dump", counts)
     assert sum(v for k, v in counts.items() if k.endswith("refused")) > 10   # the damage is seen
+
+
+# --- check-config's inputs: hostile values, and every other kind of input in either place (issue 38) ------------
+# The shipped MindFormers YAML and Megatron launch script (tests/data/configs) with a hostile value at a key the
+# checklist sizes lists or does arithmetic from, and the other inputs the product reads put where a config
+# belongs. Each run is the table (exit 0/1) or one line (exit 2); never an internal error, never a list sized
+# from 10**12. A wrong kind is refused naming what it looks like.
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
+MF_KEYS = ["parallel_config.data_parallel", "parallel_config.model_parallel", "parallel_config.pipeline_stage",
+           "parallel_config.micro_batch_num", "parallel_config.expert_parallel", "model.model_config.num_layers",
+           "model.model_config.offset", "model.model_config.pp_interleave_num", "runner_config.batch_size",
+           "runner_config.gradient_accumulation_steps", "micro_batch_interleave_num", "lr_schedule.total_steps",
+           "lr_schedule.warmup_ratio", "optimizer.betas", "model.model_config.moe_layer_freq",
+           "model.model_config.first_k_dense_replace", "model.model_config.num_moe_experts", "parallel_config",
+           "model.model_config", "parallel.pipeline_config"]
+MG_FLAGS = ["--num-layers", "--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
+            "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers", "--micro-batch-size",
+            "--global-batch-size", "--moe-layer-freq", "--num-experts", "--tensor-model-parallel-size"]
+HOSTILE = [None, [1], "x", 10**12, -1, 0, 2.5, True, {"a": 1}, "([1]*999999999999)", [[0] * 4] * 70000,
+           [10**12, -10**12, 0, 0], 1e308, "nan"]
+
+
+def _cli(argv: list[str]) -> tuple[int, list[str]]:
+    import contextlib
+    import io
+
+    from align.cli import main
+
+    so, se = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+        rc = main(argv)
+    return rc, se.getvalue().strip().splitlines()
+
+
+def test_check_config_hostile_values_and_wrong_kinds(tmp_path):
+    import yaml
+
+    rng = random.Random(2404)
+    counts: Counter = Counter()
+    script, mf_text = CONFIGS / "megatron_qwen3_32b.sh", (CONFIGS / "pretrain_qwen3_32b_4k.yaml").read_text()
+    for case in range(30):
+        cfg = yaml.safe_load(mf_text)
+        y, s = tmp_path / f"mf{case}.yaml", tmp_path / f"mg{case}.sh"
+        value = rng.choice(HOSTILE)
+        if rng.random() < 0.6:
+            key = rng.choice(MF_KEYS)
+            *blocks, name = key.split(".")
+            d = cfg
+            for part in blocks:
+                d = d.setdefault(part, {}) if isinstance(d.get(part, {}), dict) else {}
+            d[name] = value
+            s.write_text(script.read_text())
+            what = f"yaml {key}={value!r:.30}"
+        else:
+            flag = rng.choice(MG_FLAGS)
+            text = value if not isinstance(value, (list, dict)) else json.dumps(value)[:200]
+            s.write_text(script.read_text().replace("--bf16", f"--bf16 {flag} {text}", 1))
+            what = f"megatron {flag} {text!s:.30}"
+        y.write_text(yaml.safe_dump(cfg))
+        rc, err = _cli(["check-config", str(s), str(y), "--json", str(tmp_path / f"o{case}.json")])
+        assert rc in (0, 1, 2), (what, rc, err)
+        if rc == 2:
+            assert len(err) == 1 and (str(y) in err[0] or str(s) in err[0]), (what, err)
+        counts[f"exit {rc}"] += 1
+    # every other kind of input, in either place
+    from align.cli import main
+
+    capture = tmp_path / "env.json"
+    assert main(["capture-env", "--framework", "torch", "--out", str(capture)]) == 0
+    others = {capture: "an environment capture", DATA / "step0" / "rank0" / "dump.json": "an msprobe dump.json",
+              Path(__file__).parent / "data" / "mindformers_train.log": "a MindFormers training log",
+              Path(__file__).parent / "data" / "mindspore_dump" / "base": "a MindSpore dump folder"}
+    good = {"megatron": script, "yaml": CONFIGS / "pretrain_qwen3_32b_4k.yaml"}
+    for path, looks in others.items():
+        for side in ("megatron", "yaml"):
+            argv = [str(path), str(good["yaml"])] if side == "megatron" else [str(good["megatron"]), str(path)]
+            rc, err = _cli(["check-config", *argv])
+            assert rc == 2 and len(err) == 1 and looks in err[0] and str(path) in err[0], (path, side, err)
+            counts["wrong kind refused by name"] += 1
+    _report("check-config", counts)
