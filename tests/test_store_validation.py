@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,7 +146,6 @@ def test_local_norm_table_cases_are_refused_naming_file_and_field(tmp_path: Path
 
 @pytest.mark.parametrize(("case", "needles"), [("random_bytes", ["rank_00001.h5", "not a readable HDF5"]),
                                                ("dev_zero", ["rank_00001.h5", "device, not a regular"]),
-                                               ("fifo", ["rank_00001.h5", "FIFO, not a regular"]),
                                                ("folder", ["rank_00001.h5", "is a directory"])])
 def test_step_file_that_is_not_hdf5_or_not_regular_is_refused(tmp_path: Path, case: str, needles: list[str]) -> None:
     def mutate(root: Path) -> None:
@@ -156,9 +154,7 @@ def test_step_file_that_is_not_hdf5_or_not_regular_is_refused(tmp_path: Path, ca
         if case == "random_bytes":
             p.write_bytes(np.random.default_rng(1).bytes(4096))
         elif case == "dev_zero":
-            p.symlink_to("/dev/zero")
-        elif case == "fifo":
-            os.mkfifo(p)       # never opened: refused when the store is scanned
+            p.symlink_to("/dev/zero")     # never opened: refused when the store is scanned
         else:
             p.mkdir()
     refused(tmp_path, make_store(tmp_path / case, mutate), *needles)
@@ -184,6 +180,15 @@ def _rank_file(edit: Callable[[dict], object]) -> Callable[[Path], None]:
 ])
 def test_rank_file_cases_are_refused(tmp_path: Path, case: str, edit: Callable, needles: list[str]) -> None:
     refused(tmp_path, make_store(tmp_path / case, _rank_file(edit)), *needles)
+
+
+def test_rank_file_linked_to_dev_zero_is_refused(tmp_path: Path) -> None:
+    """(A FIFO in place of any store file: tests/test_fuzz_store.py, which detects a reader opening it.)"""
+    def mutate(root: Path) -> None:
+        p = root / "ranks" / "rank_00001.json"
+        p.unlink()
+        p.symlink_to("/dev/zero")
+    refused(tmp_path, make_store(tmp_path / "linked", mutate), "rank_00001.json", "device, not a regular")
 
 
 def test_rank_file_extra_keys_read_right(tmp_path: Path) -> None:
