@@ -5,7 +5,9 @@ each: ``layout`` (folder and file names), ``atomic`` (files that appear whole), 
 ``RunWriter``), ``background`` (the ``BackgroundWriter`` thread), ``tables`` (step-file tables and their
 schemas), ``reader`` (``RunReader``), ``seed_layout`` (the replayed ``step_N/rank_R/*.npy`` batches),
 ``step1_file`` (the step-1 optimizer file), ``run`` (a run in memory), ``schema`` (checked reading of JSON/YAML),
-``batches`` (a DP rank's batch joined from its TP / PP / CP ranks).
+``batches`` (a DP rank's batch joined from its TP / PP / CP ranks), ``h5file`` / ``npzfile`` (a step file or an
+``.npz`` opened only when regular, each array's declared size checked before it is read), ``rank_files`` (rank
+coordinates checked, sizes agreeing across ranks).
 """
 
 from runstore.atomic import atomic_file, atomic_write_bytes, atomic_write_json
