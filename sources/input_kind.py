@@ -44,6 +44,9 @@ TENSORBOARD_DIR = "a TensorBoard folder"
 #: the kinds `align report` reads as runs (a damaged one is described by its own reader, not refused as another)
 RUN_KINDS = (RUN_STORE, MEGATRON_LOG, MINDFORMERS_LOG, GOLDEN, MSRUN_DIR, MINDSPORE_DUMP, MSPROBE_DIR,
              MSPROBE_JSON, TENSORBOARD_DIR, TFEVENTS)
+#: what a checkpoint reader takes (None: nothing recognised, which the reader then judges itself)
+CHECKPOINT_KINDS = (None, TORCH_ZIP, SAFETENSORS, TORCH_DIST, LEGACY, "a Megatron checkpoint save folder",
+                    "a folder of safetensors checkpoints")
 MINDFORMERS_KEYS = ("model", "parallel_config", "runner_config", "optimizer", "lr_schedule", "train_dataset",
                     "context", "parallel", "trainer", "run_mode")
 _MEGATRON_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",

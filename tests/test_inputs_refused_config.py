@@ -221,3 +221,17 @@ def test_capture_env_refuses_a_dangling_out_link_and_special_data(tmp_path, caps
         err = _one_line_exit_2(capsys, ["capture-env", "--framework", "torch", "--out", str(out), "--data", data])
         assert said in err, err
         assert not out.exists()
+
+
+def test_weights_and_data_verbs_name_a_wrong_kind(capture, tmp_path, capsys) -> None:
+    """compare-weights, capture-env --weights and check-data given another kind of input say what it is."""
+    dump = DATA / "mindspore_dump" / "base"
+    for path, looks in ((capture, "an environment capture (align capture-env)"), (dump, "a MindSpore dump folder"),
+                        (YAML, "a MindFormers YAML config")):
+        err = _one_line_exit_2(capsys, ["compare-weights", str(path), str(path), "--out", str(tmp_path / "w")])
+        assert f"{path}: {looks}, not a checkpoint" in err, err
+        err = _one_line_exit_2(capsys, ["capture-env", "--framework", "torch", "--weights", str(path), "--out",
+                                        str(tmp_path / "c.json")])
+        assert f"{path}: {looks}, not a checkpoint" in err, err
+        err = _one_line_exit_2(capsys, ["check-data", str(path)])
+        assert f"{path}: {looks}, not a run store or a step_N/rank_R batch dump" in err, err

@@ -95,10 +95,15 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
     it trained on, joined from its TP / pipeline / context-parallel ranks (``runstore.batches``)."""
     import runstore
     from runstore.layout import _RANK_H5_RE, _SEED_RANK_RE, _STEP_RE
+    from sources.input_kind import not_this, what_it_is
 
     p = Path(path)
+    wanted = "a run store or a step_N/rank_R batch dump"
+    looks = what_it_is(p)
+    if looks in ("a run store folder", "a step_N/rank_R batch dump"):
+        looks = None          # a damaged one of the kinds read here: the reader's own line says what is missing
     if not p.is_dir():
-        raise BadInput(f"{p}: not a directory (run store or step_N/rank_R batch dump)")
+        raise BadInput(not_this(p, wanted, looks) if looks else f"{p}: not a directory ({wanted})")
     seed = runstore.seed_steps(p)
     faults = _duplicates(p / runstore.STEP_DIR, _STEP_RE, _RANK_H5_RE) + _duplicates(p, _STEP_RE, _SEED_RANK_RE)
     if (p / runstore.META).is_file() or (p / runstore.STEP_DIR).is_dir():
@@ -124,7 +129,7 @@ def iter_batches(path: str | Path) -> Iterator[tuple[int, int, dict[str, Any]]]:
                 raise BadInput(f"{p}: run store has no batch/* arrays")
             return
     if not seed:
-        raise BadInput(f"{p}: no step_N/rank_R folders and no run store")
+        raise BadInput(not_this(p, wanted, looks) if looks else f"{p}: no step_N/rank_R folders and no run store")
     for f in faults:
         yield -1, -1, {"_finding": f}
     for step in sorted(seed):
