@@ -914,7 +914,7 @@ def worker_logs(path: Path) -> list[tuple[int, Path]]:
         found = []
         for f in folder.glob("worker_*.log") if folder.is_dir() else []:
             m = re.fullmatch(r"worker_(0|[1-9][0-9]{0,5})\.log", f.name)   # 'worker_01.log' is not rank 1
-            if m and f.is_file():
+            if m and not f.is_dir():      # a FIFO or device is refused by its reader (a note), never skipped
                 found.append((int(m.group(1)), f))
         if found:
             return sorted(found)
