@@ -318,3 +318,63 @@ def test_special_files_are_refused_by_every_weights_verb(clean, tmp_path) -> Non
                 if not ok:
                     problems.append(f"{label} {kind} {verb}: exit {rc}, wrote {sorted(written)}: {lines[:2]}")
     assert not problems, "\n".join(problems)
+
+
+# -- 6. compare-weights over damaged checkpoints (issue 38) ------------------------------------------------------
+# compare-weights reads through the lazy readers (checkpoints.weights.open_weights), not convert-weights' path.
+# A damaged side is compared with the clean other side: refused in one line naming it (exit 2, nothing
+# written), or compared; a comparison of a CRC-protected format (torch_dist, legacy, .pt) must then pass with
+# every parameter equal; a safetensors file (no checksum) may differ at most in values, never in names.
+
+def test_compare_weights_over_damaged_checkpoints(clean, tmp_path) -> None:
+    import json
+
+    rng = random.Random(SEED + 38)
+    it = "iter_0000001"
+    problems: list[str] = []
+    outcomes: Counter[str] = Counter()
+    for name in ("dist", "legacy", "ref_st"):     # the oracle's premise: each clean layout compares as a pass
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["compare-weights", str(clean["pt"]), str(clean[name]), "--out", str(tmp_path / name), *HEADS])
+        assert rc == 0 and json.loads((tmp_path / name / "summary.json").read_text())["verdict"] == "pass", name
+    for k in range(24):
+        fmt = rng.choice(["pt", "torch_dist", "legacy", "safetensors"])
+        case = tmp_path / f"c{k:03d}"
+        case.mkdir()
+        if fmt == "pt":
+            victim = src = Path(shutil.copy(clean["pt"], case / "m.pt"))
+        elif fmt == "safetensors":
+            victim = src = Path(shutil.copy(clean["ref_st"], case / "mf.safetensors"))
+        else:
+            src = Path(shutil.copytree(clean["dist" if fmt == "torch_dist" else "legacy"], case / "ck"))
+            victim = rng.choice([p for p in (src / it).rglob("*") if p.is_file()])
+        data = victim.read_bytes()
+        how = rng.choice(["truncate", "flip", "garbage"])
+        victim.write_bytes(data[:rng.randrange(len(data))] if how == "truncate" else _flip(data, rng)[0]
+                           if how == "flip" else rng.randbytes(rng.randint(1, 4096)))
+        base, cand = clean["pt"], src
+        out = case / "out"
+        so, se = io.StringIO(), io.StringIO()
+        label = f"{fmt} {how} ({victim.name})"
+        try:
+            with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+                rc = main(["compare-weights", str(base), str(cand), "--out", str(out), *HEADS])
+        except BaseException:  # noqa: BLE001 - a traceback is what this test hunts
+            problems.append(f"{label}: traceback\n{traceback.format_exc(limit=-4)}")
+            continue
+        err = se.getvalue().strip().splitlines()
+        if rc == 2:
+            outcomes[f"{fmt}: refused"] += 1
+            if len(err) != 1 or str(case) not in err[0] or out.exists():
+                problems.append(f"{label}: exit 2 without one line naming it, or wrote {out}: {err[:2]}")
+            continue
+        if rc not in (0, 1):
+            problems.append(f"{label}: exit {rc}: {err[:2]}")
+            continue
+        summary = json.loads((out / "summary.json").read_text())
+        verdict = summary["verdict"]
+        outcomes[f"{fmt}: compared, {verdict}"] += 1
+        if fmt != "safetensors" and verdict != "pass":
+            problems.append(f"{label}: a CRC-protected checkpoint compared with verdict {verdict}, not refused")
+    print(f"\ncompare-weights over damaged checkpoints: {dict(sorted(outcomes.items()))}")
+    assert not problems, "\n".join(problems[:10])
