@@ -220,9 +220,10 @@ def read_local_norms(run: str | os.PathLike | Any, step: int = 1
         if state != ALL_REDUCED:
             info.setdefault("grad_state", {})[state] = info.get("grad_state", {}).get(state, 0) + 1
         rinfo = reader.rank_info(rank)
-        cols, dropped = _own_stage_rows(cols, par, rank)
+        cols, dropped = own_stage_rows(cols, par, rank)
         info["other_stage_rows"] = info.get("other_stage_rows", 0) + dropped
-        add_rank_table(out, cols, {**rinfo, **({"pp_rank": _stage(par, rank)} if "layer_stages" in par else {})},
+        stage = {"pp_rank": pipeline_stage(par, rank)} if "layer_stages" in par else {}
+        add_rank_table(out, cols, {**rinfo, **stage},
                        pre_reduce=state == PRE_ALL_REDUCE and int(par.get("dp", 1) or 1) > 1,
                        reduce_mean=bool(par.get("gradients_mean")), source=str(_rank_file(reader, step, rank)))
     if info["tables"] == 0:
@@ -257,14 +258,14 @@ def global_expert_names(names: list[str], ep_rank: int) -> list[str]:
             if m and m.group("pre") in shift else n for n, m in zip(names, parsed, strict=True)]
 
 
-def _stage(par: dict[str, Any], rank: int) -> int:
+def pipeline_stage(par: dict[str, Any], rank: int) -> int:
     """A MindFormers rank's pipeline stage: stage-major ranks (``world / pp`` per stage)."""
     pp = int(par.get("pp", 1) or 1)
     per_stage = max(1, int(par.get("world_size", pp) or pp) // pp)
     return int(rank) // per_stage
 
 
-def _own_stage_rows(cols: dict[str, np.ndarray], par: dict[str, Any], rank: int
+def own_stage_rows(cols: dict[str, np.ndarray], par: dict[str, Any], rank: int
                     ) -> tuple[dict[str, np.ndarray], int]:
     """A MindFormers pipeline rank's rows of the parameters its stage owns (``parallel.layer_stages`` in the
     store's meta): every rank builds the whole model with global names, so rows of other stages' parameters
@@ -273,7 +274,7 @@ def _own_stage_rows(cols: dict[str, np.ndarray], par: dict[str, Any], rank: int
     if not stages:
         return cols, 0
     pp = int(par.get("pp", 1))
-    mine = _stage(par, rank)
+    mine = pipeline_stage(par, rank)
     keep = np.array([param_stage(str(n), list(stages), pp) == mine for n in cols["name"]], dtype=bool)
     if keep.all():
         return cols, 0
@@ -364,9 +365,9 @@ def _norms_from_worker_logs(run: Any, table: Any) -> tuple[dict[str, ShardNorm],
                                        "numel": np.full(len(names), 0, np.int64)}
         for k in ("tp_partition_dim", "tp_rank", "tp_size", "dp_rank"):
             cols[k] = np.asarray([p[k] for p in parts], dtype=np.int64)
-        cols, n_drop = _own_stage_rows(cols, par, rank)
+        cols, n_drop = own_stage_rows(cols, par, rank)
         dropped += n_drop
-        add_rank_table(out, cols, {"pp_rank": _stage(par, rank)}, pre_reduce=strategy.dp > 1,
+        add_rank_table(out, cols, {"pp_rank": pipeline_stage(par, rank)}, pre_reduce=strategy.dp > 1,
                        reduce_mean=strategy.gradients_mean)
     info = {"ranks": ranks, "global_norm": None, "tables": len(ranks), "tp": strategy.tp, "source": "log",
             "parallel": par, "layout_from": how, "other_stage_rows": dropped}

@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from comparators import stats
-from comparators.local_norms import NormPairing, ShardNorm, add_rank_table, pair_norms
+from comparators.local_norms import NormPairing, ShardNorm, add_rank_table, own_stage_rows, pair_norms, pipeline_stage
 from core.errors import BadInput
 from core.findings import Finding, StageResult
 from core.forking import fork_child, kill_child
@@ -230,15 +230,30 @@ def _read_store(store: Any, group: str, steps: Iterable[int]) -> Trajectory | No
     infos: dict[int, dict[str, Any]] = {}
     read_table = _TableReader(group)
     last: list[tuple[dict[str, Any], dict[str, np.ndarray]]] | None = None
+    # a MindFormers pipeline rank records every parameter (global names, zeros for other stages'): keep its
+    # own stage's rows, as the step-1 reader does (one mask per rank and table layout)
+    par = dict((getattr(store, "meta", None) or {}).get("parallel") or {})
+    own: dict[tuple[int, bytes], np.ndarray] = {}
     for step in steps:
         tables, paths = [], []
         for rank in store.array_ranks(step):
             files += 1
             path = store.step_file(step, rank)
             cols = read_table(path)
+            if cols is not None and par.get("layer_stages") and "name" in cols:
+                key = (rank, np.asarray(cols["name"]).tobytes())
+                if key not in own:
+                    names = np.array([n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n)
+                                      for n in cols["name"]])
+                    kept, _ = own_stage_rows({"name": names, "row": np.arange(len(names))}, par, rank)
+                    own[key] = np.isin(np.arange(len(names)), kept["row"])
+                if not own[key].all():
+                    cols = {k: np.asarray(v)[own[key]] for k, v in cols.items()}
             if cols is not None and ("norm" not in cols or len(cols["norm"])):   # no norm: refused by the plan
                 if rank not in infos:
                     infos[rank] = store.rank_info(rank)
+                    if par.get("layer_stages"):
+                        infos[rank] = {**infos[rank], "pp_rank": pipeline_stage(par, rank)}
                 tables.append((infos[rank], cols))
                 paths.append(str(path))
                 norm = cols.get("norm")
