@@ -58,8 +58,8 @@ class TorchFileWeights:
 
         self.path = regular_file(path, "torch checkpoint")   # a FIFO would block is_zipfile, a device never ends
         if not zipfile.is_zipfile(self.path):
-            raise BadInput(_looks(self.path) or f"{self.path}: not a torch checkpoint (torch.save writes a zip "
-                           "archive; this is not one: an old-format or pickled file is not loaded)")
+            raise BadInput(f"{self.path}: not a torch checkpoint (torch.save writes a zip archive; this is "
+                           "not one: an old-format or pickled file is not loaded)")
         check_zip_crc(self.path, self.path)
         try:
             with warnings.catch_warnings():   # a warning torch prints for a bad file would precede the one line
@@ -120,8 +120,8 @@ def open_weights(path: str | Path) -> Any:
             from checkpoints.mindformers import SafetensorsWeights
 
             return SafetensorsWeights(p)
-        raise BadInput(_looks(p) or f"{p}: not a checkpoint folder (no torch_dist .metadata, no "
-                       "mp_rank_*/model_optim_rng.pt, no .safetensors files)")
+        raise BadInput(f"{p}: not a checkpoint folder (no torch_dist .metadata, no mp_rank_*/model_optim_rng.pt, "
+                       "no .safetensors files)")
     regular_file(p, "weights file")    # before any reader opens it: a FIFO blocks, a device never ends
     suffix = p.suffix.lower()
     if suffix == ".safetensors":
@@ -134,16 +134,7 @@ def open_weights(path: str | Path) -> Any:
         return MindSporeCkpt(p)
     if suffix in (".pt", ".pth"):
         return TorchFileWeights(p)
-    raise BadInput(_looks(p) or f"{p}: unknown weights file (expected .safetensors, .ckpt, .pt/.pth, or a checkpoint "
-                   "folder)")
-
-
-def _looks(p: Path) -> str | None:
-    """``"P: an environment capture (...), not a checkpoint"`` when ``p`` is recognisably another input."""
-    from sources.input_kind import CHECKPOINT_KINDS, not_this, what_it_is
-
-    kind = what_it_is(p)
-    return None if kind in CHECKPOINT_KINDS else not_this(p, "a checkpoint", kind)
+    raise BadInput(f"{p}: unknown weights file (expected .safetensors, .ckpt, .pt/.pth, or a checkpoint folder)")
 
 
 def read_weights(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -153,8 +144,6 @@ def read_weights(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str
     p = Path(path)
     if not p.exists():
         raise BadInput(f"{p}: no such weights file or checkpoint folder")
-    if _looks(p):
-        raise BadInput(_looks(p))
     if p.is_dir():
         from checkpoints.megatron import read_megatron_checkpoint
 

@@ -169,6 +169,16 @@ def what_it_is(path: str | os.PathLike) -> str | None:
     return None
 
 
+def refuse_unless(path: str | os.PathLike, accepted: tuple[str | None, ...], wanted: str) -> None:
+    """BadInput ``"PATH: <what it looks like>, not <wanted>"`` when ``path`` is recognisably a kind outside
+    ``accepted`` (None in ``accepted``: an unrecognised input is left to the reader)."""
+    from core.errors import BadInput
+
+    kind = what_it_is(path)
+    if kind not in accepted:
+        raise BadInput(not_this(path, wanted, kind) or f"{path}: not {wanted}")
+
+
 def not_this(path: str | os.PathLike, wanted: str, kind: str | None = None) -> str | None:
     """``"PATH: <what it looks like>, not <wanted>"``, or None when it is not recognisably something else."""
     kind = kind if kind is not None else what_it_is(path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+from pathlib import Path
 
 from core.errors import BadInput
 
@@ -57,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     weights = None
     if args.weights:
         from checkpoints.weights import read_weights
+        from sources.input_kind import CHECKPOINT_KINDS, refuse_unless
+
+        if Path(args.weights).exists():
+            refuse_unless(args.weights, CHECKPOINT_KINDS, "a checkpoint")    # another kind of input, named
 
         arrays, dtypes = read_weights(args.weights)
         weights = [(name, (lambda a=a: a), dtypes[name]) for name, a in arrays.items()]

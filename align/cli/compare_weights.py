@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from core.outputs import check_out_dir
     from mapping import TransformParams
     from models import load_mapping, preset_for_names
+    from sources.input_kind import CHECKPOINT_KINDS, refuse_unless
 
     # command-line mistakes first: nothing is read, nothing written
     out = check_out_dir(args.out)
@@ -96,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     for p in (args.baseline, args.candidate, *([args.repeat] if args.repeat else [])):
         if not Path(p).exists():
             raise BadInput(f"{p}: no such file or folder")
+        refuse_unless(p, CHECKPOINT_KINDS, "a checkpoint")    # another kind of input, named
     a = open_weights(args.baseline)
     b = open_weights(args.candidate)
     r = open_weights(args.repeat) if args.repeat else None
