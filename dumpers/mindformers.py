@@ -127,16 +127,30 @@ def run_strategy(train_network: Any) -> ParallelStrategy | None:
     try:
         from mindspore import get_auto_parallel_context as ctx
 
-        if int(ctx("device_num") or 1) <= 1 and mindspore_world() <= 1:
+        world = max(int(ctx("device_num") or 1), mindspore_world())
+        if world <= 1:
             return None
-        pc = getattr(train_network, "parallel_config", None) or {}
+        pc = getattr(train_network, "parallel_config", None)
+        inner = getattr(train_network, "network", None)
+        while pc is None and inner is not None:     # the legacy Llama keeps it on the model's config
+            pc = getattr(inner, "parallel_config", None) or getattr(getattr(inner, "config", None),
+                                                                    "parallel_config", None)
+            inner = getattr(inner, "network", None)
+        if ctx("parallel_mode") == "data_parallel" or (
+                pc.get("data_parallel") if isinstance(pc, dict) else getattr(pc, "data_parallel", None)) is None:
+            # plain data parallel over the world (a model's own parallel_config may say 1 there: the legacy
+            # Llama's is not updated from the YAML), or no parallel_config in reach
+            pc = {"data_parallel": world}
         par = {"parallel_mode": ctx("parallel_mode"), "enable_parallel_optimizer": ctx("enable_parallel_optimizer"),
                "gradients_mean": ctx("gradients_mean")}
         cfg = None
         for get in ("get_gpt_transformer_config",):
             inner = getattr(train_network, "network", None)
             while inner is not None and cfg is None:
-                cfg = getattr(inner, get)() if hasattr(inner, get) else None
+                try:
+                    cfg = getattr(inner, get)() if hasattr(inner, get) else None
+                except AttributeError:      # the legacy Llama has the method, not the mcore config it reads
+                    cfg = None
                 inner = getattr(inner, "network", None)
         mc = {"num_layers": getattr(cfg, "num_layers", None), "offset": getattr(cfg, "offset", 0)} if cfg else {}
         return strategy_from_config(pc, par, mc)

@@ -104,6 +104,9 @@ def test_msrun_replays_a_baseline_of_another_dp_sample_by_sample(direction: str,
             np.testing.assert_array_equal(got["batch/labels"], whole["labels"][index])
             np.testing.assert_array_equal(got["batch/loss_mask"], whole["loss_mask"][index])
             np.testing.assert_array_equal(got["batch/sample_hash"], got["batch/replay_hash"])
+    if dp > 1:     # MindFormers' local norms under plain data parallel: each rank's gradient before the all-reduce
+        assert cand.step_arrays(1, 0).attrs["local_norm"]["grad_state"] == "pre_all_reduce"
+        assert cand.meta["parallel"]["dp"] == dp
     same = compare_batches(store, tmp_path / "run")
     assert same.verdict == "pass" and same.details["by_sample"], same.findings
     assert same.details["samples_compared"] == 2 * STEPS
