@@ -416,9 +416,12 @@ def _latest_iteration_dir(root: Path) -> Path | None:
     """``iter_NNNNNNN`` (or ``release``) named by Megatron's ``latest_checkpointed_iteration.txt``; None
     without that file. A file holding anything else (``abc``, ``-1``, binary bytes) is bad input."""
     latest = root / "latest_checkpointed_iteration.txt"
-    if not latest.is_file():
+    if not (latest.exists() or latest.is_symlink()):
         return None
-    raw = latest.read_bytes()[:64]
+    if regular_file(latest, "iteration file").stat().st_size > 64:
+        raise BadInput(f"{latest}: expected an iteration number or 'release', got a file of "
+                       f"{latest.stat().st_size} bytes")
+    raw = read_bytes(latest, "iteration file")
     try:
         text = raw.decode("ascii").strip()
     except UnicodeDecodeError:
