@@ -339,21 +339,23 @@ def _norms_from_worker_logs(run: Any, table: Any) -> tuple[dict[str, ShardNorm],
     parameter's gradient before the DP all-reduce (the mirror bprop dumps it before reducing). The ranks are
     placed by the strategy of the config the logs printed (``parallel_config``), else read as DP ranks of
     whole parameters; TP / EP slices combine as sqrt(sum of squares), DP ranks stay apart (``pre_reduce``)."""
-    from models.mindformers_parallel import ParallelStrategy, layer_stages, rank_part, strategy_from_yaml
+    from models.mindformers_parallel import ParallelStrategy, rank_part, strategy_from_yaml
 
     cfg = (run.meta or {}).get("config") or {}
     ranks = sorted(int(r) for r in table["rank"].unique())
     world = int(((run.meta or {}).get("parallel") or {}).get("world_size") or max(ranks) + 1)
     how = "config"
-    try:
+    why = "no parallel_config in the logs"
+    try:   # meta() too: an offset of the right type that does not add up to num_layers fails in layer_stages
         strategy = strategy_from_yaml(cfg) if isinstance(cfg, dict) and cfg.get("parallel_config") else None
-    except BadInput:
-        strategy = None
+        par = strategy.meta() if strategy is not None else {}
+    except BadInput as exc:     # as the msrun reader notes it (sources/mindformers_log.py)
+        strategy, why = None, f"parallel_config in the printed config not read: {exc}"
+    if strategy is not None and strategy.world != world:
+        why = f"the printed parallel_config makes {strategy.world} ranks, the logs {world}"
     if strategy is None or strategy.world != world:
-        strategy, how = ParallelStrategy(dp=world), "assumed (no parallel_config in the logs): every rank a DP rank"
-    par = strategy.meta()
-    if strategy.pp > 1 and strategy.num_layers:
-        par["layer_stages"] = layer_stages(strategy.num_layers, strategy.pp, strategy.offset)
+        strategy, how = ParallelStrategy(dp=world), f"assumed ({why}): every rank a DP rank"
+        par = strategy.meta()
     out: dict[str, ShardNorm] = {}
     dropped = 0
     for rank in ranks:
@@ -653,19 +655,12 @@ def _aggregate(rows: Iterable[dict[str, Any]], key: str) -> list[dict[str, Any]]
 
 
 def combine_tables(tables: Iterable[tuple[dict[str, Any], dict[str, np.ndarray]]]) -> dict[str, ShardNorm]:
-    """Combine in-memory local_norm tables (rank_info, columns) the same way ``read_local_norms`` does."""
+    """Combine in-memory local_norm tables (rank_info, columns) the same way ``read_local_norms`` does: each
+    checked (runstore.check_table) and added by ``add_rank_table``, so a TP size or partition dim that two
+    ranks disagree on is refused naming both, as from the files."""
     out: dict[str, ShardNorm] = {}
-    for rinfo, cols in tables:
-        n = len(cols["name"])
-        names = global_expert_names([str(x) for x in cols["name"]], int(rinfo.get("ep_rank", 0) or 0))
-        for i in range(n):
-            name = names[i]
-            tr = int(cols["tp_rank"][i]) if "tp_rank" in cols else int(rinfo.get("tp_rank", 0))
-            e = out.setdefault(name, ShardNorm(int(cols.get("tp_partition_dim", [-1] * n)[i]),
-                                               int(cols.get("tp_size", [1] * n)[i]), {}, {}, set()))
-            e.pp_ranks.add(int(rinfo.get("pp_rank", 0)))
-            e.add(tr, float(cols["norm"][i]), int(cols.get("numel", [0] * n)[i]),
-                  int(cols.get("dp_shard", [0] * n)[i]),
-                  int(cols.get("dp_rank", [int(rinfo.get("dp_rank", 0))] * n)[i]),
-                  int(cols.get("dp_size", [1] * n)[i]))
+    for k, (rinfo, cols) in enumerate(tables):
+        source = f"rank {rinfo.get('rank', k)}"
+        check_table(f"{source}'s local_norm table", "local_norm", cols)
+        add_rank_table(out, cols, rinfo, source=source)
     return out
