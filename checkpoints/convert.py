@@ -240,6 +240,9 @@ def convert_megatron_to_mindformers(paths: Sequence[str | Path], out: str | Path
         if not converted and not problems.findings and res.verdict != "fail":
             problems.add(Finding("weights", "fail", None, "no_weights", 0, None, f"{where}: no tensor to convert"))
         return _refused(res, problems, out, tp_shards_merged=tp, dtype=src_dtype)
+    totals = _self_check(m, weights, converted, "candidate", params, None, where, res)
+    if totals.verdict == "fail":   # a part dropped or counted twice: refused, nothing written
+        return _refused(res, totals, out, tp_shards_merged=tp, dtype=src_dtype)
     if str(out).endswith(".safetensors"):
         from checkpoints.mindformers import write_safetensors
 
@@ -318,6 +321,9 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
         if not converted and not problems.findings and res.verdict != "fail":
             problems.add(Finding("weights", "fail", None, "no_weights", 0, None, f"{path}: no tensor to convert"))
         return _refused(res, problems, out, dtype=dtype)
+    totals = _self_check(m, weights, converted, "baseline", params, scheme, str(path), res)
+    if totals.verdict == "fail":
+        return _refused(res, totals, out, dtype=dtype)
     tdt = torch.bfloat16 if dtype == "bfloat16" else None
     sd = {k: (torch.from_numpy(np.ascontiguousarray(v)).to(tdt) if tdt else torch.from_numpy(
         np.ascontiguousarray(v))) for k, v in converted.items()}
@@ -325,6 +331,31 @@ def convert_mindformers_to_megatron(path: str | Path, out: str | Path, *, num_he
         torch.save(sd, str(tmp))
     res.details.update({"out": str(out), "mapping": m.name, "tensors": len(sd), "dtype": dtype})
     return res
+
+
+def _self_check(m: Mapping, weights: MappingABC[str, Any], converted: MappingABC[str, Any], to_side: str,
+                params: TransformParams, scheme: str | None, where: str, res: StageResult) -> StageResult:
+    """Converted weights vs the source's, group by group and in total (checkpoints.conversion_totals): the
+    same groups the mapping converted (``Mapping.pair``, as ``Mapping.convert`` forms them). On a pass its
+    finding and numbers join ``res`` (the conversion report shows them)."""
+    from checkpoints.conversion_totals import check_totals
+
+    from_side = "baseline" if to_side == "candidate" else "candidate"
+    names = list(weights)
+    pairs, _, _ = m.pair(*((names, []) if from_side == "baseline" else ([], names)), scheme,
+                         num_experts=params.num_experts)
+    groups = []
+    for gp in pairs:
+        src = gp.baseline_present if from_side == "baseline" else gp.candidate_present
+        want = gp.match.baseline if from_side == "baseline" else gp.match.candidate
+        if len(src) == len(want):     # an incomplete group was refused by convert already
+            groups.append((list(src), list(gp.match.candidate if to_side == "candidate" else gp.match.baseline)))
+    totals = check_totals(groups, weights, converted, where)
+    if totals.verdict == "pass":
+        for f in totals.findings:
+            res.add(f)
+        res.details["self_check"] = totals.details
+    return totals
 
 
 def optimizer_key(name: str) -> bool:
