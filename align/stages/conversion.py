@@ -29,6 +29,9 @@ def run(ev: Evidence) -> StageResult:
         return skipped("conversion", "no conversion report")
     data = read_conversion(path)
     res = StageResult("conversion", details={"file": str(path), "tensors": data.get("tensors")})
+    # the converted norms vs the source's (checkpoints.conversion_totals); a report written before it lacks them
+    res.details["self_check"] = data.get("self_check") or "not in this report (written before convert-weights " \
+        "checked its norms: convert again to have it)"
     for f in data.get("findings", []):
         try:
             res.add(Finding(**{**f, "stage": "conversion"}))
