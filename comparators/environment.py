@@ -73,6 +73,11 @@ def check_capture(obj: Any, source: str | os.PathLike) -> dict[str, Any]:
             int(p["mset"], 16)
         except ValueError:
             raise BadInput(f"{source}: key 'weights.params.{name}.mset': not a hexadecimal hash") from None
+        # NaN / inf is evidence (weights holding NaN / inf give it: judged in _weights); a negative L2 norm
+        # no capture writes, and its square would hide the sign in a group's norm
+        if float(p["norm"]) < 0:
+            raise BadInput(f"{source}: key 'weights.params.{name}.norm': {p['norm']!r} is negative (an L2 norm "
+                           "is >= 0)")
     return obj
 
 
@@ -318,10 +323,30 @@ def _group(params: dict[str, dict[str, Any]], names: list[str]) -> tuple[int, fl
     return mset, math.sqrt(sum(float(params[n]["norm"]) ** 2 for n in names))
 
 
+def _nonfinite(d: _Diff, side: str, w: dict[str, Any]) -> None:
+    """A fail naming the tensors whose norm or sum is NaN / inf: the weights hold NaN / inf (the fingerprint
+    sums them in float64, which no finite float32 values overflow), however the two sides compare."""
+    bad = [n for n, p in w["params"].items() if not (math.isfinite(float(p["norm"])) and
+                                                      math.isfinite(float(p["sum"])))]
+    if not bad:
+        return
+    listed = "; ".join(f"{n}: norm {_show(float(w['params'][n]['norm']))}, sum "
+                       f"{_show(float(w['params'][n]['sum']))}" for n in bad[:_SHOWN])
+    more = f"; and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+    d.row("weights", f"{side}: non-finite", f"{len(bad)} tensors" if side == "baseline" else "",
+          f"{len(bad)} tensors" if side == "candidate" else "", "fail", listed + more)
+    d.finding("fail", bad[0], "weights_nonfinite", len(bad), 0,
+              f"{side} weights hold NaN or inf: {len(bad)} of {len(w['params'])} tensors ({listed}{more}): "
+              "training starts from them whatever the other side holds")
+
+
 def _weights(d: _Diff, b: dict[str, Any], c: dict[str, Any], mapping: Mapping | None) -> None:
     bw, cw = b.get("weights"), c.get("weights")
     if not bw and not cw:
         return
+    for side, w in (("baseline", bw), ("candidate", cw)):
+        if w:
+            _nonfinite(d, side, w)
     if not (bw and cw):
         d.row("weights", "fingerprints", "recorded" if bw else "none", "recorded" if cw else "none", "info",
               "fingerprint the weights on both sides (align capture-env --weights, or the dumpers' capture)")
