@@ -22,6 +22,7 @@ import numpy as np
 from core.errors import BadInput
 from runstore.seed_layout import load_npy
 from sources import detect, sources
+from sources.gather_totals import check_joined, expected
 
 
 class LayerSource(Protocol):
@@ -128,13 +129,22 @@ def join_parts(parts: list[list[np.ndarray]], tp: tuple[bool, int] | None, cp: i
 
 def load_ref(ref: Any) -> np.ndarray:
     """A row's full tensor as an array: ``("h5", file, dataset)``, a ``.npy`` path, or a gathered row's
-    ``("gather", gated, tp dim, cp dim, parts[cp][tp])``."""
+    ``("gather", gated, tp dim, cp dim, parts[cp][tp], expected)``, checked against its parts' recorded
+    statistics (sources.gather_totals: a mismatch is refused, the row is not judged)."""
     if isinstance(ref, (tuple, list)) and ref and ref[0] == "gather":
-        _, gated, tp_dim, cp_dim, parts = ref
+        _, gated, tp_dim, cp_dim, parts = ref[:5]
         tp = None if tp_dim is None else (bool(gated), int(tp_dim))
-        return join_parts([[load_ref(p) for p in row] for row in parts], tp, cp_dim)
+        whole = join_parts([[load_ref(p) for p in row] for row in parts], tp, cp_dim)
+        return check_joined(whole, ref[5] if len(ref) > 5 else None)
     if isinstance(ref, (tuple, list)) and ref and ref[0] == "h5":
-        return np.asarray(_open_h5(ref[1])[ref[2]][...])
+        from runstore.h5file import read_dataset
+
+        h5, size = _open_h5(ref[1])
+        try:
+            ds = h5.get(ref[2])
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
+            raise BadInput(f"{ref[1]}: '{ref[2]}': unreadable ({' '.join(str(exc).split())[:80]})") from None
+        return read_dataset(ref[1], ref[2], ds, size)   # its declared size checked before it is allocated
     return load_npy(Path(ref))
 
 
@@ -148,15 +158,25 @@ def release_files() -> None:
         _OPEN.clear()
 
 
-def _open_h5(path: str) -> Any:
-    """A step file opened for reading, kept open for the rows after it (a gathered compare reads every
-    rank's file once per row: opening each time cost ~5 ms a row); keyed by inode and mtime, so a file
-    replaced since is opened afresh. At most 64 kept (one dropped closes when no reader holds it)."""
+def _open_h5(path: str) -> tuple[Any, int]:
+    """A step file opened for reading and its size, kept open for the rows after it (a gathered compare
+    reads every rank's file once per row: opening each time cost ~5 ms a row); keyed by inode and mtime, so
+    a file replaced since is opened afresh. At most 64 kept (one dropped closes when no reader holds it).
+    Only a regular file is opened (a FIFO would block HDF5); one HDF5 cannot open is a one-line BadInput."""
     import os
+    import stat
 
     import h5py
 
-    st = os.stat(path)
+    from runstore.schema import regular_file
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        regular_file(path, "step file")     # raises, naming what it is
+        st = os.stat(path)
     key = (str(path), st.st_ino, st.st_mtime_ns)
     with _OPEN_LOCK:
         h5 = _OPEN.get(key)
@@ -164,8 +184,11 @@ def _open_h5(path: str) -> Any:
             if len(_OPEN) >= 64:
                 for old in list(_OPEN)[:32]:
                     del _OPEN[old]
-            h5 = _OPEN[key] = h5py.File(path, "r")
-    return h5
+            try:
+                h5 = _OPEN[key] = h5py.File(path, "r")
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise BadInput(f"{path}: not a readable HDF5 file ({' '.join(str(exc).split())[:120]})") from None
+    return h5, st.st_size
 
 
 def _int(info: dict[str, Any], key: str, default: int = 0) -> int:
@@ -317,9 +340,12 @@ def _merged(single: dict[str, Any] | None, parts: list[list[dict[str, Any]]], tp
             shape[d] = sum(_shape_of(row[0].get("shape"))[d] * (len(row) if tp is not None and
                                                                  tp[1] % len(shape) == d else 1) for row in parts)
     refs = [[p.get("ref") for p in row] for row in parts]
+    stats = combine_stats(flat)
+    at = refs[0][0][1] if isinstance(refs[0][0], (tuple, list)) else refs[0][0]
     ref = None if any(x is None for row in refs for x in row) else \
-        ("gather", bool(tp and tp[0]), None if tp is None else tp[1], cp, refs)
-    return {**first, **combine_stats(flat), "order": order, "shape": "x".join(map(str, shape)),
+        ("gather", bool(tp and tp[0]), None if tp is None else tp[1], cp, refs,
+         expected(stats, len(flat), f"{at}: {first.get('module')} {first.get('kind')}"))
+    return {**first, **stats, "order": order, "shape": "x".join(map(str, shape)),
             "ref": ref, "split": "", "gathered_from": len(flat)}
 
 
