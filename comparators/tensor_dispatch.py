@@ -6,6 +6,7 @@ where it ran; rows whose tensors are stored once (HDF5 hard links on both sides)
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,6 +15,7 @@ import h5py
 from comparators.tensor_metrics import Metrics, raw_offset
 from comparators.tensor_pair import compare_pair
 from core.errors import BadInput
+from runstore.h5file import check_dataset, open_h5
 from sources.layers import release_files
 
 DASK_CONNECT_TIMEOUT = "20s"   # how long to wait for a --scheduler address before saying it is unreachable
@@ -28,7 +30,10 @@ def run_tasks(tasks: list[dict[str, Any]], jobs: int = 1, scheduler: str | None 
     cluster whose workers see the same paths.
     """
     keys, raw = _stored_as(tasks)
-    tasks = [{**t, "raw": r} if r is not None else t for t, r in zip(tasks, raw, strict=True)]
+    # "checked": both sides' datasets passed runstore.h5file.check_dataset in _stored_as (compare_pair then
+    # does not check them again)
+    tasks = [{**t, "raw": r, "checked": True} if t.get("full") and _h5(t["a"].get("ref")) and
+             _h5(t["b"].get("ref")) else t for t, r in zip(tasks, raw, strict=True)]
     first: dict[Any, int] = {}       # where the tensors are stored -> the task that reads them
     reads = [i for i, k in enumerate(keys) if k is None or first.setdefault(k, i) == i]
     try:
@@ -53,7 +58,9 @@ def _stored_as(tasks: list[dict[str, Any]]) -> tuple[list[Any], list[tuple[int, 
     judged per row. None where a side is not a contiguous HDF5 dataset of a run store. Second, per task,
     (baseline offset, candidate offset, elements) where both sides are raw float32 of one size and no
     transpose is asked: ``compare_pair`` then reads the bytes with no HDF5 call (each file is opened here
-    once, not once per row in every reader)."""
+    once, not once per row in every reader). Every dataset is checked here, once (runstore.h5file: a step
+    file that is not a regular HDF5 file, or a size declared beyond the file or beyond any step file's array,
+    is a one-line BadInput naming file and dataset before anything reads or maps it)."""
     names: dict[str, set[str]] = {}
     for t in tasks:
         if not t.get("full"):
@@ -64,19 +71,23 @@ def _stored_as(tasks: list[dict[str, Any]]) -> tuple[list[Any], list[tuple[int, 
     offsets: dict[tuple[str, str], int | None] = {}
     raws: dict[tuple[str, str], tuple[int, int]] = {}      # raw float32 datasets: (offset, elements)
     for path, wanted in names.items():
-        try:
-            with h5py.File(path, "r") as h5:
-                for n in wanted:
+        with open_h5(path) as h5:
+            size = os.path.getsize(path)
+            for n in sorted(wanted):
+                try:
                     obj = h5.get(n)
-                    if not isinstance(obj, h5py.Dataset):
-                        offsets[(path, n)] = None
-                        continue
-                    raw = raw_offset(obj)       # the offset itself, when the dataset is raw float32
-                    offsets[(path, n)] = raw if raw is not None else obj.id.get_offset()
-                    if raw is not None:
-                        raws[(path, n)] = (raw, obj.size)
-        except OSError:
-            continue       # the compare itself reports an unreadable file
+                except (OSError, KeyError, ValueError, RuntimeError) as exc:
+                    raise BadInput(f"{path}: '{n}': unreadable ({' '.join(str(exc).split())[:80]})") from None
+                if isinstance(obj, h5py.Group):
+                    raise BadInput(f"{path}: '{n}' is a group, expected an array")
+                if not isinstance(obj, h5py.Dataset):
+                    offsets[(path, n)] = None       # not stored: compared by its statistics
+                    continue
+                check_dataset(path, n, obj, size)
+                raw = raw_offset(obj)       # the offset itself, when the dataset is raw float32
+                offsets[(path, n)] = raw if raw is not None else obj.id.get_offset()
+                if raw is not None:
+                    raws[(path, n)] = (raw, obj.size)
     keys: list[Any] = []
     direct: list[tuple[int, int, int] | None] = []
     for t in tasks:

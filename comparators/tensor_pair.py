@@ -17,6 +17,8 @@ import numpy as np
 
 from comparators.tensor_metrics import Metrics, Readers, compare_arrays, compare_datasets, compare_files, compare_raw
 from core.dtypes import normalize
+from core.errors import BadInput
+from runstore.h5file import check_dataset, open_h5
 from sources.layers import load_ref
 
 # dtype -> (rel L2 error passes up to, warns up to, cosine passes from)
@@ -104,9 +106,9 @@ def compare_pair(task: dict[str, Any]) -> dict[str, Any]:
             off_a, off_b, size = task["raw"]
             mt = compare_raw(ref_a[1], off_a, ref_b[1], off_b, size)
         elif isinstance(ref_a, (tuple, list)) and isinstance(ref_b, (tuple, list)):   # both HDF5 (run stores)
-            with h5py.File(ref_a[1], "r") as ha, h5py.File(ref_b[1], "r") as hb:
-                if ref_a[2] in ha and ref_b[2] in hb:
-                    da, db = ha[ref_a[2]], hb[ref_b[2]]
+            with open_h5(ref_a[1]) as ha, open_h5(ref_b[1]) as hb:
+                da, db = _stored(ha, ref_a, task), _stored(hb, ref_b, task)
+                if da is not None and db is not None:
                     tr = transpose and da.ndim >= 2 and da.shape != db.shape and \
                         (da.shape[1], da.shape[0]) + da.shape[2:] == db.shape
                     mt = compare_datasets(da, db, transpose_a=tr) if da.size == db.size else None
@@ -124,6 +126,24 @@ def compare_pair(task: dict[str, Any]) -> dict[str, Any]:
     if full and ref_a is not None and ref_b is not None:
         out["tensor_unread"] = _why_unread(ref_a, ref_b, task.get("readers"))
     return out
+
+
+def _stored(h5: h5py.File, ref: Any, task: dict[str, Any]) -> h5py.Dataset | None:
+    """A row's ``tensors/<order>`` dataset, None when not stored (compared by statistics). Its declared size
+    is checked (runstore.h5file.check_dataset: within the file, below any step file's array) before a byte
+    is read, unless the dispatcher already checked it (``task["checked"]``); a group there is BadInput."""
+    path, key = ref[1], ref[2]
+    try:
+        ds = h5.get(key)
+    except (OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise BadInput(f"{path}: '{key}': unreadable ({' '.join(str(exc).split())[:80]})") from None
+    if ds is None:
+        return None
+    if not isinstance(ds, h5py.Dataset):
+        raise BadInput(f"{path}: '{key}' is a group, expected an array")
+    if not task.get("checked"):
+        check_dataset(path, key, ds)
+    return ds
 
 
 def _gathered(ref: Any) -> bool:
