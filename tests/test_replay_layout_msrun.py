@@ -86,6 +86,7 @@ def test_msrun_replays_a_baseline_of_another_dp_sample_by_sample(direction: str,
                                                                  tmp_path: Path) -> None:
     from align.checks.data import compare_batches
     from runstore import RunReader, data_groups, dp_batches, global_batch
+    from runstore.run import open_store
 
     dp1, dp2, weights = baselines
     store, dp = (dp1, 2) if direction == "dp1_to_dp2" else (dp2, 1)
@@ -113,3 +114,5 @@ def test_msrun_replays_a_baseline_of_another_dp_sample_by_sample(direction: str,
     b1 = float(base.scalars(0).set_index("step").loss[1])
     c1 = global_loss(tmp_path / "run", 1)
     assert abs(c1 - b1) <= 1e-5 * abs(b1), (c1, b1)      # the report's line is 5e-3; float32 on one CPU: ~1e-7
+    # and the run the report reads has that loss, not rank 0's share
+    assert float(open_store(tmp_path / "run").series("loss")[1]) == pytest.approx(c1, rel=1e-12)
