@@ -74,3 +74,24 @@ def test_a_target_written_twice_shows_in_the_total() -> None:
     assert metrics == ["norm_not_kept", "total_norm_not_kept"], metrics
     assert "a part dropped (6 of 12 elements missing)" in res.findings[-1].message
     assert tolerance(10 ** 6) == pytest.approx(1.1e-10, rel=0.01)
+
+
+def test_conversion_stage_shows_the_self_check(tmp_path, capsys) -> None:
+    """The report's conversion stage carries convert-weights' numbers, or says the report predates them."""
+    from align.stages import Evidence, Inputs, run_stages
+
+    src = save_pt(tiny_state(), tmp_path / "m.pt")
+    rc, lines, _ = _convert(capsys, tmp_path, src, "--json")
+    assert rc == 0
+    (tmp_path / "conv.json").write_text("\n".join(lines))
+    log = str(Path(__file__).parent / "data" / "mindformers_train.log")
+    st = run_stages(Evidence.load(Inputs(log, log, conversion=str(tmp_path / "conv.json"))),
+                    only=["conversion"])["conversion"]
+    assert st.verdict == "pass" and st.details["self_check"]["converted_numel"] == 1256
+    assert [f.metric for f in st.findings] == ["norm_kept"]
+    old = json.loads("\n".join(lines))
+    del old["self_check"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    st = run_stages(Evidence.load(Inputs(log, log, conversion=str(tmp_path / "old.json"))),
+                    only=["conversion"])["conversion"]
+    assert st.details["self_check"].startswith("not in this report")
