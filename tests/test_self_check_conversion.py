@@ -95,3 +95,17 @@ def test_conversion_stage_shows_the_self_check(tmp_path, capsys) -> None:
     st = run_stages(Evidence.load(Inputs(log, log, conversion=str(tmp_path / "old.json"))),
                     only=["conversion"])["conversion"]
     assert st.details["self_check"].startswith("not in this report")
+
+
+def test_planted_qkv_split_taking_k_for_v_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    """The legacy Llama (.ckpt) splits the fused QKV by query group: a split that returns k where v belongs keeps
+    every count and changes the norm: refused as a wrong chunk, nothing written."""
+    pytest.importorskip("mindspore")
+    real = transforms.split_qkv
+    monkeypatch.setattr(transforms, "split_qkv", lambda a, p: (lambda q, k, v: [q, k, k])(*real(a, p)))
+    src = save_pt(tiny_state(), tmp_path / "m.pt")
+    out = tmp_path / "o.ckpt"
+    rc = main(["convert-weights", str(src), "--to", "mindformers", "--out", str(out), *HEADS])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 1 and not out.exists() and not list(tmp_path.glob("*.ckpt")), line
+    assert "decoder.layers.0.self_attention.linear_qkv.weight -> " in line and "a wrong chunk" in line, line
