@@ -11,6 +11,10 @@ Scenarios (``--scenarios a,b,...``, run in this order in one process):
   unwritable  the run store's ``steps`` folder replaced by a file after step 1.
   pause       dumps steps 1-2, then stops inside step 3 after the local norms are in the open step file,
               prints PAUSED and sleeps (the test SIGKILLs it).
+
+``--then TP OUT SCENARIOS`` (repeatable) runs more scenarios at another tensor-parallel size in the same
+launch (Megatron's parallel state re-initialised in the same process group): one torchrun start-up for TP=2
+and DP=2 instead of two.
 """
 
 from __future__ import annotations
@@ -112,6 +116,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenarios", default="identical")
     ap.add_argument("--nan-rank", type=int, default=0)
+    ap.add_argument("--then", nargs=3, action="append", default=[], metavar=("TP", "OUT", "SCENARIOS"),
+                    help="after --scenarios, re-initialise Megatron's parallel state at TP in the same "
+                         "process group and run SCENARIOS into OUT (one launch, several layouts)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -119,11 +126,22 @@ def main() -> None:
     info = mc.init_megatron_cpu(tp=args.tp, seed=1234)
     cfg = mc.TinyLlamaConfig()
     out = Path(args.out)
-    result: dict = {"info": info.as_dict()}
     everything = dict(tensors="full", nan_trace="all", seed_layout=True, local_norms=True, batch=True,
                       meta={"seed": seed_record["seed"], "determinism": seed_record["determinism"],
                             "config": cfg.as_dict()})
-    for scenario in args.scenarios.split(","):
+    run_scenarios(args, cfg, info, out, args.scenarios, everything)
+    for tp, then_out, scenarios in args.then:    # another layout in the same launch (mc.set_parallel)
+        info = mc.set_parallel(tp=int(tp), seed=1234)
+        run_scenarios(args, cfg, info, Path(then_out), scenarios, everything)
+    mc.destroy_megatron_cpu()
+
+
+def run_scenarios(args: argparse.Namespace, cfg: mc.TinyLlamaConfig, info: mc.ParallelInfo, out: Path,
+                  scenarios: str, everything: dict) -> None:
+    """Run ``scenarios`` (comma-separated) at the current layout; each rank writes out/result_rank{r}.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"info": info.as_dict()}
+    for scenario in scenarios.split(","):
         run_dir = out / scenario
         if scenario == "identical":
             for megatron_opt in (False, True):
@@ -170,7 +188,6 @@ def main() -> None:
         elif scenario == "pause":
             train(cfg, info, megatron_opt=True, dumper_cfg=DumpConfig(out=run_dir, **everything), pause_at=3)
     (out / f"result_rank{info.rank}.json").write_text(json.dumps(result, indent=1))
-    mc.destroy_megatron_cpu()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The dumpers on a real Megatron-core GPTModel (CPU, gloo): 1 process, and TP=2 / DP=2 under torchrun.
 
-Each fixture runs tests/megatron_worker.py once (several scenarios per process, to keep the suite short)
-and the tests read the JSON results and the run stores it wrote.
+Two launches of tests/megatron_worker.py (several scenarios per process, to keep the suite short): one
+process, and one torchrun of two processes running TP=2 then DP=2 (``--then``); the tests read the JSON
+results and the run stores they wrote.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _run(out: Path, scenarios: str, nproc: int = 1, tp: int = 1, extra: tuple[st
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--standalone", *args]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {r: json.loads((out / f"result_rank{r}.json").read_text()) for r in range(nproc)}
 
@@ -55,15 +56,24 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("tp2")
-    return out, _run(out, "identical,nan_grad", nproc=2, tp=2, extra=("--nan-rank", "1"))
+def two_procs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """One torchrun launch of two processes: TP=2 (identical, nan_grad on rank 1), then Megatron's parallel
+    state re-initialised at TP=1, i.e. DP=2 (identical), each layout into its own folder."""
+    tp2, dp2 = tmp_path_factory.mktemp("tp2"), tmp_path_factory.mktemp("dp2")
+    got = _run(tp2, "identical,nan_grad", nproc=2, tp=2, extra=("--nan-rank", "1", "--then", "1", str(dp2),
+                                                                 "identical"))
+    return {"tp2": (tp2, got), "dp2": (dp2, {r: json.loads((dp2 / f"result_rank{r}.json").read_text())
+                                            for r in (0, 1)})}
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    out = tmp_path_factory.mktemp("dp2")
-    return out, _run(out, "identical", nproc=2, tp=1)
+def tp2(two_procs: dict[str, tuple[Path, dict]]) -> tuple[Path, dict]:
+    return two_procs["tp2"]
+
+
+@pytest.fixture(scope="module")
+def dp2(two_procs: dict[str, tuple[Path, dict]]) -> tuple[Path, dict]:
+    return two_procs["dp2"]
 
 
 def _assert_identical(result: dict) -> None:
