@@ -33,11 +33,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import h5py
 import numpy as np
 
 from comparators.local_norms import ShardNorm, read_local_norms
-from core.errors import BadInput
+from runstore.h5file import open_h5
 
 U32 = 2.0 ** -24
 #: Sources of a stored global norm computed outside the named norms (Megatron's optimizer, MindFormers' cell).
@@ -169,11 +168,8 @@ def _store_attrs(store: Any, step: int) -> dict[int, dict[str, Any] | None]:
     out: dict[int, dict[str, Any] | None] = {}
     for rank in store.array_ranks(step):
         path = store.step_file(step, rank)
-        try:
-            with h5py.File(path, "r") as h5:
-                out[rank] = dict(h5["local_norm"].attrs) if "local_norm" in h5 else None
-        except OSError as exc:
-            raise BadInput(f"{path}: not a readable HDF5 file ({exc})") from None
+        with open_h5(path) as h5:
+            out[rank] = dict(h5["local_norm"].attrs) if "local_norm" in h5 else None
     return out
 
 

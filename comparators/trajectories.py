@@ -40,6 +40,7 @@ from core.errors import BadInput
 from core.findings import Finding, StageResult
 from core.forking import fork_child, kill_child
 from runstore import check_table
+from runstore.h5file import open_h5
 from runstore.tables import decode_text
 
 STAGE = "norm_trajectories"
@@ -177,11 +178,8 @@ def norm_groups(run: Any, limit: int = 20) -> list[str]:
         return found
     for step in store.array_steps()[:limit]:
         for rank in store.array_ranks(step):
-            try:
-                with h5py.File(store.step_file(step, rank), "r") as h5:
-                    found += [k for k in KINDS if k in h5 and k not in found]
-            except OSError as exc:
-                raise BadInput(f"{store.step_file(step, rank)}: not a readable HDF5 file ({exc})") from None
+            with open_h5(store.step_file(step, rank)) as h5:
+                found += [k for k in KINDS if k in h5 and k not in found]
         if len(found) == len(KINDS):
             break
     return [k for k in KINDS if k in found]

@@ -643,10 +643,9 @@ def replay_shape(data_dir: str, steps: Any = None, rank: Any = None) -> dict[str
     micro-batches of that DP rank, concatenated), ``seq_length``, ``micro_batches`` (when the run store says),
     the store's ``dp``, read from the file headers of the first replayed step (a run store or the
     ``step_N/rank_R`` npy folders). BadInput (one line) when the folder holds no batch."""
-    import h5py
-
     from core.errors import BadInput
     from runstore import STEP_DIR, RunReader, seed_steps
+    from runstore.h5file import open_h5
     from runstore.seed_layout import npy_header
 
     root = Path(data_dir)
@@ -672,7 +671,7 @@ def replay_shape(data_dir: str, steps: Any = None, rank: Any = None) -> dict[str
         for r in ranks:
             if r not in reader.array_ranks(step):
                 continue
-            with h5py.File(reader.step_file(step, r), "r") as h5:
+            with open_h5(reader.step_file(step, r)) as h5:
                 for name in ("batch/tokens", "batch/labels"):
                     if name in h5:
                         shape = h5[name].shape

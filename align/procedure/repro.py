@@ -30,6 +30,7 @@ from comparators.tensor_metrics import compare_arrays
 from core.errors import BadInput
 from core.outputs import temp_beside
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, RunReader
+from runstore.h5file import open_h5, read_dataset
 
 #: module kinds the scripts compute: norm (RMSNorm), linear (y = x W^T), mlp (gated SwiGLU, fc1 = [gate; up]),
 #: attention (Megatron's self-attention: fused per-group QKV, optional q/k RMSNorm, RoPE (rotate-half) from the
@@ -94,10 +95,8 @@ def _baseline_side(store: str, module: str, step: int, rank: int, weights: str |
     entry = next((e for e in found if e["module"] == module), None)
     if entry is None:
         raise BadInput(f"{store}: no full input of {module} at step {step}")
-    import h5py
-
-    with h5py.File(path, "r") as h5:
-        x = np.asarray(h5[entry["input"]])
+    with open_h5(path) as h5:
+        x = read_dataset(path, entry["input"], h5.get(entry["input"]))
     return x, None, _read_module_weights(weights, module), {}
 
 
