@@ -79,8 +79,8 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a repeat: the false-alarm rate a clean pair is warned at (default: %(default)s)")
     g.add_argument("--noise-allowance", type=float, default=2.0,
                    help="with a repeat: how much noisier than the baseline's repeat a clean candidate may be (the "
-                        "repeat shares the baseline's framework and kernels; measured on clean demo pairs up to "
-                        "1.97x, docs/calibration.md); the long-run count tests hold their rates for a candidate "
+                        "repeat shares the baseline's framework and kernels; 0.4-2.8x, median ~1, on 35 clean demo "
+                        "pairs, docs/calibration.md); the long-run count tests hold their rates for a candidate "
                         "this much noisier (default: %(default)s)")
     g.add_argument("--sustain", type=int, default=10,
                    help="consecutive out-of-band steps that make a divergence (default: %(default)s)")
