@@ -39,6 +39,7 @@ import numpy as np
 
 from dumpers.mindspore_isolation import (
     DEFAULT_KINDS,
+    ConstructPatches,
     _cell_index,
     _first_tensor,
     _rel_l2,
@@ -82,20 +83,19 @@ def read_backward(store: str | Path, step: int, rank: int = 0) -> tuple[dict[str
     return meta, arrays
 
 
-class _GradRecorder:
+class _GradRecorder(ConstructPatches):
     """Wraps chosen cells' ``construct``: the first call's arguments, output and (a tensor hook on the first
     output) its gradient in the candidate's own backward are kept; removed by :meth:`restore`."""
 
     def __init__(self, cells: Mapping[str, Any]) -> None:
+        super().__init__()
         self.calls: dict[str, tuple[tuple, dict, Any]] = {}
         self.grad_out: dict[str, np.ndarray] = {}
         self.signatures: dict[str, list[str]] = {}
-        self._saved: list[tuple[Any, Any]] = []
         for name, cell in cells.items():
             self._wrap(name, cell)
 
     def _wrap(self, name: str, cell: Any) -> None:
-        own = cell.__dict__.get("construct")
         inner = cell.construct
         try:
             self.signatures[name] = [p.name for p in inspect.signature(inner).parameters.values()
@@ -117,16 +117,7 @@ class _GradRecorder:
                         pass
             return out
 
-        self._saved.append((cell, own))
-        object.__setattr__(cell, "construct", construct)
-
-    def restore(self) -> None:
-        for cell, own in self._saved:
-            if own is None:
-                object.__delattr__(cell, "construct")
-            else:
-                object.__setattr__(cell, "construct", own)
-        self._saved.clear()
+        self._patch(cell, construct)
 
 
 def _slots(args: tuple, kwargs: dict, names: list[str]) -> dict[str, tuple[str, Any]]:

@@ -150,18 +150,37 @@ def _swap_input(args: tuple, kwargs: dict, x: Any) -> tuple[tuple, dict, Any]:
     return args, {**kwargs, keys[0]: x}, kwargs[keys[0]]
 
 
-class _Recorder:
-    """Wraps chosen cells' ``construct``: the first call's arguments and output are kept; removed by
-    :meth:`restore` (the cells compute exactly as before, only the Python call is intercepted)."""
+class ConstructPatches:
+    """Cells whose ``construct`` is replaced on the instance; :meth:`restore` puts back what was there (the
+    class's, or the instance's own where it had one): the cells compute exactly as before, only the Python
+    call is intercepted."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, Any]] = []
+
+    def _patch(self, cell: Any, construct: Callable[..., Any]) -> None:
+        self._saved.append((cell, cell.__dict__.get("construct")))
+        object.__setattr__(cell, "construct", construct)
+
+    def restore(self) -> None:
+        for cell, own in reversed(self._saved):
+            if own is None:
+                object.__delattr__(cell, "construct")
+            else:
+                object.__setattr__(cell, "construct", own)
+        self._saved.clear()
+
+
+class _Recorder(ConstructPatches):
+    """Wraps chosen cells' ``construct``: the first call's arguments and output are kept."""
 
     def __init__(self, cells: Mapping[str, Any]) -> None:
+        super().__init__()
         self.calls: dict[str, tuple[tuple, dict, Any]] = {}
-        self._saved: list[tuple[Any, Any]] = []
         for name, cell in cells.items():
             self._wrap(name, cell)
 
     def _wrap(self, name: str, cell: Any) -> None:
-        own = cell.__dict__.get("construct")
         inner = cell.construct
         calls = self.calls
 
@@ -170,16 +189,7 @@ class _Recorder:
             calls.setdefault(name, (args, dict(kwargs), out))
             return out
 
-        self._saved.append((cell, own))
-        object.__setattr__(cell, "construct", construct)
-
-    def restore(self) -> None:
-        for cell, own in self._saved:
-            if own is None:
-                object.__delattr__(cell, "construct")
-            else:
-                object.__setattr__(cell, "construct", own)
-        self._saved.clear()
+        self._patch(cell, construct)
 
 
 def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping: Any = None,
