@@ -62,9 +62,10 @@ demo: $(STAMP)
 
 test: $(DEV_STAMP)
 	$(PY) -m ruff check core runstore mapping models sources checkpoints dumpers comparators reports align demo tests benchmarks
-	# two workers, one test file each at a time (a file's shared runs are made once): 22 min on 2 cores (869 tests,
-	# clean clone via .ci/run, 2026-11-29 07:25 UTC; 23m30s with the environment; 16.5 min in a warm checkout), above
-	# the 10-minute aim
+	# two workers, one test file each at a time, longest files first (tests/conftest.py; a file's shared runs are
+	# made once): 25 min on 2 cores in a warm checkout (1042 tests, load 3-12 from other jobs, 2026-11-29 10:16 UTC;
+	# 35 min at load 7-28 an hour before), above the 10-minute aim: the paired demos and MindSpore launches
+	# (tests/test_demo*.py, test_mindformers_launch.py, test_replay_layout_msrun.py) are most of it
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # The browser tests (report.html in headless Chromium) need Debian's chromium; without it they skip
