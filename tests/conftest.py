@@ -9,7 +9,7 @@ os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), 
 # `make test` runs `pytest -n 2 --dist loadfile`: whole files go to the two workers. pytest-xdist hands them out
 # in order of test count by default, so the few-test, long files (a paired demo, an msrun launch) went last and
 # one worker ran them alone at the end. Longest first instead (files not listed keep their order, after these):
-# seconds per file summed from `--durations=0` on 2 cores, load 12-15, 2026-11-29 (only the order matters).
+# seconds per file summed from `--durations=0` on 2 cores, load 7-28, 2026-11-29 (only the order matters).
 LONG_FILES = {
     "test_demo.py": 564, "test_demo_moe.py": 326, "test_mindformers_launch.py": 274,
     "test_demo_baseline_faults.py": 250, "test_replay_layout_msrun.py": 201, "test_demo_legacy.py": 166,
