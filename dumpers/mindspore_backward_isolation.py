@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from dumpers.isolation_rows import add_weight_grads, result_row
 from dumpers.mindspore_isolation import (
     DEFAULT_KINDS,
     ConstructPatches,
@@ -332,22 +333,9 @@ def _isolate_one(mod: str, cand: str, cell: Any, e: dict[str, Any], rec: _GradRe
         grads.append({"what": what})
     iso_w = _to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_iso}, m, params)
     own_w = _to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_own}, m, params)
-    missing = []
-    for pname in e.get("params", []):
-        key = f"grad_weight/{mod}/{pname}"
-        if pname not in iso_w or iso_w[pname].shape != barr[key].shape:
-            missing.append(pname)
-            continue
-        what = f"weight:{pname}"
-        arrays[f"grad/baseline/{mod}/{what}"] = barr[key].astype(np.float32)
-        arrays[f"grad/isolated/{mod}/{what}"] = iso_w[pname]
-        arrays[f"grad/candidate/{mod}/{what}"] = own_w[pname]
-        grads.append({"what": what})
-    x0 = next((i for i in listed if i["source"] == "baseline"), None)
-    return {"baseline": mod, "candidate": cand, "kind": m.module_kind(mod, "baseline"),
-            "dtype_baseline": e.get("dtype", "float32"), "dtype_candidate": str(y_iso.dtype).lower(),
-            "input_rel_l2": x0["own_rel_l2"] if x0 else None, "inputs": listed, "grads": grads,
-            "weights_not_compared": missing, "replay_rel_l2": e.get("replay_rel_l2")}
+    missing = add_weight_grads(arrays, grads, barr, mod, e.get("params", []), iso_w, own_w)
+    return result_row(mod, cand, m.module_kind(mod, "baseline"), e, str(y_iso.dtype).lower(), listed, grads,
+                      missing)
 
 
 def _out_dtype(out: Any) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dumpers.isolation_rows import add_weight_grads, result_row
 from dumpers.mindspore_backward_isolation import backward_steps, read_backward
 from dumpers.mindspore_isolation import DEFAULT_KINDS, _rel_l2, to_layout
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, atomic_file
@@ -230,19 +231,6 @@ def _one(name: str, cand: str, mod: torch.nn.Module, e: dict[str, Any], call: di
         return conv
 
     iso_w, own_w = to_baseline(gw_iso), to_baseline(gw_own)
-    missing = []
-    for pname in e.get("params", []):
-        key = f"grad_weight/{name}/{pname}"
-        if pname not in iso_w or iso_w[pname].shape != barr[key].shape:
-            missing.append(pname)
-            continue
-        what = f"weight:{pname}"
-        arrays[f"grad/baseline/{name}/{what}"] = barr[key].astype(np.float32)
-        arrays[f"grad/isolated/{name}/{what}"] = iso_w[pname]
-        arrays[f"grad/candidate/{name}/{what}"] = own_w[pname]
-        grads.append({"what": what})
-    x0 = next((i for i in listed if i["source"] == "baseline"), None)
-    return {"baseline": name, "candidate": cand, "kind": m.module_kind(name, "baseline"),
-            "dtype_baseline": e.get("dtype", "float32"), "dtype_candidate": str(y_iso.dtype).replace("torch.", ""),
-            "input_rel_l2": x0["own_rel_l2"] if x0 else None, "inputs": listed, "grads": grads,
-            "weights_not_compared": missing, "replay_rel_l2": e.get("replay_rel_l2")}
+    missing = add_weight_grads(arrays, grads, barr, name, e.get("params", []), iso_w, own_w)
+    return result_row(name, cand, m.module_kind(name, "baseline"), e, str(y_iso.dtype).replace("torch.", ""),
+                      listed, grads, missing)
