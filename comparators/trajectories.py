@@ -595,11 +595,15 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
     # typical band; whether a repeat shows the same offset)
     d_mean, d_std, d_n, typ_band = (np.zeros(n_par) for _ in range(4))
     shown_by_repeat = np.zeros(n_par, dtype=bool)
+    one_side = np.zeros(n_par, dtype=bool)
     block = max(1, 1_250_000 // max(n_steps, 1))
     for lo in range(0, n_par, block):
         cols = np.arange(lo, min(n_par, lo + block))
         g = _band(paired, repeats, cols, opt)
         st = _first_sustained(g["outside"], opt.sustain)
+        for k in np.flatnonzero(st >= 0):       # the first sustained run: all on one side of the baseline?
+            run = g["delta"][st[k]:st[k] + opt.sustain, k]
+            one_side[cols[k]] = bool(np.all(run > 0) or np.all(run < 0))
         pk = g["ratio"].argmax(axis=0) if n_steps else np.zeros(len(cols), dtype=np.int64)
         start[cols], peak[cols], judged[cols] = st, pk, g["judged"]
         counted[cols] = g["compared"].sum(axis=0)
@@ -661,7 +665,10 @@ def judge(paired: Paired, repeats: list[np.ndarray], opt: TrajectoryOptions, kin
         p_bias[j] = _bias_p(d_mean[j], d_std[j], d_n[j], rho)
     off = (np.abs(d_mean) > typ_band / opt.band_k) & ~shown_by_repeat
     sustained = [int(j) for j in judged_idx if start[j] >= 0]
-    departed = sorted((j for j in sustained if p_par[j] < fail_line and p_bias[j] < fail_line and off[j]),
+    # a sustained departure is off centre when its run stays on one side (centred noise outside its band at
+    # ``sustain`` steps in a row flips side: all on one side has odds 2^(1 - sustain)), or its mean says so
+    departed = sorted((j for j in sustained if p_par[j] < fail_line and not shown_by_repeat[j]
+                       and (one_side[j] or (p_bias[j] < fail_line and off[j]))),
                       key=lambda j: (int(start[j]), -float(at["ratio_start"][j])))
     rest = sorted((int(j) for j in judged_idx if int(j) not in departed),
                   key=lambda j: (max(p_par[j], p_bias[j] if off[j] else 1.0), p_par[j], -frac[j],

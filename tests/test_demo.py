@@ -156,6 +156,7 @@ def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp
     import shutil
 
     import h5py
+    import numpy as np
 
     from align.stages import Evidence, Inputs, Options, run_stages
     from comparators.scalars import ScalarOptions
@@ -173,6 +174,9 @@ def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp
                 rec = h5["local_norm"][...]
                 rec["norm"][rec["name"] == planted.encode()] *= 1.1
                 h5["local_norm"][...] = rec
+                # a real gradient that far off moves the training cell's global norm too (the evidence
+                # self-check holds the named norms to it)
+                h5["local_norm"].attrs["global_norm"] = float(np.sqrt(np.sum(np.square(rec["norm"].astype(float)))))
     # and a one-step loss spike of the candidate at step 8: reported with that step's real batches (a 1e-3 loss
     # band floor keeps this independent of how far the repeat is from the baseline)
     scalars = tmp_path / "candidate" / "scalars" / "rank_00000.jsonl"

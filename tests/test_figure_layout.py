@@ -144,7 +144,10 @@ def test_report_curves(tmp_path, drawn, monkeypatch, fault):
     marks = {lab for d in drawn for lab in d["labels"]}
     want = "divergence from step" if fault == "diverge" else "first NaN/Inf at step"
     assert any(lab.startswith(want) for lab in marks), marks
-    assert any(lab.startswith("outside band") for lab in marks)
+    # a divergence leaves the band at finite steps; the NaN run's finite steps are clean noise, inside a band
+    # made for a candidate up to --noise-allowance times noisier than the repeat (its NaN steps have their entry)
+    if fault == "diverge":
+        assert any(lab.startswith("outside band") for lab in marks)
 
 
 @pytest.mark.parametrize("scale", [1e-7, 1e-3, 3e4])
