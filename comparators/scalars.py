@@ -441,7 +441,7 @@ def null_model(stack: np.ndarray, sigma: np.ndarray, band: np.ndarray, window_co
     runs, so every count is scaled to ``n_eff`` = n (1 - rho) / (1 + rho).
 
     A repeat of the baseline shares its framework's kernels; a clean candidate computes in others and is
-    noisier (candidate / repeat RMS of the delta on 35 clean demo pairs: 0.4-2.8, median ~1; docs/calibration.md).
+    noisier (candidate / repeat RMS of the delta on 41 clean demo pairs: 0.13-2.8, median ~1; docs/calibration.md).
     So the band is ``opt.noise_allowance`` times wider and the odds are those of a candidate that much noisier:
     the t odds at band / (allowance x RMS), the repeats' own steps counted against the band that much narrower
     (a repeat outside band_k x its RMS is what such a candidate does outside the band)."""

@@ -230,7 +230,7 @@ def test_the_calibration_benchmark_tables_clean_alarms_and_faults() -> None:
 
 def test_a_candidate_noisier_than_the_repeat_but_centred_passes_within_the_allowance() -> None:
     """The repeat shares the baseline's kernels, a clean candidate does not: on the clean demo pairs its delta's
-    RMS was 0.4-2.8x the repeat's (docs/calibration.md). With the default allowance (2) a candidate 1.9x
+    RMS was 0.13-2.8x the repeat's (docs/calibration.md). With the default allowance (2) a candidate 1.9x
     noisier passes and the band says so; judged as one more repeat (allowance 1) the same pair is flagged;
     an offset of the band's width still fails with the allowance."""
     from comparators.scalars import ScalarOptions

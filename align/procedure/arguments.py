@@ -79,7 +79,7 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a repeat: the false-alarm rate a clean pair is warned at (default: %(default)s)")
     g.add_argument("--noise-allowance", type=float, default=2.0,
                    help="with a repeat: how much noisier than the baseline's repeat a clean candidate may be (the "
-                        "repeat shares the baseline's framework and kernels; 0.4-2.8x, median ~1, on 35 clean demo "
+                        "repeat shares the baseline's framework and kernels; 0.13-2.8x, median ~1, on 41 clean demo "
                         "pairs, docs/calibration.md); the long-run count tests hold their rates for a candidate "
                         "this much noisier (default: %(default)s)")
     g.add_argument("--sustain", type=int, default=10,
