@@ -27,7 +27,6 @@ per module) plus ``grad/{baseline,isolated,candidate}/<module>/<what>`` (``what`
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import json
 import zipfile
@@ -39,13 +38,13 @@ import numpy as np
 
 from dumpers.isolation_rows import add_weight_grads, result_row
 from dumpers.mindspore_isolation import (
-    DEFAULT_KINDS,
     ConstructPatches,
     _cell_index,
     _first_tensor,
     _rel_l2,
     _step_batch,
     find_cell,
+    mapped_modules,
     mcore_forward,
     to_layout,
 )
@@ -243,15 +242,7 @@ def isolate_with_backward(net: Any, baseline: str | Path, out: str | Path, *, ma
     cells = _cell_index(net)
     chosen: dict[str, tuple[dict[str, Any], str, Any]] = {}
     skipped: list[dict[str, str]] = list(bmeta.get("skipped") or [])
-    for e in bmeta["modules"]:
-        mod = e["module"]
-        if modules is not None and not any(fnmatch.fnmatchcase(mod, p) for p in modules):
-            continue
-        cand = m.map_module(mod, "baseline")
-        if cand is None or (modules is None and m.module_kind(mod, "baseline") not in DEFAULT_KINDS):
-            if modules is not None:
-                skipped.append({"module": mod, "reason": "no module rule of the mapping covers it"})
-            continue
+    for e, mod, cand in mapped_modules(bmeta["modules"], m, modules, skipped):
         cell = find_cell(cells, cand)
         if cell is None:
             skipped.append({"module": mod, "reason": f"the candidate has no cell {cand}"})

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,23 @@ def _swap_input(args: tuple, kwargs: dict, x: Any) -> tuple[tuple, dict, Any]:
     return args, {**kwargs, keys[0]: x}, kwargs[keys[0]]
 
 
+def mapped_modules(entries: Sequence[dict[str, Any]], m: Any, modules: Sequence[str] | None,
+                   skipped: list[dict[str, str]]) -> Iterator[tuple[dict[str, Any], str, str]]:
+    """(entry, baseline module, candidate cell name) of each captured module to isolate: those matching
+    ``modules`` (default: the kinds of DEFAULT_KINDS) that a module rule of the mapping ``m`` covers; an
+    asked-for module no rule covers is added to ``skipped`` with the reason."""
+    for e in entries:
+        mod = e["module"]
+        if modules is not None and not any(fnmatch.fnmatchcase(mod, p) for p in modules):
+            continue
+        cand = m.map_module(mod, "baseline")
+        if cand is None or (modules is None and m.module_kind(mod, "baseline") not in DEFAULT_KINDS):
+            if modules is not None:
+                skipped.append({"module": mod, "reason": "no module rule of the mapping covers it"})
+            continue
+        yield e, mod, cand
+
+
 class ConstructPatches:
     """Cells whose ``construct`` is replaced on the instance; :meth:`restore` puts back what was there (the
     class's, or the instance's own where it had one): the cells compute exactly as before, only the Python
@@ -223,15 +240,7 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
     cells = _cell_index(net)
     chosen: dict[str, tuple[dict[str, Any], str, Any]] = {}
     skipped: list[dict[str, str]] = []
-    for e in found:
-        mod = e["module"]
-        if modules is not None and not any(fnmatch.fnmatchcase(mod, p) for p in modules):
-            continue
-        cand = m.map_module(mod, "baseline")
-        if cand is None or (modules is None and m.module_kind(mod, "baseline") not in DEFAULT_KINDS):
-            if modules is not None:
-                skipped.append({"module": mod, "reason": "no module rule of the mapping covers it"})
-            continue
+    for e, mod, cand in mapped_modules(found, m, modules, skipped):
         if te and mod.endswith(TE_FUSED_NORM_INPUT):
             skipped.append({"module": mod, "reason": "TransformerEngine spec: the norm is fused into its first "
                                                      "linear, so its input is not the candidate's"})
