@@ -306,8 +306,9 @@ class MindSporeDump:
     def array_ranks(self, step: int) -> list[int]:
         return sorted(r for r, fs in self.folders.items() if any(it + 1 == step for _, it, _ in fs))
 
-    def _kernels(self, step: int, rank: int) -> list[tuple[str, str, dict[tuple[str, int], dict[str, Any]]]]:
-        """(op name as written, full name or None, {(io, slot): tensor}) per kernel, in execution order."""
+    def kernels(self, step: int, rank: int) -> list[tuple[str, str, dict[tuple[str, int], dict[str, Any]]]]:
+        """(op name as written, full scope name, {(io, slot): tensor}) per kernel, forward and backward
+        (``Gradients/...``), in execution order; a tensor holds op_type, dtype, ts, and file (its .npy) when saved."""
         found = [(g, f) for g, it, f in self.folders.get(rank, []) if it + 1 == step]
         if not found:
             have = sorted({it for _, it, _ in self.folders.get(rank, [])})
@@ -348,7 +349,7 @@ class MindSporeDump:
 
     def layer_rows(self, step: int, rank: int = 0) -> tuple[list[dict[str, Any]], bool]:
         """Cell outputs of one iteration and rank, in execution order; ``ref`` the .npy when saved."""
-        kernels = self._kernels(step, rank)
+        kernels = self.kernels(step, rank)
         last: dict[str, tuple[int, int]] = {}             # module -> (kernel index, depth)
         for k, (_, full, _) in enumerate(kernels):
             root, cells = scope_cells(full)
