@@ -4,6 +4,7 @@ capture). `align report` and `align demo` print the same."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,39 @@ def _cut(text: str) -> str:
 def _top(data: dict[str, Any], stage: str) -> dict[str, Any] | None:
     found = [f for f in data.get("findings", []) if f["stage"] == stage and f["verdict"] != "pass"]
     return max(found, key=lambda f: severity(f["verdict"])) if found else None
+
+
+def _sees(power: Any) -> str:
+    """What a passing stage could have seen, in a few words (its ``power``; the report has the whole sentence),
+    so a PASS on the terminal reads as a bound, not as the absence of a look."""
+    if not isinstance(power, dict):
+        return ""
+    rel, margin = power.get("detectable_rel"), power.get("margin_rel")
+    if isinstance(rel, (int, float)) and math.isfinite(rel):      # a long-run band test
+        text = f"detects a sustained offset of {rel:.2%}"
+        ok = isinstance(margin, float) and math.isfinite(margin)
+        return text + (f"; mean offset <= {margin * 100:.2g}%" if ok else "")
+    subs = [v for v in power.values() if isinstance(v, dict) and "judged" in v]   # one per quantity (lr = 0)
+    if "judged" not in power and subs:
+        power = max(subs, key=lambda v: v.get("margin") if isinstance(v.get("margin"), float) else -1.0)
+    det, used = power.get("detectable"), power.get("margin")
+    if not isinstance(det, (int, float)) or not math.isfinite(det) or "judged" not in power:
+        return ""
+    text = f"detects {det:.2g} relative in one of {power['judged']}"
+    if isinstance(used, (int, float)) and math.isfinite(used) and used > 0:
+        text += f"; margin {1 / used:.3g}x"
+    return text
+
+
+def _closest(data: dict[str, Any], stage: str) -> str:
+    """A passing stage without a power statement: its relative-delta finding nearest to its own line."""
+    found = [f for f in data.get("findings", []) if f["stage"] == stage and f["verdict"] == "pass"
+             and isinstance(f.get("value"), (int, float)) and isinstance(f.get("threshold"), (int, float))
+             and f["threshold"] > 0 and math.isfinite(f["value"]) and "rel" in f["metric"]]
+    if not found:
+        return ""
+    f = max(found, key=lambda f: f["value"] / f["threshold"])
+    return f"{f['metric']} {f['value']:.2g} <= {f['threshold']:.2g}"
 
 
 def _named(e: dict[str, Any]) -> str:
@@ -62,6 +96,9 @@ def lines(data: dict[str, Any], out: Path | None = None, explain: bool = False) 
         elif st["verdict"] != "pass":
             top = _top(data, name)
             note = f"  {top['component']}" if top and top.get("component") else ""
+        else:
+            seen = _sees(st.get("power")) or _closest(data, name)
+            note = f"  {seen}" if seen else ""
         out_lines.append(f"  {name:<18} {st['verdict']}{note}")
     if skipped and explain:
         for name, st in skipped:

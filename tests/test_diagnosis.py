@@ -169,3 +169,25 @@ def test_a_clean_pass_says_so_on_the_first_screen(tmp_path):
     assert data["diagnosis"] == [] and "No stage failed or warned" in page
     assert "a 0.3% loss offset would have failed" in page
     assert page.index("PASS on 1 of") < page.index("<h2>Stages</h2>")
+
+
+def test_a_passing_stage_says_on_the_terminal_what_it_could_have_seen(tmp_path):
+    """A PASS line carries its bound: the floor-judged stages their detectable difference and margin, the band
+    tests the sustained offset and the mean offset ruled out, the others their relative delta against its line."""
+    from reports.terminal import lines
+
+    res = results(result("step1_loss", ("pass", "loss", "rel_delta", 9.8e-7, 0.005)),
+                  result("step1_local_norm", ("pass", "decoder.layers.0.mlp.linear_fc1.weight", "rel_diff", 1e-5,
+                                              3e-4)),
+                  result("lr0_run", ("pass", "loss", "max_rel_loss", 1e-6, 2e-5)),
+                  result("long_run", ("pass", "loss", "outside_band_fraction", 0.0, 0.05)))
+    res["step1_local_norm"].details["power"] = {"detectable": 0.0026, "margin": 0.033, "judged": 33}
+    res["lr0_run"].details["power"] = {"detectable": 4e-5, "loss": {"detectable": 4e-5, "margin": 0.035, "judged": 20},
+                                       "grad_norm": {"detectable": 3e-4, "margin": 0.04, "judged": 20}}
+    res["long_run"].details["power"] = {"detectable_rel": 0.0003, "margin_rel": 3.9e-5, "detectable": 1e-3}
+    data, _ = _report(tmp_path, res)
+    text = {line.split()[0]: line for line in lines(data)[2:] if line.startswith("  ") and "pass" in line}
+    assert text["step1_loss"].endswith("pass  rel_delta 9.8e-07 <= 0.005")
+    assert text["step1_local_norm"].endswith("detects 0.0026 relative in one of 33; margin 30.3x")
+    assert text["lr0_run"].endswith("detects 0.0003 relative in one of 20; margin 25x")    # the tighter quantity
+    assert text["long_run"].endswith("detects a sustained offset of 0.03%; mean offset <= 0.0039%")
