@@ -326,6 +326,7 @@ class MindFormersDumperCallback(DumperCallback):
             sizes = optimizer_param_sizes(optimizer)
             net = getattr(cb_params, "train_network", None)
             strategy = run_strategy(net)
+            d.set_strategy(strategy)    # coordinates in MindFormers' order, each layer row's slice
             if strategy is not None and vals.get("norm_size"):
                 # a rank's gradients are its slices: the element counts it returns are the slices', so they
                 # are the rows' numel (the full shapes' counts would not match them)

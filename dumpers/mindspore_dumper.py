@@ -34,12 +34,13 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from dumpers.contract import DumpConfig, NonFiniteError, StepBookkeeping, dumps_rank, merge_micro_batches, open_writer
+from dumpers.mindformers_layer_split import activation_split
 from dumpers.mindspore_expert_norms import MECHANISM as EXPERT_MECHANISM
 from dumpers.mindspore_expert_norms import host_squares, split_rows, stacked_experts
 from dumpers.mindspore_expert_norms import install as install_expert_norms
 from dumpers.mindspore_graph_capture import MECHANISM as GRAPH_MECHANISM
 from dumpers.mindspore_graph_capture import ROUTER_MECHANISM, GraphLayerCapture, RouterCapture
-from runstore import SEED_BATCH_KEYS, BackgroundWriter, RunWriter
+from runstore import RANK_DIR, SEED_BATCH_KEYS, BackgroundWriter, RunWriter, atomic_write_json
 from runstore.routing import put_counts, put_routing
 
 PYNATIVE_MECHANISM = "Cell.register_forward_hook (outputs) and Tensor.register_hook (output gradients)"
@@ -151,15 +152,32 @@ def mindspore_rank() -> int | None:
     return None
 
 
-def rank_coordinates(rank: int | None = None, tp: int = 1, pp: int = 1) -> dict[str, int]:
+def rank_coordinates(rank: int | None = None, tp: int = 1, pp: int = 1, strategy: Any = None) -> dict[str, int]:
     """Global rank (MindSpore's get_rank() once communication is up, else RANK_ID / RANK, else 0) and its
-    tp/pp/dp coordinates (Megatron's tp-fastest order)."""
+    tp/pp/dp coordinates: under a MindFormers ``strategy`` (models.mindformers_parallel.ParallelStrategy)
+    MindFormers' own order, stage-major, (dp, cp, tp) inside a stage (``ParallelStrategy.coords``: the wheel's
+    models/utils.py ``get_current_rank_stage`` and parallel_core/training_graph/device_matrix.py), with every
+    group's size; else Megatron's tp-fastest order (tp, pp only)."""
     if rank is None:
         rank = mindspore_rank()
     if rank is None:
         rank = int(os.environ.get("RANK_ID") or os.environ.get("RANK") or 0)
+    if strategy is not None:
+        c = strategy.coords(rank)
+        c.pop("rank_in_stage", None)
+        return {**c, "cp_size": strategy.cp}
     return {"rank": rank, "tp_rank": rank % tp, "pp_rank": (rank // tp) % pp, "dp_rank": rank // (tp * pp),
             "tp_size": tp, "pp_size": pp}
+
+
+def rank_file_info(coords: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """A rank file's content from the dumper's coordinates: each ``*_rank`` and its group's size under both
+    spellings (``tp_size``, and ``tp`` as Megatron's dumper and sources.layers read it)."""
+    info = {k: int(v) for k, v in coords.items() if k != "rank"}
+    for key in [k for k in info if k.endswith("_size")]:
+        info[key[:-5]] = info[key]
+    info["world_size"] = int(world_size)
+    return info
 
 
 class MindSporeDumper(StepBookkeeping):
@@ -173,8 +191,10 @@ class MindSporeDumper(StepBookkeeping):
 
     def __init__(self, net: nn.Cell | None, out: str | os.PathLike | None = None, config: DumpConfig | None = None, *,
                  rank: int | None = None, tp: int = 1, pp: int = 1, world_size: int | None = None,
-                 framework: str = "mindspore", name_scheme: str = "mindspore", graph_capture: bool = False) -> None:
+                 framework: str = "mindspore", name_scheme: str = "mindspore", graph_capture: bool = False,
+                 strategy: Any = None) -> None:
         self.config = config or DumpConfig()
+        self.strategy = strategy      # a MindFormers ParallelStrategy: coordinates and each layer row's slice
         self.graph_capture = graph_capture
         self._graph: Any = None
         self._router: RouterCapture | None = None
@@ -184,7 +204,7 @@ class MindSporeDumper(StepBookkeeping):
         if out is None:
             raise ValueError("MindSporeDumper needs the run-store directory (out, or DumpConfig.out)")
         self.net = net
-        self.coords = rank_coordinates(rank, tp, pp)
+        self.coords = rank_coordinates(rank, tp, pp, strategy)
         self.enabled = dumps_rank(self.config, self.coords["rank"])
         self._select_steps()
         self._handles: list[Any] = []
@@ -199,8 +219,10 @@ class MindSporeDumper(StepBookkeeping):
         self._owners = param_owners(net) if net is not None else {}
         ws = world_size if world_size is not None else int(os.environ.get("RANK_SIZE")
                                                             or os.environ.get("WORLD_SIZE") or 1)
-        meta = {"framework": framework, "versions": {"mindspore": ms.__version__},
-                "parallel": {"tp": tp, "pp": pp, "dp": max(1, ws // (tp * pp)), "world_size": ws},
+        par = strategy.meta() if strategy is not None else \
+            {"tp": tp, "pp": pp, "dp": max(1, ws // (tp * pp)), "world_size": ws}
+        self._world = ws
+        meta = {"framework": framework, "versions": {"mindspore": ms.__version__}, "parallel": par,
                 "name_scheme": name_scheme, "source": {"kind": "dumper", "path": str(out)}}
         capture = self.config.tensors != "off" or self.config.nan_trace == "all"
         if capture:
@@ -210,8 +232,7 @@ class MindSporeDumper(StepBookkeeping):
         if self.config.routing:
             meta["routing_capture"] = {"mechanism": ROUTER_MECHANISM}
         meta.update(self.config.meta)
-        rank_info = {k: v for k, v in self.coords.items() if k != "rank"}
-        rank_info["world_size"] = ws
+        rank_info = rank_file_info(self.coords, ws)
         self.writer: RunWriter | BackgroundWriter | None = None
         if not self.enabled:
             return
@@ -279,6 +300,35 @@ class MindSporeDumper(StepBookkeeping):
             self.writer.update_meta(values)
         except Exception as exc:  # noqa: BLE001
             self._fail("update_meta", exc)
+
+    def set_strategy(self, strategy: Any) -> None:
+        """The run's MindFormers strategy, once known (the callback reads it from the compiled training cell):
+        this rank's coordinates in MindFormers' order, its rank file and meta ``parallel`` rewritten, and every
+        layer row written from now on (this step's too) carries its ``split``. The same strategy again: nothing."""
+        if strategy is None or strategy == self.strategy:
+            return
+        self.strategy = strategy
+        self.coords = rank_coordinates(self.coords["rank"], strategy=strategy)
+        if self.writer is None:
+            return
+        try:
+            root = getattr(self.writer, "root", None) or self.writer.writer.root
+            atomic_write_json(root / RANK_DIR / f"rank_{self.coords['rank']:05d}.json",
+                              {"rank": self.coords["rank"], "pid": os.getpid(),
+                               **rank_file_info(self.coords, max(self._world, strategy.world))})
+            if self.coords["rank"] == 0:
+                self.writer.update_meta({"parallel": strategy.meta()})
+        except Exception as exc:  # noqa: BLE001
+            self._fail("set_strategy", exc)
+
+    def _split(self, row: Mapping[str, Any]) -> str:
+        """A layer row's ``split`` under the strategy (dumpers/mindformers_layer_split.py); "" without one."""
+        s = self.strategy
+        if s is None:
+            return ""
+        ndim = 0 if row["shape"] == "scalar" else len(str(row["shape"]).split("x"))
+        floating = str(row["dtype"]).startswith(("float", "bfloat"))
+        return activation_split(row["module"], ndim, floating, tp=s.tp, cp=s.cp, sp=bool(s.use_seq_parallel))
 
     # -- layer hooks --------------------------------------------------------------------------------------
     def watch(self, net: nn.Cell | None) -> None:
@@ -621,7 +671,9 @@ class MindSporeDumper(StepBookkeeping):
                 "shape": _str_col(cols["shape"]),
                 "numel": np.asarray(cols["numel"], np.int64),
                 **{k: np.asarray(cols[k], np.float64) for k in ("max", "min", "mean", "norm")},
-                "nan": np.asarray(cols["nan"], np.int64), "inf": np.asarray(cols["inf"], np.int64)})
+                "nan": np.asarray(cols["nan"], np.int64), "inf": np.asarray(cols["inf"], np.int64),
+                # each row's slice of the whole tensor under a MindFormers strategy (sources/layers.py gathers)
+                **({"split": _str_col([self._split(r) for r in self._rows])} if self.strategy is not None else {})})
         for rec in self._routes:
             put_routing(self.writer, step, rec)
         put_counts(self.writer, step, self._route_counts)

@@ -16,6 +16,12 @@ in 2 parts). Maximum and minimum are elements: equal in float32, exactly. Elemen
 catches: a part dropped or duplicated changes the count (or, at equal counts, the norm by ~f/2 for a part
 holding a fraction f of the squares); a part from the wrong rank or step changes the norm unless it happens
 to hold the same squares. Rows with NaN or Inf check counts only (a norm over them is not comparable).
+
+What the recorded statistics cannot show by themselves: one rank's part recorded twice (a rank file that is a
+copy of another's, or a whole tensor recorded as a slice on every rank: MindSpore's semi-auto parallel could
+compute a capture on the logical tensor). Then the parts' statistics are equal to the last bit, which distinct
+slices of a real activation never are (``same_parts``, checked on statistics-only stores too; a row of zeros
+or of one repeated value is left alone).
 """
 
 from __future__ import annotations
@@ -81,3 +87,26 @@ def check_joined(whole: np.ndarray, expect: dict[str, Any] | None) -> np.ndarray
         if why is not None:
             raise GatherMismatch(f"{why}; not judged: the gather or the store is wrong")
     return whole
+
+
+_SAME = ("numel", "max", "min", "mean", "norm")
+
+
+def same_parts(parts: list[dict[str, Any]], labels: list[str], what: str) -> str | None:
+    """Why two of a row's parts (recorded statistics, ``labels`` naming their ranks) are one part written twice:
+    every statistic equal, on a part that is not all one value; None when the parts differ."""
+    seen: dict[tuple[float, ...], str] = {}
+    for part, label in zip(parts, labels, strict=True):
+        try:
+            key = tuple(float(part.get(k, math.nan)) for k in _SAME)
+        except (TypeError, ValueError):
+            return None
+        if not all(math.isfinite(v) for v in key) or int(part.get("nan", 0) or 0) or int(part.get("inf", 0) or 0) \
+                or key[4] == 0.0 or key[1] == key[2]:
+            continue
+        if key in seen:
+            return (f"{what}: the parts of {seen[key]} and {label} record the same statistics (norm {key[4]:.9g}, "
+                    f"max {key[1]:.9g}, min {key[2]:.9g}, {int(key[0])} elements): one rank's part written twice, "
+                    "or a whole tensor recorded as a slice; not judged: the gather or the store is wrong")
+        seen[key] = label
+    return None

@@ -22,7 +22,7 @@ import numpy as np
 from core.errors import BadInput
 from runstore.seed_layout import load_npy
 from sources import detect, sources
-from sources.gather_totals import check_joined, expected
+from sources.gather_totals import GatherMismatch, check_joined, expected, same_parts
 
 
 class LayerSource(Protocol):
@@ -75,21 +75,29 @@ _LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _BIG = 1 << 30
 
 
-UNORDERED = -(1 << 20)     # parse_split's CP dim for ``cp:x``: a CP part in no sequence order
+UNORDERED = -(1 << 20)     # parse_split's dim for ``cp:x`` / ``tp:x``: parts in no order this module rebuilds
+CpDim = int | str           # an int: Megatron's zig-zag chunks along it; "cD": contiguous blocks along D
 
 
-def parse_split(text: Any) -> tuple[tuple[bool, int] | None, int | None]:
+def parse_split(text: Any) -> tuple[tuple[bool, int] | None, CpDim | None]:
     """``split`` column text -> ((gated, TP dim) or None, CP dim or None); "" = a whole tensor or a replica
-    (dumpers.megatron.activation_split writes it); ``cp:x`` -> UNORDERED (cannot be joined)."""
+    (dumpers.megatron.activation_split, dumpers.mindformers_layer_split write it). ``cp:D``: Megatron's zig-zag
+    chunks; ``cp:cD``: contiguous blocks (MindFormers' layouts), returned as the text ``"cD"``; ``cp:x`` /
+    ``tp:x`` -> UNORDERED (cannot be joined)."""
     tp: tuple[bool, int] | None = None
-    cp: int | None = None
+    cp: CpDim | None = None
     for part in str(text or "").split(","):
         axis, _, dim = part.strip().partition(":")
         if axis == "tp" and dim:
-            tp = (dim.startswith("g"), int(dim.lstrip("g")))
+            tp = (False, UNORDERED) if dim == "x" else (dim.startswith("g"), int(dim.lstrip("g")))
         elif axis == "cp" and dim:
-            cp = UNORDERED if dim == "x" else int(dim)
+            cp = UNORDERED if dim == "x" else f"c{int(dim[1:])}" if dim.startswith("c") else int(dim)
     return tp, cp
+
+
+def cp_axis(cp: CpDim) -> int:
+    """The dim a CP split cuts (zig-zag or contiguous)."""
+    return int(cp[1:]) if isinstance(cp, str) else int(cp)
 
 
 def _shape_of(text: Any) -> list[int]:
@@ -109,10 +117,10 @@ def combine_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "nan": sum(int(p.get("nan", 0) or 0) for p in parts), "inf": sum(int(p.get("inf", 0) or 0) for p in parts)}
 
 
-def join_parts(parts: list[list[np.ndarray]], tp: tuple[bool, int] | None, cp: int | None) -> np.ndarray:
+def join_parts(parts: list[list[np.ndarray]], tp: tuple[bool, int] | None, cp: CpDim | None) -> np.ndarray:
     """The whole tensor from its parts, ``parts[cp rank][tp rank]``: TP parts concatenated along their dim
     (a gated fc1's [gate_r | up_r] halves regrouped into [gate | up]), then the CP ranks' chunks put back
-    in sequence order (runstore.cp_join)."""
+    in sequence order (runstore.cp_join; contiguous blocks ``"cD"`` concatenated in CP rank order)."""
     from runstore import cp_join
 
     whole = []
@@ -124,7 +132,9 @@ def join_parts(parts: list[list[np.ndarray]], tp: tuple[bool, int] | None, cp: i
             whole.append(np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=tp[1]))
         else:
             whole.append(np.concatenate(row, axis=tp[1]))
-    return cp_join(whole, cp) if cp is not None and len(whole) > 1 else whole[0]
+    if cp is None or len(whole) == 1:
+        return whole[0]
+    return np.concatenate(whole, axis=cp_axis(cp)) if isinstance(cp, str) else cp_join(whole, cp)
 
 
 def load_ref(ref: Any) -> np.ndarray:
@@ -275,39 +285,62 @@ class GatheredLayers:
                     pos = int(m.group(1)) if m else -1 if "embedding" in row["module"] else _BIG
                     pp = _int(info[r], "pp_rank")
                     first_at[key] = (back, seen[k], -pos if back else pos, -pp if back else pp, i)
-        sizes = {ax: max(_int(info[r], ax, 1) for r in read) for ax in ("tp", "cp", "ep")}
+        sizes = {ax: max(_int(info[r], ax, _int(info[r], f"{ax}_size", 1)) for r in read) for ax in ("tp", "cp", "ep")}
+        # experts that hold permuted tokens (Megatron's) see their EP group's tokens; MindFormers' routed experts
+        # (FFNGroupedGEMM) return them in token order, whole MoE layer: no token group
+        meta = getattr(getattr(self.src, "reader", None), "meta", None) or {}
+        permuted = meta.get("framework") not in ("mindspore", "mindformers")
         out: list[dict[str, Any]] = []
         has_all = all(read[r][1] for r in read)
-        unsplit, incomplete, unordered = 0, [], []
+        unsplit, incomplete, unordered, unread = 0, [], [], []
         for key in sorted(entries, key=first_at.__getitem__):
             holders = entries[key]
             tp, cp = parse_split(holders[0][1].get("split"))
-            grid: dict[int, dict[int, dict[str, Any]]] = {}
-            for r, row in holders:
-                grid.setdefault(_int(info[r], "cp_rank"), {}).setdefault(_int(info[r], "tp_rank"), row)
+            what = f"{key[0]} {key[1]}"
             if cp == UNORDERED:
-                unordered.append(f"{key[0]} {key[1]}")
+                unordered.append(what)
                 continue
+            if tp is not None and tp[1] == UNORDERED:
+                unread.append(what)
+                continue
+            grid: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
+            for r, row in holders:
+                at = grid.setdefault(_int(info[r], "cp_rank"), {})
+                t = _int(info[r], "tp_rank")
+                if t in at and (tp is not None or cp is not None) and \
+                        _int(info[at[t][0]], "pp_rank") == _int(info[r], "pp_rank"):
+                    raise GatherMismatch(
+                        f"{self.root}: {what}: ranks {at[t][0]} and {r} both hold TP rank {t}, CP rank "
+                        f"{_int(info[r], 'cp_rank')} of DP rank {_int(info[r], 'dp_rank')} (ranks/rank_R.json): "
+                        "one rank's part written twice or a rank's coordinates wrong; not judged")
+                at.setdefault(t, (r, row))
             cps = sorted(grid) if cp is not None else sorted(grid)[:1]
             if cp is not None and cps != list(range(sizes["cp"])):
-                incomplete.append(f"{key[0]} {key[1]}")
+                gone = sorted(set(range(sizes["cp"])) - set(cps))
+                incomplete.append(f"{what}: CP rank {_ranges(gone)} of {sizes['cp']} absent")
                 continue
-            parts: list[list[dict[str, Any]]] = []
+            parts: list[list[tuple[int, dict[str, Any]]]] = []
             for c in cps:
                 tps = sorted(grid[c]) if tp is not None else sorted(grid[c])[:1]
                 if tp is not None and tps != list(range(sizes["tp"])):
+                    gone = sorted(set(range(sizes["tp"])) - set(tps))
+                    incomplete.append(f"{what}: TP rank {_ranges(gone)} of {sizes['tp']} absent"
+                                      + (f" at CP rank {c}" if sizes["cp"] > 1 else ""))
                     break
                 parts.append([grid[c][t] for t in tps])
             else:
                 flat = [p for rowp in parts for p in rowp]
+                if len(flat) > 1:
+                    why = same_parts([row for _, row in flat], [f"rank {r}" for r, _ in flat], f"{self.root}: {what}")
+                    if why is not None:
+                        raise GatherMismatch(why)
                 if len(holders) > 1 and "split" not in holders[0][1]:
                     unsplit += 1
-                out.append(_merged(flat[0] if len(flat) == 1 else None, parts, tp, cp, len(out)))
-                if sizes["ep"] > 1 and ".experts." in f".{key[0]}.":
+                rows_only = [[row for _, row in rowp] for rowp in parts]
+                out.append(_merged(flat[0][1] if len(flat) == 1 else None, rows_only, tp, cp, len(out)))
+                if permuted and sizes["ep"] > 1 and ".experts." in f".{key[0]}.":
                     # an expert sees the tokens of its whole EP group's micro-batches (all-gather / all-to-all)
                     out[-1]["token_group"] = sizes["ep"]
-                continue
-            incomplete.append(f"{key[0]} {key[1]}")
         ranks = sorted(read)
         notes.append(f"rows gathered from ranks {ranks} (DP rank {_int(info[primary[0]], 'dp_rank')}"
                      + (f"; experts from ranks {extra}" if extra else "") + ")")
@@ -317,13 +350,27 @@ class GatheredLayers:
         if unordered:
             notes.append(f"{len(unordered)} rows left out: CP parts in no sequence order (attention internals; "
                          f"first: {unordered[0]})")
+        if unread:
+            notes.append(f"{len(unread)} rows left out: TP parts in a layout not read (first: {unread[0]})")
         if incomplete:
             notes.append(f"{len(incomplete)} rows left out: parts of them missing (first: {incomplete[0]})")
         return out, has_all
 
 
+def _ranges(ns: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    out, i = [], 0
+    while i < len(ns):
+        j = i
+        while j + 1 < len(ns) and ns[j + 1] == ns[j] + 1:
+            j += 1
+        out.append(str(ns[i]) if i == j else f"{ns[i]}-{ns[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
 def _merged(single: dict[str, Any] | None, parts: list[list[dict[str, Any]]], tp: tuple[bool, int] | None,
-            cp: int | None, order: int) -> dict[str, Any]:
+            cp: CpDim | None, order: int) -> dict[str, Any]:
     """One whole row from its parts (``parts[cp][tp]``): statistics combined, shape summed along the split
     dims, the reference a ``("gather", ...)`` of the parts' references (None when one has no tensor)."""
     if single is not None:
@@ -336,7 +383,7 @@ def _merged(single: dict[str, Any] | None, parts: list[list[dict[str, Any]]], tp
             d = tp[1] % len(shape)
             shape[d] = sum(_shape_of(p.get("shape"))[d] for p in parts[0])
         if cp is not None and len(parts) > 1:
-            d = cp % len(shape)
+            d = cp_axis(cp) % len(shape)
             shape[d] = sum(_shape_of(row[0].get("shape"))[d] * (len(row) if tp is not None and
                                                                  tp[1] % len(shape) == d else 1) for row in parts)
     refs = [[p.get("ref") for p in row] for row in parts]

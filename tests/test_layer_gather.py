@@ -84,7 +84,8 @@ def test_gathered_rows_shapes_statistics_and_what_is_left_out() -> None:
     assert src.notes[1] == ["rows gathered from ranks [0, 1, 2, 3] (DP rank 0)",
                             "1 rows left out: CP parts in no sequence order (attention internals; first: m.inner "
                             "forward.output.0)",
-                            "1 rows left out: parts of them missing (first: norm forward.output.0)"]
+                            "1 rows left out: parts of them missing (first: norm forward.output.0: CP rank 1 of 2 "
+                            "absent)"]
     # a store whose rows record no split (a plain torch / MindSpore dumper): TP / CP rank 0's rows, said so
     for r in rows.values():
         for row in r:

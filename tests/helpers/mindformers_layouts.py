@@ -94,3 +94,83 @@ def write_worker_logs(folder: Path, strategy: ParallelStrategy, norms: dict[str,
                      "global_norm: [0.99459755], train_throughput_per_npu: 2.257T")
         (folder / f"worker_{rank}.log").write_text("\n".join(lines) + "\n")
     return folder
+
+
+# -- layer tensors -----------------------------------------------------------------------------------------
+
+S, B, H, FFN = 8, 4, 16, 32     # sequence, batch, hidden, fc1 width: every cut of TP / CP <= 4 divides them
+
+
+def model_rows(seed: int = 0, layers: int = 2, moe: bool = False) -> list[tuple[str, str, np.ndarray]]:
+    """A MindFormers mcore model's layer outputs in execution order, as the dumper names them (cell name,
+    ``forward.output.0``, [S, B, H] sequence first; the routed experts' output [B, S, H] in token order), then
+    their gradients in backward order: random float32 stand-ins of one whole (TP=1) step."""
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    fwd: list[tuple[str, np.ndarray]] = [("embedding", t(S, B, H))]
+    for i in range(layers):
+        p = f"decoder.layers.{i}"
+        fwd += [(f"{p}.input_layernorm", t(S, B, H)), (f"{p}.self_attention.linear_qkv", t(S, B, 3 * H)),
+                (f"{p}.self_attention.linear_proj", t(S, B, H)), (f"{p}.pre_mlp_layernorm", t(S, B, H))]
+        if moe:
+            fwd += [(f"{p}.mlp.experts", t(B, S, H)), (f"{p}.mlp", t(S, B, H))]
+        else:
+            fwd += [(f"{p}.mlp.linear_fc1", t(S, B, FFN)), (f"{p}.mlp.linear_fc2", t(S, B, H))]
+        fwd.append((p, t(S, B, H)))
+    fwd += [("decoder.final_layernorm", t(S, B, H)), ("output_layer", t(S, B, 32))]
+    rows = [(m, "forward.output.0", x) for m, x in fwd]
+    rows += [(m, "backward.grad_output.0", t(*x.shape)) for m, x in reversed(fwd)]
+    return rows
+
+
+def mindspore_part(whole: np.ndarray, module: str, strategy: ParallelStrategy, rank: int) -> np.ndarray:
+    """What ``rank`` holds of ``module``'s output ``whole``, cut by MindSpore's own slicing with the layout the
+    dumper writes as ``split`` (dumpers/mindformers_layer_split.py): a dim cut by several device axes expanded
+    as MindSpore expands it (``mindspore.parallel._tensor._expand_layout``: the first axis outermost), then
+    ``_load_tensor`` (``_get_tensor_slice_index`` over the device matrix (dp, cp, tp) of the rank's stage). A
+    row whose layout is not known stays whole."""
+    from mindspore import Tensor
+    from mindspore.parallel._tensor import _expand_layout, _get_tensor_strategy, _load_tensor
+
+    from dumpers.mindformers_layer_split import output_layout, tensor_map
+
+    layout = output_layout(module, whole.ndim, whole.dtype.kind == "f", sp=strategy.use_seq_parallel)
+    if layout is None:
+        return whole
+    dev = [strategy.dp, strategy.cp, strategy.tp]
+    tmap = tensor_map(layout)
+    _, flat_map, flat_shape = _expand_layout(dev, tmap, list(whole.shape))
+    part = _load_tensor(Tensor(whole.reshape(flat_shape)), dev, flat_map,
+                        rank_id=strategy.coords(rank)["rank_in_stage"])
+    cuts = _get_tensor_strategy(dev, tmap)
+    return np.ascontiguousarray(part).reshape([n // c for n, c in zip(whole.shape, cuts, strict=True)])
+
+
+def write_layer_stores(root: Path, strategy: ParallelStrategy, rows: list[tuple[str, str, np.ndarray]], *,
+                       full: bool = True, loss: float = 2.5, part: Any = None) -> Path:
+    """One run store written by every rank of ``strategy`` through the MindSpore dumper's own recording path
+    (``MindSporeDumper._record_tensor``, what the PYNATIVE hooks call; ``split`` from the dumper's strategy):
+    each rank records its MindSpore slice of every row (``part(module, kind, rank, array)`` may replace it: a
+    planted fault)."""
+    import dataclasses
+
+    from mindspore import Tensor
+
+    from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper
+
+    for rank in range(strategy.world):
+        d = MindSporeDumper(None, root, DumpConfig(steps=[1], batch=False), rank=rank, world_size=strategy.world,
+                            framework="mindformers", name_scheme="mindformers_mcore", strategy=strategy)
+        d.config = dataclasses.replace(d.config, tensors="full" if full else "stats")   # no net to hook here
+        d.begin_step(1)
+        for module, kind, whole in rows:
+            x = mindspore_part(whole, module, strategy, rank)
+            if part is not None:
+                x = part(module, kind, rank, x)
+            d._record_tensor(module, kind, Tensor(x))
+        d.end_step(loss=loss)
+        d.close()
+    return root
