@@ -37,6 +37,7 @@ from sources.logtext import (
     read_split,
     rejoin_wrapped,
 )
+from sources.megatron_log_moe import SINCE_CORE_0_16, rank_local_losses
 
 #: Megatron's field names (every label variant seen in Megatron-LM, Megatron-DeepSpeed and forks, compared
 #: lower-case with '-'/'_' read as spaces) -> the run store's scalar keys (docs/run-store.md).
@@ -524,6 +525,9 @@ def parse_megatron_log(path: str | Path) -> Run:
         ("dp", "data_parallel_size"), ("world_size", "world_size"))}
     if any(v is not None for v in parallel.values()):
         meta["parallel"] = parallel  # a size the log does not state stays None (unknown), never a default
+    local = rank_local_losses(series, config, notes, parallel)   # after first_windows: un-averaged values
+    if local is not None:
+        meta["rank_local_losses"] = local
     if windows:
         meta["log_windows"] = windows
     vocab = padded_vocab_line(raw)
@@ -981,11 +985,6 @@ def _line_end(raw: bytes, pos: int) -> int:
 # averages that iteration (training.py ``should_reset = not is_first_iteration``)
 # ------------------------------------------------------------------------------------------------------
 
-#: Arguments Megatron-LM added in core 0.16.0 (none of them in 0.15.3 or earlier; all in 0.16.0 to 0.19.0 and
-#: main of 2026-08): 0.16.0 is the release whose ``training_log`` prints the first iteration of a process
-#: without resetting its accumulators, so the next printed line is the mean over both.
-SINCE_CORE_0_16 = ("save_wgrads_interval", "save_dgrads_interval", "log_max_attention_logit", "exit_signal",
-                   "mtp_standalone", "batch_invariant_mode")
 #: Megatron-LM prints every argument it has (450+ in core 0.12); a block this short was cut by hand.
 FULL_BLOCK = 100
 _F32 = 2.0 ** -23   # float32 rounding of the accumulated sum (relative, generous)
