@@ -20,8 +20,9 @@ to hold the same squares. Rows with NaN or Inf check counts only (a norm over th
 What the recorded statistics cannot show by themselves: one rank's part recorded twice (a rank file that is a
 copy of another's, or a whole tensor recorded as a slice on every rank: MindSpore's semi-auto parallel could
 compute a capture on the logical tensor). Then the parts' statistics are equal to the last bit, which distinct
-slices of a real activation never are (``same_parts``, checked on statistics-only stores too; a row of zeros
-or of one repeated value is left alone).
+slices of a real activation never are (``same_parts``, checked on statistics-only stores too; rows that are not
+floating point, hold one repeated value or only 0 / 1 are left alone: a zig-zag CP split gives a causal mask's
+parts equal counts on purpose).
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def check_joined(whole: np.ndarray, expect: dict[str, Any] | None) -> np.ndarray
 _SAME = ("numel", "max", "min", "mean", "norm")
 
 
+def _floating(part: dict[str, Any]) -> bool:
+    return str(part.get("dtype", "float32")).lower().startswith(("float", "bfloat", "half"))
+
+
 def same_parts(parts: list[dict[str, Any]], labels: list[str], what: str) -> str | None:
     """Why two of a row's parts (recorded statistics, ``labels`` naming their ranks) are one part written twice:
     every statistic equal, on a part that is not all one value; None when the parts differ."""
@@ -102,8 +107,8 @@ def same_parts(parts: list[dict[str, Any]], labels: list[str], what: str) -> str
         except (TypeError, ValueError):
             return None
         if not all(math.isfinite(v) for v in key) or int(part.get("nan", 0) or 0) or int(part.get("inf", 0) or 0) \
-                or key[4] == 0.0 or key[1] == key[2]:
-            continue
+                or key[4] == 0.0 or key[1] == key[2] or not _floating(part) or {key[1], key[2]} <= {0.0, 1.0}:
+            continue    # masks and counts (a zig-zag CP split balances a causal mask's parts on purpose)
         if key in seen:
             return (f"{what}: the parts of {seen[key]} and {label} record the same statistics (norm {key[4]:.9g}, "
                     f"max {key[1]:.9g}, min {key[2]:.9g}, {int(key[0])} elements): one rank's part written twice, "

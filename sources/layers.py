@@ -263,8 +263,9 @@ class GatheredLayers:
         primary, extra, info = self._members(step)
         notes = self.notes.setdefault(step, [])
         read = {r: self.src.layer_rows(step, r) for r in primary + extra}
-        if len(read) == 1:
-            return read[primary[0]]
+        sizes = {ax: max(_int(info[r], ax, _int(info[r], f"{ax}_size", 1)) for r in read) for ax in ("tp", "cp", "ep")}
+        if len(read) == 1 and sizes["tp"] == sizes["cp"] == 1:
+            return read[primary[0]]     # one rank holding the whole model (a rank alone at TP > 1 gathers: parts lost)
         own = {row["module"] for r in primary for row in read[r][0]}
         entries: dict[tuple[str, str, int], list[tuple[int, dict[str, Any]]]] = {}
         first_at: dict[tuple[str, str, int], tuple[Any, ...]] = {}
@@ -285,7 +286,6 @@ class GatheredLayers:
                     pos = int(m.group(1)) if m else -1 if "embedding" in row["module"] else _BIG
                     pp = _int(info[r], "pp_rank")
                     first_at[key] = (back, seen[k], -pos if back else pos, -pp if back else pp, i)
-        sizes = {ax: max(_int(info[r], ax, _int(info[r], f"{ax}_size", 1)) for r in read) for ax in ("tp", "cp", "ep")}
         # experts that hold permuted tokens (Megatron's) see their EP group's tokens; MindFormers' routed experts
         # (FFNGroupedGEMM) return them in token order, whole MoE layer: no token group
         meta = getattr(getattr(self.src, "reader", None), "meta", None) or {}
