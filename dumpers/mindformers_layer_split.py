@@ -25,9 +25,9 @@ What MindFormers 2.1.0 does (read from the wheel, parallel_core/training_graph):
   ``tp:D,cp:cD`` (TP parts joined first, then the CP blocks, as sources.layers.join_parts does).
 * DP cuts the batch (dim 1, or 0 for the experts): the layer stage reads one DP rank's replica (DP rank 0 of
   the gather), so the DP axis is not written.
-* Anything whose layout was not read (the core attention's internals, the router, an output of another rank
-  than its layout's) is ``tp:x`` (or ``cp:x``) when TP (CP) > 1: left out of a gathered compare, never taken as
-  whole.
+* Anything whose layout was not read or not settled (the core attention's internals, the router, MLA's
+  compressed projections and their norms, an output whose rank differs from its layout's) is ``tp:x`` (and
+  ``cp:x``) when TP (CP) > 1: left out of a gathered compare, never taken as whole.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ _ROLES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(^|\.)(q_layernorm|k_layernorm)$"), "heads"),
     (re.compile(r"(^|\.)mlp\.experts$"), "experts"),
     (re.compile(r"(^|\.)embedding\.word_embeddings$"), "word_embeddings"),
-    (re.compile(r"(^|\.)(core_attention|flash_attention|router|token_dispatcher)(\.|$)"), "unread"),
+    # read but not settled: the core attention's internals, the router's token-cut outputs, MLA's compressed
+    # projections (their norms cut the sequence over ("cp", "tp") with or without SP: multi_latent_attention.py)
+    (re.compile(r"(^|\.)(core_attention|flash_attention|router|token_dispatcher|linear_q_down_proj|"
+                r"linear_kv_down_proj|kv_layernorm)(\.|$)"), "unread"),
 )
 
 
