@@ -880,10 +880,26 @@ class TorchDumper(StepBookkeeping):
         if self._writer is None or not self._array_step:
             return
         if self.config.batch:
+            hashes = self._sample_hashes(batch)
             for key, arr in batch.items():
                 self._writer.put_array(step, f"batch/{key}", arr, {"micro_batches": n_micro})
+            if hashes is not None:
+                self._writer.put_array(step, "batch/sample_hash", hashes,
+                                       {"micro_batches": n_micro, "hashed": "tokens,labels,loss_mask"})
         if self.config.seed_layout:
             self._writer.write_seed_batch(step, {k: batch[k] for k in SEED_BATCH_KEYS if k in batch})
+
+    def _sample_hashes(self, batch: Mapping[str, np.ndarray]) -> np.ndarray | None:
+        """One hash per sample (row) of the step's batch as this rank trained it (runstore.batches.sample_hashes),
+        so a replay onto another layout is checked against this side's own record, not a re-computation. Only for
+        whole samples: tokens, labels and loss_mask all present with one row each, and no context-parallel cut."""
+        from runstore.batches import sample_hashes
+
+        keys = ("tokens", "labels", "loss_mask")
+        if "sample_hash" in batch or int(self.rank_info.get("cp", 1) or 1) != 1 or not all(k in batch for k in keys):
+            return None
+        rows = {np.shape(batch[k])[0] if np.ndim(batch[k]) >= 2 else -1 for k in keys}
+        return sample_hashes({k: batch[k] for k in keys}) if len(rows) == 1 and rows != {-1} else None
 
     def _flush_tensor_rows(self, step: int) -> None:
         if not self._rows:

@@ -461,8 +461,12 @@ def _replayed_by_sample(path: str | Path) -> bool:
     return bool(steps) and reader.has_group(steps[0], "batch/sample_index")
 
 
-def _global_hashes(reader: Any, groups: Any, step: int, cache: dict[int, Any]) -> tuple[np.ndarray, dict] | None:
-    """(per-sample hashes, global batch) of a baseline step in sampler order; None when it has no tokens."""
+def _global_hashes(reader: Any, groups: Any, step: int, cache: dict[int, Any]) -> tuple[np.ndarray, dict, str] | None:
+    """(per-sample hashes, global batch, where the hashes come from) of a baseline step in sampler order; None when
+    it has neither hashes nor tokens. The baseline's own record (``batch/sample_hash``, written by its dumper) is
+    used where every DP rank has one: "recorded"; a store written before the dumpers recorded them gets hashes
+    computed from its stored batch: "recomputed". A record that differs from its own stored batch raises
+    ValueError naming the first sample (the batch the store holds is not the one its run hashed)."""
     import runstore
     from runstore.batches import sample_hashes
 
@@ -472,9 +476,16 @@ def _global_hashes(reader: Any, groups: Any, step: int, cache: dict[int, Any]) -
         cache.clear()
         cache[step] = None
         if "sample_hash" in whole:
-            cache[step] = (np.asarray(whole["sample_hash"]), whole)
+            own = np.asarray(whole["sample_hash"]).reshape(-1)
+            if "tokens" in whole and "labels" in whole and "loss_mask" in whole:
+                again = sample_hashes(whole)
+                bad = np.flatnonzero(again != own) if again.shape == own.shape else np.arange(min(own.size, 1))
+                if bad.size:
+                    raise ValueError(f"baseline step {step}: sample {int(bad[0])}'s recorded hash (batch/sample_hash) "
+                                     "differs from the hash of its stored tokens, labels and loss_mask")
+            cache[step] = (own, whole, "recorded")
         elif "tokens" in whole:
-            cache[step] = (sample_hashes(whole), whole)
+            cache[step] = (sample_hashes(whole), whole, "recomputed")
     return cache[step]
 
 
@@ -503,6 +514,7 @@ def _compare_by_sample(baseline: Path, candidate: Path, limit: int | None) -> St
     bgroups, cgroups = runstore.data_groups(base, base.ranks), runstore.data_groups(cand, cand.ranks)
     cache: dict[int, Any] = {}
     compared, samples, fault = 0, 0, None
+    sources: dict[str, set[str]] = {"baseline": set(), "candidate": set()}
     dp = len(cgroups)
     for step in cand.array_steps():
         rows = [(d, b) for d, b, _, _, _ in runstore.dp_batches(cand, step, groups=cgroups) if "sample_index" in b]
@@ -519,18 +531,25 @@ def _compare_by_sample(baseline: Path, candidate: Path, limit: int | None) -> St
             fault = ("sample_step", step, None, f"{where}: the candidate trained baseline step {bstep}'s samples; the "
                                                 "runs' steps are not aligned (the replay's steps option?)")
             break
-        got = _global_hashes(base, bgroups, bstep, cache) if bstep in base.array_steps() else None
+        try:
+            got = _global_hashes(base, bgroups, bstep, cache) if bstep in base.array_steps() else None
+        except ValueError as exc:
+            fault = ("baseline_hash", step, None, f"{where}: {exc}")
+            break
         if got is None:
             fault = ("sample_step", step, None, f"{where}: replays baseline step {bstep}, whose batch the baseline "
                                                 "did not record")
             break
-        want, whole = got
+        want, whole, kind = got
+        sources["baseline"].add(kind)
         total = len(want)
         seen: dict[int, int] = {}
         for d, b in rows:
             index = np.asarray(b["sample_index"]).reshape(-1).astype(np.int64)
             trained = np.asarray(b["sample_hash"]).reshape(-1) if "sample_hash" in b else (
                 sample_hashes(b) if "tokens" in b else None)
+            sources["candidate"].add("recorded" if "sample_hash" in b else "recomputed" if trained is not None
+                                     else "none")
             read = np.asarray(b["replay_hash"]).reshape(-1) if "replay_hash" in b else None
             for j, i in enumerate(index.tolist()):
                 if not 0 <= i < total:
@@ -566,21 +585,34 @@ def _compare_by_sample(baseline: Path, candidate: Path, limit: int | None) -> St
         if limit is not None and compared >= limit:
             break
     res.details = {"steps_compared": compared, "samples_compared": samples, "by_sample": True,
-                   "dp_ranks": [len(bgroups), dp]}
+                   "dp_ranks": [len(bgroups), dp],
+                   "hashes": {side: "+".join(sorted(kinds)) or None for side, kinds in sources.items()}}
     if fault is not None:
         key, step, sample, what = fault
         res.details.update(first_different_step=step, first_different_sample=sample)
-        res.add(Finding(STAGE, "fail", key, "sample_differs", step, None,
-                        f"{what}; the runs did not train on the same data from this step"))
+        tail = ("; the data stage cannot vouch for the baseline's batch (edited or mixed up after the run?)"
+                if key == "baseline_hash" else "; the runs did not train on the same data from this step")
+        res.add(Finding(STAGE, "fail", key, "sample_differs", step, None, what + tail))
     elif compared:
         res.add(Finding(STAGE, "pass", "batch", "same_samples", samples, None,
                         f"every one of {samples} samples over {compared} steps arrived once, in the sampler's order, "
                         f"bit-equal (per-sample hashes of tokens, labels and loss_mask; {len(bgroups)} baseline vs "
-                        f"{dp} candidate DP ranks)"))
+                        f"{dp} candidate DP ranks; {_hash_origin(sources)})"))
     else:
         res.add(Finding(STAGE, "warn", "batch", "no_common_batches", 0, None,
                         "the candidate recorded no replayed sample: same data not shown"))
     return res
+
+
+def _hash_origin(sources: dict[str, set[str]]) -> str:
+    """Where the compared hashes came from, in words (each side's own record, or computed here)."""
+    words = {"recorded": "its dumper's own record", "recomputed": "computed here from its stored batch",
+             "none": "none"}
+    parts = [f"{side}: {' and '.join(words[k] for k in sorted(kinds))}" for side, kinds in sources.items() if kinds]
+    out = "hashes " + "; ".join(parts)
+    if "recomputed" in sources["baseline"]:
+        out += " (a baseline store written before its dumper recorded per-sample hashes: its batch is taken as trained)"
+    return out
 
 
 def _sample_difference(whole: dict[str, Any], row: dict[str, Any], i: int, j: int) -> str:
