@@ -24,7 +24,7 @@ import numpy as np
 
 from comparators.tensor_metrics import compare_arrays
 from comparators.tensor_pair import tolerance
-from core.dtypes import coarsest
+from core.dtypes import EPS, coarsest, normalize
 from core.errors import BadInput
 from core.findings import Finding, StageResult, severity, worst
 
@@ -57,6 +57,46 @@ def read_isolation(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarr
     return meta, arrays
 
 
+def held_precision(a: np.ndarray) -> str:
+    """The precision ``a``'s values hold: ``bfloat16`` / ``float16`` when every finite value of a floating
+    array of 64 or more values is a number of that dtype (computed or rounded there, then widened), else its
+    own dtype (float32 for anything smaller: too few values to tell)."""
+    a = np.asarray(a)
+    if a.dtype == np.float64 or not np.issubdtype(a.dtype, np.floating):
+        return "float64" if a.dtype == np.float64 else "float32"
+    if a.dtype != np.float32:
+        return normalize(str(a.dtype))
+    v = a[np.isfinite(a)]
+    if v.size < 64:
+        return "float32"
+    if not np.any(v.view(np.uint32) & np.uint32(0xFFFF)):
+        return "bfloat16"
+    with np.errstate(over="ignore"):
+        if np.array_equal(v.astype(np.float16).astype(np.float32), v):
+            return "float16"
+    return "float32"
+
+
+def finest(dtypes: list[str]) -> str:
+    """The most precise floating dtype among ``dtypes`` (float32 when none is known)."""
+    known = [normalize(d) for d in dtypes if normalize(d) in EPS]
+    return min(known, key=lambda d: EPS[d]) if known else "float32"
+
+
+def module_dtype(m: dict[str, Any], arrays: dict[str, np.ndarray], dtype: str, attention_dtype: str | None,
+                 file_dtype: str | None) -> tuple[str, dict[str, str]]:
+    """(the dtype module row ``m``'s own error is judged at, each side's measured precision): see the module
+    docstring. Its inherited error carries everything upstream (an attention's rounding included): judged
+    at the coarsest of that and the attention's."""
+    name = m["baseline"]
+    sides = {"baseline": coarsest([str(m.get("dtype_baseline") or "float32"),
+                                   held_precision(arrays[f"baseline/{name}"])]),
+             "candidate": coarsest([str(m.get("dtype_candidate") or "float32"),
+                                    held_precision(arrays[f"isolated/{name}"])])}
+    extra = [d for d in (attention_dtype, file_dtype) if d] if m.get("attention", True) else []
+    return coarsest([dtype, finest(list(sides.values())), *extra]), sides
+
+
 def _verdict(rel: float, cos: float, tol: tuple[float, float, float]) -> str:
     if not math.isfinite(rel) or rel > tol[1] or cos < 0.99:
         return "fail"
@@ -68,9 +108,11 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dtype: str = "float32",
-                      tolerances: dict[str, tuple[float, float, float]] | None = None) -> StageResult:
-    """Own and inherited error (relative L2, cosine) per module, judged by the coarsest of ``dtype``, the
-    precision the file records (``meta["dtype"]``: the candidate's attention, say) and the module's dtypes.
+                      tolerances: dict[str, tuple[float, float, float]] | None = None,
+                      attention_dtype: str | None = None) -> StageResult:
+    """Own and inherited error (relative L2, cosine) per module, judged at its own precision
+    (:func:`module_dtype`): ``dtype`` the runs' precision, ``attention_dtype`` and the file's ``meta["dtype"]``
+    the attention's (modules that compute one).
     Named: each module whose own error fails (the innermost, when a module and one inside it both fail), else
     the first whose own error warns; none when every own error passes."""
     res = StageResult(STAGE)
@@ -78,21 +120,22 @@ def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dt
     for m in meta["modules"]:
         name = m["baseline"]
         y_b = arrays[f"baseline/{name}"]
-        judged = coarsest([dtype, str(meta.get("dtype") or dtype), str(m.get("dtype_baseline", dtype)),
-                           str(m.get("dtype_candidate", dtype))])
+        judged, measured = module_dtype(m, arrays, dtype, attention_dtype, meta.get("dtype"))
         tol = tolerance(judged, tolerances)
+        tol_inh = tolerance(coarsest([judged, *(d for d in (attention_dtype, meta.get("dtype")) if d)]), tolerances)
         own = compare_arrays(y_b, arrays[f"isolated/{name}"])
         row: dict[str, Any] = {"module": name, "candidate": m.get("candidate"), "kind": m.get("kind"),
                                "own_rel_l2": own.rel_l2, "own_cosine": own.cosine, "own_max_abs_err": own.max_abs_err,
                                "own_verdict": _verdict(own.rel_l2, own.cosine, tol), "judged_dtype": judged,
+                               "dtype_measured": measured,
                                "pass_tol": tol[0], "warn_tol": tol[1], "input_rel_l2": m.get("input_rel_l2")}
         cand = arrays.get(f"candidate/{name}")
         if cand is not None:
             inh = compare_arrays(y_b, cand)
             row.update(inherited_rel_l2=inh.rel_l2, inherited_cosine=inh.cosine,
-                       inherited_verdict=_verdict(inh.rel_l2, inh.cosine, tol))
+                       inherited_verdict=_verdict(inh.rel_l2, inh.cosine, tol_inh))
         if m.get("grads"):
-            row.update(_backward_row(name, m["grads"], arrays, tol))
+            row.update(_backward_row(name, m["grads"], arrays, tol, tol_inh))
         row["verdict"] = worst([row["own_verdict"], row.get("bwd_own_verdict", "pass")])
         rows.append(row)
     failing = [r for r in rows if r["verdict"] == "fail"]
@@ -129,7 +172,8 @@ def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dt
 
 
 def _backward_row(name: str, grads: list[dict[str, Any]], arrays: dict[str, np.ndarray],
-                  tol: tuple[float, float, float]) -> dict[str, Any]:
+                  tol: tuple[float, float, float], tol_inh: tuple[float, float, float] | None = None
+                  ) -> dict[str, Any]:
     """A module's gradients judged: each one's own and inherited error; the module's backward verdict and
     error are its worst gradient's (``bwd_worst``: which)."""
     per = []
@@ -142,7 +186,8 @@ def _backward_row(name: str, grads: list[dict[str, Any]], arrays: dict[str, np.n
         cand = arrays.get(f"grad/candidate/{name}/{what}")
         if cand is not None:
             inh = compare_arrays(b, cand)
-            item.update(inherited_rel_l2=inh.rel_l2, inherited_verdict=_verdict(inh.rel_l2, inh.cosine, tol))
+            item.update(inherited_rel_l2=inh.rel_l2, inherited_verdict=_verdict(inh.rel_l2, inh.cosine,
+                                                                                 tol_inh or tol))
         per.append(item)
     top = max(per, key=lambda i: (severity(i["own_verdict"]), _finite(i["own_rel_l2"])))
     row = {"bwd_own_rel_l2": top["own_rel_l2"], "bwd_own_verdict": top["own_verdict"], "bwd_worst": top["what"],

@@ -43,6 +43,8 @@ from dumpers.mindspore_isolation import (
     _first_tensor,
     _rel_l2,
     _step_batch,
+    cell_computes_attention,
+    cell_dtype,
     find_cell,
     mapped_modules,
     mcore_forward,
@@ -81,6 +83,40 @@ def read_backward(store: str | Path, step: int, rank: int = 0) -> tuple[dict[str
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a module backward capture ({' '.join(str(exc).split())[:80]})") from None
     return meta, arrays
+
+
+def backward_capture(store: str | Path, step: int | None, rank: int = 0, *,
+                     writer: str = "dumpers.torch_module_backward"
+                     ) -> tuple[int, dict[str, Any], dict[str, np.ndarray]]:
+    """(step, meta, arrays) of the baseline's module backward capture at ``step`` (default: its first);
+    ValueError in one line when there is none (``writer``: what writes one) or it is unreadable."""
+    if step is None:
+        steps = backward_steps(store, rank)
+        if not steps:
+            raise ValueError(f"{store}: no module backward capture ({writer})")
+        step = steps[0]
+    meta, arrays = read_backward(store, step, rank)
+    return int(step), meta, arrays
+
+
+def fit_input(x: np.ndarray, shape: tuple[int, ...], src: str | None, dst: str | None) -> np.ndarray | None:
+    """The baseline's activation ``x`` in the form a candidate argument of ``shape`` takes: through the
+    layouts; or, where the candidate takes the tokens flattened ([b*s, h]: MindFormers' loss takes its logits
+    so, ordered as its [b, s] labels), batch-major and flattened. None when neither fits."""
+    y = to_layout(x, src, dst)
+    if tuple(y.shape) == tuple(shape):
+        return y
+    if x.ndim == 3 and len(shape) == 2 and x.size == int(np.prod(shape)) and x.shape[-1] == shape[-1]:
+        return np.ascontiguousarray(to_layout(x, src, "bsh")).reshape(shape)
+    return None
+
+
+def unfit_output(g: np.ndarray, base_shape: tuple[int, ...], src: str | None, dst: str | None) -> np.ndarray:
+    """A candidate gradient or output back in the baseline's form: :func:`fit_input` reversed."""
+    if g.ndim == 2 and len(base_shape) == 3 and g.size == int(np.prod(base_shape)):
+        bsh = to_layout(np.empty(base_shape, np.float32), dst, "bsh").shape
+        return to_layout(g.reshape(bsh), "bsh", dst)
+    return to_layout(g, src, dst)
 
 
 class _GradRecorder(ConstructPatches):
@@ -189,7 +225,8 @@ def _plan_inputs(base_inputs: list[dict[str, Any]], arrays: Mapping[str, np.ndar
             continue
         where, k = slots[target]
         own = args[k] if where == "arg" else kwargs[k]
-        val = to_layout(base, lay_b, lay_c) if key == first_b else base
+        fitted = fit_input(base, tuple(own.shape), lay_b, lay_c) if key == first_b else base
+        val = fitted if fitted is not None else to_layout(base, lay_b, lay_c)
         if tuple(own.shape) != val.shape:
             listed.append({"key": key, "source": "candidate", "why": f"shape {list(val.shape)} vs the cell's "
                            f"{list(own.shape)}"})
@@ -233,12 +270,7 @@ def isolate_with_backward(net: Any, baseline: str | Path, out: str | Path, *, ma
     m = mapping if isinstance(mapping, NameMapping) else load_mapping(mapping)
     params = params or TransformParams()
     lay_b, lay_c = m.activation_layout.get("baseline"), m.activation_layout.get("candidate")
-    steps = backward_steps(baseline, rank)
-    if step is None:
-        if not steps:
-            raise ValueError(f"{baseline}: no module backward capture (dumpers.torch_module_backward)")
-        step = steps[0]
-    bmeta, barr = read_backward(baseline, step, rank)
+    step, bmeta, barr = backward_capture(baseline, step, rank)
     cells = _cell_index(net)
     chosen: dict[str, tuple[dict[str, Any], str, Any]] = {}
     skipped: list[dict[str, str]] = list(bmeta.get("skipped") or [])
@@ -297,7 +329,11 @@ def _isolate_one(mod: str, cand: str, cell: Any, e: dict[str, Any], rec: _GradRe
     if not slots:
         raise ValueError("none of the baseline's inputs fits the cell")
     y_b = barr[f"output/{mod}"].astype(np.float32)
-    sens_b = ms.Tensor(to_layout(barr[f"grad_output/{mod}"].astype(np.float32), lay_b, lay_c))
+    sens_np = to_layout(barr[f"grad_output/{mod}"].astype(np.float32), lay_b, lay_c)
+    own_shape = tuple(_first_tensor(own_out).shape)
+    if sens_np.ndim <= 1 and sens_np.size == 1 and sens_np.shape != own_shape:   # a scalar loss: () vs (1,)
+        sens_np = sens_np.reshape(own_shape)
+    sens_b = ms.Tensor(sens_np)
     own_xs = [args[k] if where == "arg" else kwargs[k] for where, k in slots]
     own_sens = ms.Tensor(rec.grad_out[mod])
     vjp = _make_vjp(cell, args, kwargs, slots, graph)
@@ -307,16 +343,23 @@ def _isolate_one(mod: str, cand: str, cell: Any, e: dict[str, Any], rec: _GradRe
     def back(t: Any) -> np.ndarray:
         return to_layout(t.astype(ms.float32).asnumpy(), lay_c, lay_b)
 
-    iso = back(y_iso)
+    x_shape = tuple(barr[f"input/{mod}/{first}"].shape) if (first := next(
+        (i["key"] for i in e["inputs"] if i.get("grad")), None)) else ()
+
+    def back_x(t: Any) -> np.ndarray:      # the first input's gradient: in the baseline input's form
+        return unfit_output(t.astype(ms.float32).asnumpy(), x_shape, lay_c, lay_b)
+
+    iso, own_y = back(y_iso), back(y_own)
+    if iso.shape != y_b.shape and iso.size == y_b.size == 1:
+        iso, own_y = iso.reshape(y_b.shape), own_y.reshape(y_b.shape)
     if iso.shape != y_b.shape:
         raise ValueError(f"output shape {iso.shape} vs the baseline's {y_b.shape}")
-    arrays[f"baseline/{mod}"], arrays[f"isolated/{mod}"], arrays[f"candidate/{mod}"] = y_b, iso, back(y_own)
+    arrays[f"baseline/{mod}"], arrays[f"isolated/{mod}"], arrays[f"candidate/{mod}"] = y_b, iso, own_y
     grads: list[dict[str, Any]] = []
-    first = next((i["key"] for i in e["inputs"] if i.get("grad")), None)
     for j, key in enumerate(grad_keys):
         if key is None or gx_iso[j] is None:
             continue
-        conv = back if key == first else (lambda t: t.astype(ms.float32).asnumpy())
+        conv = back_x if key == first else (lambda t: t.astype(ms.float32).asnumpy())
         what = f"input:{key}"
         arrays[f"grad/baseline/{mod}/{what}"] = barr[f"grad_input/{mod}/{key}"].astype(np.float32)
         arrays[f"grad/isolated/{mod}/{what}"] = conv(gx_iso[j])
@@ -325,8 +368,8 @@ def _isolate_one(mod: str, cand: str, cell: Any, e: dict[str, Any], rec: _GradRe
     iso_w = _to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_iso}, m, params)
     own_w = _to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_own}, m, params)
     missing = add_weight_grads(arrays, grads, barr, mod, e.get("params", []), iso_w, own_w)
-    return result_row(mod, cand, m.module_kind(mod, "baseline"), e, str(y_iso.dtype).lower(), listed, grads,
-                      missing)
+    return result_row(mod, cand, m.module_kind(mod, "baseline"), e, cell_dtype(cell, y_iso), listed, grads,
+                      missing, attention=cell_computes_attention(cell))
 
 
 def _out_dtype(out: Any) -> Any:

@@ -32,14 +32,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
+from dumpers.isolation_rows import compute_dtype, computes_attention
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, RunReader, atomic_file, check_table, table_columns
+from runstore.h5file import open_h5, read_dataset
 
 INPUT, OUTPUT = "forward.input.0", "forward.output.0"
 # module kinds (the mapping's module rules) isolated when no patterns are given
-DEFAULT_KINDS = ("layer", "attention", "mlp", "norm", "output")
+DEFAULT_KINDS = ("embedding", "layer", "attention", "mlp", "norm", "output", "loss")
 # Modules whose input is not the candidate's under TransformerEngine's spec: its linear_qkv / linear_fc1 hold
 # the norm (layer_norm_weight), so Megatron's self_attention and mlp take the un-normalised hidden states
 TE_FUSED_NORM_INPUT = (".self_attention", ".mlp")
@@ -54,7 +55,7 @@ def baseline_modules(store: str | Path, step: int | None = None, rank: int = 0
     steps = [step] if step is not None else reader.array_steps()
     for s in steps:
         path = Path(reader.step_file(s, rank))
-        with h5py.File(path, "r") as h5:
+        with open_h5(path) as h5:
             if "tensor_stats" not in h5 or "tensors" not in h5:
                 if step is not None:
                     raise ValueError(f"{path}: no full layer tensors at step {s} (DumpConfig(tensors='full', "
@@ -167,6 +168,16 @@ def mapped_modules(entries: Sequence[dict[str, Any]], m: Any, modules: Sequence[
         yield e, mod, cand
 
 
+def cell_dtype(cell: Any, out: Any) -> str:
+    """The precision a candidate cell computes in: the coarsest of its output's and its parameters' dtypes."""
+    return compute_dtype(str(out.dtype).lower(), [str(p.dtype).lower() for p in cell.trainable_params()])
+
+
+def cell_computes_attention(cell: Any) -> bool:
+    """Whether the cell is, or holds, an attention cell (judged at the attention's precision)."""
+    return computes_attention(type(c).__name__ for _, c in cell.cells_and_names())
+
+
 class ConstructPatches:
     """Cells whose ``construct`` is replaced on the instance; :meth:`restore` puts back what was there (the
     class's, or the instance's own where it had one): the cells compute exactly as before, only the Python
@@ -260,15 +271,16 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
         rec.restore()
     arrays: dict[str, np.ndarray] = {}
     pairs: list[dict[str, Any]] = []
-    with h5py.File(path, "r") as h5:
+    with open_h5(path) as h5:
         for mod, (e, cand, cell) in chosen.items():
             call = rec.calls.get(mod)
             if call is None:
                 skipped.append({"module": mod, "reason": f"{cand} was not called in the candidate's forward"})
                 continue
             args, kwargs, own_out = call
-            y_b = np.asarray(h5[e["output"]], dtype=np.float32)
-            x_c = to_layout(np.asarray(h5[e["input"]]), lay_b, lay_c)
+            y_b = read_dataset(path, e["output"], h5.get(e["output"])).astype(np.float32)
+            x_b = read_dataset(path, e["input"], h5.get(e["input"]))
+            x_c = to_layout(x_b, lay_b, lay_c)
             try:
                 new_args, new_kwargs, was = _swap_input(args, kwargs, None)
                 if tuple(was.shape) != x_c.shape:
@@ -289,8 +301,9 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
                 continue
             arrays[f"baseline/{mod}"], arrays[f"isolated/{mod}"], arrays[f"candidate/{mod}"] = y_b, iso, own
             pairs.append({"baseline": mod, "candidate": cand, "kind": m.module_kind(mod, "baseline"),
-                          "dtype_baseline": e["dtype"], "dtype_candidate": str(y_iso.dtype).lower(),
-                          "input_rel_l2": _rel_l2(x_own, np.asarray(h5[e["input"]])) if x_own is not None else None})
+                          "dtype_baseline": e["dtype"], "dtype_candidate": cell_dtype(cell, y_iso),
+                          "attention": cell_computes_attention(cell),
+                          "input_rel_l2": _rel_l2(x_own, x_b) if x_own is not None else None})
     if not pairs:
         raise ValueError(f"{baseline}: no module could be isolated: "
                          + "; ".join(f"{s['module']}: {s['reason']}" for s in skipped[:3]))

@@ -14,7 +14,6 @@ Writes ``OUT/evidence/isolation.npz`` as the MindSpore side does; ``align report
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -24,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dumpers.isolation_rows import add_weight_grads, result_row
-from dumpers.mindspore_backward_isolation import backward_steps, read_backward
-from dumpers.mindspore_isolation import DEFAULT_KINDS, _rel_l2, to_layout
+from dumpers.isolation_rows import add_weight_grads, compute_dtype, computes_attention, result_row
+from dumpers.mindspore_backward_isolation import backward_capture
+from dumpers.mindspore_isolation import _rel_l2, mapped_modules, to_layout
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, atomic_file
 
 
@@ -86,22 +85,11 @@ def isolate_torch_modules(model: torch.nn.Module, baseline: str | Path, out: str
     m = (mapping if isinstance(mapping, NameMapping) else load_mapping(mapping)).swapped()
     params = params or TransformParams()
     lay_b, lay_c = m.activation_layout.get("baseline"), m.activation_layout.get("candidate")
-    steps = backward_steps(baseline, rank)
-    if step is None:
-        if not steps:
-            raise ValueError(f"{baseline}: no module backward capture (dumpers.mindspore_module_backward)")
-        step = steps[0]
-    bmeta, barr = read_backward(baseline, step, rank)
+    step, bmeta, barr = backward_capture(baseline, step, rank, writer="dumpers.mindspore_module_backward")
     name_of = global_namer(model)
     mods = {name_of(n): mod for n, mod in model.named_modules() if n}
     chosen, skipped = {}, list(bmeta.get("skipped") or [])
-    for e in bmeta["modules"]:
-        name = e["module"]
-        if modules is not None and not any(fnmatch.fnmatchcase(name, p) for p in modules):
-            continue
-        cand = m.map_module(name, "baseline")
-        if cand is None or (modules is None and m.module_kind(name, "baseline") not in DEFAULT_KINDS):
-            continue
+    for e, name, cand in mapped_modules(bmeta["modules"], m, modules, skipped):
         if cand not in mods:
             skipped.append({"module": name, "reason": f"the candidate has no module {cand}"})
             continue
@@ -232,5 +220,6 @@ def _one(name: str, cand: str, mod: torch.nn.Module, e: dict[str, Any], call: di
 
     iso_w, own_w = to_baseline(gw_iso), to_baseline(gw_own)
     missing = add_weight_grads(arrays, grads, barr, name, e.get("params", []), iso_w, own_w)
-    return result_row(name, cand, m.module_kind(name, "baseline"), e, str(y_iso.dtype).replace("torch.", ""),
-                      listed, grads, missing)
+    return result_row(name, cand, m.module_kind(name, "baseline"), e,
+                      compute_dtype(y_iso.dtype, [p.dtype for p in mod.parameters()]), listed, grads, missing,
+                      attention=computes_attention(type(x).__name__ for x in mod.modules()))

@@ -22,6 +22,15 @@ The file: ``meta`` (JSON: step, rank, per module its inputs by key (the ``forwar
 parameters, the output's dtype) and arrays ``input/<module>/<key>``, ``output/<module>``,
 ``grad_output/<module>``, ``grad_input/<module>/<key>`` (floating inputs), ``grad_weight/<module>/<param>``
 and ``weight/<module>/<param>`` (global parameter names; the weights as the module computed with them).
+The loss: Megatron computes it in a function (``compute_language_model_loss`` on the GPT model, then the
+training script's masked mean), not a module. A pattern matching ``loss`` captures it as a module named
+``loss``: its inputs (the logits, as the output layer gave them; the labels; the loss_mask the model was
+given, as pretrain_gpt's forward_step passes it), the logits' gradient, and a replay of Megatron's own
+function with the masked mean ``sum(ce * loss_mask) / sum(loss_mask)``. The replay is fed the scalar output
+gradient that makes it match the logits' gradient of the training step (``grad_output/loss``: 1 for a plain
+mean, else the loss scale / micro-batch factor); ``replay_rel_l2`` is how far the replayed logits gradient is
+from the training step's (not 0: the reduction is not that masked mean).
+
 Refused in one line: Megatron's gradient-accumulation fusion (its linear layers
 then add the weight gradient into ``main_grad`` in backward, and a replay would add it twice).
 """
@@ -41,6 +50,7 @@ import torch
 from runstore import EVIDENCE_DIR, atomic_file
 
 BACKWARD_DIR = "module_backward"
+LOSS = "loss"          # the loss function's inputs and gradients are captured under this module name
 
 
 def backward_file(run_dir: str | Path, step: int, rank: int = 0) -> Path:
@@ -103,11 +113,41 @@ class ModuleBackwardCapture:
                         raise ValueError(f"{gname}: gradient_accumulation_fusion is on (its linear layers add the "
                                          "weight gradient into main_grad in backward): a replay would add it twice")
                     self._mods.append((gname, mod))
-        if not self._mods:
+        self._loss_model = None
+        if any(fnmatch.fnmatchcase(LOSS, p) for p in modules):
+            self._loss_model = next((m for c in chunks for m in c.modules()
+                                     if hasattr(m, "compute_language_model_loss") and getattr(m, "post_process", True)),
+                                    None)
+        if not self._mods and self._loss_model is None:
             raise ValueError(f"no module matches {list(modules)}")
         self._step: int | None = None
         self._calls: dict[str, dict[str, Any]] = {}
         self._handles = [mod.register_forward_hook(self._hook(name), with_kwargs=True) for name, mod in self._mods]
+        self._loss_fn = None
+        if self._loss_model is not None:
+            self._handles.append(self._loss_model.register_forward_pre_hook(self._loss_mask_hook, with_kwargs=True))
+            self._loss_fn = self._loss_model.compute_language_model_loss
+            self._loss_model.compute_language_model_loss = self._loss_wrapper
+
+    def _loss_mask_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._step is not None and torch.is_grad_enabled():
+            mask = kwargs.get("loss_mask")
+            self._calls.setdefault("_loss_mask", {})["loss_mask"] = \
+                mask.detach().clone() if isinstance(mask, torch.Tensor) else None
+
+    def _loss_wrapper(self, labels: torch.Tensor, logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Megatron's ``compute_language_model_loss``, its inputs kept at the chosen step (the last call: the
+        main loss comes after MTP's)."""
+        assert self._loss_fn is not None
+        if self._step is not None and torch.is_grad_enabled() and isinstance(logits, torch.Tensor):
+            call: dict[str, Any] = {"labels": labels.detach().clone(), "logits": logits.detach().clone(),
+                                    "grad_output": None}
+            self._calls[LOSS] = call
+            if logits.requires_grad:
+                def grab(g: torch.Tensor) -> None:
+                    call["grad_output"] = g.detach().clone()
+                logits.register_hook(grab)
+        return self._loss_fn(labels, logits, *args, **kwargs)
 
     def _hook(self, name: str):  # noqa: ANN202
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -152,6 +192,13 @@ class ModuleBackwardCapture:
                     del arrays[k]
                 skipped.append({"module": name, "reason": f"replay failed: {type(exc).__name__}: "
                                 f"{' '.join(str(exc).split())[:200]}"})
+        if self._loss_model is not None:
+            try:
+                mods.append(self._replay_loss(arrays))
+            except ValueError as exc:
+                for k in [k for k in arrays if k.split("/", 2)[1:2] == [LOSS]]:
+                    del arrays[k]
+                skipped.append({"module": LOSS, "reason": str(exc)})
         step, self._step, self._calls = self._step, None, {}
         rank = _rank() if self.rank is None else self.rank
         meta = {"step": step, "rank": rank, "modules": mods, "skipped": skipped}
@@ -199,7 +246,44 @@ class ModuleBackwardCapture:
         return {"module": name, "inputs": inputs, "params": used, "dtype": str(out.dtype).replace("torch.", ""),
                 "replay_rel_l2": replay}
 
+    def _replay_loss(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The loss as a module: Megatron's own loss function on the captured logits and labels, the masked
+        mean over loss_mask; fed the output gradient that matches the step's logits gradient."""
+        call = self._calls.get(LOSS)
+        mask = (self._calls.get("_loss_mask") or {}).get("loss_mask")
+        if call is None or call["grad_output"] is None:
+            raise ValueError("the loss function was not called at this step, or its logits got no gradient")
+        if mask is None:
+            raise ValueError("the model was not given loss_mask (pretrain_gpt's forward_step passes it)")
+        assert self._loss_fn is not None
+        logits = call["logits"].detach().clone().requires_grad_(True)
+        m = mask.float()
+        with torch.enable_grad():
+            per_token = self._loss_fn(call["labels"], logits.clone())
+            loss = (per_token.float() * m).sum() / m.sum()
+            (g1,) = torch.autograd.grad(loss, [logits])
+        g, g1d = call["grad_output"].double(), g1.detach().double()
+        scale = float((g * g1d).sum() / max(float((g1d * g1d).sum()), 1e-300))
+        own = g1d * scale
+        replay = float(torch.linalg.vector_norm(own - g) / max(float(torch.linalg.vector_norm(g)), 1e-30))
+        arrays[f"input/{LOSS}/logits"] = _np(call["logits"])
+        arrays[f"input/{LOSS}/labels"] = call["labels"].cpu().numpy().copy()
+        arrays[f"input/{LOSS}/loss_mask"] = _np(mask)
+        arrays[f"output/{LOSS}"] = np.asarray(float(loss.detach()), np.float32)
+        arrays[f"grad_output/{LOSS}"] = np.asarray(scale, np.float32)
+        arrays[f"grad_input/{LOSS}/logits"] = own.float().numpy()
+        inputs = [{"key": "logits", "dtype": str(logits.dtype).replace("torch.", ""), "shape": list(logits.shape),
+                   "grad": True},
+                  {"key": "labels", "dtype": str(call["labels"].dtype).replace("torch.", ""),
+                   "shape": list(call["labels"].shape), "grad": False},
+                  {"key": "loss_mask", "dtype": str(mask.dtype).replace("torch.", ""), "shape": list(mask.shape),
+                   "grad": False}]
+        return {"module": LOSS, "inputs": inputs, "params": [], "dtype": str(per_token.dtype).replace("torch.", ""),
+                "replay_rel_l2": replay, "reduction": "sum(ce * loss_mask) / sum(loss_mask)", "grad_scale": scale}
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._loss_model is not None and "compute_language_model_loss" in self._loss_model.__dict__:
+            del self._loss_model.compute_language_model_loss

@@ -64,35 +64,11 @@ MODULES = ["decoder.layers.?", "decoder.layers.?.self_attention", "decoder.layer
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray], object]:
     """A 2-layer Megatron-core model's step 1 (forward and backward): the batch in the run store, and each
     layer's, attention's, MLP's and norm's inputs, output gradient and own gradients (the capture)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    from dataclasses import replace
+    from tests.helpers.isolation_setup import megatron_baseline
 
-    from demo import megatron_cpu as mg
-    from demo.model import demo_model, megatron_config_kwargs
-    from dumpers.megatron import MegatronDumper
-    from dumpers.torch_dumper import DumpConfig
-    from dumpers.torch_module_backward import ModuleBackwardCapture
-
-    model_spec = replace(demo_model(), num_layers=2)
-    mg.init_megatron_cpu(tp=1)
-    cfg = mg.TinyLlamaConfig(**megatron_config_kwargs(model_spec))
-    model = mg.build_tiny_llama(cfg, seed=11)
-    store = tmp_path_factory.mktemp("isolation_bwd") / "baseline"
-    dumper = MegatronDumper(model, None, DumpConfig(out=store, tensor_steps=[1], local_norms=False))
-    cap = ModuleBackwardCapture(model, store, MODULES, steps=[1])
-    weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    batch = mg.synthetic_batch(1, cfg)
-    dumper.begin_step(1)
-    cap.begin_step(1)
-    dumper.record_batch(batch)
-    loss = mg.forward_loss(model, batch)
-    loss.backward()
-    assert cap.end_step() is not None
-    dumper.end_step(loss=float(loss))
-    dumper.close()
-    cap.close()
-    return store, weights, model_spec
+    return megatron_baseline(tmp_path_factory.mktemp("isolation_bwd") / "baseline", modules=MODULES)
 
 
 def test_capture_replays_each_module_exactly(baseline) -> None:
@@ -117,39 +93,15 @@ def test_capture_replays_each_module_exactly(baseline) -> None:
 def _isolate(baseline, tmp_path: Path, fault: bool, *extra: str) -> dict:
     pytest.importorskip("mindspore")
     pytest.importorskip("mindformers")
-    import yaml
-
-    import demo.mindformers_mcore_cpu as mc
     from align.cli import main
-    from checkpoints.mindformers import write_safetensors
-    from demo.model import MCORE_PRESETS
-    from demo.spec import Spec, mindformers_config
-    from mapping import TransformParams
-    from models import load_mapping
+    from tests.helpers.isolation_setup import candidate_files, run_isolate
 
     store, weights, model_spec = baseline
-    cfg = mindformers_config(Spec(role="candidate", out=str(tmp_path / "unused"), steps=1, model=model_spec))
-    (tmp_path / "candidate.yaml").write_text(yaml.safe_dump(cfg))
-    conv, _ = load_mapping(MCORE_PRESETS["dense"]).convert(weights, "candidate", TransformParams(
-        num_heads=model_spec.num_attention_heads, num_query_groups=model_spec.num_query_groups))
-    write_safetensors(conv, tmp_path / "step1.safetensors")
-    argv = ["isolate", str(store), "--candidate-yaml", str(tmp_path / "candidate.yaml"), "--candidate-ckpt",
-            str(tmp_path / "step1.safetensors"), "--out", str(tmp_path / "iso"), *extra]
-    build = mc.build_pynative_model
+    yaml_path, ckpt = candidate_files(tmp_path, model_spec, weights)
+    plant = None
     if fault:                    # the demo's norm_grad fault, planted in the model `align isolate` builds
-        from demo.backward_fault import plant_norm_grad_fault
-
-        def build_with_fault(c):  # noqa: ANN001, ANN202
-            net = build(c)
-            plant_norm_grad_fault(net)
-            return net
-        mc.build_pynative_model = build_with_fault
-    try:
-        assert main(argv) == 0
-    finally:     # leave the process's MindSpore / MindFormers context as other tests expect it
-        mc.build_pynative_model = build
-        mc.set_mcore_context("graph")
-        mc.reset_mindformers_context()
+        from demo.backward_fault import plant_norm_grad_fault as plant
+    assert run_isolate(store, yaml_path, ckpt, tmp_path / "iso", *extra, plant=plant) == 0
     rep = tmp_path / "report"
     rc = main(["report", "-q", str(store), str(store), "--isolation", str(tmp_path / "iso"), "--out", str(rep)])
     summary = json.loads((rep / "summary.json").read_text())

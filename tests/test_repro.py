@@ -26,63 +26,27 @@ MODULES = ["decoder.layers.?.mlp", "decoder.layers.?.input_layernorm", "decoder.
 @pytest.fixture(scope="module")
 def isolated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
     """(isolation run, candidate YAML, the report's summary) of the norm_eps candidate."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
     pytest.importorskip("mindspore")
     pytest.importorskip("mindformers")
-    from dataclasses import replace
-
-    import yaml
-
-    import demo.mindformers_mcore_cpu as mc
     from align.cli import main
-    from checkpoints.mindformers import write_safetensors
-    from demo import megatron_cpu as mg
-    from demo.model import MCORE_PRESETS, demo_model, megatron_config_kwargs
-    from demo.spec import Spec, mindformers_config
-    from dumpers.megatron import MegatronDumper
-    from dumpers.torch_dumper import DumpConfig
-    from dumpers.torch_module_backward import ModuleBackwardCapture
-    from mapping import TransformParams
-    from models import load_mapping
+    from demo.model import demo_model
+    from tests.helpers.isolation_setup import candidate_files, megatron_baseline, run_isolate
 
     tmp = tmp_path_factory.mktemp("repro")
-    spec = replace(demo_model(), num_layers=2)
-    mg.init_megatron_cpu(tp=1)
-    cfg = mg.TinyLlamaConfig(**megatron_config_kwargs(spec))
-    model = mg.build_tiny_llama(cfg, seed=5)
-    store = tmp / "baseline"
     meta = {"config": {"kind": "megatron_args", "values": {"normalization": "RMSNorm",
-                                                           "norm_epsilon": spec.rms_norm_eps}}}
-    dumper = MegatronDumper(model, None, DumpConfig(out=store, tensor_steps=[1], local_norms=False, meta=meta))
-    cap = ModuleBackwardCapture(model, store, MODULES, steps=[1])
-    weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    batch = mg.synthetic_batch(1, cfg)
-    dumper.begin_step(1)
-    cap.begin_step(1)
-    dumper.record_batch(batch)
-    loss = mg.forward_loss(model, batch)
-    loss.backward()
-    cap.end_step()
-    dumper.end_step(loss=float(loss))
-    dumper.close()
-    cap.close()
+                                                           "norm_epsilon": demo_model().rms_norm_eps}}}
+    store, weights, spec = megatron_baseline(tmp / "baseline", seed=5, modules=MODULES, meta=meta)
 
-    ycfg = mindformers_config(Spec(role="candidate", out=str(tmp / "unused"), steps=1, model=spec))
-    ycfg["model"]["model_config"]["rms_norm_eps"] = 1e-2          # the norm_eps fault
-    (tmp / "candidate.yaml").write_text(yaml.safe_dump(ycfg))
-    conv, _ = load_mapping(MCORE_PRESETS["dense"]).convert(weights, "candidate", TransformParams(
-        num_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups))
-    write_safetensors(conv, tmp / "step1.safetensors")
-    try:
-        assert main(["isolate", str(store), "--candidate-yaml", str(tmp / "candidate.yaml"), "--candidate-ckpt",
-                     str(tmp / "step1.safetensors"), "--out", str(tmp / "iso")]) == 0
-    finally:     # leave the process's MindSpore / MindFormers context as other tests expect it
-        mc.set_mcore_context("graph")
-        mc.reset_mindformers_context()
+    def norm_eps(cfg: dict) -> None:
+        cfg["model"]["model_config"]["rms_norm_eps"] = 1e-2          # the norm_eps fault
+
+    yaml_path, ckpt = candidate_files(tmp, spec, weights, yaml_edit=norm_eps)
+    assert run_isolate(store, yaml_path, ckpt, tmp / "iso") == 0
     assert main(["report", "-q", str(store), str(store), "--isolation", str(tmp / "iso"),
                  "--out", str(tmp / "report")]) == 1
-    return tmp / "iso", tmp / "candidate.yaml", json.loads((tmp / "report" / "summary.json").read_text())
+    return tmp / "iso", yaml_path, json.loads((tmp / "report" / "summary.json").read_text())
 
 
 def _run(script: Path) -> dict[str, float]:

@@ -19,7 +19,7 @@ from reports.html import table
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE
 
 _COLUMNS = ("module", "candidate", "own_rel_l2", "own_verdict", "inherited_rel_l2", "inherited_verdict",
-            "input_rel_l2", "own_cosine", "judged_dtype")
+            "input_rel_l2", "own_cosine", "judged_dtype", "dtype_measured")
 # with backward evidence: each module's worst gradient (own: on the baseline's inputs and output gradient)
 _BWD_COLUMNS = ("bwd_own_rel_l2", "bwd_own_verdict", "bwd_inherited_rel_l2", "bwd_worst")
 
@@ -47,7 +47,12 @@ def run(ev: Evidence) -> StageResult:
         return skipped("isolation", "no isolation evidence (--isolation RUN, or the candidate's "
                                     f"{EVIDENCE_DIR}/{ISOLATION_EVIDENCE})")
     meta, arrays = read_isolation(path)
-    res = compare_isolation(meta, arrays, dtype=ev.dtype[0], tolerances=ev.options.layer_tolerance or None)
+    # each module at its own precision: the runs' (the optimizer's update precision) for all, the attention's
+    # (flash attention's float16 in a float32 run) for the modules that compute one; --dtype for all
+    given = bool(ev.options.dtype)
+    res = compare_isolation(meta, arrays, dtype=ev.dtype[0] if given else ev.update_dtype[0],
+                            attention_dtype=None if given else ev.dtype[0],
+                            tolerances=ev.options.layer_tolerance or None)
     res.details["file"] = str(path)
     res.details["dtype_source"] = ev.dtype[1]
     ran_on = meta.get("baseline")
@@ -64,10 +69,18 @@ def section(res: StageResult) -> str:
         return ""
     named = set(res.details.get("named") or [])
     cols = _COLUMNS + (_BWD_COLUMNS if res.details.get("backward") else ())
-    body = table([{**{k: r.get(k) for k in cols}, "named": "<- here" if r["module"] in named else ""}
+    body = table([{**{k: _cell(r, k) for k in cols}, "named": "<- here" if r["module"] in named else ""}
                   for r in rows])
     note = res.details.get("note")
     return body + (f"<p>{note}</p>" if note else "")
+
+
+def _cell(row: dict, key: str) -> object:
+    """A row's value for the table; the measured precisions as 'baseline / candidate'."""
+    v = row.get(key)
+    if isinstance(v, dict):
+        return f"{v.get('baseline')} / {v.get('candidate')}"
+    return v
 
 
 def figures(res: StageResult, ctx: FigureContext) -> list[Figure]:
