@@ -760,6 +760,11 @@ def _replay_rows(cfg: dict[str, Any], mg: dict[str, Any], mf: dict[str, Any],
                                          + (f" x {acc} accumulation steps" if acc != 1 else "")
                                          + f", {where}; one row of {REPLAY} is one whole Megatron step of one rank "
                                          f"(the YAML's batch_size {mbs} does not batch it)")}
+        if isinstance(got.get("dp"), int) and got["dp"] > dp:   # one process, a DP > 1 store, no data_parallel
+            out["global_batch_size"] = ("mismatch", out["global_batch_size"][1] + (
+                f"; this candidate trains rank {got['rank']}'s share only: set data_parallel: {dp} in the replay's "
+                f"dataset block (train_dataset_task.dataset_config) to train the store's whole global batch of "
+                f"{rows * got['dp']} samples, re-split by sample (docs/own-cluster.md)"))
     mf["micro_batch_size"] = rows // split if rows % split == 0 else NOT_READ
     mg_mbs = mg.get("micro_batch_size")
     if isinstance(mg_mbs, int) and mg_mbs != mf["micro_batch_size"]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -59,7 +60,13 @@ def run(checkout: str | Path, store: str | Path, out: str | Path, kind: str = "d
         anchor = "train_dataset: &train_dataset\n"
         if anchor not in text:
             raise SystemExit(f"{example}: no '{anchor.strip()}' block to add {dataset} to")
-        config.write_text(text.replace(anchor, anchor + "".join(f"  {k}: {v}\n" for k, v in dataset.items())))
+        start = text.index(anchor) + len(anchor)
+        end = re.search(r"(?m)^\S", text[start:])
+        block = text[start: start + end.start() if end else len(text)]
+        for key in dataset:     # the block's own line of that key (the examples' data_parallel: 1) is replaced
+            block = re.sub(rf"(?m)^  {re.escape(key)}:.*\n(?:^ {{10,}}#.*\n)*", "", block)
+        block = "".join(f"  {k}: {v}\n" for k, v in dataset.items()) + block
+        config.write_text(text[:start] + block + text[start + (end.start() if end else len(text) - start):])
     log = run_mindformer(script, config, out, python=[sys.executable, "-P"], example=example)
     shadow = str(script.parent / "mindformers") + "/"
     if shadow in log:
