@@ -85,7 +85,8 @@ browser:
 # By hand (CI cannot download upstream code): real Megatron-LM pretrain_gpt.py and, with MINDFORMERS_SRC, real
 # MindFormers run_mindformer.py on CPU, dumped, converted and compared (tests/upstream/check.py). Rows: the dense
 # DP=1 baseline (and its pair with the dense example YAML), a TP=2 dense baseline, the MoE baseline at EP=2 (and
-# its pair with the MoE example YAML, replayed DP 2 -> 1); UPSTREAM_ONLY=dense,tp2,moe picks some.
+# its pair with the MoE example YAML, replayed DP 2 -> 1), the EP=2 MoE with router losses; UPSTREAM_ONLY=dense,tp2,moe,
+# moe_losses picks some.
 UPSTREAM_OUT ?= upstream_out
 upstream-check: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make upstream-check MEGATRON_LM=DIR [MINDFORMERS_SRC=DIR]" >&2; exit 2; }

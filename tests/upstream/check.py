@@ -16,6 +16,8 @@ entry points, on CPU. By hand only (CI cannot download upstream code; pytest doe
    with MINDFORMERS_SRC, ``align convert-weights`` of its checkpoint without ``--mapping`` (the preset from the
    tensor names) and MindFormers' MoE example YAML (docs/examples/mindformers_qwen3_moe_tiny_cpu.yaml, one
    process) replaying the DP=2 store re-split by sample onto DP=1 (``data_parallel: 1``), then the pair report.
+5. The MoE baseline at EP=2 with the router's losses on (``MOE``: load balancing 1e-2, z-loss 1e-3): its store
+   against its own log (core 0.16 - 0.17 print the last rank's own z_loss: sources/megatron_log_moe.py).
 
 Prints every stage's verdict of every report and a last table, one row per run; exit status 0 when all pass or
 warn, 1 when a report fails, 2 when a run could not be made (the other rows still run).
@@ -106,16 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--megatron-lm", required=True, help="a checkout of github.com/NVIDIA/Megatron-LM")
     ap.add_argument("--mindformers", default=None, help="a checkout of github.com/mindspore-ai/mindformers")
     ap.add_argument("--out", required=True, help="work folder")
-    ap.add_argument("--only", default=None, help="comma-separated rows: dense, tp2, moe (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated rows: dense, tp2, moe, moe_losses (default: all)")
     ns = ap.parse_args(argv)
     out = Path(ns.out).resolve()
-    only = set(ns.only.split(",")) if ns.only else {"dense", "tp2", "moe"}
+    only = set(ns.only.split(",")) if ns.only else {"dense", "tp2", "moe", "moe_losses"}
     print(f"Megatron-LM {ns.megatron_lm} (megatron-core {mlm.checkout_version(Path(ns.megatron_lm))})")
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[str, str, dict | None]] = []
     rc = 0
 
     def row(name: str, work: Any) -> None:
         nonlocal rc
+        summary = None
         try:
             summary = work()
             verdict = f"{summary['verdict']} (exit {summary['exit']})" if isinstance(summary, dict) else str(summary)
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 SystemExit) as exc:
             print(f"upstream-check: {name}: {exc}", file=sys.stderr)
             verdict, rc = f"not made: {' '.join(str(exc).split())[:160]}", max(rc, 2)
-        rows.append((name, verdict))
+        rows.append((name, verdict, summary if isinstance(summary, dict) else None))
 
     def own(name: str, runs: dict[str, Path], report_dir: str) -> dict:
         summary = mlm.report(runs["store"], runs["log"], out / report_dir)
@@ -151,10 +154,33 @@ def main(argv: list[str] | None = None) -> int:
         if ns.mindformers and "moe" in made:
             row("MoE EP=2 (DP=2) vs MindFormers MoE example YAML, replay DP 2 -> 1",
                 lambda: moe_pair(made["moe"], Path(ns.mindformers), out))
+    if "moe_losses" in only:
+        row("MoE EP=2 (DP=2), router losses on: store vs own log", lambda: own("MoE EP=2 router losses", baseline(
+            "moe_losses", "megatron_moe_ep2_losses", extra=[*mlm.MOE, *mlm.EP2], nproc=2),
+            "report_megatron_moe_ep2_losses"))
     print("\nupstream-check rows:")
-    for name, verdict in rows:
+    for name, verdict, summary in rows:
         print(f"  {name:<68} {verdict}")
+        if summary is not None:
+            print(f"      {_numbers(summary)}")
     return rc
+
+
+def _numbers(summary: dict) -> str:
+    """A report's step-1 / step-2 loss deltas, its local-norm and data verdicts and its diagnosis, in one line."""
+    st = summary["stages"]
+
+    def rel(key: str) -> str:
+        v = st.get(key, {}).get("rel_delta")
+        return f"{v:.1e}" if isinstance(v, (int, float)) else st.get(key, {}).get("verdict", "-")
+
+    data = [f["message"] for f in summary["findings"] if f["metric"] in ("same_samples", "same_batches")]
+    diag = summary.get("diagnosis") or []
+    first = (f"{diag[0]['stage']}: {diag[0].get('component')}: {' '.join(str(diag[0].get('message')).split())[:200]}"
+             if diag else "none")
+    norms, checks = st.get("step1_local_norm", {}).get("verdict", "-"), st.get("data_checks", {}).get("verdict", "-")
+    return (f"step1 rel {rel('step1_loss')}, step2 rel {rel('step2_loss')}, local norms {norms}, data {checks}"
+            + (f" ({data[0][:160]})" if data else "") + f"; diagnosis: {first}")
 
 
 if __name__ == "__main__":
