@@ -95,7 +95,8 @@ def compare_pair(task: dict[str, Any]) -> dict[str, Any]:
     if mt is None and full and ref_a is not None and ref_b is not None:
         sa, sb = _shape(ra.get("shape")), _shape(rb.get("shape"))
         tr = transpose and len(sa) >= 2 and sa != sb and (sa[1], sa[0]) + sa[2:] == sb
-        if _gathered(ref_a) or _gathered(ref_b):   # a row put together from TP / CP ranks' parts
+        # a row put together from TP / CP ranks' parts, or a run store's dataset against a dump's .npy
+        if _gathered(ref_a) or _gathered(ref_b) or isinstance(ref_a, str) != isinstance(ref_b, str):
             try:
                 a, b = load_ref(ref_a), load_ref(ref_b)
             except ValueError:      # parts that do not join (shapes): compared by their combined statistics

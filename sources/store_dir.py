@@ -68,14 +68,15 @@ class StoreLayers:
         return rows, has_tensors
 
 
-def open_layers(obj: Any) -> StoreLayers | None:
+def open_layers(obj: Any) -> Any:
     """A store's layer rows from its path, its reader, or a Run opened from it (None: a run not read from a
-    store on disk)."""
-    if isinstance(obj, RunReader):
-        return StoreLayers(obj)
-    if isinstance(obj, (str, Path)):
-        return StoreLayers(RunReader(obj))
-    return StoreLayers(obj.store) if obj.store is not None else None
+    store on disk); a store whose meta names a kernel dump (dumpers/mindspore_kernel_dump.py) gives the dump's."""
+    from sources.mindspore_dump import store_kernel_dump  # a GRAPH run's full tensors (meta layer_capture)
+
+    reader = obj if isinstance(obj, RunReader) else RunReader(obj) if isinstance(obj, (str, Path)) else obj.store
+    if reader is None:
+        return None
+    return store_kernel_dump(reader) or StoreLayers(reader)
 
 
 SOURCE = Source("runstore", 0, _is_store, _load, "a run store (meta.json, scalars/)", layers=open_layers)

@@ -1,0 +1,97 @@
+"""One MindSpore process for tests/test_graph_full_tensors.py: the MindFormers mcore model of a YAML trained in GRAPH
+with the kernel-dump capture (dumpers/mindspore_kernel_dump.py), then the same without it.
+
+MindSpore reads MINDSPORE_DUMP_CONFIG once, at the process's first compile: the captured run comes first, in a
+process of its own. Usage: python graph_kernel_dump_run.py WORK NAME [--plain] (WORK holds NAME.yaml,
+weights.safetensors, batch.npz; the run store goes to WORK/NAME, the results to WORK/NAME.json; --plain: the
+budget refusal first, and the same training again without the capture after it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+STEPS = 2
+CELLS = ("decoder.layers.?", "decoder.layers.?.input_layernorm", "decoder.layers.?.self_attention",
+         "decoder.layers.?.pre_mlp_layernorm", "decoder.layers.?.mlp", "decoder.final_layernorm")
+
+
+def build(work: Path, name: str):
+    import yaml
+
+    import demo.mindformers_mcore_cpu as mc
+    from checkpoints.mindformers import read_safetensors
+
+    cfg = yaml.safe_load((work / f"{name}.yaml").read_text())
+    mc.set_yaml_context(cfg)
+    net = mc.build_yaml_model(cfg)
+    mc.install_moe_module_standins()
+    mc.install_cpu_standins(net, "graph")
+    arrays, _ = read_safetensors(work / "weights.safetensors")
+    mc.load_parameter_arrays(net, arrays)
+    return net
+
+
+def train(net, batch: dict[str, np.ndarray], dumper=None) -> list[float]:
+    import demo.mindformers_mcore_cpu as mc
+
+    cell = mc.build_mcore_train_cell(net, learning_rate=1e-2)
+    losses = []
+    for step in range(1, STEPS + 1):
+        if dumper is not None:
+            dumper.begin_step(step)
+        out = cell(*mc.mcore_inputs(batch))
+        losses.append(float(out[0].asnumpy().reshape(-1)[0]))
+        if dumper is not None:
+            dumper.end_step(loss=losses[-1])
+    return losses
+
+
+def main(work: Path, name: str, plain: bool) -> None:
+    import demo.mindformers_mcore_cpu as mc
+    from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper
+    from dumpers.mindspore_kernel_dump import ENV, CaptureBudgetExceeded, KernelDumpCapture, KernelTapCell
+
+    batch = dict(np.load(work / "batch.npz"))
+    said: list[str] = []
+    res: dict = {}
+    net = build(work, name)
+    if plain:
+        try:       # (c) over the budget: one line, nothing wrapped, no dump configured
+            KernelDumpCapture(net.model, work / "refused", CELLS, steps=[1], budget_mib=0.01, printer=said.append)
+        except CaptureBudgetExceeded as exc:
+            res["refused"] = str(exc)
+        res["refused_left_env"] = os.environ.get(ENV)
+        res["refused_wrapped"] = any(isinstance(c, KernelTapCell) for _, c in net.cells_and_names())
+        res["refused_config"] = (work / "refused").exists()
+    cap = KernelDumpCapture(net.model, work / name, CELLS, steps=[1, 2], budget_mib=64, printer=said.append)
+    dumper = MindSporeDumper(net.model, work / name, DumpConfig(tensors="off"), framework="mindformers",
+                             name_scheme="mindformers_mcore")
+    dumper.update_meta(cap.store_meta())
+    res["captured_losses"] = train(net, batch, dumper)
+    dumper.close()
+    res["measured"] = cap.finish()
+    res["estimated"] = cap.estimate
+    res["said"] = said
+    if not plain:
+        (work / f"{name}.json").write_text(json.dumps(res, indent=1))
+        return
+    captured_weights = mc.parameter_arrays(net)
+    plain = build(work, name)             # (a) the same run without the capture
+    res["plain_losses"] = train(plain, batch)
+    plain_weights = mc.parameter_arrays(plain)
+    res["weights_equal"] = sorted(captured_weights) == sorted(plain_weights) and all(
+        np.array_equal(captured_weights[k], plain_weights[k]) for k in plain_weights)
+    (work / f"{name}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], "--plain" in sys.argv[3:])
