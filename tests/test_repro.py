@@ -11,10 +11,7 @@ no difference there).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,18 +47,9 @@ def isolated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict
 
 
 def _run(script: Path) -> dict[str, float]:
-    """Run a repro script in a fresh process, outside this project (no PYTHONPATH, another folder); the
-    rel_l2 of each printed line, by its first words."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-P", str(script)], cwd=script.parent.parent, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = {}
-    for line in done.stdout.splitlines():
-        m = re.match(r"(\S+(?: \S+)?)\s+vs (.+?)\s+rel_l2=(\S+)", line)
-        if m:
-            out[f"{m.group(1)} | {m.group(2)}"] = float(m.group(3))
-    return out
+    from tests.helpers.isolation_setup import run_repro_script
+
+    return run_repro_script(script)
 
 
 def test_the_two_scripts_reproduce_the_reported_difference(isolated, tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "ISOLATION_RUN is what `align isolate` wrote (its evidence names the baseline store, the step and the "
         "candidate's weights). MODULE is a baseline module it isolated, say the one the report named. Kinds "
-        "with scripts: RMSNorm, a linear layer, a gated (SwiGLU) MLP, Megatron-style self-attention.")
+        "with scripts: RMSNorm, a linear layer, a gated (SwiGLU) MLP, Megatron-style self-attention, the token "
+        "embedding, the loss (masked-mean cross-entropy; needs the baseline's module backward capture of 'loss').")
     parser.add_argument("isolation", metavar="ISOLATION_RUN", help="the `align isolate` output folder")
     parser.add_argument("--module", required=True, help="the baseline module (as the isolation report names it)")
     parser.add_argument("--candidate-yaml", required=True, metavar="YAML",

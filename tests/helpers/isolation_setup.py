@@ -8,6 +8,10 @@ test_repro.py each built the same baseline and candidate files by hand.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -106,3 +110,18 @@ def run_isolate(store: Path, yaml_path: Path, ckpt: Path, out: Path, *extra: str
         mc.build_pynative_model = build
         mc.set_mcore_context("graph")
         mc.reset_mindformers_context()
+
+
+def run_repro_script(script: Path) -> dict[str, float]:
+    """Run a repro script in a fresh process, outside this project (no PYTHONPATH, another folder); the
+    rel_l2 of each printed line, keyed '<what> | <against what>'."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-P", str(script)], cwd=script.parent.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = {}
+    for line in done.stdout.splitlines():
+        m = re.match(r"(\S+(?: \S+)?)\s+vs (.+?)\s+rel_l2=(\S+)", line)
+        if m:
+            out[f"{m.group(1)} | {m.group(2)}"] = float(m.group(3))
+    return out
