@@ -31,6 +31,7 @@ VERBS = {
     "convert-weights": "convert_weights",
     "compare-weights": "compare_weights",
     "isolate": "isolate",
+    "drill": "drill",
     "repro": "repro",
     "capture-env": "capture_env",
     "mapping": "mapping",
