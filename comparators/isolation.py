@@ -168,6 +168,8 @@ def compare_isolation(meta: dict[str, Any], arrays: dict[str, np.ndarray], *, dt
                         "step": meta.get("step"), "rank": meta.get("rank"), "baseline": meta.get("baseline"),
                         "named": [r["module"] for r in named], "per_module": rows,
                         "skipped_modules": meta.get("skipped", [])})
+    if meta.get("inherited_inputs"):
+        res.details["inherited_inputs"] = meta["inherited_inputs"]
     return res
 
 

@@ -14,6 +14,8 @@ Candidate: the network in PYNATIVE with its weights of that step. One forward an
 the step's batch records each cell's call and its output gradient (a tensor hook); then each cell's
 vector-Jacobian product runs twice (baseline's inputs and output gradient; its own), in PYNATIVE or compiled
 (``graph=True``: ``mindspore.jit``, GRAPH kernels and GRAPH autodiff, as a GRAPH-trained candidate computes).
+Under ``graph=True`` the module's own inputs and output gradient (the inherited error's) still come from a
+PYNATIVE forward and backward of the whole network: see INHERITED_PYNATIVE (meta ``inherited_inputs``).
 Inputs: the baseline's first floating input replaces the cell's first tensor input (the activation, through
 the mapping's ``activation_layout``); every other baseline input replaces the cell's argument of the same name
 when that is a tensor of the same shape (cast to its dtype: Megatron's bool mask, MindFormers' uint8); the
@@ -117,6 +119,16 @@ def unfit_output(g: np.ndarray, base_shape: tuple[int, ...], src: str | None, ds
         bsh = to_layout(np.empty(base_shape, np.float32), dst, "bsh").shape
         return to_layout(g.reshape(bsh), "bsh", dst)
     return to_layout(g, src, dst)
+
+
+# Why the inherited error's inputs come from PYNATIVE under graph=True: a GRAPH network runs as one compiled
+# graph, no Python per cell, so a cell's arguments and its output gradient cannot be handed out of it (a tensor
+# hook there must obey graph syntax and cannot store into Python; an in-graph capture needs a Parameter of
+# each output's shape before compiling: dumpers/mindspore_graph_capture.py). Each module itself is compiled.
+INHERITED_PYNATIVE = ("each module compiled (GRAPH kernels and autodiff) on its own inputs and output gradient "
+                      "from one PYNATIVE forward and backward of the whole network: a GRAPH run hands no cell's "
+                      "arguments or output gradient out; a PYNATIVE-only backward fault upstream (MindFormers' MLA "
+                      "projection split) shows in these inherited gradients, not in the own ones")
 
 
 class _GradRecorder(ConstructPatches):
@@ -309,6 +321,7 @@ def isolate_with_backward(net: Any, baseline: str | Path, out: str | Path, *, ma
                          + "; ".join(f"{s['module']}: {s['reason']}" for s in skipped[:3]))
     meta = {"step": step, "rank": rank, "baseline": str(baseline), "mapping": m.name, "dtype": dtype,
             "weights": weights, "backward": True, "mode": "graph" if graph else "pynative",
+            "inherited_inputs": INHERITED_PYNATIVE if graph else None,
             "layout": {"baseline": lay_b, "candidate": lay_c}, "modules": pairs, "skipped": skipped}
     dest = Path(out) / EVIDENCE_DIR / ISOLATION_EVIDENCE
     dest.parent.mkdir(parents=True, exist_ok=True)

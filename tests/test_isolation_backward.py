@@ -162,6 +162,7 @@ def test_graph_isolation_of_a_correct_candidate_passes(baseline, tmp_path: Path)
                        "--modules", "decoder.layers.1.mlp")
     stage = summary["stages"]["isolation"]
     assert stage["mode"] == "graph" and stage["verdict"] == "pass" and stage["named"] == []
+    assert "PYNATIVE forward and backward of the whole network" in stage["inherited_inputs"]   # said, not hidden
     rows = {r["module"]: r for r in stage["per_module"]}
     whats = {g["what"] for g in rows["decoder.layers.1"]["per_grad"]}
     assert "input:hidden_states" in whats and "weight:decoder.layers.1.mlp.linear_fc1.weight" in whats

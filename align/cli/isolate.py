@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name mapping preset or YAML file (default: the preset the YAML needs)")
     parser.add_argument("--graph", action="store_true",
                         help="backward isolation: run each module's forward and backward compiled (mindspore.jit: "
-                             "GRAPH kernels and autodiff, as a GRAPH-trained candidate) instead of PYNATIVE")
+                             "GRAPH kernels and autodiff, as a GRAPH-trained candidate) instead of PYNATIVE; the "
+                             "inherited error's inputs and output gradients still come from one PYNATIVE run of the "
+                             "whole network (a GRAPH run hands no cell's arguments out)")
     parser.add_argument("--forward-only", action="store_true",
                         help="forward isolation only, even where the baseline holds a module backward capture")
 

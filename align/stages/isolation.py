@@ -7,6 +7,7 @@ is often a module passing the drift on. Isolation tells the two apart (comparato
 
 from __future__ import annotations
 
+from html import escape
 from pathlib import Path
 
 from align.stages import AFTER_STEP1, Figure, FigureContext, Stage
@@ -71,8 +72,9 @@ def section(res: StageResult) -> str:
     cols = _COLUMNS + (_BWD_COLUMNS if res.details.get("backward") else ())
     body = table([{**{k: _cell(r, k) for k in cols}, "named": "<- here" if r["module"] in named else ""}
                   for r in rows])
-    note = res.details.get("note")
-    return body + (f"<p>{note}</p>" if note else "")
+    notes = [n for n in (res.details.get("note"), res.details.get("inherited_inputs") and
+                         f"Inherited errors: {res.details['inherited_inputs']}.") if n]
+    return body + "".join(f"<p>{escape(str(n))}</p>" for n in notes)
 
 
 def _cell(row: dict, key: str) -> object:
