@@ -190,13 +190,18 @@ class MindFormersDumperCallback(DumperCallback):
     Two ways to build it: from Python with a dumper (``MindFormersDumperCallback(MindSporeDumper(net, out))``),
     or from a YAML ``callbacks:`` entry with keyword arguments only (``out_dir``, ``batch_columns``,
     ``steps``, ``tensor_steps``, ``tensors``, ``cells``, ``backward``, ``nan_trace``, ``meta``,
-    ``graph_capture``, ``capture_env``, ``capture_env_data``, ``routing``): the dumper is then created at
-    the start of training on the network the Trainer built, with this process's rank (MindSpore's
+    ``graph_capture``, ``capture_env``, ``capture_env_data``, ``routing``, ``kernel_dump``): the dumper is then
+    created at the start of training on the network the Trainer built, with this process's rank (MindSpore's
     ``get_rank()`` under msrun). It works in GRAPH mode (scalars, batches, named local norms: stacked routed
     experts one row per expert, ``mlp.experts.weight1[e]``, see dumpers/mindspore_expert_norms.py) and, with
     ``tensors: stats``, captures layer statistics inside the compiled step (``graph_capture``, on by default
     in GRAPH: the watched cells are wrapped in ``on_train_begin``, which MindSpore's ``Model.train`` calls before
-    its first training step compiles the graph). Full tensors (``tensors: full``) need PYNATIVE.
+    its first training step compiles the graph). Full tensors (``tensors: full``) need PYNATIVE, or in GRAPH
+    ``kernel_dump: {cells: [...], steps: [1, 2], budget_mib: 1024, tokens: N}``: the selected cells' inputs,
+    outputs and their gradients at those steps from MindSpore's kernel dump of the step that trains
+    (dumpers/mindspore_kernel_dump.py; its size printed before the compile; ``tokens`` per step defaults to the
+    dataset's first column's shape). Over the budget, or with a graph compiled already, the run trains on without
+    it (a warning and meta.json ``layer_capture`` say why): the training is the user's, the capture an extra.
 
     The wrapping must precede the first compile of the training graph. MindFormers compiles it BEFORE
     ``on_train_begin`` (``model.build`` in ``transform_and_load_checkpoint`` / ``load_checkpoint_with_safetensors``)
@@ -209,7 +214,8 @@ class MindFormersDumperCallback(DumperCallback):
                  out_dir: str | None = None, steps: Any = None, tensor_steps: Any = None, tensors: str = "off",
                  cells: Sequence[str] = ("*",), backward: bool = True, nan_trace: str = "grads",
                  meta: dict[str, Any] | None = None, graph_capture: bool = True, capture_env: bool = False,
-                 capture_env_data: Sequence[str] = (), routing: bool = False) -> None:
+                 capture_env_data: Sequence[str] = (), routing: bool = False,
+                 kernel_dump: dict[str, Any] | None = None) -> None:
         if dumper is None and not out_dir:
             raise ValueError("MindFormersDumperCallback needs a dumper or out_dir (the run-store directory)")
         super().__init__(dumper, batch_columns)  # type: ignore[arg-type]
@@ -219,6 +225,8 @@ class MindFormersDumperCallback(DumperCallback):
             capture_env_data=tuple(capture_env_data or ()), routing=bool(routing)))
         self._graph_capture = bool(graph_capture)
         self._capture_checked = False
+        self._kernel_dump_options = dict(kernel_dump or {})
+        self._kernel_dump: Any = None
 
     def on_train_begin(self, run_context: Any) -> None:
         """YAML-built: create the dumper on the network the Trainer trains (the cell inside the wrapper). Both
@@ -237,6 +245,7 @@ class MindFormersDumperCallback(DumperCallback):
         cb = run_context.original_args()
         net, scheme = _named_model(_model_cell(getattr(cb, "train_network", None) or getattr(cb, "network", None)))
         graph = ms.get_context("mode") != ms.PYNATIVE_MODE
+        kernel_meta = self._start_kernel_dump(cb, net, out_dir, config) if self._kernel_dump_options and graph else {}
         capture = self._graph_capture and graph and config.tensors == "stats"
         try:
             if capture and _training_graph_compiled():
@@ -254,6 +263,27 @@ class MindFormersDumperCallback(DumperCallback):
             config.meta = {**config.meta, "layer_capture": f"refused in GRAPH mode ({exc}): re-run steps 1-2 in "
                                                            "PYNATIVE (context.mode: 1) to capture layers"}
             self.dumper = MindSporeDumper(net, out_dir, config, framework="mindformers", name_scheme=scheme)
+        if kernel_meta:
+            self.dumper.update_meta(kernel_meta)
+
+    def _start_kernel_dump(self, cb: Any, net: Any, out_dir: str, config: DumpConfig) -> dict[str, Any]:
+        """The kernel-dump capture of ``kernel_dump`` (layer tensors then come from it: ``tensors`` off), or, when
+        refused, the meta.json note saying why; the run trains either way."""
+        from core.errors import BadInput
+        from dumpers.mindspore_kernel_dump import DEFAULT_BUDGET_MIB, KernelDumpCapture
+
+        opts = self._kernel_dump_options
+        try:
+            self._kernel_dump = KernelDumpCapture(
+                net, out_dir, opts.get("cells", ("decoder.layers.*",)), opts.get("steps", (1,)),
+                tokens=opts.get("tokens") or _dataset_tokens(getattr(cb, "train_dataset", None)),
+                budget_mib=float(opts.get("budget_mib", DEFAULT_BUDGET_MIB)))
+        except BadInput as exc:
+            warnings.warn(f"MindFormersDumperCallback: kernel_dump refused ({exc}); training without it",
+                          RuntimeWarning, stacklevel=2)
+            return {"layer_capture": {"mode": "GRAPH", "kernel_dump": None, "refused": str(exc)}}
+        config.tensors = "off"
+        return self._kernel_dump.store_meta()
 
     def on_train_step_begin(self, run_context: Any) -> None:
         if self.dumper is not None:
@@ -305,6 +335,13 @@ class MindFormersDumperCallback(DumperCallback):
                    "PYNATIVE (context.mode: 1) to capture layers"}})
 
     def on_train_end(self, run_context: Any) -> None:
+        if self._kernel_dump is not None:
+            measured = self._kernel_dump.finish()
+            if self.dumper is not None:
+                meta = self._kernel_dump.store_meta()
+                meta["layer_capture"]["measured_bytes"] = measured
+                self.dumper.update_meta(meta)
+            self._kernel_dump = None
         if self.dumper is not None:
             super().on_train_end(run_context)
 
@@ -357,6 +394,15 @@ def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, opti
                     loss_scale=vals["loss_scale"], **({"grad_norm": gnorm} if gnorm is not None else {}),
                     **({"lr": vals["lr"]} if "lr" in vals else {}))
     return named
+
+
+def _dataset_tokens(dataset: Any) -> int | None:
+    """Tokens per step from a MindSpore dataset's first column (``input_ids``: rows x sequences x length)."""
+    try:
+        shape = dataset.output_shapes()[0]
+        return int(np.prod(shape))
+    except Exception:  # noqa: BLE001 - no dataset, or one that cannot say: the model config's sizes then
+        return None
 
 
 def _training_graph_compiled() -> bool:

@@ -121,14 +121,21 @@ def test_layer_stage_compares_full_graph_tensors_and_names_the_norm(runs) -> Non
 
 
 def test_clean_graph_candidate_matches_the_baseline_forward_and_backward_on_full_tensors(runs) -> None:
-    """No row fails; the worst is the attention output (MindFormers computes q/k/v in float16 here: 3.5e-4 at
-    the float32 line, a warn without a --repeat floor), every output gradient is within 1e-3."""
+    """The clean candidate, captured through MindFormersDumperCallback(kernel_dump=...) under Model.train: no
+    row fails; the worst is the attention output (MindFormers computes q/k/v in float16 here: 3.5e-4 at the
+    float32 line, a warn without a --repeat floor), every output gradient is within 1e-3."""
     from align.cli import main
+    from runstore import RunReader
 
     work, _ = runs
+    cap = RunReader(work / "clean").meta["layer_capture"]
+    assert cap["kernel_dump"] == "kernel_dump" and cap["steps"] == [1, 2]
+    assert cap["estimated_bytes"] <= cap["measured_bytes"] <= 1.05 * cap["estimated_bytes"]
     out = work / "report_clean"
     main(["report", "-q", str(work / "baseline"), str(work / "clean"), "--out", str(out)])
-    stage = json.loads((out / "summary.json").read_text())["stages"]["layer_tensors"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stages"]["step1_loss"]["verdict"] == "pass"       # the callback's scalars, same store
+    stage = summary["stages"]["layer_tensors"]
     rows = stage["rows"]
     assert {r["kind"] for r in rows} == {"forward.output.0", "forward.input.0", "backward.grad_output.0"}
     assert all(r["mode"] == "tensor" for r in rows) and len(rows) == 33

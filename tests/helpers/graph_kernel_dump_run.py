@@ -3,8 +3,9 @@ with the kernel-dump capture (dumpers/mindspore_kernel_dump.py), then the same w
 
 MindSpore reads MINDSPORE_DUMP_CONFIG once, at the process's first compile: the captured run comes first, in a
 process of its own. Usage: python graph_kernel_dump_run.py WORK NAME [--plain] (WORK holds NAME.yaml,
-weights.safetensors, batch.npz; the run store goes to WORK/NAME, the results to WORK/NAME.json; --plain: the
-budget refusal first, and the same training again without the capture after it).
+weights.safetensors, batch.npz; the run store goes to WORK/NAME). Without --plain: trained by Model.train with
+MindFormersDumperCallback's ``kernel_dump`` option. With --plain: a plain training loop with KernelDumpCapture
+(the budget refusal first), then the same training without the capture; results in WORK/NAME.json.
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ def train(net, batch: dict[str, np.ndarray], dumper=None) -> list[float]:
     return losses
 
 
+def train_with_callback(work: Path, name: str, net, batch: dict[str, np.ndarray]) -> None:
+    """The YAML way: MindSpore's Model.train with MindFormersDumperCallback(kernel_dump=...), which makes the
+    capture in on_train_begin, before the first compile, and finishes it in on_train_end."""
+    import mindspore.dataset as ds
+    from mindspore.train import Model
+
+    import demo.mindformers_mcore_cpu as mc
+    from dumpers.mindformers import MindFormersDumperCallback
+
+    cell = mc.build_mcore_train_cell(net, learning_rate=1e-2)
+    row = tuple(t.asnumpy() for t in mc.mcore_inputs(batch))
+    data = ds.GeneratorDataset([row] * STEPS, column_names=["input_ids", "labels", "loss_mask"], shuffle=False)
+    cb = MindFormersDumperCallback(out_dir=str(work / name), batch_columns=["input_ids", "labels", "loss_mask"],
+                                   kernel_dump={"cells": list(CELLS), "steps": [1, 2], "budget_mib": 64})
+    Model(cell).train(1, data, callbacks=[cb], dataset_sink_mode=False)
+
+
 def main(work: Path, name: str, plain: bool) -> None:
     import demo.mindformers_mcore_cpu as mc
     from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper
@@ -64,14 +82,16 @@ def main(work: Path, name: str, plain: bool) -> None:
     said: list[str] = []
     res: dict = {}
     net = build(work, name)
-    if plain:
-        try:       # (c) over the budget: one line, nothing wrapped, no dump configured
-            KernelDumpCapture(net.model, work / "refused", CELLS, steps=[1], budget_mib=0.01, printer=said.append)
-        except CaptureBudgetExceeded as exc:
-            res["refused"] = str(exc)
-        res["refused_left_env"] = os.environ.get(ENV)
-        res["refused_wrapped"] = any(isinstance(c, KernelTapCell) for _, c in net.cells_and_names())
-        res["refused_config"] = (work / "refused").exists()
+    if not plain:
+        train_with_callback(work, name, net, batch)
+        return
+    try:       # (c) over the budget: one line, nothing wrapped, no dump configured
+        KernelDumpCapture(net.model, work / "refused", CELLS, steps=[1], budget_mib=0.01, printer=said.append)
+    except CaptureBudgetExceeded as exc:
+        res["refused"] = str(exc)
+    res["refused_left_env"] = os.environ.get(ENV)
+    res["refused_wrapped"] = any(isinstance(c, KernelTapCell) for _, c in net.cells_and_names())
+    res["refused_config"] = (work / "refused").exists()
     cap = KernelDumpCapture(net.model, work / name, CELLS, steps=[1, 2], budget_mib=64, printer=said.append)
     dumper = MindSporeDumper(net.model, work / name, DumpConfig(tensors="off"), framework="mindformers",
                              name_scheme="mindformers_mcore")
@@ -81,9 +101,6 @@ def main(work: Path, name: str, plain: bool) -> None:
     res["measured"] = cap.finish()
     res["estimated"] = cap.estimate
     res["said"] = said
-    if not plain:
-        (work / f"{name}.json").write_text(json.dumps(res, indent=1))
-        return
     captured_weights = mc.parameter_arrays(net)
     plain = build(work, name)             # (a) the same run without the capture
     res["plain_losses"] = train(plain, batch)
