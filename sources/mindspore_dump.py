@@ -26,7 +26,14 @@ module name is the cell path below the training wrappers (``network`` / ``_backb
 an mcore model, below the ``GPTModel`` cell (MindFormers' mcore names are Megatron's:
 ``decoder.layers.1.mlp.linear_fc2``). MindSpore iterations count from 0: iteration N is step N + 1.
 Measured quirk (CPU): a Reshape kernel's output file keeps its input's shape (a Dense cell's output is
-dumped 8x8 for a 2x4x8 result; same numbers). Not read: backward kernels (``Gradients/...``), parameters.
+dumped 8x8 for a 2x4x8 result; same numbers). Not read: parameters, and backward kernels (``Gradients/...``) of
+a plain dump: their scopes do not map to cells (measured on the MindFormers mcore dense model in GRAPH: layer 1's
+RMSNorm gradient kernels carry ``Gradients/.../0-TransformerLayer/...``, merged with layer 0's; the linear
+gradients are ``Gradients/Default/Grad_MatMul/MatMul-opN`` with no cell; and ``RowParallelLinear``'s forward
+MatMul runs through ``Morph`` as ``Default/MatMul-opN``, so even a cell's last forward kernel can be one before
+its output). A dump of our identity taps (dumpers/mindspore_kernel_dump.py) is read instead by
+:meth:`MindSporeDump.tap_rows`: every tap kernel keeps its cell's scope, forward and backward (its custom bprop's
+kernel is not under ``Gradients/``), so forward and backward rows come out by cell, with the .npy as ``ref``.
 
 msprobe's static-graph kernel dump (``PrecisionDebugger`` with ``level: L2`` in GRAPH mode) is this dump:
 * jit_level O0/O1: msprobe writes ``{dump_path}/kernel_kbyk_dump.json`` (net_name ``Net``, statistic_category
