@@ -64,6 +64,36 @@ def _pair_rows(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], m: An
     return pairs, unmatched, same_scheme
 
 
+def _token_group(rows: list[dict[str, Any]]) -> int:
+    return max((int(r.get("token_group", 1)) for r in rows if ".local_experts." in r["module"]), default=0)
+
+
+def match_token_groups(src_a: Any, src_b: Any, step: int, rows_a: list[dict[str, Any]],
+                       rows_b: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+    """Both sides' rows with their experts' rows holding the same tokens: when the two runs' EP sizes differ,
+    the side whose experts saw fewer DP ranks' tokens has each expert's rows joined over as many DP ranks as
+    the other's (``expert_rows`` of a gathered run store, sources.layers). Returns the rows and a note (None
+    when nothing was joined: same EP size, or the side cannot join them and its expert rows stay unpaired)."""
+    ga, gb = _token_group(rows_a), _token_group(rows_b)
+    if not ga or not gb or ga == gb:
+        return rows_a, rows_b, None
+    small, big, rows = (src_a, gb, rows_a) if ga < gb else (src_b, ga, rows_b)
+    join = getattr(small, "expert_rows", None)
+    got = join(step, big) if callable(join) else None
+    if not got:
+        return rows_a, rows_b, None
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for r in rows:
+        k = (r["module"], r["kind"])
+        seen[k] = seen.get(k, 0) + 1
+        out.append(got.get((r["module"], r["kind"], seen[k]), r))
+    side = "baseline" if ga < gb else "candidate"
+    note = (f"{len(got)} expert rows of the {side} (tokens of {min(ga, gb)} DP rank(s) per expert) joined over "
+            f"{big} DP ranks to hold the other run's EP group's tokens")
+    return (out, rows_b, note) if ga < gb else (rows_a, out, note)
+
+
 def plan_layer_tasks(baseline: Any, candidate: Any, mapping: Any = None, *, step: int = 1, rank: int = 0,
                      candidate_rank: int | None = None, stats_only: bool = False,
                      tolerances: dict[str, tuple[float, float, float]] | None = None,
@@ -83,6 +113,9 @@ def plan_layer_tasks(baseline: Any, candidate: Any, mapping: Any = None, *, step
                                         if not r]}
     if not rows_a or not rows_b:
         return plan
+    rows_a, rows_b, joined = match_token_groups(src_a, src_b, step, rows_a, rows_b)
+    if joined:
+        plan["experts_joined"] = joined
     pairs, unmatched, same_scheme = _pair_rows(rows_a, rows_b, m)
     transpose = (not same_scheme and m.activation_layout.get("baseline") == "sbh"
                  and m.activation_layout.get("candidate") == "bsh")
@@ -288,6 +321,7 @@ def summarise(plan: dict[str, Any], rows_out: list[dict[str, Any]], one_sided_ki
                    "first_departing_backward": _brief(first.get("backward")),
                    "first_departing_layer": (first.get("forward") or first.get("backward") or {}).get("layer"),
                    "unmatched_baseline": unmatched, "unmatched_candidate_rows": extra_b,
+                   **({"experts_joined": plan["experts_joined"]} if plan.get("experts_joined") else {}),
                    "rows": rows_out, "per_layer": _per_layer(rows_out)}
     if any("floor_source" in r for r in rows_out):
         with_floor = [r["ratio"] for r in rows_out if r.get("ratio") is not None]

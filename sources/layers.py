@@ -72,6 +72,7 @@ def layers_only(run: Any) -> bool:
 # -- gathering a parallel run's parts into whole rows ----------------------------------------------------
 
 _LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_ONE_EXPERT = re.compile(r"\.local_experts\.\d+(?:\.|$)")    # one expert's module (SequentialMLP), global index
 _BIG = 1 << 30
 
 
@@ -241,6 +242,62 @@ class GatheredLayers:
         rows, has = self._cache[step]
         return [dict(r) for r in rows], has
 
+    def _permuted(self) -> bool:
+        """Whether the store's expert rows hold permuted tokens (Megatron's experts see their EP group's tokens);
+        MindFormers' routed experts (FFNGroupedGEMM) return them in token order, the whole MoE layer."""
+        meta = getattr(getattr(self.src, "reader", None), "meta", None) or {}
+        return meta.get("framework") not in ("mindspore", "mindformers")
+
+    def expert_rows(self, step: int, group: int) -> dict[tuple[str, str, int], dict[str, Any]] | None:
+        """The permuted experts' rows of ``step`` (rows with a ``token_group``: Megatron's experts see their EP
+        group's tokens) joined to hold the tokens of ``group`` DP ranks, to pair with a run of EP size ``group``.
+
+        Why it holds: Megatron's dispatcher gathers an EP group's tokens in rank order and sorts them by expert,
+        stably, so an expert's rows at EP = ``group`` are its rows of the ``group / t`` EP groups of size t
+        (DP ranks 0 .. group - 1 here) concatenated on the token dim, micro-batch by micro-batch. Keyed by
+        (module, kind, occurrence); None when the store has no such rows, its group does not divide ``group``,
+        or it holds fewer DP ranks (then the rows stay unpaired)."""
+        rows, _ = self.layer_rows(step)
+        mine = [r for r in rows if _ONE_EXPERT.search(r["module"])] if self._permuted() else []
+        t = max((int(r.get("token_group", 1)) for r in mine), default=1)
+        if not mine or group <= t or group % t:
+            return None
+        info = {r: self.src.rank_info(r) for r in self.src.array_ranks(step)}
+        groups: dict[int, list[int]] = {}
+        for r, i in info.items():
+            d = _int(i, "dp_rank", r) if "dp_rank" in i else r
+            if d < group and _int(i, "tp_rank") == 0 and _int(i, "cp_rank") == 0:
+                groups.setdefault(d // t, []).append(r)
+        if sorted(groups) != list(range(group // t)):
+            return None
+        keyed: dict[int, dict[tuple[str, str, int], dict[str, Any]]] = {}
+
+        def rows_of(r: int) -> dict[tuple[str, str, int], dict[str, Any]]:
+            if r not in keyed:
+                seen: dict[tuple[str, str], int] = {}
+                keyed[r] = {}
+                for row in self.src.layer_rows(step, r)[0]:
+                    k = (row["module"], row["kind"])
+                    seen[k] = seen.get(k, 0) + 1
+                    keyed[r][(row["module"], row["kind"], seen[k])] = row
+            return keyed[r]
+
+        seen: dict[tuple[str, str], int] = {}
+        occurrence = {}
+        for row in rows:
+            k = (row["module"], row["kind"])
+            seen[k] = seen.get(k, 0) + 1
+            occurrence[id(row)] = seen[k]
+        out = {}
+        for row in mine:
+            key = (row["module"], row["kind"], occurrence[id(row)])
+            parts = [next((rows_of(r)[key] for r in sorted(groups[j]) if key in rows_of(r)), None)
+                     for j in range(group // t)]
+            if any(p is None for p in parts):
+                return None
+            out[key] = {**_merged(None, [parts], (False, 0), None, int(row["order"])), "token_group": group}
+        return out
+
     def _members(self, step: int) -> tuple[list[int], list[int], dict[int, dict[str, Any]]]:
         ranks = self.src.array_ranks(step)
         info = {r: self.src.rank_info(r) for r in ranks}
@@ -286,10 +343,7 @@ class GatheredLayers:
                     pos = int(m.group(1)) if m else -1 if "embedding" in row["module"] else _BIG
                     pp = _int(info[r], "pp_rank")
                     first_at[key] = (back, seen[k], -pos if back else pos, -pp if back else pp, i)
-        # experts that hold permuted tokens (Megatron's) see their EP group's tokens; MindFormers' routed experts
-        # (FFNGroupedGEMM) return them in token order, whole MoE layer: no token group
-        meta = getattr(getattr(self.src, "reader", None), "meta", None) or {}
-        permuted = meta.get("framework") not in ("mindspore", "mindformers")
+        permuted = self._permuted()
         out: list[dict[str, Any]] = []
         has_all = all(read[r][1] for r in read)
         unsplit, incomplete, unordered, unread = 0, [], [], []
