@@ -93,6 +93,24 @@ def test_size_is_estimated_before_compiling_and_a_budget_refuses(runs) -> None:
     refused = res["refused"]
     assert "over the budget" in refused and "\n" not in refused and "refused" in refused
     assert res["refused_left_env"] is None and not res["refused_wrapped"] and not res["refused_config"]
+    # the YAML callback over its budget: a warning and meta.json say why; it trains on without the capture
+    cb = res["callback_refused"]
+    assert len(cb["warnings"]) == 1 and "over the budget" in cb["warnings"][0]
+    assert cb["layer_capture"]["kernel_dump"] is None and "over the budget" in cb["layer_capture"]["refused"]
+    assert cb["env"] is None and not cb["config_written"]
+
+
+def test_a_store_whose_kernel_dump_moved_is_refused_in_one_line(runs, tmp_path: Path, capsys) -> None:
+    import shutil
+
+    from align.cli import main
+
+    work, _ = runs
+    store = tmp_path / "candidate"
+    shutil.copytree(work / "candidate", store, ignore=shutil.ignore_patterns("kernel_dump"))
+    assert main(["report", "-q", str(work / "baseline"), str(store), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "meta.json" in err[0] and "kernel_dump" in err[0] and "not a folder" in err[0], err
 
 
 def test_layer_stage_compares_full_graph_tensors_and_names_the_norm(runs) -> None:

@@ -73,6 +73,31 @@ def train_with_callback(work: Path, name: str, net, batch: dict[str, np.ndarray]
     Model(cell).train(1, data, callbacks=[cb], dataset_sink_mode=False)
 
 
+def callback_refusal(work: Path, name: str) -> dict:
+    """MindFormersDumperCallback(kernel_dump=...) over its budget, through on_train_begin with MindSpore's own
+    RunContext (another net: this one is never trained): a warning, meta.json's note, tensors off, no dump."""
+    import warnings
+
+    from mindspore.train.callback import RunContext, _InternalCallbackParam
+
+    from dumpers.mindformers import MindFormersDumperCallback
+    from dumpers.mindspore_kernel_dump import ENV
+
+    params = _InternalCallbackParam()
+    params.network = build(work, name)
+    params.train_network = params.train_dataset = None      # no training cell (never compiled), no dataset
+    cb = MindFormersDumperCallback(out_dir=str(work / "refused_cb"),
+                                   kernel_dump={"cells": list(CELLS), "steps": [1], "budget_mib": 0.01})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cb.on_train_begin(RunContext(params))
+    cb.dumper.close()
+    meta = json.loads((work / "refused_cb" / "meta.json").read_text())
+    return {"warnings": [str(w.message) for w in caught if "kernel_dump" in str(w.message)],
+            "layer_capture": meta.get("layer_capture"), "env": os.environ.get(ENV),
+            "config_written": (work / "refused_cb" / "kernel_dump_config.json").exists()}
+
+
 def main(work: Path, name: str, plain: bool) -> None:
     import demo.mindformers_mcore_cpu as mc
     from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper
@@ -92,6 +117,7 @@ def main(work: Path, name: str, plain: bool) -> None:
     res["refused_left_env"] = os.environ.get(ENV)
     res["refused_wrapped"] = any(isinstance(c, KernelTapCell) for _, c in net.cells_and_names())
     res["refused_config"] = (work / "refused").exists()
+    res["callback_refused"] = callback_refusal(work, name)
     cap = KernelDumpCapture(net.model, work / name, CELLS, steps=[1, 2], budget_mib=64, printer=said.append)
     dumper = MindSporeDumper(net.model, work / name, DumpConfig(tensors="off"), framework="mindformers",
                              name_scheme="mindformers_mcore")
