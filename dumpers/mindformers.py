@@ -276,9 +276,9 @@ class MindFormersDumperCallback(DumperCallback):
         try:
             self._kernel_dump = KernelDumpCapture(
                 net, out_dir, opts.get("cells", ("decoder.layers.*",)), opts.get("steps", (1,)),
-                tokens=opts.get("tokens") or _dataset_tokens(getattr(cb, "train_dataset", None)),
+                tokens=opts.get("tokens") or _dataset_tokens(cb),
                 budget_mib=float(opts.get("budget_mib", DEFAULT_BUDGET_MIB)))
-        except BadInput as exc:
+        except (BadInput, ValueError, TypeError) as exc:     # over budget, compiled already, a garbled option
             warnings.warn(f"MindFormersDumperCallback: kernel_dump refused ({exc}); training without it",
                           RuntimeWarning, stacklevel=2)
             return {"layer_capture": {"mode": "GRAPH", "kernel_dump": None, "refused": str(exc)}}
@@ -396,10 +396,10 @@ def dump_mindformers_step(dumper: MindSporeDumper, step: int, outputs: Any, opti
     return named
 
 
-def _dataset_tokens(dataset: Any) -> int | None:
-    """Tokens per step from a MindSpore dataset's first column (``input_ids``: rows x sequences x length)."""
+def _dataset_tokens(cb: Any) -> int | None:
+    """Tokens per step from the training dataset's first column (``input_ids``: rows x sequences x length)."""
     try:
-        shape = dataset.output_shapes()[0]
+        shape = cb.train_dataset.output_shapes()[0]     # cb_params raise KeyError for a key never set
         return int(np.prod(shape))
     except Exception:  # noqa: BLE001 - no dataset, or one that cannot say: the model config's sizes then
         return None

@@ -167,16 +167,19 @@ def _model_config(net: nn.Cell) -> Any:
 
 
 def parse_steps(steps: Any) -> list[int]:
-    """Steps as a list of ints from ``[1, 2]``, ``"1-2"``, ``"1,3"`` or ``1``."""
-    if isinstance(steps, int):
-        return [steps]
-    if isinstance(steps, str):
-        out: list[int] = []
-        for part in steps.split(","):
-            a, _, b = part.strip().partition("-")
-            out += list(range(int(a), int(b) + 1)) if b else [int(a)]
-        return sorted(set(out))
-    return sorted({int(s) for s in steps})
+    """Steps as a list of ints from ``[1, 2]``, ``"1-2"``, ``"1,3"`` or ``1``; BadInput for anything else."""
+    try:
+        if isinstance(steps, int):
+            return [steps]
+        if isinstance(steps, str):
+            out: list[int] = []
+            for part in steps.split(","):
+                a, _, b = part.strip().partition("-")
+                out += list(range(int(a), int(b) + 1)) if b else [int(a)]
+            return sorted(set(out))
+        return sorted({int(s) for s in steps})
+    except (TypeError, ValueError):
+        raise BadInput(f"kernel dump steps {str(steps)[:40]!r}: expected steps such as [1, 2] or '1-2'") from None
 
 
 class KernelDumpCapture:

@@ -160,3 +160,16 @@ def test_clean_graph_candidate_matches_the_baseline_forward_and_backward_on_full
     assert stage["verdict"] != "fail" and not [r for r in rows if r["verdict"] == "fail"]
     assert max(r["value"] for r in rows if r["kind"].startswith("backward")) < 1e-3
     assert max(r["value"] for r in rows) < 1e-3
+
+
+def test_tap_scopes_name_their_cells_and_nothing_else_is_a_tap() -> None:
+    from sources.mindspore_dump import _tap_of
+
+    head = ("Default/network-McoreReplayLoss/network-TrainingQwen3ForCausalLM/model-GPTModel/decoder-TransformerBlock/"
+            "layers-CellList/1-KernelTapCell/xf_inner-TransformerLayer/")
+    assert _tap_of(head + "mlp-KernelTapCell/xf_tap_out-KernelTap/Identity-op1") == ("decoder.layers.1.mlp",
+                                                                                      "xf_tap_out")
+    assert _tap_of(head.replace("xf_inner-TransformerLayer/", "") + "xf_tap_in-KernelTap/Identity-op0") == (
+        "decoder.layers.1", "xf_tap_in")
+    assert _tap_of(head + "mlp-MLP/linear_fc2-RowParallelLinear/MatMul-op3") is None
+    assert _tap_of("Gradients/" + head + "mlp-KernelTapCell/xf_tap_out-KernelTap/Identity-op1") is None
