@@ -20,6 +20,7 @@ sources.mindspore_dump). Each operator's output is compared three ways:
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import itertools
 import math
@@ -56,6 +57,7 @@ class Op:
     outs: list[np.ndarray]
     dtype: str | None
     params: dict[str, Any] = field(default_factory=dict)
+    in_dtypes: list[str] = field(default_factory=list)     # the floating inputs' dtypes as that side declared them
 
 
 def _float_inputs(op: Op) -> list[tuple[str, np.ndarray]]:
@@ -97,8 +99,24 @@ def mindspore_leaves(kernels: list[tuple[str, str, dict[tuple[str, int], dict[st
     for _op, _full, tensors in kernels:
         for t in tensors.values():
             if t.get("op_type") == "Parameter" and "file" in t:
-                out.append(np.load(t["file"], allow_pickle=False))
+                out.append(load_npy(t["file"]))
     return out
+
+
+def load_npy(path: Any) -> np.ndarray:
+    """A dumped .npy; bfloat16 ones (descr ``<E2``, which numpy cannot read) as float32, exactly."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError:
+        with open(path, "rb") as fh:
+            major, _ = np.lib.format.read_magic(fh)
+            n = int.from_bytes(fh.read(2 if major == 1 else 4), "little")
+            header = ast.literal_eval(fh.read(n).decode("latin1"))
+            if not isinstance(header, dict) or header.get("descr") not in ("<E2", "E2", "bfloat16"):
+                raise
+            raw = np.frombuffer(fh.read(), dtype="<u2")
+        shape = tuple(header.get("shape") or ())
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
 
 
 def mindspore_ops(kernels: list[tuple[str, str, dict[tuple[str, int], dict[str, Any]]]]) -> list[Op]:
@@ -116,29 +134,31 @@ def mindspore_ops(kernels: list[tuple[str, str, dict[tuple[str, int], dict[str, 
     # kernel made (a cell's own bprop and GRAPH's expanded kernels carry no Gradients/ scope)
     args = sorted(((int(op[4:]), t) for op, _f, ts in kernels if op.startswith("args") and op[4:].isdigit()
                    for t in ts.values() if "file" in t), key=lambda a: a[0])
-    back: set[str] = {_key(np.load(args[-1][1]["file"], allow_pickle=False))} if args else set()
+    back: set[str] = {_key(load_npy(args[-1][1]["file"]))} if args else set()
     out = []
-    seen = False          # kernels after the first backward one are the backward's (GRAPH runs the forward first)
     for i, (_, _op, full, tensors) in enumerate(rows):
         ins: list[tuple[str, Any]] = []
         outs: list[np.ndarray] = []
         dtype = None
+        in_dtypes = []
         for (io, slot), t in sorted(tensors.items(), key=lambda kv: (kv[0][0], kv[0][1])):
             if "file" not in t:
                 continue
-            a = np.load(t["file"], allow_pickle=False)
+            a = load_npy(t["file"])
             if io == "input":
                 ins.append((str(slot), a))
+                if a.dtype.kind == "f":
+                    in_dtypes.append(normalize(str(t.get("dtype", a.dtype))))
             else:
                 outs.append(a)
                 dtype = dtype or normalize(str(t.get("dtype", "")))
         kind = str(next(iter(tensors.values())).get("op_type", full.rsplit("/", 1)[-1].split("-")[0]))
-        backward = seen or "Gradients" in full or any(isinstance(v, np.ndarray) and v.dtype.kind == "f"
-                                                      and _key(v) in back for _, v in ins)
-        seen = backward
+        backward = "Gradients" in full or any(isinstance(v, np.ndarray) and v.dtype.kind == "f" and _key(v) in back
+                                              for _, v in ins)
         if backward:
             back.update(_key(o) for o in outs if o.dtype.kind == "f")
-        out.append(Op("candidate", i, full, kind, "backward" if backward else "forward", ins, outs, dtype))
+        out.append(Op("candidate", i, full, kind, "backward" if backward else "forward", ins, outs, dtype,
+                      in_dtypes=in_dtypes))
     return out
 
 
@@ -178,8 +198,8 @@ _UNARY = {"rsqrt": lambda x: 1.0 / np.sqrt(x), "Rsqrt": lambda x: 1.0 / np.sqrt(
 _BINARY = {"add": np.add, "Add": np.add, "sub": np.subtract, "Sub": np.subtract, "mul": np.multiply,
            "Mul": np.multiply, "div": np.divide, "RealDiv": np.divide, "Div": np.divide, "Maximum": np.maximum,
            "maximum": np.maximum, "Minimum": np.minimum, "minimum": np.minimum, "add_": np.add, "mul_": np.multiply,
-           "div_": np.divide, "sub_": np.subtract}
-_SUMS = {"add", "Add", "sub", "Sub", "add_", "sub_", "AddN"}
+           "div_": np.divide, "sub_": np.subtract, "rsub": lambda a, b: b - a}
+_SUMS = {"add", "Add", "sub", "Sub", "add_", "sub_", "AddN", "rsub"}
 
 
 def _matmul_variants(a: np.ndarray, b: np.ndarray, shape: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -487,14 +507,18 @@ def drill(baseline: list[Op], candidate: list[Op], *, dtype: str = "float32",
     named = []
     for i in sorted(reached):
         r = cand_rows[i]
-        bop = _baseline_op_for(candidate, i, pool, baseline)
+        op = next(o for o in candidate if o.index == i)
+        cast = op.kind in ("Cast", "_to_copy")
+        bop = None if cast else _baseline_op_for(candidate, i, pool, baseline)
         why = departures[i]["why"] if i in departures else "its own error exceeds the line"
         if i in departures and r["own_verdict"] == "fail":
             why += "; its own error exceeds the line"
-        named.append({**{k: r[k] for k in ("op", "kind", "phase", "dtype", "own_error", "own_line", "own_verdict")},
-                      "why": why, "cross_error": _cross(r, candidate, i, bop),
+        named.append({**{k: r[k] for k in ("index", "op", "kind", "phase", "dtype", "own_error", "own_line",
+                                           "own_verdict")},
+                      "why": why, "cross_error": _cast_cross(op, pool) if cast else _cross(r, candidate, i, bop),
                       "cross_line": match_line, "baseline_op": bop.name if bop else None,
                       "baseline_own_error": base_own.get(bop.index) if bop else None})
+    named.sort(key=lambda n: (n["phase"] != "forward", n["index"]))
     module_differs = bool(unmatched_ends)
     return {"rows": rows, "named": named, "dtype": d, "own_line": own_line, "match_line": match_line,
             "module_differs": module_differs, "unmatched_results": [cand_rows[i]["op"] for i in unmatched_ends],
@@ -510,11 +534,11 @@ def _suspect(op: Op) -> str | None:
     to the same dtype changes nothing."""
     if not op.outs or op.outs[0].dtype.kind != "f":
         return None
-    ins = {v.dtype for _, v in _float_inputs(op)}
-    out = op.outs[0].dtype
+    ins = set(op.in_dtypes) or {normalize(str(v.dtype)) for _, v in _float_inputs(op)}
+    out = normalize(op.dtype or str(op.outs[0].dtype))
     if op.kind in ("Cast", "_to_copy"):
         x = next((v for _, v in _float_inputs(op)), None)
-        if x is not None and x.dtype == out and x.shape == op.outs[0].shape and not np.array_equal(x, op.outs[0]):
+        if x is not None and ins == {out} and x.shape == op.outs[0].shape and not np.array_equal(x, op.outs[0]):
             return f"a {out} -> {out} cast that changed values: the dump's dtype labels are wrong (not judged)"
         return None
     if ins and out not in ins:
@@ -542,6 +566,16 @@ def _cross(row: dict[str, Any], candidate: list[Op], i: int, bop: Op | None) -> 
     if bop is None or not bop.outs or not op.outs or bop.outs[0].size != op.outs[0].size:
         return None
     return layout_rel(op.outs[0], bop.outs[0])
+
+
+def _cast_cross(op: Op, pool: Pool) -> float | None:
+    """A cast keeps the value: its output against the baseline tensor its input matched."""
+    x = next((v for _, v in _float_inputs(op)), None)
+    m = pool.match(x) if x is not None else None
+    if m is None or not op.outs:
+        return None
+    ref = next((b for r, b, _ in pool.by_size.get(x.size, []) if r == m[0]), None)
+    return None if ref is None else layout_rel(op.outs[0], ref)
 
 
 def _baseline_op_for(candidate: list[Op], i: int, pool: Pool, baseline: list[Op]) -> Op | None:

@@ -72,8 +72,25 @@ class _Calls(ConstructPatches):
         self._patch(cell, construct)
 
 
-def _graphs(raw: Path) -> set[Path]:
-    return {p for p in raw.glob(f"rank_*/{NET_NAME}/*") if p.is_dir()}
+def _files(raw: Path) -> set[Path]:
+    """Every kernel file of the dump so far (rank_R/NET/graph/iteration/*.npy)."""
+    return {p for p in raw.glob(f"rank_*/{NET_NAME}/*/*/*") if p.is_file()}
+
+
+def _settled(raw: Path, before: set[Path], wait: float = 20.0) -> list[Path]:
+    """The kernel files written since ``before``, once their number stops growing (the dump may be written
+    after the call returns)."""
+    import time
+
+    last, still, t0 = -1, 0, time.monotonic()
+    while time.monotonic() - t0 < wait:
+        new = _files(raw) - before
+        still = still + 1 if len(new) == last and new else 0
+        if still >= 3:
+            break
+        last = len(new)
+        time.sleep(0.2)
+    return sorted(_files(raw) - before)
 
 
 def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any],
@@ -105,22 +122,28 @@ def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any
     if not slots:
         raise ValueError(f"{module}: none of the baseline's inputs fits the cell")
     y_own = _first_tensor(own_out)
-    g = fit_input(np.asarray(arrays[f"grad_output/{module}"], np.float32), tuple(y_own.shape), lay_b, lay_c)
+    g_b = np.asarray(arrays[f"grad_output/{module}"], np.float32)
+    g = fit_input(g_b, tuple(y_own.shape), lay_b, lay_c)
+    if g is None and g_b.size == int(np.prod(y_own.shape)) and g_b.size == 1:     # a scalar loss: () vs [1]
+        g = g_b.reshape(tuple(y_own.shape))
     if g is None:
         raise ValueError(f"{module}: the baseline's output gradient does not fit the cell's output "
                          f"{list(y_own.shape)}")
-    before = _graphs(raw)
+    before = _files(raw)
     vjp = _make_vjp(cell, args, kwargs, slots, True)
     y, gx, gw = vjp(xs, ms.Tensor(g).astype(y_own.dtype))
-    new = sorted(_graphs(raw) - before)
+    y.asnumpy()
+    ms.runtime.synchronize()
+    new = _settled(raw, before)
     if not new:
         raise RuntimeError(f"{raw}: MindSpore wrote no kernel dump for the compiled cell (MINDSPORE_DUMP_CONFIG "
                            "not set before mindspore was imported?)")
     kernels = out / "kernels"
     shutil.rmtree(kernels, ignore_errors=True)
-    for g_dir in new:        # kernels only: their dump times order them (the execution order file lacks
-        rank_dir = g_dir.parent.parent        # GRAPH's expanded kernels, and PYNATIVE may reuse graph ids)
-        shutil.copytree(g_dir, kernels / rank_dir.name / NET_NAME / g_dir.name)
+    for f in new:     # this call's kernel files only (the PYNATIVE forward may have written to the same graph
+        dest = kernels / f.relative_to(raw)      # folders); their dump times order them (the execution order
+        dest.parent.mkdir(parents=True, exist_ok=True)      # file lacks GRAPH's expanded kernels)
+        shutil.copy2(f, dest)
     y_b = np.asarray(arrays[f"output/{module}"])
     res: dict[str, np.ndarray] = {"output": y.astype(ms.float32).asnumpy()}
     res[f"baseline/output/{module}"] = unfit_output(res["output"], tuple(y_b.shape), lay_c, lay_b)
@@ -140,7 +163,7 @@ def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any
     for name, a in (to_baseline(wg) if to_baseline else {}).items():
         res[f"baseline/grad_weight/{module}/{name}"] = a
     meta = {"module": module, "inputs": listed, "grad_keys": grad_keys, "dtype": str(y.dtype).lower(),
-            "graphs": [p.name for p in new]}
+            "kernel_files": len(new)}
     dest = out / "returned.npz"
     with atomic_file(dest) as fh:
         np.savez(fh, meta=np.array(json.dumps(meta)), **res)

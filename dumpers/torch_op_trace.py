@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dumpers.torch_module_backward import LOSS
 from runstore import EVIDENCE_DIR, atomic_file
 
 TRACE_DIR = "op_trace"
@@ -156,6 +157,23 @@ def trace_module(name: str, mod: torch.nn.Module, meta: dict[str, Any], arrays: 
             "dtype": meta.get("dtype")}
 
 
+def trace_loss(owner: torch.nn.Module, meta: dict[str, Any], arrays: dict[str, np.ndarray],
+               out: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The loss as the capture replays it (dumpers.torch_module_backward: Megatron's own
+    ``compute_language_model_loss``, then the masked mean) on the captured logits, labels and loss_mask, fed the
+    captured output gradient, under the tracer."""
+    logits = torch.from_numpy(np.ascontiguousarray(arrays[f"input/{LOSS}/logits"])).requires_grad_(True)
+    labels = torch.from_numpy(np.ascontiguousarray(arrays[f"input/{LOSS}/labels"]))
+    mask = torch.from_numpy(np.ascontiguousarray(arrays[f"input/{LOSS}/loss_mask"])).float()
+    tracer = _Tracer(LOSS, out)
+    with torch.enable_grad(), tracer:
+        per_token = owner.compute_language_model_loss(labels, logits.clone())
+        loss = (per_token.float() * mask).sum() / mask.sum()
+        tracer.phase = "backward"
+        torch.autograd.grad(loss, [logits], grad_outputs=torch.tensor(float(arrays[f"grad_output/{LOSS}"])))
+    return {"module": LOSS, "ops": tracer.ops, "inputs": meta["inputs"], "params": [], "dtype": meta.get("dtype")}
+
+
 def trace_modules(model: torch.nn.Module | Sequence[torch.nn.Module], run_dir: str | Path, step: int,
                   modules: Sequence[str] | None = None, rank: int = 0) -> Path:
     """Trace each module of the backward capture at ``step`` (those matching ``modules``, fnmatch; default all)
@@ -183,6 +201,14 @@ def trace_modules(model: torch.nn.Module | Sequence[torch.nn.Module], run_dir: s
     for entry in cap["modules"]:
         name = entry["module"]
         if modules is not None and not any(fnmatch.fnmatchcase(name, p) for p in modules):
+            continue
+        if name == LOSS:
+            owner = next((m for c in chunks for m in c.modules()
+                          if hasattr(m, "compute_language_model_loss") and getattr(m, "post_process", True)), None)
+            if owner is None:
+                skipped.append({"module": name, "reason": "no module computes the language-model loss"})
+            else:
+                traced.append(trace_loss(owner, entry, arrays, out))
             continue
         if name not in found:
             skipped.append({"module": name, "reason": "no such module in the model"})
