@@ -101,8 +101,9 @@ STAGE = Stage(
     capture="baseline: DumpConfig(tensors='full', tensor_steps=[N], modules=['decoder.layers.?', "
             "'decoder.layers.?.self_attention', 'decoder.layers.?.mlp']); candidate: `align isolate BASELINE "
             "--candidate-yaml Y --candidate-ckpt CKPT --out RUN`, then --isolation RUN (docs/workflow.md); "
-            "backward too: dumpers.torch_module_backward.ModuleBackwardCapture(model, RUN, modules=[...], "
-            "steps=[N]) around the baseline's step N",
+            "backward too: dumpers.torch_module_backward.ModuleBackwardCapture(model, RUN, modules=['embedding', "
+            "'decoder.layers.?', 'decoder.layers.?.*', 'loss'], steps=[N]) around the baseline's step N ('loss': "
+            "Megatron's loss function, its logits, labels and loss_mask)",
     run=run, section=section, figures=figures,
     part="step 1 and 2", explains=("layer_tensors", *AFTER_STEP1),
     why=("Run on the baseline's own input (and fed its output gradient, with a backward capture), this module's "
