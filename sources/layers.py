@@ -249,12 +249,13 @@ class GatheredLayers:
         return meta.get("framework") not in ("mindspore", "mindformers")
 
     def expert_rows(self, step: int, group: int) -> dict[tuple[str, str, int], dict[str, Any]] | None:
-        """The permuted experts' rows of ``step`` (rows with a ``token_group``: Megatron's experts see their EP
-        group's tokens) joined to hold the tokens of ``group`` DP ranks, to pair with a run of EP size ``group``.
+        """One expert's rows of ``step`` (``local_experts.<g>``, a store whose experts see permuted tokens: not
+        MindFormers') joined to hold the tokens of ``group`` DP ranks, to pair with a run of EP size ``group``.
 
-        Why it holds: Megatron's dispatcher gathers an EP group's tokens in rank order and sorts them by expert,
-        stably, so an expert's rows at EP = ``group`` are its rows of the ``group / t`` EP groups of size t
-        (DP ranks 0 .. group - 1 here) concatenated on the token dim, micro-batch by micro-batch. Keyed by
+        Why it holds: Megatron's all-gather dispatcher gathers an EP group's tokens in rank order
+        (``gather_from_sequence_parallel_region``) and takes each expert's in token order (``moe_utils.permute``),
+        so an expert's rows at EP = ``group`` are its rows of the ``group / t`` EP groups of size t (DP ranks
+        0 .. group - 1 here) concatenated on the token dim, micro-batch by micro-batch. Keyed by
         (module, kind, occurrence); None when the store has no such rows, its group does not divide ``group``,
         or it holds fewer DP ranks (then the rows stay unpaired)."""
         rows, _ = self.layer_rows(step)
