@@ -86,3 +86,22 @@ def test_a_torch_module_with_a_wrong_gradient_is_named_by_its_backward(pair, tmp
     assert r["own_verdict"] == "pass" and r["bwd_own_verdict"] == "fail"
     assert r["bwd_own_rel_l2"] == pytest.approx(2 / 3, rel=1e-2)     # ||g - 3g|| / ||3g||
     assert np.isfinite(rows["decoder.layers.0"]["bwd_own_rel_l2"]) and rows["decoder.layers.0"]["verdict"] == "pass"
+
+
+def test_an_asked_for_module_no_mapping_rule_covers_is_noted(pair, tmp_path: Path) -> None:
+    """The torch candidate picks its modules as the MindSpore one does (mapped_modules): a captured module asked
+    for by pattern that no module rule maps (linear_fc1: the mapping names the MLP and its linear_fc2) is listed
+    with the reason, not dropped silently."""
+    from comparators.isolation import compare_isolation, read_isolation
+    from demo import megatron_cpu as mg
+    from demo.model import MCORE_PRESETS
+    from dumpers.torch_isolation import isolate_torch_modules
+
+    store, model, batch, params = pair
+    path = isolate_torch_modules(model, store, tmp_path / "iso", mapping=MCORE_PRESETS["dense"],
+                                 forward=mg.forward_loss, batch=batch, params=params,
+                                 modules=["decoder.layers.1.mlp", "decoder.layers.1.mlp.linear_fc1"])
+    res = compare_isolation(*read_isolation(path))
+    assert [r["module"] for r in res.details["per_module"]] == ["decoder.layers.1.mlp"]
+    assert {"module": "decoder.layers.1.mlp.linear_fc1", "reason": "no module rule of the mapping covers it"} in \
+        res.details["skipped_modules"]
