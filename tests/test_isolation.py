@@ -54,6 +54,33 @@ def test_the_module_whose_own_error_departs_is_named_not_the_first_departing_one
         "decoder.layers.0"] == "pass"
 
 
+def test_each_module_is_judged_at_the_precision_it_computes_in() -> None:
+    """A float32 module whose candidate output holds only float16 numbers (the embedding_fp16 fault) is judged
+    at float32's line, the finer side's, and named; the file's float16 (flash attention) applies to modules
+    that compute an attention, and to every module of a file that does not say which do (as before)."""
+    from comparators.isolation import held_precision
+
+    rng = np.random.default_rng(1)
+    y = rng.standard_normal((8, 2, 16)).astype(np.float32)
+    assert held_precision(y) == "float32" and held_precision(y.astype(np.float16).astype(np.float32)) == "float16"
+    bf16 = (y.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    assert held_precision(bf16) == "bfloat16" and held_precision(y[:1, :1, :8]) == "float32"   # too few values
+    arrays = {"baseline/embedding": y, "isolated/embedding": y.astype(np.float16).astype(np.float32),
+              "baseline/decoder.layers.0": y, "isolated/decoder.layers.0": y.astype(np.float16).astype(np.float32)}
+    mods = [{"baseline": "embedding", "candidate": "embedding", "attention": False},
+            {"baseline": "decoder.layers.0", "candidate": "decoder.layers.0", "attention": True}]
+    res = compare_isolation({"step": 1, "modules": mods, "dtype": "float16"}, arrays)
+    rows = {r["module"]: r for r in res.details["per_module"]}
+    assert rows["embedding"]["dtype_measured"] == {"baseline": "float32", "candidate": "float16"}
+    assert rows["embedding"]["judged_dtype"] == "float32" and rows["embedding"]["own_verdict"] == "warn"
+    assert rows["decoder.layers.0"]["judged_dtype"] == "float16" and rows["decoder.layers.0"]["own_verdict"] == "pass"
+    assert res.details["named"] == ["embedding"]
+    for m in mods:
+        del m["attention"]
+    old = compare_isolation({"step": 1, "modules": mods, "dtype": "float16"}, arrays)
+    assert {r["judged_dtype"] for r in old.details["per_module"]} == {"float16"} and old.details["named"] == []
+
+
 def test_no_own_departure_says_the_difference_comes_from_outside() -> None:
     names = ("decoder.layers.0", "decoder.layers.1")
     res = compare_isolation(*_evidence(dict.fromkeys(names, 1e-6), dict.fromkeys(names, 3e-2)))
