@@ -92,14 +92,14 @@ def torch_ops(module: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[Op]
     return out
 
 
-def mindspore_leaves(kernels: list[tuple[str, str, dict[tuple[str, int], dict[str, Any]]]]) -> list[np.ndarray]:
-    """The compiled graph's parameters and arguments (the ``Parameter`` entries of its dump): the tensors the
-    candidate's operators read that no operator produced."""
-    out = []
-    for _op, _full, tensors in kernels:
+def mindspore_leaves(kernels: list[tuple[str, str, dict[tuple[str, int], dict[str, Any]]]]) -> dict[str, np.ndarray]:
+    """The compiled graph's parameters and arguments (the ``Parameter`` entries of its dump, by name: a weight's
+    dots written ``_``): the tensors the candidate's operators read that no operator produced."""
+    out = {}
+    for op, _full, tensors in kernels:
         for t in tensors.values():
             if t.get("op_type") == "Parameter" and "file" in t:
-                out.append(load_npy(t["file"]))
+                out[op] = load_npy(t["file"])
     return out
 
 
@@ -418,19 +418,24 @@ def layout_rel(a: np.ndarray, b: np.ndarray, tol: float = 0.0) -> float:
 # ---------------------------------------------------------------------------------------------------------
 
 def drill(baseline: list[Op], candidate: list[Op], *, dtype: str = "float32",
-          terminals: list[np.ndarray] | None = None, leaves: list[np.ndarray] | None = None) -> dict[str, Any]:
+          terminals: list[np.ndarray] | None = None, leaves: list[np.ndarray] | None = None,
+          layout_leaves: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Compare the two sides' operators; returns {rows (one per operator, both sides), named (the culprit
     operators), lines, counts}. ``terminals``: the candidate module's results (its output and gradients, as it
     returned them), whose producing operators are where a departure must arrive to be named (default: every
     operator whose output no later operator reads). ``leaves``: the candidate's weights and arguments (its
     graph's parameters): with scalar constants, the inputs a departure may be blamed on (other tensors no
-    listed operator produced are views the dump leaves out)."""
+    listed operator produced are views the dump leaves out); ``layout_leaves``: those of them that are the
+    baseline's in another layout (the mapping's conversion), never blamed. An operator whose inputs match and
+    whose output holds a baseline tensor's values in another order (an interleaved layout's gradient) departs by
+    layout only and is not a source either."""
     d = normalize(dtype)
     own_line = OWN_ULPS * EPS.get(d, EPS["float32"])
     match_line = TOLERANCE.get(d, TOLERANCE["float32"])[0]
     pool = Pool(baseline, match_line)
     blamed: set[str] = set()          # leaves a departure was already blamed on (named once, at first use)
     leaf_keys = {_key(a) for a in leaves or []}
+    layout_keys = {_key(a) for a in layout_leaves or []}
     rows: list[dict[str, Any]] = []
     base_own: dict[int, float | None] = {}
     for op in baseline:
@@ -466,7 +471,7 @@ def drill(baseline: list[Op], candidate: list[Op], *, dtype: str = "float32",
         why = None
         if floating and m_out is None and ins_state:
             unmatched_leaves = [(s, v) for s, v, src, m in ins_state if m is None and src is None
-                                and (v.size == 1 or _key(v) in leaf_keys)]
+                                and (v.size == 1 or _key(v) in leaf_keys) and _key(v) not in layout_keys]
             if unmatched_leaves and _key(unmatched_leaves[0][1]) not in blamed:
                 s, v = unmatched_leaves[0]
                 blamed.add(_key(v))
@@ -474,8 +479,11 @@ def drill(baseline: list[Op], candidate: list[Op], *, dtype: str = "float32",
                 why = (f"input {s} ({'a constant ' + _scalar(v) if v.size == 1 else 'shape ' + str(list(v.shape))}) "
                        "matches no baseline tensor" + (" (the same values in another order: a layout or conversion "
                                                        "difference)" if same_values else ""))
-            elif all(m is not None for _, _, _, m in ins_state) and len(ins_state) > 0:
-                why = "its inputs match the baseline's, its output matches no baseline tensor"
+            elif all(m is not None or _key(v) in layout_keys for _, v, _, m in ins_state):
+                if _sorted_in(pool, op.outs[0], match_line):
+                    row["note"] = "its output holds a baseline tensor's values in another order (a layout)"
+                else:
+                    why = "its inputs match the baseline's, its output matches no baseline tensor"
         if why is not None:
             departures[op.index] = {"why": why}
             row["departure"] = why

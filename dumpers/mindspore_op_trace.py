@@ -93,6 +93,24 @@ def _settled(raw: Path, before: set[Path], wait: float = 20.0) -> list[Path]:
     return sorted(_files(raw) - before)
 
 
+def _layout_only(cell: Any, module: str, arrays: Mapping[str, np.ndarray],
+                 to_baseline: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None) -> list[str]:
+    """The cell's weights that are the baseline's captured weights in the candidate's layout (the mapping's
+    transform reversed gives them back exactly): an operator reading one departs by layout, not by value."""
+    out = []
+    for p in cell.trainable_params():
+        a = p.asnumpy()
+        try:
+            conv = to_baseline({p.name: a}) if to_baseline else {p.name: a}
+        except (KeyError, ValueError):
+            continue
+        if conv and all(f"weight/{module}/{b}" in arrays and np.array_equal(
+                np.asarray(arrays[f"weight/{module}/{b}"], np.float32), np.asarray(c, np.float32))
+                for b, c in conv.items()):
+            out.append(p.name)
+    return out
+
+
 def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any],
                      arrays: Mapping[str, np.ndarray], out: str | Path, *, batch: Mapping[str, np.ndarray],
                      layouts: tuple[str | None, str | None] = (None, None),
@@ -163,7 +181,7 @@ def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any
     for name, a in (to_baseline(wg) if to_baseline else {}).items():
         res[f"baseline/grad_weight/{module}/{name}"] = a
     meta = {"module": module, "inputs": listed, "grad_keys": grad_keys, "dtype": str(y.dtype).lower(),
-            "kernel_files": len(new)}
+            "kernel_files": len(new), "layout_only": _layout_only(cell, module, arrays, to_baseline)}
     dest = out / "returned.npz"
     with atomic_file(dest) as fh:
         np.savez(fh, meta=np.array(json.dumps(meta)), **res)

@@ -128,7 +128,10 @@ def write_drill(out: str | Path, module: str, step: int, trace: dict[str, Any], 
     line_dtype = coarsest([trace.get("dtype") or "float32", *([dtype] if dtype else [])])
     results = module_results(capture, module, rarr, line_dtype)
     differs = any(r["verdict"] != "pass" for r in results)
-    res = drill(base_ops, cand_ops, dtype=line_dtype, leaves=mindspore_leaves(kernels),
+    leaves = mindspore_leaves(kernels)
+    layout = {n.replace(".", "_") for n in rmeta.get("layout_only") or []}
+    res = drill(base_ops, cand_ops, dtype=line_dtype, leaves=list(leaves.values()),
+                layout_leaves=[a for n, a in leaves.items() if n in layout],
                 terminals=[v for k, v in rarr.items() if not k.startswith("baseline/")])
     if not differs:         # the module's results agree (in the baseline's names and layouts): nothing to name
         res["named"] = []
