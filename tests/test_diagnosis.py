@@ -191,3 +191,16 @@ def test_a_passing_stage_says_on_the_terminal_what_it_could_have_seen(tmp_path):
     assert text["step1_local_norm"].endswith("detects 0.0026 relative in one of 33; margin 30.3x")
     assert text["lr0_run"].endswith("detects 0.0003 relative in one of 20; margin 25x")    # the tighter quantity
     assert text["long_run"].endswith("detects a sustained offset of 0.03%; mean offset <= 0.0039%")
+
+
+def test_an_isolated_module_leads_to_the_drill_then_the_repro_and_a_loss_culprit_to_isolating_the_loss():
+    """The loop a user walks: isolation's culprit names the exact `align drill` and `align repro` commands for its
+    module; the lr = 0 stage's (the loss computed at another precision) the isolation of the loss and embedding."""
+    got = diagnose(results(result("isolation", ("fail", "decoder.layers.1.input_layernorm", "own_rel_l2", 4.1, 1e-4))),
+                   fill={"baseline": "/runs/base", "candidate_yaml": "/cfg/cand.yaml"})
+    assert got[0]["stage"] == "isolation"
+    assert ("align drill /runs/base --module decoder.layers.1.input_layernorm --candidate-yaml /cfg/cand.yaml "
+            "--candidate-ckpt CKPT --out drill_decoder.layers.1.input_layernorm") in got[0]["next"]
+    assert got[0]["next"].index("align drill") < got[0]["next"].index("align repro ISOLATION_RUN")
+    got = diagnose(results(result("lr0_run", ("fail", "loss", "max_rel_loss", 0.02, 1e-3))))
+    assert "--modules loss --modules embedding" in got[0]["next"] and "modules=['embedding', 'loss']" in got[0]["next"]

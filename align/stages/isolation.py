@@ -109,7 +109,8 @@ STAGE = Stage(
     why=("Run on the baseline's own input (and fed its output gradient, with a backward capture), this module's "
          "output or gradient still departs: its own computation differs (a kernel, a precision, an epsilon, a "
          "weight layout, a hand-written backward), not what it inherits."),
-    next=("align repro {isolation} --module {module} --candidate-yaml {candidate_yaml} --out repro_{module}: "
-          "its input, weights and both outputs with a PyTorch and a MindSpore script that show the difference "
-          "without this tool (send it to the framework team); compare {module}'s implementation and settings on "
-          "both sides (compute dtype, epsilon, weight layout, its backward when the gradient departs)"))
+    next=("align drill {baseline} --module {module} --candidate-yaml {candidate_yaml} --candidate-ckpt CKPT "
+          "--out drill_{module}: the operator inside {module} that departs (an epsilon, a cast, operands in another "
+          "order, a backward reduction); then align repro {isolation} --module {module} --candidate-yaml "
+          "{candidate_yaml} --out repro_{module}: its input, weights and both outputs with a PyTorch and a "
+          "MindSpore script that show the difference without this tool (send it to the framework team)"))

@@ -184,5 +184,8 @@ STAGE = Stage(
     part="long run", explains=LONG_RUN,
     why=("With lr = 0 the weights never change, so every step measures the forward and backward again on a new "
          "batch: a difference here is the model's numerics (a precision, the loss), not the optimizer."),
-    next=("capture layer tensors at the lr = 0 step with the largest delta on both sides and run align report "
-          "again; compare the compute dtype of the loss (log-softmax, cross-entropy) on both sides"))
+    next=("isolate the loss and the embedding, the modules layer tensors do not cover: capture the baseline's "
+          "step with dumpers.torch_module_backward.ModuleBackwardCapture(model, RUN, modules=['embedding', 'loss'], "
+          "steps=[N]), then align isolate RUN --candidate-yaml {candidate_yaml} --candidate-ckpt CKPT --out ISO "
+          "--modules loss --modules embedding; with layer tensors of both sides at the lr = 0 step with the largest "
+          "delta, align report names the first layer that departs"))
