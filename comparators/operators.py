@@ -43,6 +43,10 @@ _LAYOUT = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "clone
            "Split", "SplitWithSize", "BroadcastTo", "Fill", "Fills", "Zeros", "ZerosLike", "OnesLike", "Tile",
            "Flatten", "Identity", "Depend", "Load", "TupleGetItem", "MakeTuple", "Slice", "Contiguous"}
 
+# operators that only move values (a slice's gradient pads with zeros): an output they make that matches
+# nothing is a layout the matching does not follow, not a semantic departure
+_MOVES = _LAYOUT | {"StridedSliceGrad", "SliceGrad", "Pad", "PadV3", "Cast_identity"}
+
 
 @dataclass
 class Op:
@@ -349,8 +353,8 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 class Pool:
     """The baseline's tensors (every operator's inputs and outputs), found by size, norm and then layout."""
 
-    def __init__(self, ops: list[Op], tol: float) -> None:
-        self.tol = tol
+    def __init__(self, ops: list[Op], tol: float, splits: tuple[tuple[int, int], ...] = ()) -> None:
+        self.tol, self.splits = tol, splits
         self.by_size: dict[int, list[tuple[str, np.ndarray, float]]] = {}
         self.key_of: dict[str, str] = {}
         self.consumers: dict[str, list[int]] = {}
@@ -386,7 +390,7 @@ class Pool:
         for ref, b, nb in self.by_size.get(c.size, []):
             if abs(nc - nb) > tol * max(nb, 1e-30) + 1e-30:
                 continue
-            e = layout_rel(c, b, tol)
+            e = layout_rel(c, b, tol, self.splits)
             if e <= tol and (best is None or e < best[1]):
                 best = (ref, e)
                 if e == 0.0:
@@ -394,22 +398,31 @@ class Pool:
         return best
 
 
-def layout_rel(a: np.ndarray, b: np.ndarray, tol: float = 0.0) -> float:
+def layout_rel(a: np.ndarray, b: np.ndarray, tol: float = 0.0, splits: tuple[tuple[int, int], ...] = ()) -> float:
     """rel L2 of ``a`` against ``b`` (same size) in the element order of ``b`` or of one of its axis orders (size-1
-    axes dropped, then flattened: reshapes and transposes); stops at the first within ``tol``."""
+    axes dropped, then flattened: reshapes and transposes); ``splits`` (s, b): an axis of s*b elements is also
+    tried as two (the tokens of [s, b, h] flattened one way on one side, the other way on the other); stops at
+    the first within ``tol``."""
     flat = _f(a).reshape(-1)
     b = _f(b)
     e = _rel(flat, b.reshape(-1))
     if e <= tol:
         return e
     sq = b.reshape([d for d in b.shape if d != 1]) if b.ndim else b
-    if 1 < sq.ndim <= 5:
-        for perm in itertools.permutations(range(sq.ndim)):
-            if perm == tuple(range(sq.ndim)):
+    forms = [sq]
+    for n1, n2 in splits:
+        for ax, d in enumerate(sq.shape):
+            if d == n1 * n2 and n1 > 1 and n2 > 1:
+                forms.append(sq.reshape(sq.shape[:ax] + (n1, n2) + sq.shape[ax + 1:]))
+    for form in forms:
+        if not 1 < form.ndim <= 5:
+            continue
+        for perm in itertools.permutations(range(form.ndim)):
+            if perm == tuple(range(form.ndim)):
                 continue
-            e = min(e, _rel(flat, np.transpose(sq, perm).reshape(-1)))
+            e = min(e, _rel(flat, np.transpose(form, perm).reshape(-1)))
             if e <= tol:
-                break
+                return e
     return e
 
 
@@ -419,7 +432,7 @@ def layout_rel(a: np.ndarray, b: np.ndarray, tol: float = 0.0) -> float:
 
 def drill(baseline: list[Op], candidate: list[Op], *, dtype: str = "float32",
           terminals: list[np.ndarray] | None = None, leaves: list[np.ndarray] | None = None,
-          layout_leaves: list[np.ndarray] | None = None) -> dict[str, Any]:
+          layout_leaves: list[np.ndarray] | None = None, tokens: tuple[int, int] | None = None) -> dict[str, Any]:
     """Compare the two sides' operators; returns {rows (one per operator, both sides), named (the culprit
     operators), lines, counts}. ``terminals``: the candidate module's results (its output and gradients, as it
     returned them), whose producing operators are where a departure must arrive to be named (default: every
@@ -428,11 +441,12 @@ def drill(baseline: list[Op], candidate: list[Op], *, dtype: str = "float32",
     listed operator produced are views the dump leaves out); ``layout_leaves``: those of them that are the
     baseline's in another layout (the mapping's conversion), never blamed. An operator whose inputs match and
     whose output holds a baseline tensor's values in another order (an interleaved layout's gradient) departs by
-    layout only and is not a source either."""
+    layout only and is not a source either. ``tokens``: (s, b) of the module's activations, so that tokens
+    flattened s-major on one side match b-major on the other."""
     d = normalize(dtype)
     own_line = OWN_ULPS * EPS.get(d, EPS["float32"])
     match_line = TOLERANCE.get(d, TOLERANCE["float32"])[0]
-    pool = Pool(baseline, match_line)
+    pool = Pool(baseline, match_line, (tuple(tokens), tuple(reversed(tokens))) if tokens else ())
     blamed: set[str] = set()          # leaves a departure was already blamed on (named once, at first use)
     leaf_keys = {_key(a) for a in leaves or []}
     layout_keys = {_key(a) for a in layout_leaves or []}
@@ -479,7 +493,7 @@ def drill(baseline: list[Op], candidate: list[Op], *, dtype: str = "float32",
                 why = (f"input {s} ({'a constant ' + _scalar(v) if v.size == 1 else 'shape ' + str(list(v.shape))}) "
                        "matches no baseline tensor" + (" (the same values in another order: a layout or conversion "
                                                        "difference)" if same_values else ""))
-            elif all(m is not None or _key(v) in layout_keys for _, v, _, m in ins_state):
+            elif op.kind not in _MOVES and all(m is not None or _key(v) in layout_keys for _, v, _, m in ins_state):
                 if _sorted_in(pool, op.outs[0], match_line):
                     row["note"] = "its output holds a baseline tensor's values in another order (a layout)"
                 else:

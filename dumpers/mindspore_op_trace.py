@@ -178,10 +178,16 @@ def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any
     wg = {name: t.astype(ms.float32).asnumpy() for name, t in gw}
     for name, a in wg.items():
         res[f"weight_grad/{name}"] = a
-    for name, a in (to_baseline(wg) if to_baseline else {}).items():
+    try:
+        converted = to_baseline(wg) if to_baseline else {}
+        not_converted = None
+    except (KeyError, ValueError) as exc:      # judged on the output and input gradients only (said in meta)
+        converted, not_converted = {}, " ".join(str(exc).split())[:200]
+    for name, a in converted.items():
         res[f"baseline/grad_weight/{module}/{name}"] = a
     meta = {"module": module, "inputs": listed, "grad_keys": grad_keys, "dtype": str(y.dtype).lower(),
-            "kernel_files": len(new), "layout_only": _layout_only(cell, module, arrays, to_baseline)}
+            "kernel_files": len(new), "layout_only": _layout_only(cell, module, arrays, to_baseline),
+            "weight_grads_not_converted": not_converted}
     dest = out / "returned.npz"
     with atomic_file(dest) as fh:
         np.savez(fh, meta=np.array(json.dumps(meta)), **res)

@@ -146,6 +146,7 @@ def candidate_worker(job_file: str) -> int:
 
 
 def _worker(job: dict[str, Any]) -> None:
+    import dataclasses
     import importlib
 
     from align.cli.isolate import _weights, read_yaml, transform_params
@@ -173,8 +174,11 @@ def _worker(job: dict[str, Any]) -> None:
     if cell is None:
         raise BadInput(f"{job['yaml']}: the candidate has no cell {job['cell']} (for {job['module']})")
     meta, arrays = read_backward(job["baseline"], job["step"], job["rank"])
+    mc = (cfg.get("model") or {}).get("model_config") or {}
+    experts = mc.get("num_experts") or mc.get("num_moe_experts") or mc.get("n_routed_experts")
+    params = dataclasses.replace(transform_params(cfg), num_experts=int(experts) if experts else None)
     entry = next(e for e in meta["modules"] if e["module"] == job["module"])
     run_cell_kernels(net, cell, job["module"], entry, arrays, job["out"],
                      batch=_step_batch(job["baseline"], job["step"], job["rank"]),
                      layouts=(m.activation_layout.get("baseline"), m.activation_layout.get("candidate")),
-                     to_baseline=lambda g: _to_baseline(g, m, transform_params(cfg)))
+                     to_baseline=lambda g: _to_baseline(g, m, params))

@@ -130,7 +130,9 @@ def write_drill(out: str | Path, module: str, step: int, trace: dict[str, Any], 
     differs = any(r["verdict"] != "pass" for r in results)
     leaves = mindspore_leaves(kernels)
     layout = {n.replace(".", "_") for n in rmeta.get("layout_only") or []}
+    first = next((i for i in trace.get("inputs") or [] if i.get("grad") and len(i.get("shape") or []) == 3), None)
     res = drill(base_ops, cand_ops, dtype=line_dtype, leaves=list(leaves.values()),
+                tokens=(int(first["shape"][0]), int(first["shape"][1])) if first else None,
                 layout_leaves=[a for n, a in leaves.items() if n in layout],
                 terminals=[v for k, v in rarr.items() if not k.startswith("baseline/")])
     if not differs:         # the module's results agree (in the baseline's names and layouts): nothing to name
