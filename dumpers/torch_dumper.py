@@ -12,7 +12,8 @@ Why it looks like this:
 * Statistics are reduced on the tensor's own device and stacked, so one small transfer per step moves them.
 
 Layout written (see docs/run-store.md): scalars every step (loss, grad_norm, loss_mask_sum, token_min,
-token_max, tokens_per_step, nonfinite_grads); per selected step ``batch/*``, the ``local_norm``,
+token_max, tokens_per_step, nonfinite_grads); per selected step ``batch/*`` (with ``batch/sample_hash``, one
+hash per whole sample, which a replay onto another layout is checked against), the ``local_norm``,
 ``tensor_stats`` and ``nan_trace`` tables, ``tensors/<order>`` and ``nan_trace_tensors/<i>``; optionally the seed layout
 ``step_N/rank_R/<name>.npy``.
 """
