@@ -227,6 +227,7 @@ class MindFormersDumperCallback(DumperCallback):
         self._capture_checked = False
         self._kernel_dump_options = dict(kernel_dump or {})
         self._kernel_dump: Any = None
+        self._kernel_names_restored = False
 
     def on_train_begin(self, run_context: Any) -> None:
         """YAML-built: create the dumper on the network the Trainer trains (the cell inside the wrapper). Both
@@ -314,6 +315,9 @@ class MindFormersDumperCallback(DumperCallback):
         self.dumper.record_batch(extra)
 
     def on_train_step_end(self, run_context: Any) -> None:
+        if self._kernel_dump is not None and not self._kernel_names_restored:
+            self._kernel_dump.restore_names()     # compiled: names the graph gave by cell path lose the wrapper's
+            self._kernel_names_restored = True
         if self.dumper is not None:
             self._check_capture_ran()
             super().on_train_step_end(run_context)
