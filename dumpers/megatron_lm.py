@@ -60,6 +60,7 @@ import torch
 from dumpers.megatron import MegatronDumper
 from dumpers.torch_dumper import DumpConfig
 from runstore import RANK_DIR, atomic_write_json
+from runstore.batches import seq_dim
 
 TARGET = "megatron.training.training"
 _SCALAR_TYPES = (str, int, float, bool, type(None))
@@ -289,6 +290,24 @@ def mtp_losses(cfg: Any, num_microbatches: int) -> dict[str, float]:
     return out
 
 
+def this_cp_rank(item: Any, cp: int, cp_rank: int) -> Any:
+    """A CP rank's part of a micro-batch the data iterator yielded whole: pretrain_gpt.py's get_batch cuts it
+    after the iterator (get_batch_on_this_cp_rank: chunks r and 2cp-1-r of 2cp along the sequence), and the
+    store holds what this rank's model saw, as runstore.batches.cp_join expects. Packed sequences
+    (``cu_seqlens*``) are split by Transformer Engine's own indices: recorded whole, unchanged. The training
+    item is not touched (new tensors)."""
+    if cp == 1 or not isinstance(item, Mapping) or any(str(k).startswith("cu_seqlens") for k in item):
+        return item
+    out = {}
+    for key, value in item.items():
+        dim = seq_dim(str(key))
+        if isinstance(value, torch.Tensor) and value.dim() > dim and value.shape[dim] % (2 * cp) == 0:
+            chunks = value.chunk(2 * cp, dim=dim)
+            value = torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]], dim=dim)
+        out[key] = value
+    return out
+
+
 def _num_microbatches(fallback: int) -> int:
     try:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -461,8 +480,9 @@ class MegatronLMIntegration:
         # first, on every rank alike (whether it dumps or not): the aux-loss reductions are collectives
         scalars = logged_scalars(model, optimizer, len(best.items) if best is not None else 1, dumper)
         if best is not None:
+            cp, cp_rank = int(dumper.rank_info.get("cp", 1)), int(dumper.rank_info.get("cp_rank", 0))
             for item in best.items:
-                dumper.record_batch(item)
+                dumper.record_batch(this_cp_rank(item, cp, cp_rank))
         losses = result[0] if isinstance(result, tuple) and result and isinstance(result[0], Mapping) else {}
         for key, value in losses.items():
             v = _to_float(value)

@@ -94,3 +94,29 @@ def test_training_module_and_megatron_core_from_different_places_is_named(tmp_pa
     note = mixed_install(other)
     assert note is not None and str(tmp_path) in note and str(core_root) in note
     assert mixed_install(types.SimpleNamespace(__name__="megatron_lm_shape", __file__=str(tmp_path / "x.py"))) is None
+
+
+def test_a_cp_rank_records_its_part_of_the_whole_sequence_the_iterator_yielded() -> None:
+    """pretrain_gpt.py's iterator yields whole sequences and get_batch cuts them per CP rank afterwards: each
+    rank's record is its zig-zag part (attention_mask on dim 2), the parts join back to the whole, a packed
+    batch (cu_seqlens) is recorded whole, and the training item itself is untouched."""
+    import numpy as np
+    import torch
+
+    from dumpers.megatron_lm import this_cp_rank
+    from runstore.batches import cp_join, cp_split
+
+    whole = {"tokens": torch.arange(2 * 16).reshape(2, 16), "labels": torch.arange(2 * 16).reshape(2, 16) + 1,
+             "loss_mask": torch.ones(2, 16), "attention_mask": torch.rand(2, 1, 16, 16) > 0.5,
+             "position_ids": torch.arange(16).expand(2, 16)}
+    kept = {k: v.clone() for k, v in whole.items()}
+    parts = [this_cp_rank(whole, 2, r) for r in range(2)]
+    for key, value in whole.items():
+        dim = 2 if key == "attention_mask" else 1
+        for r in range(2):
+            assert np.array_equal(parts[r][key].numpy(), cp_split(value.numpy(), 2, r, dim)), (key, r)
+        assert np.array_equal(cp_join([p[key].numpy() for p in parts], dim), value.numpy()), key
+        assert torch.equal(whole[key], kept[key])
+    assert parts[0]["tokens"].shape == (2, 8) and parts[1]["tokens"][0, :4].tolist() == [4, 5, 6, 7]
+    packed = {**whole, "cu_seqlens": torch.tensor([0, 16])}
+    assert this_cp_rank(packed, 2, 1) is packed and this_cp_rank(whole, 1, 0) is whole
