@@ -157,10 +157,10 @@ def mindspore_ops(kernels: list[tuple[str, str, dict[tuple[str, int], dict[str, 
                 outs.append(a)
                 dtype = dtype or normalize(str(t.get("dtype", "")))
         kind = str(next(iter(tensors.values())).get("op_type", full.rsplit("/", 1)[-1].split("-")[0]))
-        backward = "Gradients" in full or any(isinstance(v, np.ndarray) and v.dtype.kind == "f" and _key(v) in back
-                                              for _, v in ins)
-        if backward:
+        depends = any(isinstance(v, np.ndarray) and v.dtype.kind == "f" and _key(v) in back for _, v in ins)
+        if depends:     # only what depends on the output gradient: a Gradients/ kernel may move a forward tensor
             back.update(_key(o) for o in outs if o.dtype.kind == "f")
+        backward = depends or "Gradients" in full
         out.append(Op("candidate", i, full, kind, "backward" if backward else "forward", ins, outs, dtype,
                       in_dtypes=in_dtypes))
     return out
