@@ -340,11 +340,9 @@ class MindFormersDumperCallback(DumperCallback):
 
     def on_train_end(self, run_context: Any) -> None:
         if self._kernel_dump is not None:
-            measured = self._kernel_dump.finish()
+            self._kernel_dump.finish()
             if self.dumper is not None:
-                meta = self._kernel_dump.store_meta()
-                meta["layer_capture"]["measured_bytes"] = measured
-                self.dumper.update_meta(meta)
+                self.dumper.update_meta(self._kernel_dump.store_meta())
             self._kernel_dump = None
         if self.dumper is not None:
             super().on_train_end(run_context)

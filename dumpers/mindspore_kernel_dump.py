@@ -256,10 +256,18 @@ class KernelDumpCapture:
 
     def store_meta(self) -> dict[str, Any]:
         """What a run store's meta.json says about this capture (``layer_capture``): the layer source reads the
-        dump folder it names, relative to the store."""
-        return {"layer_capture": {"mode": "GRAPH", "mechanism": "kernel dump of identity taps",
-                                  "kernel_dump": DUMP_DIR, "cells": self.cells, "steps": self.steps,
-                                  "estimated_bytes": self.estimate}}
+        dump folder it names, relative to the store. After :meth:`finish` found no tensor file (the steps never
+        ran, or MindSpore had read its dump config before), it names none and says so: the store's other
+        evidence stays readable."""
+        cap: dict[str, Any] = {"mode": "GRAPH", "mechanism": "kernel dump of identity taps", "kernel_dump": DUMP_DIR,
+                               "cells": self.cells, "steps": self.steps, "estimated_bytes": self.estimate}
+        if self.measured is not None:
+            cap["measured_bytes"] = self.measured
+            if self.measured == 0:
+                cap.update(kernel_dump=None, captured=False,
+                           why=f"no tensor file under {self.dump_dir}: steps {self.steps} not trained, or MindSpore "
+                               f"read {ENV} before the capture set it")
+        return {"layer_capture": cap}
 
     def restore_names(self) -> int:
         """Take the wrapper's ``xf_inner`` segment out of Parameter names again; returns how many were renamed.

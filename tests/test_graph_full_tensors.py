@@ -86,13 +86,14 @@ def test_size_is_estimated_before_compiling_and_a_budget_refuses(runs) -> None:
     work, res = runs
     est, measured = res["estimated"], res["measured"]
     assert res["said"][1].startswith("xf-align kernel dump: 11 cells x 2 steps") and "estimated" in res["said"][1]
-    assert "measured" in res["said"][-1]
+    assert "measured" in res["said"][2] and "estimated" in res["said"][3]     # then the late capture's
     assert est <= measured <= 1.05 * est, (est, measured)        # .npy headers: 128 bytes per file
     record = json.loads((work / "candidate" / "kernel_dump.json").read_text())
     assert record["measured_bytes"] == measured and record["tensor_files"] == 11 * 4 * 2
     refused = res["refused"]
     assert "over the budget" in refused and "\n" not in refused and "refused" in refused
     assert res["refused_left_env"] is None and not res["refused_wrapped"] and not res["refused_config"]
+    assert "compiled in this process already" in res["late"] and "\n" not in res["late"]
     # the YAML callback over its budget: a warning and meta.json say why; it trains on without the capture
     cb = res["callback_refused"]
     assert len(cb["warnings"]) == 1 and "over the budget" in cb["warnings"][0]

@@ -100,6 +100,7 @@ def callback_refusal(work: Path, name: str) -> dict:
 
 def main(work: Path, name: str, plain: bool) -> None:
     import demo.mindformers_mcore_cpu as mc
+    from core.errors import BadInput
     from dumpers.mindspore_dumper import DumpConfig, MindSporeDumper
     from dumpers.mindspore_kernel_dump import ENV, CaptureBudgetExceeded, KernelDumpCapture, KernelTapCell
 
@@ -129,6 +130,10 @@ def main(work: Path, name: str, plain: bool) -> None:
     res["said"] = said
     captured_weights = mc.parameter_arrays(net)
     plain = build(work, name)             # (a) the same run without the capture
+    try:          # a capture after a compile: MindSpore has read its dump config already
+        KernelDumpCapture(plain.model, work / "late", CELLS, steps=[1], printer=said.append)
+    except BadInput as exc:
+        res["late"] = str(exc)
     res["plain_losses"] = train(plain, batch)
     plain_weights = mc.parameter_arrays(plain)
     res["weights_equal"] = sorted(captured_weights) == sorted(plain_weights) and all(
