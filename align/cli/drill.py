@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         t0 = time.perf_counter()
         job = {"yaml": str(Path(args.candidate_yaml).resolve()), "ckpt": str(Path(args.candidate_ckpt).resolve()),
-               "mapping": args.mapping or m.name, "baseline": str(Path(args.baseline).resolve()), "step": step,
+               "mapping": str(Path(args.mapping).resolve()) if args.mapping and Path(args.mapping).is_file()
+               else args.mapping or m.name, "baseline": str(Path(args.baseline).resolve()), "step": step,
                "rank": args.rank, "module": args.module, "cell": cand, "out": str(work.resolve()),
                "hook": args.candidate_hook}
         _candidate_process(job, work, args.timeout)
@@ -121,7 +122,8 @@ def _candidate_process(job: dict[str, Any], work: Path, timeout: float) -> None:
     with open(log, "w", encoding="utf-8") as fh:
         try:
             rc = subprocess.run([sys.executable, "-c", code, str(work / "job.json")], stdout=fh,
-                                stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False).returncode
+                                stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False,
+                                cwd=work).returncode     # MindSpore writes rank_0/ (IR on a failure) in its cwd
         except subprocess.TimeoutExpired:
             raise BadInput(f"the candidate's process took more than {timeout:.0f} s (--timeout)") from None
     err = work / "error.txt"
