@@ -1,6 +1,6 @@
 """Baseline side of the paired demo: a real Megatron-core GPTModel trained on CPU, with the dumper on.
 
-``python -m demo.megatron_runner SPEC.json`` (see :class:`demo.spec.Spec`). Why a separate process:
+``python -m demo.megatron_runner SPEC.json [SPEC.json ...]`` (see :class:`demo.spec.Spec`). Why a separate process:
 torch and MindSpore each bring their own thread pools and allocators; one process per framework keeps the
 runs independent and lets the orchestrator stay framework-free. Megatron's own pieces are used where they
 decide numerics: GPTModel (local spec), its DDP, ``get_megatron_optimizer`` (Adam, grad clipping, weight
@@ -232,12 +232,19 @@ def run(spec: Spec) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run each SPEC.json in turn in this one process (torch's and Megatron's start-up paid once; every run seeds
+    and builds from its own spec, in the parallel layout of the first: one torchrun launch holds one layout)."""
     argv = sys.argv[1:] if argv is None else argv
-    spec = read_spec(argv[0])
-    result = run(spec)
-    if spec.result_file and result["rank"] == 0:
-        Path(spec.result_file).write_text(json.dumps(result))
-    print(json.dumps(result))
+    layout = None
+    for path in argv:
+        spec = read_spec(path)
+        if layout is not None and (spec.tp, spec.dp) != layout:
+            raise ValueError(f"{path}: tp={spec.tp} dp={spec.dp}, but this process runs tp={layout[0]} dp={layout[1]}")
+        layout = (spec.tp, spec.dp)
+        result = run(spec)
+        if spec.result_file and result["rank"] == 0:
+            Path(spec.result_file).write_text(json.dumps(result))
+        print(json.dumps(result), flush=True)
     return 0
 
 

@@ -114,8 +114,8 @@ def _command(specs: list[Spec], paths: list[Path]) -> list[str]:
         return [py, "-m", "demo.mindformers_runner", *map(str, paths)]
     if specs[0].tp * specs[0].dp > 1:
         return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={specs[0].tp * specs[0].dp}",
-                "-m", "demo.megatron_runner", str(paths[0])]
-    return [py, "-m", "demo.megatron_runner", str(paths[0])]
+                "-m", "demo.megatron_runner", *map(str, paths)]
+    return [py, "-m", "demo.megatron_runner", *map(str, paths)]
 
 
 def run_jobs(jobs: list[tuple], work: Path, parallel: int = 2) -> dict[str, float]:
@@ -140,9 +140,10 @@ def run_jobs(jobs: list[tuple], work: Path, parallel: int = 2) -> dict[str, floa
             pending.remove(ready[0])
             name, specs, _ = ready[0]
             paths = []
-            for spec in specs:
+            for spec in specs:     # next to the run it describes (one job may hold several pairs' runs)
                 shutil.rmtree(spec.out, ignore_errors=True)
-                paths.append(write_spec(spec, work / "specs" / f"{spec.role}_{Path(spec.out).name}.json"))
+                spec_file = Path(spec.out).parent / "specs" / f"{spec.role}_{Path(spec.out).name}.json"
+                paths.append(write_spec(spec, spec_file))
             log = work / "logs" / f"{name}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "w") as fh:
@@ -298,27 +299,14 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     t0 = time.perf_counter()
     reused = False
     if reuse_baseline is not None and (f is None or f.side in ("candidate", "conversion")):
-        src = Path(reuse_baseline) / "runs"
-        prev = Path(reuse_baseline) / "demo.json"
-        prev_meta = json.loads(prev.read_text()) if prev.is_file() else {"model": model_kind}
-        prev_kind = prev_meta.get("model", "llama")
-        if prev_kind != model_kind:
-            raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline is for --model {prev_kind}, "
-                           f"not {model_kind}")
-        prev_seed = prev_meta.get("seed", DEFAULT_SEED)
-        if prev_seed != seed:
-            raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline was drawn with --seed {prev_seed}, "
-                           f"not {seed}")
-        for name in ("baseline", "lr0_baseline", "repeat_tp2", "repeat_dp2", "lr0_repeat"):
-            if (src / name).is_dir():
-                shutil.copytree(src / name, work / name, dirs_exist_ok=True)
-        for name in ("megatron_init.pt", "baseline.json", "repeat.json"):
-            if (src / name).is_file():
-                shutil.copy2(src / name, work / name)
+        copy_baseline_side(reuse_baseline, work, model_kind, seed)
         reused = True
     lr0 = lr0_steps > 0        # 0: no lr = 0 pair (short fault tests; the lr0_run stage is skipped)
+    # The lr = 0 baseline runs in the baseline's process, the lr = 0 repeat in the repeat's (demo.megatron_runner
+    # runs a list of specs: one torch + Megatron start-up, one torchrun launch fewer; its runs seed and build from
+    # their own specs, bit for bit what a process of their own writes)
     jobs: list[tuple] = [] if reused else \
-        [("baseline", [specs["baseline"]])] + ([("lr0_baseline", [specs["lr0_baseline"]])] if lr0 else [])
+        [("baseline", [specs["baseline"]] + ([specs["lr0_baseline"]] if lr0 else []))]
     # One schedule, each run as soon as what it replays exists: the candidate after the baseline, while the
     # repeat (which needs nothing) fills the other slot. The lr = 0 candidate then runs in a process of its own
     # (converting the weights itself) in the slot the repeat leaves, instead of after the candidate in its
@@ -326,16 +314,14 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
     own = lr0 and not reused and repeat
     jobs.append(("candidate", [specs["candidate"]] + ([specs["optimizer_check"]] if optimizer_check else [])
                  + ([specs["lr0_candidate"]] if lr0 and not own else []),
-                 {"baseline"} | ({"lr0_baseline"} if lr0 and not own else set())))
+                 {"baseline"}))
     if not reused and repeat:
-        jobs.append(("repeat", [specs["repeat"]]))
-        if lr0 and "lr0_repeat" in specs:
-            jobs.append(("lr0_repeat", [specs["lr0_repeat"]]))
+        jobs.append(("repeat", [specs["repeat"]] + ([specs["lr0_repeat"]] if lr0 and "lr0_repeat" in specs else [])))
     if own:
         c = specs["lr0_candidate"]
         weights = Path(c.converted).with_name("lr0_" + Path(c.converted).name)
         jobs.append(("lr0_candidate", [replace(c, init_weights=specs["baseline"].init_weights, converted=str(weights))],
-                     {"baseline", "lr0_baseline"}))
+                     {"baseline"}))
     took = run_jobs(jobs, work, parallel)
     _log(f"runs done in {time.perf_counter() - t0:.1f} s{' (baseline side reused)' if reused else ''}")
     data = compare_pair(out, specs, took, inject)
@@ -343,6 +329,28 @@ def paired_demo(out: str | Path, *, steps: int = DEFAULT_STEPS, lr0_steps: int =
             "wall_seconds": time.perf_counter() - t0, "run_seconds": took, "baseline_reused": reused}
     (out / "demo.json").write_text(json.dumps(meta, indent=1))
     return data
+
+
+def copy_baseline_side(reuse_baseline: str | Path, work: Path, model_kind: str, seed: int) -> None:
+    """Copy a previous demo's baseline-side runs (baseline, repeat, lr = 0 baseline and repeat, the initial
+    weights) into ``work``; refused when that demo drew another model kind or seed (its weights and batches)."""
+    src = Path(reuse_baseline) / "runs"
+    prev = Path(reuse_baseline) / "demo.json"
+    prev_meta = json.loads(prev.read_text()) if prev.is_file() else {"model": model_kind}
+    prev_kind = prev_meta.get("model", "llama")
+    if prev_kind != model_kind:
+        raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline is for --model {prev_kind}, "
+                       f"not {model_kind}")
+    prev_seed = prev_meta.get("seed", DEFAULT_SEED)
+    if prev_seed != seed:
+        raise BadInput(f"--reuse-baseline {reuse_baseline}: its baseline was drawn with --seed {prev_seed}, "
+                       f"not {seed}")
+    for name in ("baseline", "lr0_baseline", "repeat_tp2", "repeat_dp2", "lr0_repeat"):
+        if (src / name).is_dir():
+            shutil.copytree(src / name, work / name, dirs_exist_ok=True)
+    for name in ("megatron_init.pt", "baseline.json", "repeat.json"):
+        if (src / name).is_file():
+            shutil.copy2(src / name, work / name)
 
 
 def report_argv(specs: dict[str, Spec], out: Path) -> list[str]:

@@ -31,7 +31,15 @@ pytest.importorskip("mindformers")
 from demo.pair import paired_demo  # noqa: E402
 from demo.spec import FAULTS  # noqa: E402
 from tests.helpers.browser import chromium, report_problems, tamper  # noqa: E402
-from tests.helpers.demo_checks import LR0_STEPS, STEPS, dense_fault_fails_at_its_stage, report_again, verdicts  # noqa: E402
+from tests.helpers.demo_checks import (  # noqa: E402
+    LR0_STEPS,
+    STEPS,
+    dense_fault_fails_at_its_stage,
+    dense_faults,
+    report_again,
+    selected,
+    verdicts,
+)
 
 ALL_STAGES = ("checklist", "conversion", "data_checks", "step1_loss", "step1_local_norm", "layer_tensors", "step2_loss",
               "optimizer", "lr0_run", "long_run", "grad_norm", "lr_schedule", "nonfinite",
@@ -197,12 +205,39 @@ def test_parameter_trajectories_on_the_demo_stores(clean: tuple[Path, dict], tmp
     assert spike["batches"]["same_batch"] is True and spike["norm_jumps"]
 
 
-@pytest.mark.parametrize("name", [n for n, f in FAULTS.items()
-                                  if "dense" in f.kinds and f.side in ("candidate", "conversion")])
-def test_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[Path, dict],
-                                                       tmp_path: Path) -> None:
+CANDIDATE_FAULTS = [n for n, f in FAULTS.items() if "dense" in f.kinds and f.side in ("candidate", "conversion")]
+
+
+@pytest.fixture(scope="module")
+def candidate_faults(request: pytest.FixtureRequest, clean: tuple[Path, dict],
+                     tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    """The candidate-side fault pairs selected in this session (`-k` picks some; at least one), on the clean pair's
+    baseline, their candidates in one MindSpore process (demo.fault_batch; one start-up instead of one per fault),
+    the first one's candidate once more at the end."""
+    names = selected(request, "test_fault_fails_at_its_stage_naming_its_component", "name", CANDIDATE_FAULTS)
+    out = tmp_path_factory.mktemp("faults")
+    return out, dense_faults(out, names or CANDIDATE_FAULTS[:1], clean[0], rerun_first=True)
+
+
+@pytest.mark.parametrize("name", CANDIDATE_FAULTS)
+def test_fault_fails_at_its_stage_naming_its_component(name: str,
+                                                       candidate_faults: tuple[Path, dict[str, dict]]) -> None:
     """Candidate-side faults, on the clean pair's baseline (baseline-side ones: test_demo_baseline_faults.py)."""
-    dense_fault_fails_at_its_stage(name, tmp_path / name, clean[0])
+    out, data = candidate_faults
+    dense_fault_fails_at_its_stage(name, data[name], out / name)
+
+
+def test_a_candidate_run_writes_the_same_store_after_other_runs_in_its_process(
+        candidate_faults: tuple[Path, dict[str, dict]]) -> None:
+    """The fault pairs' candidates share one MindSpore process: the first one's candidate, run again last (after
+    every other fault's build, patches, optimizer and steps), writes its store bit for bit again. The first run
+    of a process is what a process of its own writes (measured for the 8 faults against paired_demo's own
+    processes: bit-identical), so each fault's store is what its own process would write."""
+    from tests.helpers.store_equal import store_differences
+
+    out, data = candidate_faults
+    first = out / next(iter(data))
+    assert store_differences(first / "runs" / "candidate", first / "again" / "candidate") == []
 
 
 def test_judged_at_float32_the_float16_attention_shows(clean: tuple[Path, dict], tmp_path: Path) -> None:

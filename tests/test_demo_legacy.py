@@ -20,9 +20,10 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
+from demo.fault_batch import FaultPair, paired_faults  # noqa: E402
 from demo.pair import paired_demo  # noqa: E402
 from demo.spec import FAULTS  # noqa: E402
-from tests.helpers.demo_checks import culprit_is, verdicts  # noqa: E402
+from tests.helpers.demo_checks import culprit_is, selected, verdicts  # noqa: E402
 
 STEPS = 12
 LR0_STEPS = 3
@@ -61,12 +62,25 @@ def test_legacy_clean_pair_passes_every_stage(clean: tuple[Path, dict], tmp_path
     assert verdicts(json.loads((tmp_path / "again" / "summary.json").read_text())) == verdicts(data)
 
 
-@pytest.mark.parametrize("name", ["embedding_fp16", "qk_swap", "nan_param"])
-def test_legacy_fault_fails_at_its_stage_naming_its_component(name: str, clean: tuple[Path, dict],
-                                                              tmp_path: Path) -> None:
+LEGACY_FAULTS = ["embedding_fp16", "qk_swap", "nan_param"]
+TEST = "test_legacy_fault_fails_at_its_stage_naming_its_component"
+
+
+@pytest.fixture(scope="module")
+def faults(request: pytest.FixtureRequest, clean: tuple[Path, dict],
+           tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    """The selected faults on the clean pair's baseline, no lr = 0 pair and no optimizer check (neither judges
+    these faults), their candidates in one MindSpore process (demo.fault_batch)."""
+    out = tmp_path_factory.mktemp("legacy_faults")
+    names = selected(request, TEST, "name", LEGACY_FAULTS)
+    return out, paired_faults(out, [FaultPair(n, STEPS) for n in names], reuse_baseline=clean[0], model_kind="llama")
+
+
+@pytest.mark.parametrize("name", LEGACY_FAULTS)
+def test_legacy_fault_fails_at_its_stage_naming_its_component(name: str,
+                                                              faults: tuple[Path, dict[str, dict]]) -> None:
     f = FAULTS[name]
-    data = paired_demo(tmp_path / name, steps=STEPS, lr0_steps=0, inject=name, reuse_baseline=clean[0],
-                       repeat=False, model_kind="llama", optimizer_check=False)   # neither judges these faults
+    data = faults[1][name]
     assert data["verdict"] == "fail"
     assert data["stages"][f.stage]["verdict"] == "fail", (f.stage, data["stages"][f.stage])
     component = f.component_for("llama")

@@ -22,9 +22,10 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("mindspore")
 pytest.importorskip("mindformers")
 
+from demo.fault_batch import FaultPair, paired_faults  # noqa: E402
 from demo.pair import paired_demo  # noqa: E402
 from demo.spec import FAULTS, SWAP_LAYER  # noqa: E402
-from tests.helpers.demo_checks import culprit_is  # noqa: E402
+from tests.helpers.demo_checks import culprit_is, selected  # noqa: E402
 
 STEPS = 6
 LR0_STEPS = 2
@@ -119,14 +120,26 @@ def test_perturbed_expert_named_by_global_index(clean: tuple[str, bool, Path, di
     assert routing["counts_steps"] == STEPS and routing["counts_by_step"][0]["moved_share"] == 0.0
 
 
-@pytest.mark.parametrize("inject", ["router_fp16", "expert_swap"])
-def test_router_fault_is_named_at_the_router(inject: str, moe_pair: tuple[Path, dict], tmp_path: Path) -> None:
+ROUTER_FAULTS = ["router_fp16", "expert_swap"]
+TEST = "test_router_fault_is_named_at_the_router"
+
+
+@pytest.fixture(scope="module")
+def router_faults(request: pytest.FixtureRequest, moe_pair: tuple[Path, dict],
+                  tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The selected router faults, 2-step candidates on the clean moe pair's baseline, no lr = 0 pair, no
+    optimizer check, in PYNATIVE (the router wrapped there as in GRAPH: no compile), in one MindSpore process."""
+    out = tmp_path_factory.mktemp("router_faults")
+    names = selected(request, TEST, "inject", ROUTER_FAULTS)
+    return paired_faults(out, [FaultPair(n, 2) for n in names], reuse_baseline=moe_pair[0], model_kind="moe",
+                         seed=SEEDS["moe"])
+
+
+@pytest.mark.parametrize("inject", ROUTER_FAULTS)
+def test_router_fault_is_named_at_the_router(inject: str, router_faults: dict[str, dict]) -> None:
     """A router computed in float16 on the candidate, and a conversion that swaps two experts' router rows of
-    layer 1, each fail moe_routing naming the router (a 2-step candidate on the clean pair's baseline, no lr = 0
-    pair, no optimizer check; in PYNATIVE, its router wrapped there as in GRAPH: no compile)."""
-    data = paired_demo(tmp_path / inject, steps=2, lr0_steps=0, inject=inject, reuse_baseline=moe_pair[0],
-                       repeat=False, model_kind="moe", optimizer_check=False, seed=SEEDS["moe"],
-                       candidate_graph=False)
+    layer 1, each fail moe_routing naming the router."""
+    data = router_faults[inject]
     fault = FAULTS[inject]
     routing = data["stages"]["moe_routing"]
     assert fault.stage == "moe_routing" and routing["verdict"] == "fail"

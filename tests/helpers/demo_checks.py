@@ -7,7 +7,9 @@ import json
 import shlex
 from pathlib import Path
 
-from demo.pair import paired_demo
+import pytest
+
+from demo.fault_batch import FaultPair, paired_faults
 from demo.spec import FAULTS, Fault
 
 # the dense pair's short runs: the stages under test need a dozen steps (the 300-step long run is `make demo`'s)
@@ -52,14 +54,33 @@ def culprit_is(data: dict, f: Fault, kind: str) -> None:
                    for e in first["seen_at"]), data["diagnosis"]
 
 
-def dense_fault_fails_at_its_stage(name: str, out: Path, reuse: Path | None) -> None:
-    """The dense pair with fault ``name`` fails at the fault's stage naming its component. Only the runs that
-    stage judges: an lr = 0 pair for lr0_run, the optimizer check for optimizer (each is one more framework
-    start-up per side; the clean pair runs them all); the candidate in PYNATIVE (no GRAPH compile)."""
+def selected(request: pytest.FixtureRequest, test: str, param: str, values: list[str]) -> list[str]:
+    """The ``values`` of parameter ``param`` whose ``test`` items of the requesting module this session runs (so
+    that `-k` on one fault runs that fault's pair alone, not the whole batch)."""
+    chosen = {item.callspec.params[param] for item in request.session.items
+              if item.module is request.module and item.originalname == test}
+    return [v for v in values if v in chosen]
+
+
+def dense_fault_pair(name: str) -> FaultPair:
+    """The dense pair with fault ``name``, short: only the runs its stage judges (an lr = 0 pair for lr0_run, the
+    optimizer check for optimizer: each is one more framework start-up per side; the clean pair runs them all)."""
     f = FAULTS[name]
-    data = paired_demo(out, steps=STEPS, lr0_steps=LR0_STEPS if f.stage == "lr0_run" else 0, inject=name,
-                       reuse_baseline=reuse, repeat=False, optimizer_check=f.stage == "optimizer",
-                       candidate_graph=False)
+    return FaultPair(name, STEPS, lr0_steps=LR0_STEPS if f.stage == "lr0_run" else 0,
+                     optimizer_check=f.stage == "optimizer")
+
+
+def dense_faults(out: Path, names: list[str], reuse: Path | None, rerun_first: bool = False) -> dict[str, dict]:
+    """The dense pairs with faults ``names`` (summary.json's content by name, each in ``out/<name>``): their
+    candidates in PYNATIVE (no GRAPH compile) and in one MindSpore process (demo.fault_batch; ``rerun_first``:
+    the first one's candidate again, last, in ``out/<name>/again/candidate``)."""
+    return paired_faults(out, [dense_fault_pair(n) for n in names], reuse_baseline=reuse, rerun_first=rerun_first)
+
+
+def dense_fault_fails_at_its_stage(name: str, data: dict, out: Path) -> None:
+    """The dense pair with fault ``name`` (its summary ``data``, its output ``out``) fails at the fault's stage
+    naming its component, and the diagnosis names it first."""
+    f = FAULTS[name]
     assert data["verdict"] == "fail"
     stage = data["stages"][f.stage]
     assert stage["verdict"] == "fail", (f.stage, stage)
