@@ -466,6 +466,19 @@ def _row(order: int, module: str, kind: str, op: str, t: dict[str, Any]) -> dict
             "ref": str(f) if f is not None else None, "key": op}
 
 
+def _holds_taps(d: MindSporeDump) -> bool:
+    """Whether the dump holds our tap kernels (dumpers/mindspore_kernel_dump.py): a file name, or mapping.csv for
+    names MindSpore shortened, says ``xf_tap_in`` / ``xf_tap_out``."""
+    for fs in d.folders.values():
+        for _, _, folder in fs[:1]:
+            mfile = folder / MAPPING_CSV
+            names = [p.name for p in folder.iterdir()] + (list(read_mapping_csv(mfile).values())
+                                                          if _present(mfile) else [])
+            if any(TAP_IN in n or TAP_OUT in n for n in names):
+                return True
+    return False
+
+
 def store_kernel_dump(reader: Any) -> MindSporeDump | None:
     """The kernel dump a run store's meta names (``layer_capture.kernel_dump``, relative to the store), opened;
     None when it names none. A named folder that is missing or empty is BadInput naming it."""
@@ -567,7 +580,9 @@ def read_mindspore_dump(path: str | Path) -> Run:
     saved_data = {"npy": "tensor", "csv": "statistic"}
     mode = "full" if {"npy", "csv"} <= saved else next((saved_data[s] for s in saved if s), "unknown")
     writer = dump_writer(Path(path))
-    notes = [f"{writer} GRAPH-mode kernel dump ({mode}): cell outputs (forward) only, no loss curve"]
+    what = ("xf-align taps: the selected cells' inputs, outputs and their gradients" if _holds_taps(d)
+            else "cell outputs (forward) only")
+    notes = [f"{writer} GRAPH-mode kernel dump ({mode}): {what}, no loss curve"]
     missing = [r for r, o in d.orders.items() if not o.is_dir() and writer != "msprobe L2 (jit_level O2)"]
     if missing:
         notes.append(f"rank(s) {', '.join(map(str, missing))} have no execution_order/: kernels ordered by timestamp "

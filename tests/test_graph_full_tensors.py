@@ -116,6 +116,7 @@ def test_a_store_whose_kernel_dump_moved_is_refused_in_one_line(runs, tmp_path: 
 
 def test_layer_stage_compares_full_graph_tensors_and_names_the_norm(runs) -> None:
     from align.cli import main
+    from sources import load_run
     from sources.layers import layer_source
     from sources.mindspore_dump import MindSporeDump
 
@@ -137,6 +138,7 @@ def test_layer_stage_compares_full_graph_tensors_and_names_the_norm(runs) -> Non
     assert first["component"] == "decoder.layers.0.input_layernorm" and first["metric"] == "rel_l2", first
     assert summary["diagnosis"][0]["component"] == "decoder.layers.0.input_layernorm"
     assert first["value"] == pytest.approx(4.12, abs=0.01)    # what isolation measures for it (tests/test_repro)
+    assert "xf-align taps" in load_run(work / "candidate" / "kernel_dump").notes[0]     # the dump says what it holds
 
 
 def test_clean_graph_candidate_matches_the_baseline_forward_and_backward_on_full_tensors(runs) -> None:
