@@ -9,15 +9,16 @@ os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(tempfile.gettempdir(), 
 # `make test` runs `pytest -n 2 --dist loadfile`: whole files go to the two workers. pytest-xdist hands them out
 # in order of test count by default, so the few-test, long files (a paired demo, an msrun launch) went last and
 # one worker ran them alone at the end. Longest first instead (files not listed keep their order, after these):
-# seconds per file summed from `--durations=0` on 2 cores, load 7-28, 2026-11-29 (only the order matters).
+# seconds per file summed from `--durations=0` on 2 cores, load 7-28, 2026-11-29 (only the order matters); the four
+# demo files scaled by what sharing framework processes (demo.fault_batch) saved them alone at load 5-12.
 LONG_FILES = {
-    "test_demo.py": 564, "test_demo_moe.py": 326, "test_mindformers_launch.py": 274,
-    "test_demo_baseline_faults.py": 250, "test_replay_layout_msrun.py": 201, "test_demo_legacy.py": 166,
+    "test_demo.py": 473, "test_demo_moe.py": 274, "test_mindformers_launch.py": 274,
+    "test_replay_layout_msrun.py": 201, "test_demo_baseline_faults.py": 188,
     "test_interrupt.py": 162, "test_megatron_layouts.py": 151, "test_mindformers_yaml.py": 146,
     "test_mindspore_graph_capture.py": 134, "test_readme.py": 131, "test_core_install.py": 117,
-    "test_compare_weights.py": 113, "test_graph_full_tensors.py": 90, "test_report_cli.py": 82,
-    "test_self_check.py": 80, "test_fuzz.py": 80,
-    "test_mindformers_moe.py": 79, "test_mcore_presets.py": 71, "test_local_norm_compare.py": 67,
+    "test_compare_weights.py": 113, "test_demo_legacy.py": 112, "test_graph_full_tensors.py": 90,
+    "test_report_cli.py": 82, "test_self_check.py": 80, "test_fuzz.py": 80, "test_mindformers_moe.py": 79,
+    "test_mcore_presets.py": 71, "test_local_norm_compare.py": 67,
     "test_stages.py": 60, "test_megatron_dumper.py": 55, "test_mindformers_mcore.py": 49, "test_extending.py": 46,
     "test_mindformers_mtp.py": 32, "test_mindspore_graph_mode.py": 31, "test_repro.py": 29,
     "test_mindformers_replay.py": 28, "test_trajectories.py": 26, "test_torch_dumper.py": 26,
