@@ -1,7 +1,8 @@
 """Full layer tensors, forward and backward, from the GRAPH-mode MindSpore run that trains: MindSpore's own kernel
 dump of identity kernels our code puts at the selected cells' boundaries.
 
-Why this way (measured on CPU, MindSpore 2.10, the MindFormers mcore dense model; /tmp experiments of issue 39):
+Why this way (measured on CPU, MindSpore 2.10, the MindFormers mcore dense model, by hand and in
+tests/test_graph_full_tensors.py):
 
 * In-graph Parameters (dumpers/mindspore_graph_capture.py) carry statistics only: full tensors would need a
   Parameter of each output's shape before compiling. Not tried further.
@@ -190,14 +191,14 @@ class KernelDumpCapture:
     compile: MindSpore reads the dump config once). It prints the estimated size and refuses
     (:class:`CaptureBudgetExceeded`) over ``budget_mib``; else it wraps the cells, writes
     ``out_dir/kernel_dump_config.json`` and sets ``MINDSPORE_DUMP_CONFIG``. After training call :meth:`finish`:
-    it prints the measured size and writes ``out_dir/kernel_dump.json``. ``align report BASELINE out_dir/kernel_dump``
-    (or a run store whose meta names it, see :meth:`store_meta`) compares the tensors.
+    it prints the measured size and writes ``out_dir/kernel_dump.json``. A run store in ``out_dir`` whose meta.json
+    holds :meth:`store_meta` reads its layer rows from the dump: ``align report BASELINE out_dir`` compares them.
+    Both directions always (forward and backward kernels of every tap).
     """
 
     def __init__(self, net: nn.Cell, out_dir: str | os.PathLike, cells: Sequence[str] = ("decoder.layers.*",),
                  steps: Any = (1,), *, tokens: int | None = None, hidden_size: int | None = None,
-                 budget_mib: float = DEFAULT_BUDGET_MIB, backward: bool = True,
-                 printer: Callable[[str], None] | None = None) -> None:
+                 budget_mib: float = DEFAULT_BUDGET_MIB, printer: Callable[[str], None] | None = None) -> None:
         self.net = net
         self.out = Path(out_dir)
         self.steps = parse_steps(steps)
@@ -218,7 +219,7 @@ class KernelDumpCapture:
         if not chosen:
             raise BadInput(f"{self.out}: kernel dump cells {list(cells)} match no cell of the model")
         inner = [(n, getattr(c, TAP_INNER) if isinstance(c, KernelTapCell) else c) for n, _, _, c in chosen]
-        self.per_cell = estimate_bytes(inner, int(tokens), int(hidden), backward)
+        self.per_cell = estimate_bytes(inner, int(tokens), int(hidden))
         self.estimate = sum(self.per_cell.values()) * len(self.steps)
         self.budget = float(budget_mib) * 2 ** 20
         self.say(f"xf-align kernel dump: {len(chosen)} cells x {len(self.steps)} steps "
