@@ -42,14 +42,14 @@ from dumpers.isolation_rows import add_weight_grads, result_row
 from dumpers.mindspore_isolation import (
     ConstructPatches,
     _cell_index,
-    _first_tensor,
     _rel_l2,
-    _step_batch,
     cell_computes_attention,
     cell_dtype,
     find_cell,
+    first_tensor,
     mapped_modules,
     mcore_forward,
+    step_batch,
     to_layout,
 )
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, atomic_file
@@ -155,7 +155,7 @@ class _GradRecorder(ConstructPatches):
             out = inner(*args, **kwargs)
             if name not in self.calls:
                 self.calls[name] = (args, dict(kwargs), out)
-                t = _first_tensor(out)
+                t = first_tensor(out)
                 if t is not None:
                     def grab(g: Any) -> None:
                         self.grad_out[name] = g.asnumpy().copy()
@@ -182,7 +182,7 @@ def _slots(args: tuple, kwargs: dict, names: list[str]) -> dict[str, tuple[str, 
     return out
 
 
-def _make_vjp(cell: Any, args: tuple, kwargs: dict, slots: list[tuple[str, Any]], graph: bool
+def make_vjp(cell: Any, args: tuple, kwargs: dict, slots: list[tuple[str, Any]], graph: bool
               ) -> Callable[[list[Any], Any], tuple[Any, tuple, tuple]]:
     """A function (xs, sens) -> (output, input grads, (name, weight grad) pairs) of ``cell`` called as recorded
     with the tensors at ``slots`` replaced by ``xs`` and its first output's gradient ``sens``; compiled once
@@ -217,7 +217,7 @@ def _make_vjp(cell: Any, args: tuple, kwargs: dict, slots: list[tuple[str, Any]]
     return run
 
 
-def _plan_inputs(base_inputs: list[dict[str, Any]], arrays: Mapping[str, np.ndarray], mod: str,
+def plan_inputs(base_inputs: list[dict[str, Any]], arrays: Mapping[str, np.ndarray], mod: str,
                  args: tuple, kwargs: dict, names: list[str], lay_b: str | None, lay_c: str | None
                  ) -> tuple[list[tuple[str, Any]], list[Any], list[dict[str, Any]], list[str | None]]:
     """Which recorded arguments take the baseline's tensors: (slots, baseline tensors in the candidate's
@@ -297,9 +297,9 @@ def isolate_with_backward(net: Any, baseline: str | Path, out: str | Path, *, ma
                          f"({len(bmeta['modules'])} captured; "
                          f"{skipped[0]['reason'] if skipped else 'none selected'})")
     rec = _GradRecorder({mod: cell for mod, (_, _, cell) in chosen.items()})
-    data = batch if batch is not None else _step_batch(baseline, step, rank)
+    data = batch if batch is not None else step_batch(baseline, step, rank)
     try:
-        ms.grad(lambda: _first_tensor((forward or mcore_forward)(net, data)), grad_position=None,
+        ms.grad(lambda: first_tensor((forward or mcore_forward)(net, data)), grad_position=None,
                 weights=net.trainable_params())()
     finally:
         rec.restore()
@@ -337,19 +337,19 @@ def _isolate_one(mod: str, cand: str, cell: Any, e: dict[str, Any], rec: _GradRe
     import mindspore as ms
 
     args, kwargs, own_out = rec.calls[mod]
-    slots, xs, listed, grad_keys = _plan_inputs(e["inputs"], barr, mod, args, kwargs, rec.signatures[mod],
+    slots, xs, listed, grad_keys = plan_inputs(e["inputs"], barr, mod, args, kwargs, rec.signatures[mod],
                                                 lay_b, lay_c)
     if not slots:
         raise ValueError("none of the baseline's inputs fits the cell")
     y_b = barr[f"output/{mod}"].astype(np.float32)
     sens_np = to_layout(barr[f"grad_output/{mod}"].astype(np.float32), lay_b, lay_c)
-    own_shape = tuple(_first_tensor(own_out).shape)
+    own_shape = tuple(first_tensor(own_out).shape)
     if sens_np.ndim <= 1 and sens_np.size == 1 and sens_np.shape != own_shape:   # a scalar loss: () vs (1,)
         sens_np = sens_np.reshape(own_shape)
     sens_b = ms.Tensor(sens_np)
     own_xs = [args[k] if where == "arg" else kwargs[k] for where, k in slots]
     own_sens = ms.Tensor(rec.grad_out[mod])
-    vjp = _make_vjp(cell, args, kwargs, slots, graph)
+    vjp = make_vjp(cell, args, kwargs, slots, graph)
     y_iso, gx_iso, gw_iso = vjp(xs, sens_b.astype(_out_dtype(own_out)))
     y_own, gx_own, gw_own = vjp(own_xs, own_sens.astype(_out_dtype(own_out)))
 
@@ -378,8 +378,8 @@ def _isolate_one(mod: str, cand: str, cell: Any, e: dict[str, Any], rec: _GradRe
         arrays[f"grad/isolated/{mod}/{what}"] = conv(gx_iso[j])
         arrays[f"grad/candidate/{mod}/{what}"] = conv(gx_own[j])
         grads.append({"what": what})
-    iso_w = _to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_iso}, m, params)
-    own_w = _to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_own}, m, params)
+    iso_w = to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_iso}, m, params)
+    own_w = to_baseline({n: g.astype(ms.float32).asnumpy() for n, g in gw_own}, m, params)
     missing = add_weight_grads(arrays, grads, barr, mod, e.get("params", []), iso_w, own_w)
     return result_row(mod, cand, m.module_kind(mod, "baseline"), e, cell_dtype(cell, y_iso), listed, grads,
                       missing, attention=cell_computes_attention(cell))
@@ -387,10 +387,10 @@ def _isolate_one(mod: str, cand: str, cell: Any, e: dict[str, Any], rec: _GradRe
 
 def _out_dtype(out: Any) -> Any:
     """The dtype of a recorded call's first output (the sensitivity is cast to it)."""
-    return _first_tensor(out).dtype
+    return first_tensor(out).dtype
 
 
-def _to_baseline(grads: dict[str, np.ndarray], m: Any, params: Any) -> dict[str, np.ndarray]:
+def to_baseline(grads: dict[str, np.ndarray], m: Any, params: Any) -> dict[str, np.ndarray]:
     """Candidate weight gradients in the baseline's names and layouts (the weights' transforms reversed);
     groups the cell holds only in part are left out (listed by the caller as not compared)."""
     conv, _ = m.convert(grads, "baseline", params)

@@ -78,7 +78,7 @@ def baseline_modules(store: str | Path, step: int | None = None, rank: int = 0
                      "tensors='full', tensor_steps=[N], modules=[...]))")
 
 
-def _step_batch(store: str | Path, step: int, rank: int) -> dict[str, np.ndarray]:
+def step_batch(store: str | Path, step: int, rank: int) -> dict[str, np.ndarray]:
     data = RunReader(store).step_arrays(step, rank).data
     batch = {k.split("/", 1)[1]: v for k, v in data.items() if k.startswith("batch/")}
     if "tokens" not in batch or "labels" not in batch:
@@ -123,14 +123,14 @@ def find_cell(cells: Mapping[str, Any], name: str) -> Any:
     return hits[0] if len(hits) == 1 else None
 
 
-def _first_tensor(obj: Any) -> Any:
+def first_tensor(obj: Any) -> Any:
     from mindspore import Tensor
 
     if isinstance(obj, Tensor):
         return obj
     if isinstance(obj, (tuple, list)):
         for item in obj:
-            t = _first_tensor(item)
+            t = first_tensor(item)
             if t is not None:
                 return t
     return None
@@ -266,7 +266,7 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
                          f"({len(found)} captured; {skipped[0]['reason'] if skipped else 'none selected'})")
     rec = _Recorder({mod: cell for mod, (_, _, cell) in chosen.items()})
     try:
-        (forward or mcore_forward)(net, batch if batch is not None else _step_batch(baseline, step, rank))
+        (forward or mcore_forward)(net, batch if batch is not None else step_batch(baseline, step, rank))
     finally:
         rec.restore()
     arrays: dict[str, np.ndarray] = {}
@@ -288,8 +288,8 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
                                      f"shape of the cell's own input {tuple(was.shape)}")
                 x = ms.Tensor(x_c.astype(np.float32) if np.issubdtype(x_c.dtype, np.floating) else x_c)
                 new_args, new_kwargs, _ = _swap_input(args, kwargs, x.astype(was.dtype))
-                y_iso = _first_tensor(cell(*new_args, **new_kwargs))
-                y_own = _first_tensor(own_out)
+                y_iso = first_tensor(cell(*new_args, **new_kwargs))
+                y_own = first_tensor(own_out)
             except (ValueError, TypeError, RuntimeError) as exc:
                 skipped.append({"module": mod, "reason": f"{type(exc).__name__}: {' '.join(str(exc).split())}"})
                 continue

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from dumpers.mindspore_backward_isolation import BACKWARD_DIR, _GradRecorder, _make_vjp, _slots
-from dumpers.mindspore_isolation import _cell_index, _first_tensor, mcore_forward
+from dumpers.mindspore_backward_isolation import BACKWARD_DIR, _GradRecorder, _slots, make_vjp
+from dumpers.mindspore_isolation import _cell_index, first_tensor, mcore_forward
 from runstore import EVIDENCE_DIR, atomic_file
 
 
@@ -58,7 +58,7 @@ def capture_module_backward(net: Any, run_dir: str | Path, modules: Sequence[str
         raise ValueError(f"no cell matches {list(modules)}")
     rec = _GradRecorder(cells)
     try:
-        ms.grad(lambda: _first_tensor((forward or mcore_forward)(net, batch)), grad_position=None,
+        ms.grad(lambda: first_tensor((forward or mcore_forward)(net, batch)), grad_position=None,
                 weights=net.trainable_params())()
     finally:
         rec.restore()
@@ -75,9 +75,9 @@ def capture_module_backward(net: Any, run_dir: str | Path, modules: Sequence[str
         grad_slots = [(key, where) for key, where in slots.items()
                       if (args[where[1]] if where[0] == "arg" else kwargs[where[1]]).dtype in floats]
         try:
-            vjp = _make_vjp(cell, args, kwargs, [w for _, w in grad_slots], graph=False)
+            vjp = make_vjp(cell, args, kwargs, [w for _, w in grad_slots], graph=False)
             xs = [args[w[1]] if w[0] == "arg" else kwargs[w[1]] for _, w in grad_slots]
-            y, gx, gw = vjp(xs, ms.Tensor(rec.grad_out[name]).astype(_first_tensor(out).dtype))
+            y, gx, gw = vjp(xs, ms.Tensor(rec.grad_out[name]).astype(first_tensor(out).dtype))
         except (ValueError, TypeError, RuntimeError) as exc:
             skipped.append({"module": name, "reason": f"replay failed: {type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]}"})
@@ -91,7 +91,7 @@ def capture_module_backward(net: Any, run_dir: str | Path, modules: Sequence[str
         for (key, _), g in zip(grad_slots, gx, strict=True):
             if g is not None:
                 arrays[f"grad_input/{name}/{key}"] = _np(g)
-        arrays[f"output/{name}"] = _np(_first_tensor(out))
+        arrays[f"output/{name}"] = _np(first_tensor(out))
         arrays[f"grad_output/{name}"] = rec.grad_out[name].astype(np.float32)
         params = {p.name: p for p in cell.trainable_params()}
         used = []

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from dumpers.mindspore_backward_isolation import _make_vjp, _plan_inputs, fit_input, unfit_output
-from dumpers.mindspore_isolation import ConstructPatches, _first_tensor, mcore_forward
+from dumpers.mindspore_backward_isolation import fit_input, make_vjp, plan_inputs, unfit_output
+from dumpers.mindspore_isolation import ConstructPatches, first_tensor, mcore_forward
 from runstore import atomic_file
 
 NET_NAME = "Drill"
@@ -135,11 +135,11 @@ def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any
         raise ValueError(f"{module}: the candidate's cell was not called in its forward")
     args, kwargs, own_out = rec.call
     lay_b, lay_c = layouts
-    slots, xs, listed, grad_keys = _plan_inputs(capture["inputs"], arrays, module, args, kwargs, rec.names,
+    slots, xs, listed, grad_keys = plan_inputs(capture["inputs"], arrays, module, args, kwargs, rec.names,
                                                 lay_b, lay_c)
     if not slots:
         raise ValueError(f"{module}: none of the baseline's inputs fits the cell")
-    y_own = _first_tensor(own_out)
+    y_own = first_tensor(own_out)
     g_b = np.asarray(arrays[f"grad_output/{module}"], np.float32)
     g = fit_input(g_b, tuple(y_own.shape), lay_b, lay_c)
     if g is None and g_b.size == int(np.prod(y_own.shape)) and g_b.size == 1:     # a scalar loss: () vs [1]
@@ -148,7 +148,7 @@ def run_cell_kernels(net: Any, cell: Any, module: str, capture: Mapping[str, Any
         raise ValueError(f"{module}: the baseline's output gradient does not fit the cell's output "
                          f"{list(y_own.shape)}")
     before = _files(raw)
-    vjp = _make_vjp(cell, args, kwargs, slots, True)
+    vjp = make_vjp(cell, args, kwargs, slots, True)
     y, gx, gw = vjp(xs, ms.Tensor(g).astype(y_own.dtype))
     y.asnumpy()
     ms.runtime.synchronize()

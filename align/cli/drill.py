@@ -151,10 +151,10 @@ def _worker(job: dict[str, Any]) -> None:
     import dataclasses
     import importlib
 
-    from align.cli.isolate import _weights, read_yaml, transform_params
+    from align.cli.isolate import candidate_weights, read_yaml, transform_params
     from demo import mindformers_mcore_cpu as mcc
-    from dumpers.mindspore_backward_isolation import _to_baseline, read_backward
-    from dumpers.mindspore_isolation import _step_batch, find_cell
+    from dumpers.mindspore_backward_isolation import read_backward, to_baseline
+    from dumpers.mindspore_isolation import find_cell, step_batch
     from dumpers.mindspore_op_trace import run_cell_kernels
     from models import load_mapping
 
@@ -162,7 +162,7 @@ def _worker(job: dict[str, Any]) -> None:
     m = load_mapping(job["mapping"])
     net = mcc.build_pynative_model(cfg)
     try:
-        mcc.load_parameter_arrays(net, _weights(job["ckpt"], net, m, cfg))
+        mcc.load_parameter_arrays(net, candidate_weights(job["ckpt"], net, m, cfg))
     except (KeyError, ValueError) as exc:
         raise BadInput(f"{job['ckpt']}: does not fit the candidate's model ({exc})") from None
     if job.get("hook"):
@@ -181,6 +181,6 @@ def _worker(job: dict[str, Any]) -> None:
     params = dataclasses.replace(transform_params(cfg), num_experts=int(experts) if experts else None)
     entry = next(e for e in meta["modules"] if e["module"] == job["module"])
     run_cell_kernels(net, cell, job["module"], entry, arrays, job["out"],
-                     batch=_step_batch(job["baseline"], job["step"], job["rank"]),
+                     batch=step_batch(job["baseline"], job["step"], job["rank"]),
                      layouts=(m.activation_layout.get("baseline"), m.activation_layout.get("candidate")),
-                     to_baseline=lambda g: _to_baseline(g, m, params))
+                     to_baseline=lambda g: to_baseline(g, m, params))

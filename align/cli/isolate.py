@@ -76,7 +76,7 @@ def transform_params(cfg: dict[str, Any]) -> Any:
                            or mc.get("num_query_groups") or heads)
 
 
-def _weights(path: str, net: Any, m: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+def candidate_weights(path: str, net: Any, m: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """CKPT's weights in the candidate's names: as they are, or converted through the mapping when they carry
     the baseline's (Megatron) names."""
     from checkpoints.weights import read_weights
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     net = mcc.build_pynative_model(cfg)      # PYNATIVE: the cells are called one by one
     try:
-        mcc.load_parameter_arrays(net, _weights(args.candidate_ckpt, net, m, cfg))
+        mcc.load_parameter_arrays(net, candidate_weights(args.candidate_ckpt, net, m, cfg))
     except (KeyError, ValueError) as exc:
         raise BadInput(f"{args.candidate_ckpt}: does not fit the candidate's model ({exc})") from None
     try:
