@@ -150,3 +150,13 @@ def test_report_names_the_perturbed_cell(tmp_path: Path) -> None:
     assert rc in (0, 1) and st["verdict"] in ("warn", "fail") and st["mode"] == "tensor"
     assert st["first_departing_forward"]["module"] == PERTURBED
     assert s["stages"]["step1_loss"]["verdict"] == "skipped"
+
+
+def test_a_dump_against_a_log_says_what_to_give_instead(tmp_path: Path, capsys) -> None:
+    """A layers-only dump beside a run with scalars is refused in one line that says the two ways to compare."""
+    log = Path(__file__).resolve().parent / "data" / "mindformers_train.log"
+    assert main(["report", "-q", str(BASE), str(log), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds layer tensors only" in err and f"{log} holds the run's scalars" in err
+    assert "compare two layer-tensor dumps, or give the run store the dump belongs to" in err
+    assert not (tmp_path / "r").exists()

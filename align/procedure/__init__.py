@@ -31,8 +31,10 @@ def check_comparable(ev: Evidence) -> None:
         return
     if any(tensors_only):
         r, path = (b, ev.inputs.baseline) if tensors_only[0] else (c, ev.inputs.candidate)
-        raise BadInput(f"{path}: an {r.kind} dump holds layer tensors only; compare it with another "
-                       "layer-tensor dump or a run store")
+        other = ev.inputs.candidate if tensors_only[0] else ev.inputs.baseline
+        raise BadInput(f"{path}: an {r.kind} dump holds layer tensors only, and {other} holds the run's scalars: "
+                       "compare two layer-tensor dumps, or give the run store the dump belongs to (the MindFormers "
+                       "callback's kernel_dump records it in the store's meta.json)")
     for r, path in ((b, ev.inputs.baseline), (c, ev.inputs.candidate)):
         if not r.has("loss") and not r.local_norm_steps(limit=1):
             raise BadInput(f"{path}: no loss values and no local norms to compare")
