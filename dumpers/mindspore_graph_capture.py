@@ -188,13 +188,8 @@ class GraphLayerCapture:
             parent.insert_child_to_cell(attr, wrapper)
             self.cells[name] = wrapper
         self.order = _post_order([c[0] for c in chosen])
-        self._restore_names(names)
-
-    def _restore_names(self, names: dict[int, str]) -> None:
-        """Inserting a cell re-prefixes the Parameter names below it: give every one its name back."""
-        for p in self.net.get_parameters():
-            if id(p) in names:
-                p.name = names[id(p)]
+        self._names = names
+        keep_names(net, names)
         for name, w in self.cells.items():
             w.xf_fstats.name = f"xf_capture.{name}.forward"
             w.xf_fmeta.name = f"xf_capture.{name}.meta"
@@ -210,6 +205,7 @@ class GraphLayerCapture:
     def read(self) -> list[dict[str, Any]]:
         """This step's rows: forward outputs in watch order, then output gradients in reverse (backward) order
         (the PYNATIVE hooks' order), each {module, kind, dtype, shape, numel, max, min, mean, norm, nan, inf}."""
+        keep_names(self.net, self._names)       # after the first compile
         fwd, bwd = [], []
         for name in self.order:
             w = self.cells[name]
@@ -234,9 +230,18 @@ class GraphLayerCapture:
             if isinstance(child, CaptureCell) and name in self.cells:
                 parent.insert_child_to_cell(attr, child.inner)
         self.cells = {}
-        for p in self.net.get_parameters():
-            if id(p) in names:
-                p.name = names[id(p)]
+        keep_names(self.net, names)
+
+
+def keep_names(net: nn.Cell, names: dict[int, str]) -> None:
+    """Give every Parameter of ``net`` in ``names`` (by id) that name back. Why: inserting a wrapper cell
+    re-prefixes the names below it, and the first GRAPH compile renames the Parameters a graph assigns to (MoE
+    routers' ``fi_accu``, ``expert_bias``, ``expert_load``) by their cell path through the wrapper (measured:
+    ``...layers.0.mlp.inner.router.fi_accu``), which a checkpoint saved afterwards would carry. Renaming after
+    the compile leaves the steps bit-identical (measured, dumpers/mindspore_kernel_dump.py)."""
+    for p in net.get_parameters():
+        if id(p) in names and p.name != names[id(p)]:
+            p.name = names[id(p)]
 
 
 def _post_order(names: list[str]) -> list[str]:
@@ -339,9 +344,8 @@ class RouterCapture:
             parent.insert_child_to_cell(attr, wrapper)
             self.cells[name] = wrapper
             self.seq[name] = seq
-        for p in net.get_parameters():
-            if id(p) in names:
-                p.name = names[id(p)]
+        self._names = names
+        keep_names(net, names)
         for name, w in self.cells.items():
             for attr in ("logits", "index", "probs", "meta"):
                 getattr(w, f"xf_{attr}").name = f"xf_router.{name}.{attr}"
@@ -355,6 +359,7 @@ class RouterCapture:
         """This step's records (runstore.routing.RouterRecord), one per router the step called."""
         from runstore.routing import make_record
 
+        keep_names(self.net, self._names)       # after the first compile
         out = []
         for name, w in self.cells.items():
             meta = w.xf_meta.asnumpy()
@@ -370,6 +375,7 @@ class RouterCapture:
 
     def counts(self) -> dict[str, np.ndarray]:
         """This step's tokens per expert of every router the step called (the expert index only: cheap)."""
+        keep_names(self.net, self._names)
         out = {}
         for name, w in self.cells.items():
             if w.xf_meta.asnumpy()[0] != 1:
@@ -387,6 +393,4 @@ class RouterCapture:
             if isinstance(child, RouterCaptureCell) and name in self.cells:
                 parent.insert_child_to_cell(attr, child.inner)
         self.cells = {}
-        for p in self.net.get_parameters():
-            if id(p) in names:
-                p.name = names[id(p)]
+        keep_names(self.net, names)
