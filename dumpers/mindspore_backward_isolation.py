@@ -53,25 +53,19 @@ from dumpers.mindspore_isolation import (
     to_layout,
 )
 from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, atomic_file
+from runstore.layout import evidence_step_file, evidence_steps
 
 BACKWARD_DIR = "module_backward"      # dumpers.torch_module_backward writes there (no torch import here)
 
 
 def backward_steps(store: str | Path, rank: int = 0) -> list[int]:
     """Steps of ``store`` with a module backward capture for ``rank``, ascending."""
-    d = Path(store) / EVIDENCE_DIR / BACKWARD_DIR
-    out = []
-    for p in d.glob(f"step_*_rank_{int(rank):05d}.npz") if d.is_dir() else []:
-        try:
-            out.append(int(p.name.split("_")[1]))
-        except (IndexError, ValueError):
-            continue
-    return sorted(out)
+    return evidence_steps(store, BACKWARD_DIR, rank)
 
 
 def read_backward(store: str | Path, step: int, rank: int = 0) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(meta, arrays) of the baseline's module backward capture; ValueError in one line when unreadable."""
-    path = Path(store) / EVIDENCE_DIR / BACKWARD_DIR / f"step_{int(step):06d}_rank_{int(rank):05d}.npz"
+    path = evidence_step_file(store, BACKWARD_DIR, step, rank)
     if not path.is_file():
         raise ValueError(f"{path}: no module backward capture at step {step} (dumpers.torch_module_backward."
                          "ModuleBackwardCapture)")

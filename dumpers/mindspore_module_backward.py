@@ -24,7 +24,8 @@ import numpy as np
 
 from dumpers.mindspore_backward_isolation import BACKWARD_DIR, _GradRecorder, _slots, make_vjp
 from dumpers.mindspore_isolation import _cell_index, first_tensor, mcore_forward
-from runstore import EVIDENCE_DIR, atomic_file
+from runstore import atomic_file
+from runstore.layout import evidence_step_file
 
 
 def _np(t: Any) -> np.ndarray:
@@ -104,7 +105,7 @@ def capture_module_backward(net: Any, run_dir: str | Path, modules: Sequence[str
         mods.append({"module": name, "inputs": inputs, "params": used, "dtype": str(y.dtype).lower(),
                      "replay_rel_l2": replay})
     meta = {"step": int(step), "rank": int(rank), "framework": "mindspore", "modules": mods, "skipped": skipped}
-    dest = Path(run_dir) / EVIDENCE_DIR / BACKWARD_DIR / f"step_{int(step):06d}_rank_{int(rank):05d}.npz"
+    dest = evidence_step_file(run_dir, BACKWARD_DIR, step, rank)
     with atomic_file(dest) as fh:
         np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
     return dest

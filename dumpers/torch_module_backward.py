@@ -47,7 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from runstore import EVIDENCE_DIR, atomic_file
+from runstore import atomic_file
+from runstore.layout import evidence_step_file
 
 BACKWARD_DIR = "module_backward"
 LOSS = "loss"          # the loss function's inputs and gradients are captured under this module name
@@ -55,7 +56,7 @@ LOSS = "loss"          # the loss function's inputs and gradients are captured u
 
 def backward_file(run_dir: str | Path, step: int, rank: int = 0) -> Path:
     """Where the capture of ``step`` on ``rank`` lives."""
-    return Path(run_dir) / EVIDENCE_DIR / BACKWARD_DIR / f"step_{int(step):06d}_rank_{int(rank):05d}.npz"
+    return evidence_step_file(run_dir, BACKWARD_DIR, step, rank)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -31,7 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dumpers.torch_module_backward import LOSS
-from runstore import EVIDENCE_DIR, atomic_file
+from runstore import atomic_file
+from runstore.layout import evidence_step_file
 
 TRACE_DIR = "op_trace"
 # aten operators that only re-label a tensor (no value computed, no layout change worth a row)
@@ -43,7 +44,7 @@ _SKIP = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default",
 
 def trace_file(run_dir: str | Path, step: int, rank: int = 0) -> Path:
     """Where the operator trace of ``step`` on ``rank`` lives."""
-    return Path(run_dir) / EVIDENCE_DIR / TRACE_DIR / f"step_{int(step):06d}_rank_{int(rank):05d}.npz"
+    return evidence_step_file(run_dir, TRACE_DIR, step, rank)
 
 
 def _dtype(t: torch.Tensor) -> str:

@@ -43,5 +43,23 @@ _SEED_RANK_RE = re.compile(r"^rank_(\d+)$")
 _SCALAR_RANK_RE = re.compile(r"^rank_(\d{1,9})\.jsonl$")
 
 
+def evidence_step_file(store: str | Path, folder: str, step: int, rank: int = 0) -> Path:
+    """A per-step evidence file (``evidence/FOLDER/step_S_rank_R.npz``: module backward captures, operator
+    traces)."""
+    return Path(store) / EVIDENCE_DIR / folder / f"step_{int(step):06d}_rank_{int(rank):05d}.npz"
+
+
+def evidence_steps(store: str | Path, folder: str, rank: int = 0) -> list[int]:
+    """Steps with a per-step evidence file of ``rank`` in ``evidence/FOLDER``, ascending."""
+    d = Path(store) / EVIDENCE_DIR / folder
+    out = []
+    for p in d.glob(f"step_*_rank_{int(rank):05d}.npz") if d.is_dir() else []:
+        try:
+            out.append(int(p.name.split("_")[1]))
+        except (IndexError, ValueError):
+            continue
+    return sorted(out)
+
+
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / STEP_DIR / f"step_{step:08d}"

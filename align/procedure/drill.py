@@ -21,7 +21,7 @@ from comparators.operators import drill, mindspore_leaves, mindspore_ops, torch_
 from core.dtypes import coarsest
 from core.errors import BadInput
 from core.outputs import temp_beside
-from runstore import EVIDENCE_DIR
+from runstore.layout import evidence_step_file, evidence_steps
 
 # where dumpers.torch_op_trace writes (kept here too: that module imports torch at its top)
 TRACE_DIR = "op_trace"
@@ -29,18 +29,11 @@ TRACE_DIR = "op_trace"
 
 def trace_path(store: str | Path, step: int, rank: int = 0) -> Path:
     """The baseline's operator trace of ``step`` on ``rank`` (dumpers.torch_op_trace.trace_file)."""
-    return Path(store) / EVIDENCE_DIR / TRACE_DIR / f"step_{int(step):06d}_rank_{int(rank):05d}.npz"
+    return evidence_step_file(store, TRACE_DIR, step, rank)
 
 
 def trace_steps(store: str | Path, rank: int = 0) -> list[int]:
-    d = Path(store) / EVIDENCE_DIR / TRACE_DIR
-    out = []
-    for p in d.glob(f"step_*_rank_{int(rank):05d}.npz") if d.is_dir() else []:
-        try:
-            out.append(int(p.name.split("_")[1]))
-        except (IndexError, ValueError):
-            continue
-    return sorted(out)
+    return evidence_steps(store, TRACE_DIR, rank)
 
 
 def read_trace(store: str | Path, step: int | None, rank: int, module: str
