@@ -176,3 +176,36 @@ def test_tap_scopes_name_their_cells_and_nothing_else_is_a_tap() -> None:
         "decoder.layers.1", "xf_tap_in")
     assert _tap_of(head + "mlp-MLP/linear_fc2-RowParallelLinear/MatMul-op3") is None
     assert _tap_of("Gradients/" + head + "mlp-KernelTapCell/xf_tap_out-KernelTap/Identity-op1") is None
+
+
+def test_isolation_takes_the_inherited_error_from_the_graph_run_that_trained(runs, tmp_path: Path, capsys) -> None:
+    """`align isolate --candidate-run`: each tapped module's own input and output are the GRAPH run's kernel-dump
+    tensors (bit for bit), not a PYNATIVE re-run's; the norm_eps fault's norm is still named by its own error; a
+    store without a kernel dump, or with a backward capture to judge, is refused in one line before a model is
+    built."""
+    from align.cli import main
+    from comparators.isolation import compare_isolation, read_isolation
+    from runstore import RunReader
+    from sources.mindspore_dump import store_kernel_dump
+
+    work, _ = runs
+    args = ["isolate", str(work / "baseline"), "--candidate-yaml", str(work / "candidate.yaml"),
+            "--candidate-ckpt", str(work / "weights.safetensors"), "--forward-only", "--modules", "decoder.layers.0*"]
+    assert main(args + ["--out", str(tmp_path / "bad"), "--candidate-run", str(work / "baseline")]) == 2
+    assert "names no GRAPH kernel dump" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    proc = subprocess.run([sys.executable, "-m", "align", *args, "--out", str(tmp_path / "iso"),
+                           "--candidate-run", str(work / "candidate")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with np.load(tmp_path / "iso" / "evidence" / "isolation.npz", allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+        arrays = {k: z[k] for k in z.files if k != "meta"}
+    assert "GRAPH run that trained" in meta["inherited_inputs"]
+    tapped = {p["baseline"]: p["inherited_from"] for p in meta["modules"]}
+    assert tapped["decoder.layers.0.input_layernorm"] == "graph" and tapped["decoder.layers.0.mlp"] == "graph"
+    rows, _ = store_kernel_dump(RunReader(work / "candidate")).tap_rows(1)
+    (ref,) = [r["ref"] for r in rows if r["module"] == "decoder.layers.0.input_layernorm"
+              and r["kind"] == "forward.output.0"]
+    assert np.array_equal(arrays["candidate/decoder.layers.0.input_layernorm"].ravel(), np.load(ref).ravel())
+    res = compare_isolation(*read_isolation(tmp_path / "iso" / "evidence" / "isolation.npz"))
+    named = [f.component for f in res.findings if f.verdict == "fail"]
+    assert named and named[0] == "decoder.layers.0.input_layernorm", named

@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "GRAPH kernels and autodiff, as a GRAPH-trained candidate) instead of PYNATIVE; the "
                              "inherited error's inputs and output gradients still come from one PYNATIVE run of the "
                              "whole network (a GRAPH run hands no cell's arguments out)")
+    parser.add_argument("--candidate-run", metavar="STORE",
+                        help="the candidate's GRAPH run store with a kernel dump at the step (the MindFormers "
+                             "callback's kernel_dump): the inherited error is read from the run that trained, not "
+                             "from a PYNATIVE re-run (forward isolation: with --forward-only where the baseline "
+                             "holds a module backward capture)")
     parser.add_argument("--forward-only", action="store_true",
                         help="forward isolation only, even where the baseline holds a module backward capture")
 
@@ -100,10 +105,13 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"{args.baseline}: not a run store folder")
     m = load_mapping(args.mapping or preset_for_config(cfg) or "megatron_core__mindformers_mcore_dense")
     from dumpers.mindspore_backward_isolation import backward_steps, isolate_with_backward, read_backward
-    from dumpers.mindspore_isolation import baseline_modules, isolate_modules
+    from dumpers.mindspore_isolation import baseline_modules, graph_run_tensors, isolate_modules
 
     steps = [] if args.forward_only else backward_steps(args.baseline, args.rank)
     backward = bool(steps) and (args.step is None or args.step in steps)
+    if args.candidate_run is not None and backward:
+        raise BadInput(f"{args.candidate_run}: --candidate-run gives the forward isolation's inherited error (the "
+                       "backward's inherited gradients come from a PYNATIVE run): add --forward-only")
     if args.graph and not backward:
         raise BadInput(f"{args.baseline}: --graph needs a module backward capture at the step "
                        "(dumpers.torch_module_backward.ModuleBackwardCapture)")
@@ -111,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         if backward:
             read_backward(args.baseline, args.step if args.step is not None else steps[0], args.rank)
         else:
-            baseline_modules(args.baseline, args.step, args.rank)
+            step, _, _ = baseline_modules(args.baseline, args.step, args.rank)
+            if args.candidate_run is not None:
+                graph_run_tensors(args.candidate_run, step)
     except ValueError as exc:
         raise BadInput(" ".join(str(exc).split())) from None
     from demo import mindformers_mcore_cpu as mcc
@@ -130,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             path = isolate_modules(net, args.baseline, args.out, mapping=m, step=args.step, rank=args.rank,
                                    modules=args.modules, dtype=mindformers_attention_dtype(cfg),
-                                   weights=str(args.candidate_ckpt))
+                                   weights=str(args.candidate_ckpt), candidate_run=args.candidate_run)
     except ValueError as exc:
         raise BadInput(" ".join(str(exc).split())) from None
     print(f"isolation evidence: {path}")
