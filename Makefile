@@ -63,9 +63,10 @@ demo: $(STAMP)
 test: $(DEV_STAMP)
 	$(PY) -m ruff check core runstore mapping models sources checkpoints dumpers comparators reports align demo tests benchmarks
 	# two workers, one test file each at a time, longest files first (tests/conftest.py; a file's shared runs are
-	# made once): 25 min on 2 cores in a warm checkout (1042 tests, load 3-12 from other jobs, 2026-11-29 10:16 UTC;
-	# 35 min at load 7-28 an hour before), above the 10-minute aim: the paired demos and MindSpore launches
-	# (tests/test_demo*.py, test_mindformers_launch.py, test_replay_layout_msrun.py) are most of it
+	# made once, its fault pairs' runs share framework processes: demo/fault_batch.py): 17 min on 2 cores in a warm
+	# checkout (1107 tests, 1981 CPU-s, load 0.1-8 from other jobs, 2026-11-29 13:00 UTC), above the 10-minute aim:
+	# the paired demos and MindSpore launches (tests/test_demo*.py, test_mindformers_launch.py,
+	# test_replay_layout_msrun.py) are most of it
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # The browser tests (report.html in headless Chromium) need Debian's chromium; without it they skip
