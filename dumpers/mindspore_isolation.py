@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from dumpers.isolation_rows import compute_dtype, computes_attention
-from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, RunReader, atomic_file, check_table, load_npy, table_columns
+from runstore import EVIDENCE_DIR, ISOLATION_EVIDENCE, RunReader, atomic_file, check_table, table_columns
 from runstore.h5file import open_h5, read_dataset
 
 INPUT, OUTPUT = "forward.input.0", "forward.output.0"
@@ -220,33 +220,9 @@ class _Recorder(ConstructPatches):
         self._patch(cell, construct)
 
 
-_GRAPH_KINDS = {"forward.input.0": "input", "forward.output.0": "output", "backward.grad_output.0": "grad_output"}
 INHERITED_GRAPH = ("the candidate's own module inputs and outputs read from the GRAPH run that trained ({run}, its "
                    "kernel dump at step {step}: dumpers/mindspore_kernel_dump.py), not from a PYNATIVE re-run; "
                    "{n} module(s) it did not tap from the PYNATIVE forward")
-
-
-def graph_run_tensors(candidate_run: str | Path, step: int, rank: int = 0) -> dict[str, dict[str, np.ndarray]]:
-    """The candidate's own cell inputs, outputs and output gradients at ``step`` from the GRAPH run that trained:
-    its run store's kernel dump (the MindFormers callback's ``kernel_dump``). Why: the inherited error is then
-    measured on the run that disagreed; a PYNATIVE re-run may differ from it (MindFormers' MLA projection
-    gradients do). {cell name below GPTModel: {input, output, grad_output}}."""
-    from sources.mindspore_dump import store_kernel_dump
-
-    dump = store_kernel_dump(RunReader(candidate_run))
-    if dump is None:
-        raise ValueError(f"{candidate_run}: its meta.json names no GRAPH kernel dump (MindFormersDumperCallback "
-                         "kernel_dump, or dumpers.mindspore_kernel_dump.KernelDumpCapture, in the run that trained)")
-    if step not in dump.array_steps():
-        raise ValueError(f"{candidate_run}: its kernel dump holds step(s) {dump.array_steps()}, not the baseline's "
-                         f"tensor step {step}")
-    rows, _ = dump.tap_rows(step, rank)
-    out: dict[str, dict[str, np.ndarray]] = {}
-    for r in rows:
-        key = _GRAPH_KINDS.get(r["kind"])
-        if key is not None and r.get("ref"):
-            out.setdefault(r["module"], {})[key] = load_npy(Path(r["ref"]))
-    return out
 
 
 def _graph_side(graph: Mapping[str, Mapping[str, np.ndarray]], cand: str) -> Mapping[str, np.ndarray]:
@@ -258,6 +234,7 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
                     batch: Mapping[str, np.ndarray] | None = None,
                     forward: Callable[[Any, Mapping[str, np.ndarray]], Any] | None = None,
                     dtype: str | None = None, weights: str | None = None,
+                    graph_tensors: Mapping[str, Mapping[str, np.ndarray]] | None = None,
                     candidate_run: str | Path | None = None) -> Path:
     """Run each chosen candidate cell of ``net`` on the baseline's captured input; write the evidence file.
 
@@ -269,8 +246,9 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
     step (``weights``: where they came from, recorded). ``dtype``: a precision coarser than the tensors' own
     that the candidate computes in (MindFormers' flash-attention path rounds q/k/v through float16 in a
     float32 run), recorded: errors are judged against its noise. ``candidate_run``: the candidate's GRAPH run
-    store with a kernel dump at ``step``; its tapped cells' own inputs and outputs give the inherited error
-    (:func:`graph_run_tensors`). Returns ``OUT/evidence/isolation.npz``.
+    store with a kernel dump at ``step``, and ``graph_tensors`` its tapped cells' own inputs and outputs
+    (align.procedure.graph_run.graph_run_tensors), which then give the inherited error. Returns
+    ``OUT/evidence/isolation.npz``.
     """
     import mindspore as ms
 
@@ -283,7 +261,7 @@ def isolate_modules(net: Any, baseline: str | Path, out: str | Path, *, mapping:
     m = mapping if isinstance(mapping, NameMapping) else load_mapping(mapping)
     lay_b, lay_c = m.activation_layout.get("baseline"), m.activation_layout.get("candidate")
     step, path, found = baseline_modules(baseline, step, rank)
-    graph = graph_run_tensors(candidate_run, step) if candidate_run is not None else {}
+    graph = graph_tensors or {}
     te = str(RunReader(baseline).meta.get("name_scheme", "")).endswith("-te")
     cells = _cell_index(net)
     chosen: dict[str, tuple[dict[str, Any], str, Any]] = {}

@@ -104,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.baseline).is_dir():
         raise BadInput(f"{args.baseline}: not a run store folder")
     m = load_mapping(args.mapping or preset_for_config(cfg) or "megatron_core__mindformers_mcore_dense")
+    from align.procedure.graph_run import graph_run_tensors
     from dumpers.mindspore_backward_isolation import backward_steps, isolate_with_backward, read_backward
-    from dumpers.mindspore_isolation import baseline_modules, graph_run_tensors, isolate_modules
+    from dumpers.mindspore_isolation import baseline_modules, isolate_modules
 
+    graph = None
     steps = [] if args.forward_only else backward_steps(args.baseline, args.rank)
     backward = bool(steps) and (args.step is None or args.step in steps)
     if args.candidate_run is not None and backward:
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             step, _, _ = baseline_modules(args.baseline, args.step, args.rank)
             if args.candidate_run is not None:
-                graph_run_tensors(args.candidate_run, step)
+                graph = graph_run_tensors(args.candidate_run, step)
     except ValueError as exc:
         raise BadInput(" ".join(str(exc).split())) from None
     from demo import mindformers_mcore_cpu as mcc
@@ -140,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             path = isolate_modules(net, args.baseline, args.out, mapping=m, step=args.step, rank=args.rank,
                                    modules=args.modules, dtype=mindformers_attention_dtype(cfg),
-                                   weights=str(args.candidate_ckpt), candidate_run=args.candidate_run)
+                                   weights=str(args.candidate_ckpt), candidate_run=args.candidate_run,
+                                   graph_tensors=graph)
     except ValueError as exc:
         raise BadInput(" ".join(str(exc).split())) from None
     print(f"isolation evidence: {path}")
