@@ -22,6 +22,10 @@ LONG_FILES = {
     "test_stages.py": 60, "test_megatron_dumper.py": 55, "test_mindformers_mcore.py": 49, "test_extending.py": 46,
     "test_mindformers_mtp.py": 32, "test_mindspore_graph_mode.py": 31, "test_repro.py": 29,
     "test_mindformers_replay.py": 28, "test_trajectories.py": 26, "test_torch_dumper.py": 26,
+    # added in session 14, alone at load 5-9: drill 100-150 s, sample hashes 72, layer gather 56, drill MoE 54,
+    # isolation faults 45
+    "test_drill.py": 120, "test_sample_hashes.py": 72, "test_layer_gather_mindformers.py": 56,
+    "test_drill_moe.py": 54, "test_isolation_faults.py": 45,
 }
 
 
