@@ -349,7 +349,10 @@ class MindSporeDump:
                 stray = next((op for op in kernels if op not in order and op.startswith(_SCOPED)), None)
                 if stray is not None:
                     raise BadInput(f"{ofile}: kernel {stray[:120]} of {folder} is not in this execution order "
-                                   f"(damaged, or from another run): its place among the cells is unknown")
+                                   "(MindSpore's order file omits the kernels GRAPH expands, as in a MindFormers "
+                                   "mcore model's dump; or the file is damaged or from another run): its place among "
+                                   "the cells is unknown; for layer tensors of a GRAPH run use the MindFormers "
+                                   "callback's kernel_dump")
             for op in sorted(kernels, key=lambda o, k=kernels, od=order: _position(o, k, od)):
                 out.append((op, order[op][1] if op in order else op, kernels[op]))
         return out
