@@ -205,7 +205,7 @@ class GraphLayerCapture:
     def read(self) -> list[dict[str, Any]]:
         """This step's rows: forward outputs in watch order, then output gradients in reverse (backward) order
         (the PYNATIVE hooks' order), each {module, kind, dtype, shape, numel, max, min, mean, norm, nan, inf}."""
-        keep_names(self.net, self._names)       # after the first compile
+        compiled_names(self.net, self._names)
         fwd, bwd = [], []
         for name in self.order:
             w = self.cells[name]
@@ -234,14 +234,22 @@ class GraphLayerCapture:
 
 
 def keep_names(net: nn.Cell, names: dict[int, str]) -> None:
-    """Give every Parameter of ``net`` in ``names`` (by id) that name back. Why: inserting a wrapper cell
-    re-prefixes the names below it, and the first GRAPH compile renames the Parameters a graph assigns to (MoE
-    routers' ``fi_accu``, ``expert_bias``, ``expert_load``) by their cell path through the wrapper (measured:
-    ``...layers.0.mlp.inner.router.fi_accu``), which a checkpoint saved afterwards would carry. Renaming after
-    the compile leaves the steps bit-identical (measured, dumpers/mindspore_kernel_dump.py)."""
+    """Give every Parameter of ``net`` in ``names`` (by id) that name back: inserting a wrapper cell re-prefixes
+    the names below it."""
     for p in net.get_parameters():
         if id(p) in names and p.name != names[id(p)]:
             p.name = names[id(p)]
+
+
+def compiled_names(net: nn.Cell, names: dict[int, str]) -> None:
+    """After the first GRAPH compile: the Parameters it renamed by their cell path (a graph assigns to them: the MoE
+    routers' ``fi_accu``, ``expert_bias``, ``expert_load``) lose the wrappers' ``inner`` segments, so they carry a
+    plain run's names (measured: ``...layers.0.mlp.inner.router.fi_accu``; a plain run's
+    ``...layers.0.mlp.router.fi_accu``), as a checkpoint saved from the run would. Renaming after the compile
+    leaves the steps bit-identical (measured, dumpers/mindspore_kernel_dump.py restore_names)."""
+    for p in net.get_parameters():
+        if id(p) in names and p.name != names[id(p)] and ".inner." in p.name:
+            p.name = p.name.replace(".inner.", ".")
 
 
 def _post_order(names: list[str]) -> list[str]:
@@ -359,7 +367,7 @@ class RouterCapture:
         """This step's records (runstore.routing.RouterRecord), one per router the step called."""
         from runstore.routing import make_record
 
-        keep_names(self.net, self._names)       # after the first compile
+        compiled_names(self.net, self._names)
         out = []
         for name, w in self.cells.items():
             meta = w.xf_meta.asnumpy()
@@ -375,7 +383,7 @@ class RouterCapture:
 
     def counts(self) -> dict[str, np.ndarray]:
         """This step's tokens per expert of every router the step called (the expert index only: cheap)."""
-        keep_names(self.net, self._names)
+        compiled_names(self.net, self._names)
         out = {}
         for name, w in self.cells.items():
             if w.xf_meta.asnumpy()[0] != 1:
